@@ -1,0 +1,114 @@
+// Element types. float32 has kernels today; bf16 and fp16 are carried by the type system so that
+// views and files can hold them (their kernels come later); bool is for masks; float64 is for the
+// reference implementation.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+
+namespace mha {
+
+enum class DType : uint8_t { f32, f64, bf16, f16, boolean };
+
+constexpr int64_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::f64: return 8;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::boolean: return 1;
+  }
+  return 0;
+}
+
+constexpr std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::bf16: return "bfloat16";
+    case DType::f16: return "float16";
+    case DType::boolean: return "bool";
+  }
+  return "?";
+}
+
+constexpr bool is_floating(DType t) { return t != DType::boolean; }
+
+// bfloat16: the top 16 bits of an IEEE float32. Conversion rounds to nearest even; NaN stays NaN.
+struct bfloat16 {
+  uint16_t bits = 0;
+  bfloat16() = default;
+  explicit bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      bits = static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+    } else {
+      bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+  explicit operator float() const {
+    uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+// IEEE binary16, converted in software (round to nearest even, subnormals and infinities kept).
+struct float16 {
+  uint16_t bits = 0;
+  float16() = default;
+  explicit float16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    const uint32_t abs = u & 0x7fffffffu;
+    if (abs > 0x7f800000u) {  // NaN
+      bits = static_cast<uint16_t>(sign | 0x7e00u);
+    } else if (abs >= 0x477ff000u) {  // rounds to >= 65520: infinity
+      bits = static_cast<uint16_t>(sign | 0x7c00u);
+    } else if (abs < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+      // Add 0.5 as a float so that the hardware's rounding does the work: the result's low
+      // mantissa bits are the half-precision subnormal.
+      float a;
+      std::memcpy(&a, &abs, 4);
+      a += 0.5f;
+      uint32_t r;
+      std::memcpy(&r, &a, 4);
+      bits = static_cast<uint16_t>(sign | (r - 0x3f000000u));
+    } else {
+      const uint32_t odd = (abs >> 13) & 1u;
+      const uint32_t rounded = abs + 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round
+      bits = static_cast<uint16_t>(sign | (rounded >> 13));
+    }
+  }
+  explicit operator float() const {
+    const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+    const uint32_t exp = (bits >> 10) & 0x1fu;
+    const uint32_t man = bits & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1f) {
+      u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+      u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else {
+      float f = static_cast<float>(man) * 5.9604644775390625e-8f;  // man * 2^-24
+      std::memcpy(&u, &f, 4);
+      u |= sign;
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+template <> constexpr DType dtype_of<bfloat16>() { return DType::bf16; }
+template <> constexpr DType dtype_of<float16>() { return DType::f16; }
+template <> constexpr DType dtype_of<bool>() { return DType::boolean; }
+
+}  // namespace mha

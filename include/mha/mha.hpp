@@ -1,0 +1,10 @@
+// The whole public API.
+#pragma once
+
+#include "mha/dtype.hpp"
+#include "mha/error.hpp"
+#include "mha/multihead_attention.hpp"
+#include "mha/reference.hpp"
+#include "mha/sdpa.hpp"
+#include "mha/tensor.hpp"
+#include "mha/threading.hpp"

@@ -1,0 +1,97 @@
+// mha::MultiheadAttention: torch.nn.MultiheadAttention in C++, with the same options, parameter
+// names and layouts, mask conventions and results.
+//
+//   q = query W_q^T + b_q,  k = key W_k^T + b_k,  v = value W_v^T + b_v      (projections)
+//   head_i = softmax(q_i k_i^T / sqrt(E/H) + mask) v_i      for i = 1..H    (split into heads)
+//   out = concat(head_1, ..., head_H) W_o^T + b_o                            (merge, project)
+//
+// Inputs are [L, N, E] (or [N, L, E] with batch_first, or unbatched [L, E]); key and value may
+// come from another sequence (cross-attention) with their own widths kdim and vdim.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "mha/tensor.hpp"
+
+namespace mha {
+
+struct MultiheadAttentionOptions {
+  double dropout = 0.0;        // on the attention weights, in training mode only
+  bool bias = true;            // in_proj_bias and out_proj.bias
+  bool add_bias_kv = false;    // learnable bias_k, bias_v appended to the key/value sequence
+  bool add_zero_attn = false;  // a zero key/value appended after the projections
+  std::optional<int64_t> kdim;  // key width; default embed_dim
+  std::optional<int64_t> vdim;  // value width; default embed_dim
+  bool batch_first = false;     // inputs [N, L, E] instead of [L, N, E]
+  uint64_t seed = 0;            // initialisation and dropout stream
+};
+
+struct ForwardOptions {
+  // Module conventions (unlike SDPA's): a bool true means *masked out*; a float is added.
+  std::optional<TensorView> key_padding_mask;  // [N, S] or [S] unbatched; bool or float32
+  bool need_weights = true;
+  std::optional<TensorView> attn_mask;  // [L, S] or [N * num_heads, L, S]; bool or float32
+  bool average_attn_weights = true;     // weights [N, L, S] (mean over heads) or [N, H, L, S]
+  // Applies a top-left causal mask. PyTorch treats is_causal as a hint that attn_mask is causal
+  // and requires attn_mask with it; here attn_mask is optional and, if given, applies as well.
+  bool is_causal = false;
+  std::optional<uint64_t> dropout_seed;  // default: the module's stream, advanced per call
+  int num_threads = 0;                   // 0: the library's setting
+};
+
+struct ForwardResult {
+  Tensor output;                  // shaped like query, but with embed_dim features
+  std::optional<Tensor> weights;  // present when need_weights
+};
+
+class MultiheadAttention {
+ public:
+  MultiheadAttention(int64_t embed_dim, int64_t num_heads, const MultiheadAttentionOptions& options = {});
+
+  ForwardResult forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                        const ForwardOptions& options = {}) const;
+  ForwardResult operator()(const TensorView& query, const TensorView& key, const TensorView& value,
+                           const ForwardOptions& options = {}) const {
+    return forward(query, key, value, options);
+  }
+
+  // Training mode (the default, as in PyTorch) applies dropout; eval mode does not.
+  void train(bool on = true) { training_ = on; }
+  void eval() { training_ = false; }
+  bool is_training() const { return training_; }
+
+  // Parameters by their PyTorch names, in PyTorch's state_dict order: in_proj_weight or
+  // q_proj_weight/k_proj_weight/v_proj_weight, in_proj_bias, bias_k, bias_v, out_proj.weight,
+  // out_proj.bias (each only where the options create it).
+  std::vector<std::pair<std::string, Tensor>> named_parameters() const;
+  Tensor parameter(const std::string& name) const;  // shares storage; mha::Error if unknown
+  // Copies values in, checking names and shapes. strict: every parameter must be present and no
+  // other name may appear (PyTorch's default).
+  void load_state_dict(const std::unordered_map<std::string, TensorView>& state, bool strict = true);
+  // PyTorch's initialisation from `seed`: xavier-uniform projections, zero biases, kaiming-uniform
+  // out_proj.weight, xavier-normal bias_k/bias_v.
+  void reset_parameters(uint64_t seed);
+
+  int64_t embed_dim() const { return embed_dim_; }
+  int64_t num_heads() const { return num_heads_; }
+  int64_t head_dim() const { return embed_dim_ / num_heads_; }
+  int64_t kdim() const { return kdim_; }
+  int64_t vdim() const { return vdim_; }
+  bool qkv_same_embed_dim() const { return kdim_ == embed_dim_ && vdim_ == embed_dim_; }
+  const MultiheadAttentionOptions& options() const { return options_; }
+
+ private:
+  int64_t embed_dim_, num_heads_, kdim_, vdim_;
+  MultiheadAttentionOptions options_;
+  bool training_ = true;
+  std::vector<std::pair<std::string, Tensor>> params_;
+  mutable std::atomic<uint64_t> dropout_calls_{0};
+};
+
+}  // namespace mha

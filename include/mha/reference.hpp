@@ -1,0 +1,27 @@
+// The float64 reference: the seed formula step by step, with every score matrix materialised.
+// Slow by design and always built; the tests judge every fast path against it.
+#pragma once
+
+#include "mha/multihead_attention.hpp"
+#include "mha/sdpa.hpp"
+
+namespace mha::reference {
+
+struct Result {
+  Tensor output;   // float64
+  Tensor weights;  // float64, [.., Hq, Lq, Lk]
+};
+
+// Same arguments and semantics as mha::scaled_dot_product_attention (inputs of any float dtype),
+// including the dropout mask, which is a pure function of (seed, batch, head, query, key).
+Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                                    const SdpaOptions& options = {});
+
+// The module's forward in float64 with the module's parameters, following the steps of PyTorch's
+// multi_head_attention_forward. `training` decides dropout; options.dropout_seed must be set
+// when dropout applies. Weights are returned as the module returns them.
+ForwardResult multihead_attention(const MultiheadAttention& module, const TensorView& query,
+                                  const TensorView& key, const TensorView& value,
+                                  const ForwardOptions& options, bool training);
+
+}  // namespace mha::reference

@@ -1,0 +1,64 @@
+// Scaled dot-product attention with the semantics of torch.nn.functional.scaled_dot_product_attention:
+//
+//   out = softmax(q k^T * scale + mask) v,   scale = 1/sqrt(d_k) unless given
+//
+// Shapes (rank 2 to 4; dimension -3 is heads, dimension -4 is batch):
+//   q   [B, Hq,  Lq, Dk]     k [B, Hkv, Lk, Dk]     v [B, Hkv, Lk, Dv]     out [B, Hq, Lq, Dv]
+// Any strides are accepted, so [B, L, H, D] storage is passed as a transposed view.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "mha/tensor.hpp"
+
+namespace mha {
+
+// Which diagonal a causal mask follows when Lq != Lk.
+enum class CausalAlignment {
+  TopLeft,     // query i sees keys j <= i (PyTorch's is_causal, torch.ones(Lq, Lk).tril())
+  BottomRight  // query i sees keys j <= i + (Lk - Lq): the last query sees every key (decoding)
+};
+
+struct SdpaOptions {
+  // bool: true means the key takes part ("attend"), as in PyTorch's SDPA; float32: added to the
+  // scaled scores (-inf excludes). Broadcastable to [B, Hq, Lq, Lk] like a PyTorch tensor.
+  std::optional<TensorView> attn_mask;
+  bool is_causal = false;  // may be combined with attn_mask: a key must pass both
+  CausalAlignment causal_alignment = CausalAlignment::TopLeft;
+  std::optional<double> scale;  // default 1/sqrt(Dk)
+  bool enable_gqa = false;      // allow Hq to be a multiple of Hkv (grouped-query attention)
+  double dropout_p = 0.0;       // dropout on the attention weights, in [0, 1]
+  uint64_t dropout_seed = 0;    // the same seed gives the same dropout mask, on any thread count
+  int num_threads = 0;          // 0: the library's setting (mha::set_num_threads)
+};
+
+// Fully masked query rows (every key excluded by masks or causality) produce zeros in the output
+// and in the weights. PyTorch's SDPA (2.5 and later) returns the same zeros; nn.MultiheadAttention
+// and softmax over a row of -inf return NaN there instead.
+
+// Returns out [.., Hq, Lq, Dv] (contiguous, float32).
+Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                                    const SdpaOptions& options = {});
+
+struct AttentionWithWeights {
+  Tensor output;   // [.., Hq, Lq, Dv]
+  Tensor weights;  // [.., Hq, Lq, Lk]: softmax probabilities after dropout (as PyTorch returns them)
+};
+// Also returns the attention weights; this materialises the Lq x Lk matrix per head.
+AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView& q, const TensorView& k,
+                                                               const TensorView& v,
+                                                               const SdpaOptions& options = {});
+
+// Writes into caller-provided views (any strides). `weights`, when given, is [.., Hq, Lq, Lk].
+void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                                       const TensorView& out, const SdpaOptions& options = {},
+                                       const std::optional<TensorView>& weights = std::nullopt);
+
+// Floating-point operations of one forward call: 2 * (Dk + Dv) per (query, key) pair that takes
+// part, times B * Hq. Without causality that is 4 * B * Hq * Lq * Lk * D for Dk = Dv = D; a causal
+// mask counts only the pairs it keeps (about half).
+double attention_flops(int64_t batch, int64_t heads, int64_t len_q, int64_t len_k, int64_t dim_qk,
+                       int64_t dim_v, bool causal, CausalAlignment alignment = CausalAlignment::TopLeft);
+
+}  // namespace mha

@@ -1,0 +1,98 @@
+// Tensors: a non-owning strided view (TensorView) and an owning, contiguous Tensor.
+//
+// Strides are in elements, not bytes, and may be zero (broadcast) or any positive value, so a
+// [B, L, H, D] buffer viewed as [B, H, L, D], a sequence-first input, or one third of a packed
+// QKV projection are all plain views: no API of the library needs a copy to accept them.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mha/dtype.hpp"
+#include "mha/error.hpp"
+
+namespace mha {
+
+inline constexpr int kMaxDims = 6;
+
+using Shape = std::vector<int64_t>;
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int ndim = 0;
+  std::array<int64_t, kMaxDims> shape{};
+  std::array<int64_t, kMaxDims> strides{};
+
+  TensorView() = default;
+  // A view of `data` with the given shape; contiguous (row-major) strides when none are given.
+  TensorView(const void* data, DType dtype, const Shape& shape, const Shape& strides = {});
+  template <class T>
+  TensorView(const T* data, const Shape& shape, const Shape& strides = {})
+      : TensorView(static_cast<const void*>(data), dtype_of<T>(), shape, strides) {}
+
+  // Size and stride of a dimension; negative indices count from the end, as in PyTorch.
+  int64_t size(int dim) const { return shape[normalize_dim(dim)]; }
+  int64_t stride(int dim) const { return strides[normalize_dim(dim)]; }
+  int64_t numel() const;
+  bool is_contiguous() const;
+  Shape sizes() const { return Shape(shape.begin(), shape.begin() + ndim); }
+  std::string shape_str() const;  // "[2, 3, 4]"
+
+  TensorView transpose(int a, int b) const;
+  TensorView permute(const std::vector<int>& order) const;
+  TensorView select(int dim, int64_t index) const;  // drops the dimension
+  TensorView slice(int dim, int64_t start, int64_t stop) const;
+  TensorView unsqueeze(int dim) const;
+  // Splits dimension `dim` of size a*b into (a, b): [L, N, E] -> [L, N, H, E/H].
+  TensorView split_dim(int dim, int64_t outer) const;
+
+  template <class T> T* data_as() const { return static_cast<T*>(data); }
+  // The element at `index` (one entry per dimension), converted to double. For tests and tools.
+  double at(const std::vector<int64_t>& index) const;
+
+  int normalize_dim(int dim) const;
+};
+
+// Owns 64-byte aligned storage and a contiguous view of it. Copies share the storage
+// (like a PyTorch tensor); use clone() for a deep copy.
+class Tensor {
+ public:
+  Tensor() = default;
+  static Tensor empty(const Shape& shape, DType dtype = DType::f32);
+  static Tensor zeros(const Shape& shape, DType dtype = DType::f32);
+  // A contiguous copy of any view, converted to `dtype`.
+  static Tensor copy_of(const TensorView& src, DType dtype);
+  static Tensor copy_of(const TensorView& src) { return copy_of(src, src.dtype); }
+
+  const TensorView& view() const { return view_; }
+  operator const TensorView&() const { return view_; }  // NOLINT: a Tensor is usable as a view
+  Tensor clone() const { return copy_of(view_); }
+
+  bool defined() const { return defined_; }
+  DType dtype() const { return view_.dtype; }
+  int ndim() const { return view_.ndim; }
+  int64_t size(int dim) const { return view_.size(dim); }
+  Shape sizes() const { return view_.sizes(); }
+  int64_t numel() const { return view_.numel(); }
+  std::string shape_str() const { return view_.shape_str(); }
+  template <class T> T* data() const { return view_.data_as<T>(); }
+  double at(const std::vector<int64_t>& index) const { return view_.at(index); }
+
+ private:
+  std::shared_ptr<std::byte> storage_;
+  TensorView view_;
+  bool defined_ = false;
+};
+
+// Copies `src` into `dst` element by element (shapes must match), converting the dtype.
+void copy_into(const TensorView& src, const TensorView& dst);
+
+// Product of `shape`, or mha::Error naming `what` if it is negative or overflows int64.
+int64_t checked_numel(const Shape& shape, const std::string& what);
+
+}  // namespace mha

@@ -1,0 +1,21 @@
+// The one place that decides which CPU kernel runs. Everything else asks active_isa().
+#pragma once
+
+#include <optional>
+#include <string_view>
+#include <vector>
+
+namespace mha::detail {
+
+enum class Isa { portable, avx512 };
+
+std::string_view isa_name(Isa isa);
+// Every ISA this CPU can run, lowest first (portable is always there).
+std::vector<Isa> supported_isas();
+// The ISA kernels use now: the override if set, else MHA_ISA from the environment if set, else
+// the best supported one.
+Isa active_isa();
+// For tests: run every later call on `isa` (mha::Error if unsupported); nullopt restores the default.
+void force_isa(std::optional<Isa> isa);
+
+}  // namespace mha::detail
