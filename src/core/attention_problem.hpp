@@ -1,0 +1,81 @@
+// A validated attention call in one normalised form: 4-D strided views, masks broadcast to
+// (b, h, i, j) strides, causality as an offset. The SDPA front end and the module build it; the
+// fused kernels and the reference consume it.
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "mha/sdpa.hpp"
+#include "mha/tensor.hpp"
+
+namespace mha::detail {
+
+enum class MaskKind : uint8_t {
+  additive,      // float32 values added to the scaled scores
+  keep_if_true,  // bool, SDPA convention: true attends
+  drop_if_true,  // bool, nn.MultiheadAttention convention: true is masked out
+};
+
+struct MaskTerm {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  MaskKind kind = MaskKind::additive;
+  std::array<int64_t, 4> strides{};  // over (b, h, i, j); 0 where broadcast
+
+  // What the mask adds to score (b, h, i, j): 0, -inf, or the additive value.
+  float bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    const int64_t off = b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3];
+    if (kind == MaskKind::additive) return static_cast<const float*>(data)[off];
+    const bool v = static_cast<const bool*>(data)[off];
+    return v == (kind == MaskKind::keep_if_true) ? 0.0f : -std::numeric_limits<float>::infinity();
+  }
+};
+
+struct AttentionProblem {
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_k = 0, dim_qk = 0, dim_v = 0;
+  TensorView q, k, v;  // [B, H, L, D] views, any strides
+  std::array<MaskTerm, 2> masks{};
+  int num_masks = 0;
+  bool causal = false;
+  int64_t causal_offset = 0;  // query i sees key j iff j <= i + causal_offset
+  double scale = 1.0;
+  double dropout_p = 0.0;
+  uint64_t dropout_seed = 0;
+  int num_threads = 1;
+
+  int64_t group() const { return heads_q / heads_kv; }  // query heads per key/value head
+  // Keys [0, causal_end(i)) are visible to query i (all of them without causality).
+  int64_t causal_end(int64_t i) const {
+    if (!causal) return len_k;
+    const int64_t e = i + causal_offset + 1;
+    return e < 0 ? 0 : (e > len_k ? len_k : e);
+  }
+  void add_mask(const MaskTerm& m) { masks[num_masks++] = m; }
+};
+
+// Validates the arguments of scaled_dot_product_attention (mha::Error on any problem) and builds
+// the problem. Inputs must be float32 (the dtype of the fused kernels) unless `any_float` is set
+// (the reference accepts every floating dtype).
+AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, const TensorView& v,
+                                   const SdpaOptions& options, bool any_float);
+
+// A rank-2..4 view as [B, H, L, D] (leading size-1 dimensions added).
+TensorView as_4d(const TensorView& t, const std::string& name);
+
+// Checks a mask's dtype and broadcastability to `target` (B, H, Lq, Lk) and returns its term.
+// Bool masks take `bool_kind`; float32 masks are additive; anything else is an mha::Error.
+MaskTerm make_mask_term(const TensorView& mask, const std::string& name, MaskKind bool_kind,
+                        const std::array<int64_t, 4>& target);
+
+// Checks that a caller-provided output view has shape `expected`, float32 or float64 as given,
+// and data.
+void check_output_view(const TensorView& out, const Shape& expected, DType dtype, const std::string& name);
+
+// The shape of q with its last two dimensions replaced: [.., Hq, rows, cols].
+Shape output_shape(const TensorView& q, int64_t rows, int64_t cols);
+
+}  // namespace mha::detail

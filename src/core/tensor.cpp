@@ -1,0 +1,273 @@
+#include "mha/tensor.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace mha {
+
+int64_t checked_numel(const Shape& shape, const std::string& what) {
+  int64_t n = 1;
+  for (int64_t s : shape) {
+    if (s < 0) throw Error(what + ": sizes must be >= 0, got " + std::to_string(s));
+    if (__builtin_mul_overflow(n, s, &n)) {
+      std::ostringstream os;
+      os << what << ": element count overflows 64 bits for shape [";
+      for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+      os << "]";
+      throw Error(os.str());
+    }
+  }
+  return n;
+}
+
+TensorView::TensorView(const void* data_, DType dtype_, const Shape& shape_, const Shape& strides_)
+    : data(const_cast<void*>(data_)), dtype(dtype_) {
+  if (shape_.size() > static_cast<size_t>(kMaxDims)) {
+    throw Error("TensorView: at most " + std::to_string(kMaxDims) + " dimensions, got " +
+                std::to_string(shape_.size()));
+  }
+  if (!strides_.empty() && strides_.size() != shape_.size()) {
+    throw Error("TensorView: strides must have one entry per dimension: " + std::to_string(shape_.size()) +
+                " dimensions, " + std::to_string(strides_.size()) + " strides");
+  }
+  ndim = static_cast<int>(shape_.size());
+  const int64_t n = checked_numel(shape_, "TensorView shape");
+  int64_t running = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    shape[d] = shape_[d];
+    strides[d] = strides_.empty() ? running : strides_[d];
+    if (strides[d] < 0) throw Error("TensorView: strides must be >= 0, got " + std::to_string(strides[d]));
+    running *= shape_[d];
+  }
+  // The largest offset must be representable: sum of (size-1)*stride.
+  int64_t max_offset = 0;
+  for (int d = 0; d < ndim && n > 0; ++d) {
+    int64_t term;
+    if (__builtin_mul_overflow(shape[d] - 1, strides[d], &term) ||
+        __builtin_add_overflow(max_offset, term, &max_offset)) {
+      throw Error("TensorView: offsets overflow 64 bits for shape " + shape_str());
+    }
+  }
+}
+
+int TensorView::normalize_dim(int dim) const {
+  const int d = dim < 0 ? dim + ndim : dim;
+  if (d < 0 || d >= ndim) {
+    throw Error("dimension " + std::to_string(dim) + " is out of range for a tensor with " + std::to_string(ndim) +
+                " dimensions");
+  }
+  return d;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::shape_str() const {
+  std::ostringstream os;
+  os << "[";
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
+  os << "]";
+  return os.str();
+}
+
+TensorView TensorView::transpose(int a, int b) const {
+  TensorView r = *this;
+  const int da = normalize_dim(a), db = normalize_dim(b);
+  std::swap(r.shape[da], r.shape[db]);
+  std::swap(r.strides[da], r.strides[db]);
+  return r;
+}
+
+TensorView TensorView::permute(const std::vector<int>& order) const {
+  if (static_cast<int>(order.size()) != ndim) {
+    throw Error("permute: expected " + std::to_string(ndim) + " dimensions in the order, got " +
+                std::to_string(order.size()));
+  }
+  TensorView r = *this;
+  std::array<bool, kMaxDims> seen{};
+  for (int i = 0; i < ndim; ++i) {
+    const int d = normalize_dim(order[i]);
+    if (seen[d]) throw Error("permute: dimension " + std::to_string(d) + " appears twice");
+    seen[d] = true;
+    r.shape[i] = shape[d];
+    r.strides[i] = strides[d];
+  }
+  return r;
+}
+
+TensorView TensorView::select(int dim, int64_t index) const {
+  const int d = normalize_dim(dim);
+  if (index < 0 || index >= shape[d]) {
+    throw Error("select: index " + std::to_string(index) + " out of range for dimension " + std::to_string(d) +
+                " of size " + std::to_string(shape[d]));
+  }
+  TensorView r = *this;
+  r.data = static_cast<char*>(data) + index * strides[d] * dtype_size(dtype);
+  for (int i = d; i + 1 < ndim; ++i) {
+    r.shape[i] = shape[i + 1];
+    r.strides[i] = strides[i + 1];
+  }
+  r.ndim = ndim - 1;
+  r.shape[r.ndim] = 0;
+  r.strides[r.ndim] = 0;
+  return r;
+}
+
+TensorView TensorView::slice(int dim, int64_t start, int64_t stop) const {
+  const int d = normalize_dim(dim);
+  if (start < 0 || stop < start || stop > shape[d]) {
+    throw Error("slice: range [" + std::to_string(start) + ", " + std::to_string(stop) +
+                ") is not within dimension " + std::to_string(d) + " of size " + std::to_string(shape[d]));
+  }
+  TensorView r = *this;
+  r.data = static_cast<char*>(data) + start * strides[d] * dtype_size(dtype);
+  r.shape[d] = stop - start;
+  return r;
+}
+
+TensorView TensorView::unsqueeze(int dim) const {
+  if (ndim >= kMaxDims) throw Error("unsqueeze: already at the maximum of " + std::to_string(kMaxDims) + " dimensions");
+  const int d = dim < 0 ? dim + ndim + 1 : dim;
+  if (d < 0 || d > ndim) throw Error("unsqueeze: dimension " + std::to_string(dim) + " out of range");
+  TensorView r = *this;
+  for (int i = ndim; i > d; --i) {
+    r.shape[i] = shape[i - 1];
+    r.strides[i] = strides[i - 1];
+  }
+  r.shape[d] = 1;
+  r.strides[d] = d < ndim ? strides[d] * shape[d] : 1;  // any stride works for size 1
+  r.ndim = ndim + 1;
+  return r;
+}
+
+TensorView TensorView::split_dim(int dim, int64_t outer) const {
+  const int d = normalize_dim(dim);
+  if (ndim >= kMaxDims) throw Error("split_dim: already at the maximum of " + std::to_string(kMaxDims) + " dimensions");
+  if (outer <= 0 || shape[d] % outer != 0) {
+    throw Error("split_dim: dimension " + std::to_string(d) + " of size " + std::to_string(shape[d]) +
+                " is not divisible into " + std::to_string(outer) + " parts");
+  }
+  TensorView r = *this;
+  for (int i = ndim; i > d + 1; --i) {
+    r.shape[i] = shape[i - 1];
+    r.strides[i] = strides[i - 1];
+  }
+  const int64_t inner = shape[d] / outer;
+  r.shape[d] = outer;
+  r.strides[d] = strides[d] * inner;
+  r.shape[d + 1] = inner;
+  r.strides[d + 1] = strides[d];
+  r.ndim = ndim + 1;
+  return r;
+}
+
+namespace {
+
+double load(const void* base, DType t, int64_t offset) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(base)[offset];
+    case DType::f64: return static_cast<const double*>(base)[offset];
+    case DType::bf16: return static_cast<float>(static_cast<const bfloat16*>(base)[offset]);
+    case DType::f16: return static_cast<float>(static_cast<const float16*>(base)[offset]);
+    case DType::boolean: return static_cast<const bool*>(base)[offset] ? 1.0 : 0.0;
+  }
+  return 0;
+}
+
+void store(void* base, DType t, int64_t offset, double value) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(base)[offset] = static_cast<float>(value); break;
+    case DType::f64: static_cast<double*>(base)[offset] = value; break;
+    case DType::bf16: static_cast<bfloat16*>(base)[offset] = bfloat16(static_cast<float>(value)); break;
+    case DType::f16: static_cast<float16*>(base)[offset] = float16(static_cast<float>(value)); break;
+    case DType::boolean: static_cast<bool*>(base)[offset] = value != 0.0; break;
+  }
+}
+
+}  // namespace
+
+double TensorView::at(const std::vector<int64_t>& index) const {
+  if (static_cast<int>(index.size()) != ndim) {
+    throw Error("at: expected " + std::to_string(ndim) + " indices, got " + std::to_string(index.size()));
+  }
+  int64_t offset = 0;
+  for (int d = 0; d < ndim; ++d) {
+    if (index[d] < 0 || index[d] >= shape[d]) {
+      throw Error("at: index " + std::to_string(index[d]) + " out of range for dimension " + std::to_string(d) +
+                  " of size " + std::to_string(shape[d]));
+    }
+    offset += index[d] * strides[d];
+  }
+  return load(data, dtype, offset);
+}
+
+void copy_into(const TensorView& src, const TensorView& dst) {
+  if (src.sizes() != dst.sizes()) {
+    throw Error("copy_into: shapes differ: source " + src.shape_str() + ", destination " + dst.shape_str());
+  }
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  if (src.data == nullptr || dst.data == nullptr) throw Error("copy_into: null data pointer");
+  std::array<int64_t, kMaxDims> idx{};
+  int64_t so = 0, doff = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    store(dst.data, dst.dtype, doff, load(src.data, src.dtype, so));
+    for (int d = src.ndim - 1; d >= 0; --d) {  // odometer increment
+      ++idx[d];
+      so += src.strides[d];
+      doff += dst.strides[d];
+      if (idx[d] < src.shape[d]) break;
+      so -= src.strides[d] * src.shape[d];
+      doff -= dst.strides[d] * dst.shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype) {
+  const int64_t n = checked_numel(shape, "Tensor::empty");
+  int64_t bytes;
+  if (__builtin_mul_overflow(n, dtype_size(dtype), &bytes)) {
+    throw Error("Tensor::empty: byte count overflows 64 bits");
+  }
+  Tensor t;
+  const size_t alloc = static_cast<size_t>((bytes + 63) / 64 * 64);
+  if (alloc > 0) {
+    void* p = std::aligned_alloc(64, alloc);
+    if (p == nullptr) {
+      throw Error("Tensor::empty: cannot allocate " + std::to_string(bytes) + " bytes for shape " +
+                  TensorView(nullptr, dtype, shape).shape_str());
+    }
+    t.storage_ = std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); });
+  }
+  t.view_ = TensorView(t.storage_.get(), dtype, shape);
+  t.defined_ = true;
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  if (t.numel() > 0) std::memset(t.storage_.get(), 0, static_cast<size_t>(t.numel() * dtype_size(dtype)));
+  return t;
+}
+
+Tensor Tensor::copy_of(const TensorView& src, DType dtype) {
+  Tensor t = empty(src.sizes(), dtype);
+  copy_into(src, t.view());
+  return t;
+}
+
+}  // namespace mha

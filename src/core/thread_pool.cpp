@@ -1,0 +1,155 @@
+#include "core/thread_pool.hpp"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "mha/error.hpp"
+#include "mha/threading.hpp"
+
+namespace mha::detail {
+namespace {
+
+class ThreadPool {
+ public:
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  // Returns false without running anything if another job holds the pool.
+  bool try_run(int64_t n, int threads, const std::function<void(int64_t, int)>& task) {
+    std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    ensure_workers(threads - 1);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      task_ = &task;
+      n_tasks_ = n;
+      next_.store(0);
+      error_ = nullptr;
+      helpers_wanted_ = threads - 1;
+      helpers_active_ = 0;
+      ++generation_;
+    }
+    wake_.notify_all();
+    work(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return helpers_active_ == 0 && helpers_wanted_ == 0; });
+    task_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+
+ private:
+  void ensure_workers(int count) {
+    while (static_cast<int>(workers_.size()) < count) {
+      const int id = static_cast<int>(workers_.size()) + 1;  // worker 0 is the caller
+      workers_.emplace_back([this, id] { loop(id); });
+    }
+  }
+
+  void loop(int id) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stopping_ || (generation_ != seen && helpers_wanted_ > 0); });
+      if (stopping_) return;
+      seen = generation_;
+      // Only the first `threads - 1` workers to wake join this job; ids stay below `threads`
+      // because a helper takes the next free slot rather than its own id.
+      const int slot = ++helpers_active_;
+      --helpers_wanted_;
+      lock.unlock();
+      work(slot);
+      lock.lock();
+      if (--helpers_active_ == 0 && helpers_wanted_ == 0) done_.notify_all();
+    }
+  }
+
+  void work(int worker) {
+    for (;;) {
+      const int64_t i = next_.fetch_add(1);
+      if (i >= n_tasks_) return;
+      try {
+        (*task_)(i, worker);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+        next_.store(n_tasks_);  // stop handing out work
+      }
+    }
+  }
+
+  std::mutex run_mutex_;  // one job at a time
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int64_t, int)>* task_ = nullptr;
+  int64_t n_tasks_ = 0;
+  std::atomic<int64_t> next_{0};
+  std::exception_ptr error_;
+  int helpers_wanted_ = 0, helpers_active_ = 0;
+  uint64_t generation_ = 0;
+  bool stopping_ = false;
+};
+
+ThreadPool& pool() {
+  static ThreadPool instance;
+  return instance;
+}
+
+int default_threads() {
+  if (const char* env = std::getenv("MHA_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n >= 1) return n;
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+std::atomic<int> g_num_threads{0};  // 0: not yet decided
+
+}  // namespace
+
+int resolve_threads(int requested) {
+  if (requested > 0) return requested;
+  if (requested < 0) throw Error("num_threads: expected >= 0 (0 for the library setting), got " + std::to_string(requested));
+  return get_num_threads();
+}
+
+void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int)>& task) {
+  if (n <= 0) return;
+  threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), n));
+  if (threads == 1 || !pool().try_run(n, threads, task)) {
+    for (int64_t i = 0; i < n; ++i) task(i, 0);
+  }
+}
+
+}  // namespace mha::detail
+
+namespace mha {
+
+void set_num_threads(int n) {
+  if (n < 1) throw Error("set_num_threads: expected a thread count >= 1, got " + std::to_string(n));
+  detail::g_num_threads.store(n);
+}
+
+int get_num_threads() {
+  int n = detail::g_num_threads.load();
+  if (n == 0) {
+    n = detail::default_threads();
+    detail::g_num_threads.store(n);
+  }
+  return n;
+}
+
+}  // namespace mha

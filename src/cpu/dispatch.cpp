@@ -1,0 +1,91 @@
+#include "cpu/dispatch.hpp"
+
+#include <atomic>
+#include <cpuid.h>
+#include <cstdlib>
+#include <string>
+
+#include "mha/error.hpp"
+#include "mha/threading.hpp"
+
+namespace mha::detail {
+namespace {
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  const bool osxsave = ecx & (1u << 27);
+  const bool fma = ecx & (1u << 12);
+  if (!osxsave || !fma) return false;
+  // The OS must save ZMM state: XCR0 bits 1, 2 (SSE, AVX) and 5, 6, 7 (opmask, ZMM).
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & 0xe6u) != 0xe6u) return false;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool f = ebx & (1u << 16), dq = ebx & (1u << 17), bw = ebx & (1u << 30), vl = ebx & (1u << 31);
+  const bool bmi2 = ebx & (1u << 8);
+  return f && dq && bw && vl && bmi2;
+#else
+  return false;
+#endif
+}
+
+Isa from_environment(Isa best) {
+  const char* env = std::getenv("MHA_ISA");
+  if (env == nullptr || *env == '\0') return best;
+  const std::string want(env);
+  for (Isa isa : supported_isas()) {
+    if (isa_name(isa) == want) return isa;
+  }
+  return best;  // unknown or unsupported: keep the best (documented in threading.hpp)
+}
+
+// -1: no override; otherwise the forced Isa's value.
+std::atomic<int> g_forced{-1};
+
+}  // namespace
+
+std::string_view isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::portable: return "portable";
+    case Isa::avx512: return "avx512";
+  }
+  return "?";
+}
+
+std::vector<Isa> supported_isas() {
+  static const std::vector<Isa> isas = [] {
+    std::vector<Isa> v{Isa::portable};
+    if (cpu_has_avx512()) v.push_back(Isa::avx512);
+    return v;
+  }();
+  return isas;
+}
+
+Isa active_isa() {
+  const int forced = g_forced.load(std::memory_order_relaxed);
+  if (forced >= 0) return static_cast<Isa>(forced);
+  static const Isa chosen = from_environment(supported_isas().back());
+  return chosen;
+}
+
+void force_isa(std::optional<Isa> isa) {
+  if (!isa) {
+    g_forced.store(-1);
+    return;
+  }
+  for (Isa s : supported_isas()) {
+    if (s == *isa) {
+      g_forced.store(static_cast<int>(*isa));
+      return;
+    }
+  }
+  throw Error("force_isa: this CPU does not support " + std::string(isa_name(*isa)));
+}
+
+}  // namespace mha::detail
+
+namespace mha {
+std::string cpu_isa() { return std::string(detail::isa_name(detail::active_isa())); }
+}  // namespace mha

@@ -1,0 +1,317 @@
+// The fused attention forward: tiled, online softmax, never the Lq x Lk matrix (flash-attention
+// style). One body, written against a SIMD layer S (simd_avx512.hpp or simd_portable.hpp) and
+// compiled once per ISA; every symbol here has internal linkage so ISA copies never mix.
+//
+// Layout trick: scores are computed transposed, S^T = K Q^T, with the 16 lanes of a vector running
+// over *queries*. Then
+//   - K and V are read in place (one broadcast per element), never packed or transposed;
+//   - the softmax statistics of 16 queries live in one vector, so row max and row sum are
+//     vertical operations, with no horizontal reductions;
+//   - the output accumulates transposed too, O^T += V^T P^T, and is transposed once at the end.
+// Work is split into tasks of (batch, head, 48 queries), handed out dynamically.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include "core/attention_problem.hpp"
+#include "core/dropout.hpp"
+#include "core/thread_pool.hpp"
+#include "cpu/attention_kernel.hpp"
+
+namespace mha::detail {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;  // softmax runs in base 2: e^x = 2^(x log2 e)
+
+template <class S>
+struct FlashForward {
+  using F = typename S::F;
+  using U = typename S::U;
+  using M = typename S::M;
+
+  // Tile sizes. kVecs query vectors per task keep 24 accumulators + 3 operands in 32 zmm registers
+  // with kKeysPerTile (QK^T) and kValuesPerTile (PV) = 8 broadcast rows.
+  static constexpr int kLanes = S::kLanes;
+  static constexpr int kVecs = 3;
+  static constexpr int kBlockQ = kLanes * kVecs;  // queries per task
+  static constexpr int kBlockK = 64;              // keys per softmax step: S^T tile is 64 x 48
+  static constexpr int kKeysPerTile = 8;
+  static constexpr int kValuesPerTile = 8;
+
+  const AttentionProblem& p;
+  const ForwardOutputs& o;
+
+  // Per-task scratch, O(D) floats: nothing here grows with the sequence length.
+  struct Scratch {
+    float* qt;      // [Dk][kBlockQ]   Q^T of the task, pre-scaled by scale * log2(e)
+    float* ot;      // [Dv][kBlockQ]   O^T accumulator
+    float* st;      // [kBlockK][kBlockQ] S^T tile, then P^T
+    float* m;       // [kBlockQ] running max (base 2)
+    float* l;       // [kBlockQ] running sum
+    float* zero_row;  // stands in for keys past Lk in a partial tile
+    uint32_t* lim;    // [kBlockQ] keys [0, lim) visible to each query (causality, Lk)
+    uint32_t* key_lo; // [kBlockQ] dropout row keys
+    uint32_t* key_hi;
+    const float* kp[kBlockK];
+    const float* vp[kBlockK];
+    void* memory;
+  };
+
+  static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+  static float mask_bias(const MaskTerm& t, int64_t b, int64_t h, int64_t i, int64_t j) {
+    const int64_t off = b * t.strides[0] + h * t.strides[1] + i * t.strides[2] + j * t.strides[3];
+    if (t.kind == MaskKind::additive) return static_cast<const float*>(t.data)[off];
+    const bool v = static_cast<const bool*>(t.data)[off];
+    return v == (t.kind == MaskKind::keep_if_true) ? 0.0f : -std::numeric_limits<float>::infinity();
+  }
+
+  static U mix32(U x) {
+    x = S::xor_u(x, S::template shr_u<16>(x));
+    x = S::mullo_u(x, S::set1_u(0x7feb352du));
+    x = S::xor_u(x, S::template shr_u<15>(x));
+    x = S::mullo_u(x, S::set1_u(0x846ca68bu));
+    return S::xor_u(x, S::template shr_u<16>(x));
+  }
+
+  // S^T[r][:] = sum_d K[r][d] * Q^T[d][:] for kKeysPerTile keys.
+  static void qk_tile(float* st, const float* const* kp, const float* qt, int64_t dk) {
+    F acc[kKeysPerTile][kVecs];
+    for (int r = 0; r < kKeysPerTile; ++r)
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = S::zero();
+    for (int64_t d = 0; d < dk; ++d) {
+      F q[kVecs];
+      for (int c = 0; c < kVecs; ++c) q[c] = S::load(qt + d * kBlockQ + c * kLanes);
+      for (int r = 0; r < kKeysPerTile; ++r) {
+        const F kb = S::set1(kp[r][d]);
+        for (int c = 0; c < kVecs; ++c) acc[r][c] = S::fmadd(kb, q[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < kKeysPerTile; ++r)
+      for (int c = 0; c < kVecs; ++c) S::store(st + r * kBlockQ + c * kLanes, acc[r][c]);
+  }
+
+  // O^T[r][:] += sum_j V[j][dv0 + r] * P^T[j][:] for kRows value columns.
+  template <int kRows>
+  static void pv_tile(float* ot, const float* const* vp, int64_t dv0, const float* pt, int64_t keys) {
+    F acc[kRows][kVecs];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = S::load(ot + r * kBlockQ + c * kLanes);
+    for (int64_t j = 0; j < keys; ++j) {
+      F pj[kVecs];
+      for (int c = 0; c < kVecs; ++c) pj[c] = S::load(pt + j * kBlockQ + c * kLanes);
+      const float* v = vp[j] + dv0;
+      for (int r = 0; r < kRows; ++r) {
+        const F vb = S::set1(v[r]);
+        for (int c = 0; c < kVecs; ++c) acc[r][c] = S::fmadd(vb, pj[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVecs; ++c) S::store(ot + r * kBlockQ + c * kLanes, acc[r][c]);
+  }
+
+  static void pv_block(float* ot, const float* const* vp, const float* pt, int64_t keys, int64_t dv) {
+    int64_t d0 = 0;
+    for (; d0 + kValuesPerTile <= dv; d0 += kValuesPerTile) {
+      pv_tile<kValuesPerTile>(ot + d0 * kBlockQ, vp, d0, pt, keys);
+    }
+    switch (dv - d0) {  // the columns left over, one instance per count
+      case 1: pv_tile<1>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
+      case 2: pv_tile<2>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
+      case 3: pv_tile<3>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
+      case 4: pv_tile<4>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
+      case 5: pv_tile<5>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
+      case 6: pv_tile<6>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
+      case 7: pv_tile<7>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
+      default: break;
+    }
+  }
+
+  Scratch allocate() const {
+    const int64_t floats = (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes;
+    const int64_t words = 3 * kBlockQ;
+    const size_t bytes = static_cast<size_t>(round_up((floats + words) * 4, 64));
+    void* mem = std::aligned_alloc(64, bytes);
+    if (mem == nullptr) throw std::bad_alloc();
+    std::memset(mem, 0, bytes);
+    Scratch s;
+    s.memory = mem;
+    float* f = static_cast<float*>(mem);
+    s.qt = f, f += p.dim_qk * kBlockQ;
+    s.ot = f, f += p.dim_v * kBlockQ;
+    s.st = f, f += kBlockK * kBlockQ;
+    s.m = f, f += kBlockQ;
+    s.l = f, f += kBlockQ;
+    s.zero_row = f, f += std::max(p.dim_qk, p.dim_v) + kLanes;
+    uint32_t* u = reinterpret_cast<uint32_t*>(f);
+    s.lim = u, u += kBlockQ;
+    s.key_lo = u, u += kBlockQ;
+    s.key_hi = u;
+    return s;
+  }
+
+  // One pass over the visible key blocks of a task.
+  //   kStatsOnly:  compute the final max and sum only (first pass when weights are wanted)
+  //   kFinalStats: m and l are final; P = 2^(s - m) / l is written to the weights and used for O
+  //   neither:     the usual online softmax with rescaling of O
+  template <bool kStatsOnly, bool kFinalStats>
+  void key_pass(Scratch& s, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t rows, int64_t key_end,
+                int64_t clean_end) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const float* kbase = p.k.data_as<float>() + b * p.k.strides[0] + hk * p.k.strides[1];
+    const float* vbase = p.v.data_as<float>() + b * p.v.strides[0] + hk * p.v.strides[1];
+    const bool dropout = !kStatsOnly && p.dropout_p > 0;
+    const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
+    const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
+
+    for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+      const int64_t nb = std::min<int64_t>(kBlockK, key_end - j0);
+      const int64_t nbp = round_up(nb, kKeysPerTile);
+      for (int64_t jj = 0; jj < nbp; ++jj) {
+        const int64_t j = j0 + jj;
+        s.kp[jj] = j < p.len_k ? kbase + j * p.k.strides[2] : s.zero_row;
+        s.vp[jj] = j < p.len_k ? vbase + j * p.v.strides[2] : s.zero_row;
+      }
+      for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) qk_tile(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk);
+
+      for (int t = 0; t < p.num_masks; ++t) {  // general masks, element by element
+        for (int64_t jj = 0; jj < nb; ++jj)
+          for (int64_t ii = 0; ii < rows; ++ii)
+            s.st[jj * kBlockQ + ii] += kLog2e * mask_bias(p.masks[t], b, h, i0 + ii, j0 + jj);
+      }
+      if (j0 + nbp > clean_end) {  // some (query, key) pairs are past causality or Lk
+        const F minus_inf = S::set1(neg_inf);
+        for (int64_t jj = 0; jj < nbp; ++jj) {
+          const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
+          for (int c = 0; c < kVecs; ++c) {
+            float* row = s.st + jj * kBlockQ + c * kLanes;
+            const M visible = S::lt_i(jv, S::load_u(s.lim + c * kLanes));
+            S::store(row, S::select(visible, S::load(row), minus_inf));
+          }
+        }
+      }
+
+      for (int c = 0; c < kVecs; ++c) {
+        F m_old = S::load(s.m + c * kLanes);
+        F m_new = m_old;
+        if (!kFinalStats) {
+          for (int64_t jj = 0; jj < nbp; ++jj) m_new = S::max(m_new, S::load(s.st + jj * kBlockQ + c * kLanes));
+        }
+        // A query that has seen only -inf keeps m = -inf; subtracting 0 instead makes its p 0, not NaN.
+        const F m_use = S::select(S::eq(m_new, S::set1(neg_inf)), S::zero(), m_new);
+        const F inv_l = kFinalStats ? S::load(s.l + c * kLanes) : S::zero();  // holds 1/l in that pass
+        F sum = S::zero();
+        U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
+        if (dropout) {
+          key_lo = S::load_u(s.key_lo + c * kLanes);
+          key_hi = S::load_u(s.key_hi + c * kLanes);
+        }
+        for (int64_t jj = 0; jj < nbp; ++jj) {
+          float* row = s.st + jj * kBlockQ + c * kLanes;
+          F pr = S::exp2(S::sub(S::load(row), m_use));
+          if (kFinalStats) pr = S::mul(pr, inv_l);
+          else sum = S::add(sum, pr);
+          if (dropout) {
+            const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
+            const U bits = mix32(S::add_u(mix32(S::xor_u(jv, key_lo)), key_hi));
+            pr = S::select(S::ge_u(bits, threshold), S::mul(pr, keep_scale), S::zero());
+          }
+          if (!kStatsOnly) S::store(row, pr);
+        }
+        if (!kFinalStats) {
+          const F alpha = S::exp2(S::sub(m_old, m_use));
+          S::store(s.l + c * kLanes, S::fmadd(S::load(s.l + c * kLanes), alpha, sum));
+          S::store(s.m + c * kLanes, m_new);
+          if (!kStatsOnly && !S::all(S::eq(alpha, S::set1(1.0f)))) {
+            for (int64_t d = 0; d < p.dim_v; ++d) {
+              float* col = s.ot + d * kBlockQ + c * kLanes;
+              S::store(col, S::mul(S::load(col), alpha));
+            }
+          }
+        }
+      }
+
+      if (kFinalStats && o.weights != nullptr) {
+        float* w = o.weights + b * o.weights_strides[0] + h * o.weights_strides[1] + i0 * o.weights_strides[2];
+        for (int64_t ii = 0; ii < rows; ++ii)
+          for (int64_t jj = 0; jj < nb; ++jj)
+            w[ii * o.weights_strides[2] + (j0 + jj) * o.weights_strides[3]] = s.st[jj * kBlockQ + ii];
+      }
+      if (!kStatsOnly) pv_block(s.ot, s.vp, s.st, nbp, p.dim_v);
+    }
+  }
+
+  void task(Scratch& s, int64_t b, int64_t h, int64_t i0) const {
+    const int64_t hk = h / (p.heads_q / p.heads_kv);
+    const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
+    const float qscale = static_cast<float>(p.scale) * kLog2e;
+
+    // Q^T, pre-scaled; lanes past the last query stay zero.
+    const float* qb = p.q.data_as<float>() + b * p.q.strides[0] + h * p.q.strides[1] + i0 * p.q.strides[2];
+    for (int64_t d = 0; d < p.dim_qk; ++d)
+      for (int64_t ii = 0; ii < kBlockQ; ++ii)
+        s.qt[d * kBlockQ + ii] = ii < rows ? qb[ii * p.q.strides[2] + d] * qscale : 0.0f;
+    std::memset(s.ot, 0, sizeof(float) * p.dim_v * kBlockQ);
+    for (int64_t ii = 0; ii < kBlockQ; ++ii) {
+      const int64_t i = i0 + ii;
+      int64_t lim = p.len_k;
+      if (p.causal) lim = std::clamp<int64_t>(i + p.causal_offset + 1, 0, p.len_k);
+      s.lim[ii] = static_cast<uint32_t>(lim);
+      s.m[ii] = -std::numeric_limits<float>::infinity();
+      s.l[ii] = 0.0f;
+      if (p.dropout_p > 0) {
+        const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i));
+        s.key_lo[ii] = key.lo;
+        s.key_hi[ii] = key.hi;
+      }
+    }
+    // Limits grow with the query index, so the first row bounds the blocks that need no mask and
+    // the last row bounds the blocks that are visited at all: causal blocks are skipped, not masked.
+    const int64_t key_end = s.lim[rows - 1];
+    const int64_t clean_end = s.lim[0];
+
+    if (o.weights == nullptr) {
+      key_pass<false, false>(s, b, h, hk, i0, rows, key_end, clean_end);
+      for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
+    } else {
+      key_pass<true, false>(s, b, h, hk, i0, rows, key_end, clean_end);
+      for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
+      float* w = o.weights + b * o.weights_strides[0] + h * o.weights_strides[1] + i0 * o.weights_strides[2];
+      for (int64_t ii = 0; ii < rows; ++ii)  // keys no row of the task can see
+        for (int64_t j = key_end; j < p.len_k; ++j) w[ii * o.weights_strides[2] + j * o.weights_strides[3]] = 0.0f;
+      key_pass<false, true>(s, b, h, hk, i0, rows, key_end, clean_end);
+      for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = 1.0f;  // P was already normalised
+    }
+
+    float* out = o.out + b * o.out_strides[0] + h * o.out_strides[1] + i0 * o.out_strides[2];
+    for (int64_t ii = 0; ii < rows; ++ii)
+      for (int64_t d = 0; d < p.dim_v; ++d)
+        out[ii * o.out_strides[2] + d * o.out_strides[3]] = s.ot[d * kBlockQ + ii] * s.l[ii];
+  }
+
+  void run() const {
+    const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
+    const int64_t tasks = p.batch * p.heads_q * q_blocks;
+    const int threads = resolve_threads(p.num_threads);
+    parallel_for(tasks, threads, [&](int64_t t, int) {
+      // Last query blocks first: under a top-left causal mask they are the longest.
+      const int64_t qb = q_blocks - 1 - t % q_blocks;
+      const int64_t bh = t / q_blocks;
+      Scratch s = allocate();
+      struct Release {
+        void* m;
+        ~Release() { std::free(m); }
+      } release{s.memory};
+      task(s, bh / p.heads_q, bh % p.heads_q, qb * kBlockQ);
+    });
+  }
+};
+
+}  // namespace
+}  // namespace mha::detail

@@ -1,0 +1,60 @@
+// 16 float lanes in one zmm register. Included only by *_avx512.cpp files.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace mha::detail::simd {
+
+struct Avx512 {
+  static constexpr int kLanes = 16;
+  using F = __m512;
+  using U = __m512i;  // 16 x uint32
+  using M = __mmask16;
+
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F select(M m, F if_true, F if_false) { return _mm512_mask_blend_ps(m, if_false, if_true); }
+  static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static bool all(M m) { return m == 0xffff; }
+
+  // 2^x. x is clamped to [-150, 128]: below, the result is 0 (-inf gives 0, not NaN). With n the
+  // nearest integer and f = x - n in [-0.5, 0.5], 2^f is its degree-7 Taylor polynomial (truncation
+  // error < 5e-9 relative, below float rounding), scaled by 2^n exactly with vscalefps.
+  static F exp2(F x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(128.0f));
+    const F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const F f = _mm512_sub_ps(x, n);
+    F p = _mm512_set1_ps(1.5252733804059840e-5f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-4f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+  }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+
+  static U load_u(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  static U set1_u(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static U xor_u(U a, U b) { return _mm512_xor_si512(a, b); }
+  static U add_u(U a, U b) { return _mm512_add_epi32(a, b); }
+  static U mullo_u(U a, U b) { return _mm512_mullo_epi32(a, b); }
+  template <int n> static U shr_u(U a) { return _mm512_srli_epi32(a, n); }
+  static M ge_u(U a, U b) { return _mm512_cmp_epu32_mask(a, b, _MM_CMPINT_NLT); }
+  static M lt_i(U a, U b) { return _mm512_cmp_epi32_mask(a, b, _MM_CMPINT_LT); }
+};
+
+}  // namespace mha::detail::simd

@@ -1,0 +1,52 @@
+// 16 float "lanes" as a plain array: the portable fallback of the Avx512 layer, with the same
+// operations, written so that any compiler vectorises it for the baseline ISA.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace mha::detail::simd {
+
+struct Portable {
+  static constexpr int kLanes = 16;
+  struct F {
+    float v[kLanes];
+  };
+  struct U {
+    uint32_t v[kLanes];
+  };
+  using M = uint32_t;  // bit i: lane i
+
+#define MHA_LANES for (int i = 0; i < kLanes; ++i)
+  static F load(const float* p) { F r; MHA_LANES r.v[i] = p[i]; return r; }
+  static void store(float* p, F a) { MHA_LANES p[i] = a.v[i]; }
+  static F set1(float x) { F r; MHA_LANES r.v[i] = x; return r; }
+  static F zero() { return set1(0.0f); }
+  static F fmadd(F a, F b, F c) { F r; MHA_LANES r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
+  static F add(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] + b.v[i]; return r; }
+  static F sub(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] - b.v[i]; return r; }
+  static F mul(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] * b.v[i]; return r; }
+  static F max(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+  static F select(M m, F t, F f) { F r; MHA_LANES r.v[i] = (m >> i) & 1u ? t.v[i] : f.v[i]; return r; }
+  static M eq(F a, F b) { M m = 0; MHA_LANES m |= static_cast<M>(a.v[i] == b.v[i]) << i; return m; }
+  static M gt(F a, F b) { M m = 0; MHA_LANES m |= static_cast<M>(a.v[i] > b.v[i]) << i; return m; }
+  static bool all(M m) { return m == 0xffffu; }
+  static F exp2(F x) { F r; MHA_LANES r.v[i] = std::exp2(x.v[i]); return r; }
+  static float reduce_max(F a) { float m = a.v[0]; MHA_LANES m = a.v[i] > m ? a.v[i] : m; return m; }
+
+  static U load_u(const uint32_t* p) { U r; MHA_LANES r.v[i] = p[i]; return r; }
+  static U set1_u(uint32_t x) { U r; MHA_LANES r.v[i] = x; return r; }
+  static U xor_u(U a, U b) { U r; MHA_LANES r.v[i] = a.v[i] ^ b.v[i]; return r; }
+  static U add_u(U a, U b) { U r; MHA_LANES r.v[i] = a.v[i] + b.v[i]; return r; }
+  static U mullo_u(U a, U b) { U r; MHA_LANES r.v[i] = a.v[i] * b.v[i]; return r; }
+  template <int n> static U shr_u(U a) { U r; MHA_LANES r.v[i] = a.v[i] >> n; return r; }
+  static M ge_u(U a, U b) { M m = 0; MHA_LANES m |= static_cast<M>(a.v[i] >= b.v[i]) << i; return m; }
+  static M lt_i(U a, U b) {
+    M m = 0;
+    MHA_LANES m |= static_cast<M>(static_cast<int32_t>(a.v[i]) < static_cast<int32_t>(b.v[i])) << i;
+    return m;
+  }
+#undef MHA_LANES
+};
+
+}  // namespace mha::detail::simd

@@ -1,0 +1,80 @@
+#include "module/linear.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace mha::detail {
+namespace {
+
+enum class RowOrder { batch_major, seq_major, neither };
+
+// How the [N, L, C] view's rows sit in memory: r = n * L + l, r = l * N + n, or neither.
+RowOrder row_order(const TensorView& t, int64_t* row_stride) {
+  const int64_t N = t.shape[0], L = t.shape[1];
+  if (L == 1 || t.strides[0] == L * t.strides[1]) {
+    *row_stride = L == 1 ? t.strides[0] : t.strides[1];
+    return RowOrder::batch_major;
+  }
+  if (N == 1 || t.strides[1] == N * t.strides[0]) {
+    *row_stride = N == 1 ? t.strides[1] : t.strides[0];
+    return RowOrder::seq_major;
+  }
+  return RowOrder::neither;
+}
+
+void sgemm_rows(const float* x, int64_t ldx, const TensorView& w, float* y, int64_t ldy, int64_t rows) {
+  const int64_t out = w.shape[0], in = w.shape[1];
+  if (rows == 0 || out == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), static_cast<blasint>(out),
+              static_cast<blasint>(in), 1.0f, x, static_cast<blasint>(std::max<int64_t>(ldx, 1)), w.data_as<float>(),
+              static_cast<blasint>(std::max<int64_t>(w.strides[0], 1)), 1.0f, y,
+              static_cast<blasint>(std::max<int64_t>(ldy, 1)));
+}
+
+}  // namespace
+
+RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
+  RowBuffer b;
+  const int64_t N = like.shape[0];
+  const bool seq_major = N > 1 && like.strides[0] < like.strides[1];
+  if (seq_major) {
+    b.storage = Tensor::empty({rows, N, cols});
+    b.view = b.storage.view().transpose(0, 1);
+  } else {
+    b.storage = Tensor::empty({N, rows, cols});
+    b.view = b.storage.view();
+  }
+  return b;
+}
+
+void linear(const TensorView& x_in, const TensorView& w, const float* bias, const TensorView& y, int threads) {
+  const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w.shape[0];
+  Tensor contiguous;
+  TensorView x = x_in;
+  if (x.strides[2] != 1 && x.shape[2] > 1) {  // BLAS needs unit stride along the features
+    contiguous = Tensor::copy_of(x, DType::f32);
+    x = contiguous.view();
+  }
+  // y starts as the bias, broadcast to every row; sgemm then adds x W^T (beta = 1).
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t l = 0; l < L; ++l) {
+      float* row = y.data_as<float>() + n * y.strides[0] + l * y.strides[1];
+      if (bias) std::memcpy(row, bias, sizeof(float) * out);
+      else std::memset(row, 0, sizeof(float) * out);
+    }
+  openblas_set_num_threads(std::max(threads, 1));
+  int64_t ldx = 0, ldy = 0;
+  const RowOrder ox = row_order(x, &ldx), oy = row_order(y, &ldy);
+  if (ox != RowOrder::neither && ox == oy) {
+    sgemm_rows(x.data_as<float>(), ldx, w, y.data_as<float>(), ldy, N * L);
+    return;
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    sgemm_rows(x.data_as<float>() + n * x.strides[0], x.strides[1], w, y.data_as<float>() + n * y.strides[0],
+               y.strides[1], L);
+  }
+}
+
+}  // namespace mha::detail

@@ -1,0 +1,165 @@
+#include "module/module_call.hpp"
+
+namespace mha::detail {
+namespace {
+
+std::string shape_of(const Shape& s) { return TensorView(nullptr, DType::f32, s).shape_str(); }
+
+void check_input(const TensorView& t, const std::string& name, bool batched, int64_t width) {
+  if (t.dtype != DType::f32) {
+    throw Error(name + ": expected dtype float32 (bf16/fp16 kernels are not available yet), got " +
+                std::string(dtype_name(t.dtype)));
+  }
+  const int want = batched ? 3 : 2;
+  if (t.ndim != want) {
+    throw Error(name + ": expected " + std::to_string(want) + " dimensions (" +
+                (batched ? "batched like query" : "unbatched like query") + "), got shape " + t.shape_str());
+  }
+  if (t.size(-1) != width) {
+    throw Error(name + ": expected " + std::to_string(width) + " features in the last dimension, got shape " +
+                t.shape_str());
+  }
+  if (t.numel() > 0 && t.data == nullptr) throw Error(name + ": data pointer is null");
+}
+
+// [L, N, C] (or [N, L, C] with batch_first, or [L, C] unbatched) as [N, L, C].
+TensorView batch_major(const TensorView& t, bool batched, bool batch_first) {
+  if (!batched) return t.unsqueeze(0);
+  return batch_first ? t : t.transpose(0, 1);
+}
+
+void check_mask_dtype(const TensorView& mask, const std::string& name) {
+  if (mask.dtype != DType::boolean && mask.dtype != DType::f32) {
+    throw Error(name + ": expected dtype bool or float32, got " + std::string(dtype_name(mask.dtype)));
+  }
+  if (mask.numel() > 0 && mask.data == nullptr) throw Error(name + ": data pointer is null");
+}
+
+// Copies `mask` (last dimension S) into a tensor with `extra` more columns set to "attend".
+Tensor pad_columns(const TensorView& mask, int64_t extra) {
+  Shape shape = mask.sizes();
+  shape.back() += extra;
+  Tensor padded = Tensor::zeros(shape, mask.dtype);  // false / 0.0: attend
+  copy_into(mask, padded.view().slice(-1, 0, mask.size(-1)));
+  return padded;
+}
+
+}  // namespace
+
+ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
+                                const TensorView& value, const ForwardOptions& options) {
+  ModuleCall c;
+  if (query.ndim != 2 && query.ndim != 3) {
+    throw Error("query: expected 3 dimensions (" +
+                std::string(m.options().batch_first ? "[N, L, E]" : "[L, N, E]") +
+                ") or 2 for an unbatched input ([L, E]), got shape " + query.shape_str());
+  }
+  c.batched = query.ndim == 3;
+  check_input(query, "query", c.batched, m.embed_dim());
+  check_input(key, "key", c.batched, m.kdim());
+  check_input(value, "value", c.batched, m.vdim());
+  const bool bf = m.options().batch_first;
+  c.query = batch_major(query, c.batched, bf);
+  c.key = batch_major(key, c.batched, bf);
+  c.value = batch_major(value, c.batched, bf);
+  c.batch = c.query.shape[0];
+  c.len_q = c.query.shape[1];
+  c.len_k = c.key.shape[1];
+  if (c.key.shape[0] != c.batch || c.value.shape[0] != c.batch) {
+    throw Error("key/value: batch size must match query's " + std::to_string(c.batch) + ", got shapes " +
+                key.shape_str() + " and " + value.shape_str() + " for query " + query.shape_str());
+  }
+  if (c.value.shape[1] != c.len_k) {
+    throw Error("value: sequence length must match key's " + std::to_string(c.len_k) + ", got shape " +
+                value.shape_str() + " for key " + key.shape_str());
+  }
+  c.extra_keys = (m.options().add_bias_kv ? 1 : 0) + (m.options().add_zero_attn ? 1 : 0);
+  const int64_t H = m.num_heads(), N = c.batch, L = c.len_q, S = c.len_k;
+
+  if (options.attn_mask) {
+    const TensorView& a = *options.attn_mask;
+    check_mask_dtype(a, "attn_mask");
+    if (a.ndim == 2) {
+      if (a.shape[0] != L || a.shape[1] != S) {
+        throw Error("attn_mask: expected 2-D shape " + shape_of({L, S}) + " (L, S), got " + a.shape_str());
+      }
+      c.attn_mask_strides = {0, 0, a.strides[0], a.strides[1]};
+    } else if (a.ndim == 3) {
+      if (a.shape[0] != N * H || a.shape[1] != L || a.shape[2] != S) {
+        throw Error("attn_mask: expected 3-D shape " + shape_of({N * H, L, S}) + " (N * num_heads, L, S), got " +
+                    a.shape_str());
+      }
+      c.attn_mask_strides = {H * a.strides[0], a.strides[0], a.strides[1], a.strides[2]};
+    } else {
+      throw Error("attn_mask: expected 2 or 3 dimensions, got shape " + a.shape_str());
+    }
+    c.attn_mask = a;
+  }
+  if (options.key_padding_mask) {
+    const TensorView& k = *options.key_padding_mask;
+    check_mask_dtype(k, "key_padding_mask");
+    if (c.batched) {
+      if (k.ndim != 2 || k.shape[0] != N || k.shape[1] != S) {
+        throw Error("key_padding_mask: expected shape " + shape_of({N, S}) + " (N, S), got " + k.shape_str());
+      }
+      c.key_padding_strides = {k.strides[0], 0, 0, k.strides[1]};
+    } else {
+      if (k.ndim != 1 || k.shape[0] != S) {
+        throw Error("key_padding_mask: expected shape " + shape_of({S}) + " (S) for unbatched input, got " +
+                    k.shape_str());
+      }
+      c.key_padding_strides = {0, 0, 0, k.strides[0]};
+    }
+    c.key_padding_mask = k;
+  }
+  c.causal = options.is_causal;
+  return c;
+}
+
+MaskTerms module_mask_terms(const ModuleCall& c, int64_t num_heads) {
+  MaskTerms out;
+  const std::pair<const std::optional<TensorView>*, const std::array<int64_t, 4>*> masks[] = {
+      {&c.attn_mask, &c.attn_mask_strides}, {&c.key_padding_mask, &c.key_padding_strides}};
+  for (const auto& [mask, strides] : masks) {
+    if (!*mask) continue;
+    TensorView view = **mask;
+    std::array<int64_t, 4> st = *strides;
+    if (c.extra_keys > 0) {
+      out.storage.push_back(pad_columns(view, c.extra_keys));
+      const TensorView& p = out.storage.back().view();
+      // The same broadcast pattern as validate_module_call set up, over the padded copy.
+      if (mask == &c.key_padding_mask) {
+        st = view.ndim == 2 ? std::array<int64_t, 4>{p.strides[0], 0, 0, p.strides[1]}
+                            : std::array<int64_t, 4>{0, 0, 0, p.strides[0]};
+      } else if (view.ndim == 2) {
+        st = {0, 0, p.strides[0], p.strides[1]};
+      } else {
+        st = {num_heads * p.strides[0], p.strides[0], p.strides[1], p.strides[2]};
+      }
+      view = p;
+    }
+    MaskTerm t;
+    t.data = view.data;
+    t.dtype = view.dtype;
+    t.kind = view.dtype == DType::boolean ? MaskKind::drop_if_true : MaskKind::additive;
+    t.strides = st;
+    out.terms[out.count++] = t;
+  }
+  return out;
+}
+
+Shape module_output_shape(const ModuleCall& c, const MultiheadAttention& m, bool batch_first) {
+  if (!c.batched) return {c.len_q, m.embed_dim()};
+  return batch_first ? Shape{c.batch, c.len_q, m.embed_dim()} : Shape{c.len_q, c.batch, m.embed_dim()};
+}
+
+Shape module_weights_shape(const ModuleCall& c, int64_t num_heads, bool average) {
+  Shape s;
+  if (c.batched) s.push_back(c.batch);
+  if (!average) s.push_back(num_heads);
+  s.push_back(c.len_q);
+  s.push_back(c.total_keys());
+  return s;
+}
+
+}  // namespace mha::detail

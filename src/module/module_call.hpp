@@ -1,0 +1,45 @@
+// The arguments of MultiheadAttention::forward, validated and put in one form: batch-major
+// [N, L, C] views whatever batch_first and batching were, and masks as terms over (b, h, i, j).
+// Shared by the module's fused forward and the float64 reference, so both read the same call.
+#pragma once
+
+#include <optional>
+
+#include "core/attention_problem.hpp"
+#include "mha/multihead_attention.hpp"
+
+namespace mha::detail {
+
+struct ModuleCall {
+  bool batched = true;
+  int64_t batch = 0, len_q = 0, len_k = 0;  // N, L, S (S before bias_k / zero_attn columns)
+  int64_t extra_keys = 0;                   // columns appended by add_bias_kv and add_zero_attn
+  TensorView query, key, value;             // [N, L, E], [N, S, kdim], [N, S, vdim]
+  // attn_mask and key_padding_mask as views whose last dimension has S columns, with the
+  // broadcast strides they take over (b, h, i, j); see padded_masks() for the extra columns.
+  std::optional<TensorView> attn_mask, key_padding_mask;
+  std::array<int64_t, 4> attn_mask_strides{}, key_padding_strides{};
+  bool causal = false;
+
+  int64_t total_keys() const { return len_k + extra_keys; }
+};
+
+ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
+                                const TensorView& value, const ForwardOptions& options);
+
+// The masks as terms over the total_keys() columns. Where extra key columns exist, the masks are
+// copied with those columns set to "attend" (as PyTorch pads them) into `storage`, which must
+// outlive the returned terms.
+struct MaskTerms {
+  std::array<MaskTerm, 2> terms{};
+  int count = 0;
+  std::vector<Tensor> storage;
+};
+MaskTerms module_mask_terms(const ModuleCall& call, int64_t num_heads);
+
+// The shape of the module's output for this call: like query, with embed_dim features.
+Shape module_output_shape(const ModuleCall& call, const MultiheadAttention& m, bool batch_first);
+// The shape of the returned weights: [N, L, S'] averaged or [N, H, L, S'], without N if unbatched.
+Shape module_weights_shape(const ModuleCall& call, int64_t num_heads, bool average);
+
+}  // namespace mha::detail

@@ -1,0 +1,150 @@
+// MultiheadAttention::forward: projections (BLAS), heads as strided views, the fused attention
+// kernel, the output projection. The steps mirror PyTorch's multi_head_attention_forward.
+#include <cmath>
+#include <cstring>
+
+#include "core/dropout.hpp"
+#include "core/thread_pool.hpp"
+#include "cpu/attention_kernel.hpp"
+#include "mha/multihead_attention.hpp"
+#include "module/linear.hpp"
+#include "module/module_call.hpp"
+
+namespace mha {
+namespace {
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.sizes() == b.sizes() &&
+         std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin());
+}
+
+// Rows [from, from + 1) of every batch entry of a [N, rows, E] view, set to `values` (or zero).
+void set_row(const TensorView& t, int64_t row, const float* values) {
+  const int64_t E = t.shape[2];
+  for (int64_t n = 0; n < t.shape[0]; ++n) {
+    float* dst = t.data_as<float>() + n * t.strides[0] + row * t.strides[1];
+    if (values) std::memcpy(dst, values, sizeof(float) * E);
+    else std::memset(dst, 0, sizeof(float) * E);
+  }
+}
+
+}  // namespace
+
+ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                                          const ForwardOptions& options) const {
+  const detail::ModuleCall c = detail::validate_module_call(*this, query, key, value, options);
+  const int threads = detail::resolve_threads(options.num_threads);
+  const int64_t E = embed_dim_, H = num_heads_, hd = head_dim();
+  const int64_t N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
+  const float* in_bias = options_.bias ? parameter("in_proj_bias").data<float>() : nullptr;
+
+  // 1. Projections. Self-attention with the packed weight is one sgemm against [3E, E].
+  detail::RowBuffer q_buf, k_buf, v_buf;
+  TensorView q, k, v;  // [N, L, E], [N, St, E], [N, St, E]
+  if (qkv_same_embed_dim() && same_view(query, key) && same_view(key, value) && L == S) {
+    const Tensor w = parameter("in_proj_weight");
+    q_buf = detail::rows_like(c.query, St, 3 * E);
+    detail::linear(c.query, w, in_bias, q_buf.view.slice(1, 0, L), threads);
+    q = q_buf.view.slice(1, 0, L).slice(2, 0, E);
+    k = q_buf.view.slice(2, E, 2 * E);
+    v = q_buf.view.slice(2, 2 * E, 3 * E);
+  } else {
+    TensorView wq, wk, wv;
+    if (qkv_same_embed_dim()) {
+      const TensorView w = parameter("in_proj_weight").view();
+      wq = w.slice(0, 0, E), wk = w.slice(0, E, 2 * E), wv = w.slice(0, 2 * E, 3 * E);
+    } else {
+      wq = parameter("q_proj_weight").view(), wk = parameter("k_proj_weight").view();
+      wv = parameter("v_proj_weight").view();
+    }
+    q_buf = detail::rows_like(c.query, L, E);
+    k_buf = detail::rows_like(c.key, St, E);
+    v_buf = detail::rows_like(c.value, St, E);
+    q = q_buf.view, k = k_buf.view, v = v_buf.view;
+    detail::linear(c.query, wq, in_bias, q, threads);
+    detail::linear(c.key, wk, in_bias ? in_bias + E : nullptr, k.slice(1, 0, S), threads);
+    detail::linear(c.value, wv, in_bias ? in_bias + 2 * E : nullptr, v.slice(1, 0, S), threads);
+  }
+
+  // 2. bias_k / bias_v, then the zero key/value, appended along the sequence.
+  int64_t row = S;
+  if (options_.add_bias_kv) {
+    set_row(k, row, parameter("bias_k").data<float>());
+    set_row(v, row, parameter("bias_v").data<float>());
+    ++row;
+  }
+  if (options_.add_zero_attn) {
+    set_row(k, row, nullptr);
+    set_row(v, row, nullptr);
+  }
+
+  // 3. Heads as views: [N, L, E] -> [N, H, L, hd]. The attention output is written straight into
+  //    a buffer laid out like the final output, so the output projection is one sgemm.
+  ForwardResult result;
+  result.output = Tensor::empty(detail::module_output_shape(c, *this, options_.batch_first));
+  auto as_nle = [&](const TensorView& t) {
+    if (!c.batched) return t.unsqueeze(0);
+    return options_.batch_first ? t : t.transpose(0, 1);
+  };
+  const Tensor attn = Tensor::empty(result.output.sizes());
+  detail::AttentionProblem p;
+  p.batch = N;
+  p.heads_q = p.heads_kv = H;
+  p.len_q = L;
+  p.len_k = St;
+  p.dim_qk = p.dim_v = hd;
+  p.q = q.split_dim(2, H).transpose(1, 2);
+  p.k = k.split_dim(2, H).transpose(1, 2);
+  p.v = v.split_dim(2, H).transpose(1, 2);
+  const detail::MaskTerms masks = detail::module_mask_terms(c, H);
+  for (int i = 0; i < masks.count; ++i) p.add_mask(masks.terms[i]);
+  p.causal = c.causal;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  p.dropout_p = training_ ? options_.dropout : 0.0;
+  if (p.dropout_p > 0) {
+    p.dropout_seed = options.dropout_seed ? *options.dropout_seed
+                                          : detail::splitmix64(options_.seed ^ (0x632be59bd9b4e019ull * ++dropout_calls_));
+  }
+  p.num_threads = threads;
+
+  detail::ForwardOutputs o;
+  const TensorView heads_out = as_nle(attn.view()).split_dim(2, H).transpose(1, 2);
+  o.out = heads_out.data_as<float>();
+  for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
+  Tensor weights;
+  if (options.need_weights) {
+    weights = Tensor::empty({N, H, L, St});
+    o.weights = weights.data<float>();
+    for (int d = 0; d < 4; ++d) o.weights_strides[d] = weights.view().strides[d];
+  }
+  detail::run_attention(p, o);
+
+  // 4. Output projection.
+  const float* out_bias = options_.bias ? parameter("out_proj.bias").data<float>() : nullptr;
+  detail::linear(as_nle(attn.view()), parameter("out_proj.weight"), out_bias, as_nle(result.output.view()), threads);
+
+  if (options.need_weights) {
+    if (options.average_attn_weights) {
+      Tensor avg = Tensor::zeros(detail::module_weights_shape(c, H, true));
+      float* a = avg.data<float>();
+      const float* w = weights.data<float>();
+      const float inv_h = 1.0f / static_cast<float>(H);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < H; ++h) {
+          const float* src = w + (n * H + h) * L * St;
+          float* dst = a + n * L * St;
+          for (int64_t e = 0; e < L * St; ++e) dst[e] += src[e] * inv_h;
+        }
+      result.weights = avg;
+    } else if (!c.batched) {
+      Tensor squeezed = Tensor::empty(detail::module_weights_shape(c, H, false));
+      std::memcpy(squeezed.data<float>(), weights.data<float>(), sizeof(float) * static_cast<size_t>(weights.numel()));
+      result.weights = squeezed;
+    } else {
+      result.weights = weights;
+    }
+  }
+  return result;
+}
+
+}  // namespace mha

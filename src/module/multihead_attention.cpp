@@ -1,0 +1,144 @@
+// MultiheadAttention: construction, parameters, initialisation and state dicts.
+#include "mha/multihead_attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "core/dropout.hpp"
+
+namespace mha {
+namespace {
+
+// A reproducible stream of uniform and normal numbers from a seed (the same on every platform,
+// unlike std:: distributions).
+class InitRng {
+ public:
+  explicit InitRng(uint64_t seed) : state_(seed) {}
+  double uniform() {  // [0, 1)
+    state_ += 0x9e3779b97f4a7c15ull;
+    return static_cast<double>(detail::splitmix64(state_) >> 11) * 0x1.0p-53;
+  }
+  double normal() {  // Box-Muller
+    const double u1 = 1.0 - uniform(), u2 = uniform();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+
+ private:
+  uint64_t state_;
+};
+
+void fill_uniform(Tensor& t, InitRng& rng, double bound) {
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+}
+
+void fill_normal(Tensor& t, InitRng& rng, double stddev) {
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(rng.normal() * stddev);
+}
+
+// PyTorch's fan computation for a weight [out, in] (or [a, b, c...]): fan_in = size(1) * receptive,
+// fan_out = size(0) * receptive.
+std::pair<double, double> fans(const Tensor& t) {
+  double receptive = 1;
+  for (int d = 2; d < t.ndim(); ++d) receptive *= static_cast<double>(t.size(d));
+  return {static_cast<double>(t.size(1)) * receptive, static_cast<double>(t.size(0)) * receptive};
+}
+
+}  // namespace
+
+MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, const MultiheadAttentionOptions& options)
+    : embed_dim_(embed_dim), num_heads_(num_heads), options_(options) {
+  if (embed_dim <= 0) throw Error("embed_dim: expected a positive size, got " + std::to_string(embed_dim));
+  if (num_heads <= 0) throw Error("num_heads: expected a positive count, got " + std::to_string(num_heads));
+  if (embed_dim % num_heads != 0) {
+    throw Error("embed_dim must be divisible by num_heads: embed_dim = " + std::to_string(embed_dim) +
+                ", num_heads = " + std::to_string(num_heads));
+  }
+  kdim_ = options.kdim.value_or(embed_dim);
+  vdim_ = options.vdim.value_or(embed_dim);
+  if (kdim_ <= 0) throw Error("kdim: expected a positive size, got " + std::to_string(kdim_));
+  if (vdim_ <= 0) throw Error("vdim: expected a positive size, got " + std::to_string(vdim_));
+  if (!(options.dropout >= 0.0 && options.dropout <= 1.0)) {
+    throw Error("dropout: expected a probability in [0, 1], got " + std::to_string(options.dropout));
+  }
+  const int64_t E = embed_dim;
+  if (qkv_same_embed_dim()) {
+    params_.emplace_back("in_proj_weight", Tensor::empty({3 * E, E}));
+  } else {
+    params_.emplace_back("q_proj_weight", Tensor::empty({E, E}));
+    params_.emplace_back("k_proj_weight", Tensor::empty({E, kdim_}));
+    params_.emplace_back("v_proj_weight", Tensor::empty({E, vdim_}));
+  }
+  if (options.bias) params_.emplace_back("in_proj_bias", Tensor::empty({3 * E}));
+  if (options.add_bias_kv) {
+    params_.emplace_back("bias_k", Tensor::empty({1, 1, E}));
+    params_.emplace_back("bias_v", Tensor::empty({1, 1, E}));
+  }
+  params_.emplace_back("out_proj.weight", Tensor::empty({E, E}));
+  if (options.bias) params_.emplace_back("out_proj.bias", Tensor::empty({E}));
+  reset_parameters(options.seed);
+}
+
+void MultiheadAttention::reset_parameters(uint64_t seed) {
+  InitRng rng(seed);
+  for (auto& [name, t] : params_) {
+    if (name == "in_proj_bias" || name == "out_proj.bias") {
+      std::fill_n(t.data<float>(), t.numel(), 0.0f);
+    } else if (name == "out_proj.weight") {
+      fill_uniform(t, rng, 1.0 / std::sqrt(static_cast<double>(embed_dim_)));  // kaiming_uniform(a=sqrt(5))
+    } else if (name == "bias_k" || name == "bias_v") {
+      const auto [fan_in, fan_out] = fans(t);
+      fill_normal(t, rng, std::sqrt(2.0 / (fan_in + fan_out)));  // xavier_normal
+    } else {
+      const auto [fan_in, fan_out] = fans(t);
+      fill_uniform(t, rng, std::sqrt(6.0 / (fan_in + fan_out)));  // xavier_uniform
+    }
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> MultiheadAttention::named_parameters() const { return params_; }
+
+Tensor MultiheadAttention::parameter(const std::string& name) const {
+  for (const auto& [n, t] : params_) {
+    if (n == name) return t;
+  }
+  std::string known;
+  for (const auto& [n, t] : params_) known += (known.empty() ? "" : ", ") + n;
+  throw Error("parameter: no parameter named '" + name + "' (this module has: " + known + ")");
+}
+
+void MultiheadAttention::load_state_dict(const std::unordered_map<std::string, TensorView>& state, bool strict) {
+  std::set<std::string> expected;
+  for (const auto& [name, t] : params_) expected.insert(name);
+  if (strict) {
+    std::string missing, unexpected;
+    for (const auto& name : expected)
+      if (!state.count(name)) missing += (missing.empty() ? "" : ", ") + name;
+    std::set<std::string> extra;
+    for (const auto& [name, v] : state)
+      if (!expected.count(name)) extra.insert(name);
+    for (const auto& name : extra) unexpected += (unexpected.empty() ? "" : ", ") + name;
+    if (!missing.empty() || !unexpected.empty()) {
+      throw Error("load_state_dict: missing keys [" + missing + "], unexpected keys [" + unexpected + "]");
+    }
+  }
+  // Check everything before changing anything, so a failed load leaves the module as it was.
+  for (const auto& [name, t] : params_) {
+    auto it = state.find(name);
+    if (it == state.end()) continue;
+    const TensorView& v = it->second;
+    if (v.sizes() != t.sizes()) {
+      throw Error("load_state_dict: '" + name + "' expected shape " + t.shape_str() + ", got " + v.shape_str());
+    }
+    if (v.dtype == DType::boolean) throw Error("load_state_dict: '" + name + "' expected a floating dtype, got bool");
+    if (v.numel() > 0 && v.data == nullptr) throw Error("load_state_dict: '" + name + "' has a null data pointer");
+  }
+  for (auto& [name, t] : params_) {
+    auto it = state.find(name);
+    if (it != state.end()) copy_into(it->second, t.view());
+  }
+}
+
+}  // namespace mha

@@ -1,0 +1,210 @@
+// The float64 reference. Each step is the seed formula written out with plain loops:
+//   scores = q k^T * scale + masks;  weights = softmax(scores);  weights = dropout(weights);
+//   out = weights v
+// No tiling, no online softmax, no tricks: it exists to be obviously right.
+#include "mha/reference.hpp"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/attention_problem.hpp"
+#include "core/dropout.hpp"
+#include "module/module_call.hpp"
+
+namespace mha::reference {
+namespace {
+
+using detail::AttentionProblem;
+
+double element(const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) {
+  const int64_t off = a * t.strides[0] + b * t.strides[1] + c * t.strides[2] + d * t.strides[3];
+  switch (t.dtype) {
+    case DType::f32: return t.data_as<float>()[off];
+    case DType::f64: return t.data_as<double>()[off];
+    case DType::bf16: return static_cast<float>(t.data_as<bfloat16>()[off]);
+    case DType::f16: return static_cast<float>(t.data_as<float16>()[off]);
+    case DType::boolean: break;
+  }
+  throw Error("reference: unexpected dtype");
+}
+
+// out: [B, Hq, Lq, Dv] and weights: [B, Hq, Lq, Lk], both contiguous float64.
+void attention(const AttentionProblem& p, double* out, double* weights) {
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  std::vector<double> scores(static_cast<size_t>(p.len_k));
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      const int64_t hk = h / p.group();  // the key/value head this query head reads
+      for (int64_t i = 0; i < p.len_q; ++i) {
+        // scores = q k^T * scale + masks, with causally hidden keys at -inf
+        for (int64_t j = 0; j < p.len_k; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < p.dim_qk; ++d) dot += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
+          double s = dot * p.scale;
+          for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias(b, h, i, j);
+          if (j >= p.causal_end(i)) s = neg_inf;
+          scores[j] = s;
+        }
+        // softmax; a row with no visible key gets all-zero weights (documented in sdpa.hpp)
+        double max = neg_inf;
+        for (double s : scores) max = std::max(max, s);
+        double sum = 0;
+        for (double& s : scores) {
+          s = max == neg_inf ? 0.0 : std::exp(s - max);
+          sum += s;
+        }
+        double* w = weights + ((b * p.heads_q + h) * p.len_q + i) * p.len_k;
+        for (int64_t j = 0; j < p.len_k; ++j) w[j] = sum > 0 ? scores[j] / sum : 0.0;
+        // dropout on the weights, rescaled by 1/(1-p)
+        if (p.dropout_p > 0) {
+          const auto key = detail::dropout_row_key(p.dropout_seed, static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i));
+          const uint32_t threshold = detail::dropout_threshold(p.dropout_p);
+          for (int64_t j = 0; j < p.len_k; ++j) {
+            const bool keep = p.dropout_p < 1 && detail::dropout_bits(key, static_cast<uint32_t>(j)) >= threshold;
+            w[j] = keep ? w[j] / (1.0 - p.dropout_p) : 0.0;
+          }
+        }
+        // out = weights v
+        double* o = out + ((b * p.heads_q + h) * p.len_q + i) * p.dim_v;
+        for (int64_t d = 0; d < p.dim_v; ++d) {
+          double acc = 0;
+          for (int64_t j = 0; j < p.len_k; ++j) acc += w[j] * element(p.v, b, hk, j, d);
+          o[d] = acc;
+        }
+      }
+    }
+  }
+}
+
+// y[n, l, :] = x[n, l, :] W^T + bias, in float64.
+Tensor linear(const TensorView& x, const TensorView& w, const Tensor* bias) {
+  const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], outf = w.shape[0];
+  Tensor y = Tensor::empty({N, L, outf}, DType::f64);
+  double* py = y.data<double>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t o = 0; o < outf; ++o) {
+        double acc = bias ? bias->at({o}) : 0.0;
+        for (int64_t c = 0; c < in; ++c) acc += x.at({n, l, c}) * w.at({o, c});
+        py[(n * L + l) * outf + o] = acc;
+      }
+  return y;
+}
+
+}  // namespace
+
+Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                                    const SdpaOptions& options) {
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/true);
+  Result r;
+  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), DType::f64);
+  r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k), DType::f64);
+  attention(p, r.output.data<double>(), r.weights.data<double>());
+  return r;
+}
+
+ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
+                                  const TensorView& value, const ForwardOptions& options, bool training) {
+  const detail::ModuleCall c = detail::validate_module_call(m, query, key, value, options);
+  const int64_t E = m.embed_dim(), H = m.num_heads(), hd = m.head_dim();
+  const int64_t N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
+  const bool bias = m.options().bias;
+
+  // 1. Projections, with W_q, W_k, W_v the row blocks of in_proj_weight when packed.
+  Tensor wq, wk, wv;
+  if (m.qkv_same_embed_dim()) {
+    const Tensor w = m.parameter("in_proj_weight");
+    wq = Tensor::copy_of(w.view().slice(0, 0, E));
+    wk = Tensor::copy_of(w.view().slice(0, E, 2 * E));
+    wv = Tensor::copy_of(w.view().slice(0, 2 * E, 3 * E));
+  } else {
+    wq = m.parameter("q_proj_weight");
+    wk = m.parameter("k_proj_weight");
+    wv = m.parameter("v_proj_weight");
+  }
+  Tensor bq, bk, bv;
+  if (bias) {
+    const Tensor b = m.parameter("in_proj_bias");
+    bq = Tensor::copy_of(b.view().slice(0, 0, E));
+    bk = Tensor::copy_of(b.view().slice(0, E, 2 * E));
+    bv = Tensor::copy_of(b.view().slice(0, 2 * E, 3 * E));
+  }
+  const Tensor q = linear(c.query, wq, bias ? &bq : nullptr);  // [N, L, E]
+  const Tensor k = linear(c.key, wk, bias ? &bk : nullptr);    // [N, S, E]
+  const Tensor v = linear(c.value, wv, bias ? &bv : nullptr);
+
+  // 2. Append bias_k / bias_v, then a zero key/value, along the sequence.
+  Tensor k_all = Tensor::zeros({N, St, E}, DType::f64), v_all = Tensor::zeros({N, St, E}, DType::f64);
+  copy_into(k, k_all.view().slice(1, 0, S));
+  copy_into(v, v_all.view().slice(1, 0, S));
+  if (m.options().add_bias_kv) {
+    const Tensor bk_row = m.parameter("bias_k"), bv_row = m.parameter("bias_v");
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) {
+        k_all.data<double>()[(n * St + S) * E + e] = bk_row.at({0, 0, e});
+        v_all.data<double>()[(n * St + S) * E + e] = bv_row.at({0, 0, e});
+      }
+  }  // the zero_attn column stays zero
+
+  // 3. Split into heads: [N, L, E] -> [N, H, L, hd], and attend per head with the module's masks.
+  AttentionProblem p;
+  p.batch = N;
+  p.heads_q = p.heads_kv = H;
+  p.len_q = L;
+  p.len_k = St;
+  p.dim_qk = p.dim_v = hd;
+  p.q = q.view().split_dim(2, H).transpose(1, 2);
+  p.k = k_all.view().split_dim(2, H).transpose(1, 2);
+  p.v = v_all.view().split_dim(2, H).transpose(1, 2);
+  detail::MaskTerms masks = detail::module_mask_terms(c, H);
+  for (int i = 0; i < masks.count; ++i) p.add_mask(masks.terms[i]);
+  p.causal = c.causal;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  p.dropout_p = training ? m.options().dropout : 0.0;
+  if (p.dropout_p > 0) {
+    if (!options.dropout_seed) throw Error("reference::multihead_attention: dropout needs options.dropout_seed");
+    p.dropout_seed = *options.dropout_seed;
+  }
+  Tensor heads = Tensor::empty({N, H, L, hd}, DType::f64);
+  Tensor weights = Tensor::empty({N, H, L, St}, DType::f64);
+  attention(p, heads.data<double>(), weights.data<double>());
+
+  // 4. Concatenate heads and project: out = concat(heads) W_o^T + b_o.
+  Tensor merged = Tensor::empty({N, L, E}, DType::f64);
+  copy_into(heads.view().transpose(1, 2), merged.view().split_dim(2, H));
+  const Tensor wo = m.parameter("out_proj.weight");
+  Tensor bo;
+  if (bias) bo = m.parameter("out_proj.bias");
+  const Tensor out = linear(merged, wo, bias ? &bo : nullptr);  // [N, L, E]
+
+  ForwardResult r;
+  const Shape out_shape = detail::module_output_shape(c, m, m.options().batch_first);
+  r.output = Tensor::empty(out_shape, DType::f64);
+  TensorView out_nle = r.output.view();
+  if (!c.batched) out_nle = out_nle.unsqueeze(0);
+  else if (!m.options().batch_first) out_nle = out_nle.transpose(0, 1);
+  copy_into(out, out_nle);
+
+  if (options.need_weights) {
+    Tensor w = Tensor::empty(detail::module_weights_shape(c, H, options.average_attn_weights), DType::f64);
+    double* pw = w.data<double>();
+    const double* pa = weights.data<double>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < L; ++i)
+          for (int64_t j = 0; j < St; ++j) {
+            const double a = pa[((n * H + h) * L + i) * St + j];
+            if (options.average_attn_weights) {
+              double& dst = pw[(n * L + i) * St + j];
+              dst = (h == 0 ? 0.0 : dst) + a / static_cast<double>(H);
+            } else {
+              pw[((n * H + h) * L + i) * St + j] = a;
+            }
+          }
+    r.weights = w;
+  }
+  return r;
+}
+
+}  // namespace mha::reference
