@@ -65,11 +65,26 @@ struct FlashForward {
 
   static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-  static float mask_bias(const MaskTerm& t, int64_t b, int64_t h, int64_t i, int64_t j) {
-    const int64_t off = b * t.strides[0] + h * t.strides[1] + i * t.strides[2] + j * t.strides[3];
-    if (t.kind == MaskKind::additive) return static_cast<const float*>(t.data)[off];
-    const bool v = static_cast<const bool*>(t.data)[off];
-    return v == (t.kind == MaskKind::keep_if_true) ? 0.0f : -std::numeric_limits<float>::infinity();
+  // S^T[jj][ii] += log2(e) * mask(b, h, i0 + ii, j0 + jj): a mask is added element by element,
+  // along its rows (the order in which masks are usually contiguous), one loop per kind.
+  static void add_mask(const MaskTerm& t, float* st, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+                       int64_t nb) {
+    const int64_t sj = t.strides[3];
+    const int64_t base = b * t.strides[0] + h * t.strides[1] + j0 * sj;
+    for (int64_t ii = 0; ii < rows; ++ii) {
+      const int64_t off = base + (i0 + ii) * t.strides[2];
+      float* col = st + ii;
+      if (t.kind == MaskKind::additive) {
+        const float* m = static_cast<const float*>(t.data) + off;
+        for (int64_t jj = 0; jj < nb; ++jj) col[jj * kBlockQ] += kLog2e * m[jj * sj];
+      } else {
+        const uint8_t* m = static_cast<const uint8_t*>(t.data) + off;
+        const float neg_inf = -std::numeric_limits<float>::infinity();
+        const bool keep_if_true = t.kind == MaskKind::keep_if_true;
+        const float bias[2] = {keep_if_true ? neg_inf : 0.0f, keep_if_true ? 0.0f : neg_inf};  // a lookup, no branch
+        for (int64_t jj = 0; jj < nb; ++jj) col[jj * kBlockQ] += bias[m[jj * sj] != 0];
+      }
+    }
   }
 
   static U mix32(U x) {
@@ -180,11 +195,7 @@ struct FlashForward {
       }
       for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) qk_tile(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk);
 
-      for (int t = 0; t < p.num_masks; ++t) {  // general masks, element by element
-        for (int64_t jj = 0; jj < nb; ++jj)
-          for (int64_t ii = 0; ii < rows; ++ii)
-            s.st[jj * kBlockQ + ii] += kLog2e * mask_bias(p.masks[t], b, h, i0 + ii, j0 + jj);
-      }
+      for (int t = 0; t < p.num_masks; ++t) add_mask(p.masks[t], s.st, b, h, i0, rows, j0, nb);
       if (j0 + nbp > clean_end) {  // some (query, key) pairs are past causality or Lk
         const F minus_inf = S::set1(neg_inf);
         for (int64_t jj = 0; jj < nbp; ++jj) {

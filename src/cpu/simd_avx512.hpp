@@ -27,11 +27,14 @@ struct Avx512 {
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
   static bool all(M m) { return m == 0xffff; }
 
-  // 2^x. x is clamped to [-150, 128]: below, the result is 0 (-inf gives 0, not NaN). With n the
-  // nearest integer and f = x - n in [-0.5, 0.5], 2^f is its degree-7 Taylor polynomial (truncation
-  // error < 5e-9 relative, below float rounding), scaled by 2^n exactly with vscalefps.
+  // 2^x, with results below 2^-100 flushed to zero: they cannot change a softmax whose largest
+  // term is 1, and letting them reach the subnormal range costs a microcode assist per lane (a
+  // masked score, -inf, would otherwise land there). With n the nearest integer to x and
+  // f = x - n in [-0.5, 0.5], 2^f is its degree-7 Taylor polynomial (truncation error < 5e-9
+  // relative, below float rounding), scaled by 2^n exactly with vscalefps.
   static F exp2(F x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    const M tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.0f), _CMP_LT_OQ);  // also true for -inf
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
     x = _mm512_min_ps(x, _mm512_set1_ps(128.0f));
     const F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm512_sub_ps(x, n);
@@ -43,7 +46,7 @@ struct Avx512 {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_scalef_ps(static_cast<M>(~tiny), p, n);
   }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
 

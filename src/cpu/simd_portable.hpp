@@ -31,7 +31,8 @@ struct Portable {
   static M eq(F a, F b) { M m = 0; MHA_LANES m |= static_cast<M>(a.v[i] == b.v[i]) << i; return m; }
   static M gt(F a, F b) { M m = 0; MHA_LANES m |= static_cast<M>(a.v[i] > b.v[i]) << i; return m; }
   static bool all(M m) { return m == 0xffffu; }
-  static F exp2(F x) { F r; MHA_LANES r.v[i] = std::exp2(x.v[i]); return r; }
+  // 2^x; below 2^-100 flushed to zero, as in the AVX-512 layer.
+  static F exp2(F x) { F r; MHA_LANES r.v[i] = x.v[i] < -100.0f ? 0.0f : std::exp2(x.v[i]); return r; }
   static float reduce_max(F a) { float m = a.v[0]; MHA_LANES m = a.v[i] > m ? a.v[i] : m; return m; }
 
   static U load_u(const uint32_t* p) { U r; MHA_LANES r.v[i] = p[i]; return r; }
