@@ -38,8 +38,10 @@ struct ForwardOptions {
   bool need_weights = true;
   std::optional<TensorView> attn_mask;  // [L, S] or [N * num_heads, L, S]; bool or float32
   bool average_attn_weights = true;     // weights [N, L, S] (mean over heads) or [N, H, L, S]
-  // Applies a top-left causal mask. PyTorch treats is_causal as a hint that attn_mask is causal
-  // and requires attn_mask with it; here attn_mask is optional and, if given, applies as well.
+  // Applies a top-left causal mask over the L x S keys given (the bias_k and zero-attention
+  // columns stay visible, as they do for a causal attn_mask in PyTorch). PyTorch treats is_causal
+  // as a hint that attn_mask is causal and requires attn_mask with it; here attn_mask is optional
+  // and, if given, applies as well.
   bool is_causal = false;
   std::optional<uint64_t> dropout_seed;  // default: the module's stream, advanced per call
   int num_threads = 0;                   // 0: the library's setting

@@ -38,7 +38,7 @@ struct MaskTerm {
 struct AttentionProblem {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_k = 0, dim_qk = 0, dim_v = 0;
   TensorView q, k, v;  // [B, H, L, D] views, any strides
-  std::array<MaskTerm, 2> masks{};
+  std::array<MaskTerm, 3> masks{};
   int num_masks = 0;
   bool causal = false;
   int64_t causal_offset = 0;  // query i sees key j iff j <= i + causal_offset

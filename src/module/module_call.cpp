@@ -145,6 +145,20 @@ MaskTerms module_mask_terms(const ModuleCall& c, int64_t num_heads) {
     t.strides = st;
     out.terms[out.count++] = t;
   }
+  out.causal = c.causal && c.extra_keys == 0;
+  if (c.causal && c.extra_keys > 0) {
+    const int64_t L = c.len_q, St = c.total_keys();
+    Tensor hidden = Tensor::zeros({L, St}, DType::boolean);  // true: masked out
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = i + 1; j < c.len_k; ++j) hidden.data<bool>()[i * St + j] = true;
+    out.storage.push_back(hidden);
+    MaskTerm t;
+    t.data = hidden.data<bool>();
+    t.dtype = DType::boolean;
+    t.kind = MaskKind::drop_if_true;
+    t.strides = {0, 0, St, 1};
+    out.terms[out.count++] = t;
+  }
   return out;
 }
 

@@ -29,10 +29,13 @@ ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& q
 
 // The masks as terms over the total_keys() columns. Where extra key columns exist, the masks are
 // copied with those columns set to "attend" (as PyTorch pads them) into `storage`, which must
-// outlive the returned terms.
+// outlive the returned terms. Causality is the kernel's (`causal`) when there are no extra
+// columns; with them it becomes a mask too, since PyTorch's causal attn_mask is padded like any
+// other and leaves the bias_k and zero-attention columns visible to every query.
 struct MaskTerms {
-  std::array<MaskTerm, 2> terms{};
+  std::array<MaskTerm, 3> terms{};
   int count = 0;
+  bool causal = false;
   std::vector<Tensor> storage;
 };
 MaskTerms module_mask_terms(const ModuleCall& call, int64_t num_heads);

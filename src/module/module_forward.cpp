@@ -98,7 +98,7 @@ ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorV
   p.v = v.split_dim(2, H).transpose(1, 2);
   const detail::MaskTerms masks = detail::module_mask_terms(c, H);
   for (int i = 0; i < masks.count; ++i) p.add_mask(masks.terms[i]);
-  p.causal = c.causal;
+  p.causal = masks.causal;
   p.scale = 1.0 / std::sqrt(static_cast<double>(hd));
   p.dropout_p = training_ ? options_.dropout : 0.0;
   if (p.dropout_p > 0) {

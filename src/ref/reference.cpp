@@ -159,7 +159,7 @@ ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView&
   p.v = v_all.view().split_dim(2, H).transpose(1, 2);
   detail::MaskTerms masks = detail::module_mask_terms(c, H);
   for (int i = 0; i < masks.count; ++i) p.add_mask(masks.terms[i]);
-  p.causal = c.causal;
+  p.causal = masks.causal;
   p.scale = 1.0 / std::sqrt(static_cast<double>(hd));
   p.dropout_p = training ? m.options().dropout : 0.0;
   if (p.dropout_p > 0) {
