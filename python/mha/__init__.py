@@ -1,0 +1,192 @@
+"""mha: multi-head attention with PyTorch's semantics, on a fused C++ CPU kernel.
+
+The API mirrors PyTorch's, so that either can stand in for the other::
+
+    import mha
+    m = mha.MultiheadAttention(embed_dim, num_heads, batch_first=True)
+    m.load_state_dict(torch_module.state_dict())
+    out, weights = m(query, key, value, key_padding_mask=mask)
+    o = mha.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+Inputs are numpy arrays or CPU torch tensors, of any strides, read without copies. Outputs are of
+the kind of the query: numpy in, numpy out; torch in, torch out.
+"""
+
+from __future__ import annotations
+
+import random as _random
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import numpy as _np
+
+from . import _mha
+
+__all__ = [
+    "MultiheadAttention",
+    "scaled_dot_product_attention",
+    "set_num_threads",
+    "get_num_threads",
+    "cpu_isa",
+]
+
+set_num_threads = _mha.set_num_threads
+get_num_threads = _mha.get_num_threads
+cpu_isa = _mha.cpu_isa
+
+
+def _torch():
+    try:
+        import torch  # noqa: PLC0415 - optional dependency
+    except ImportError:  # pragma: no cover - torch is optional
+        return None
+    return torch
+
+
+def _is_torch(x: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _as_array(x: Any, name: str, allow_none: bool = False):
+    """An object the extension reads without a copy: a numpy array or a CPU torch tensor."""
+    if x is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name}: expected a numpy array or a torch tensor, got None")
+    if isinstance(x, _np.ndarray):
+        return x
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU tensor, got one on device '{x.device}'")
+        return x.detach()
+    if isinstance(x, (list, tuple, float, int)):
+        raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}; "
+                        "wrap it with numpy.asarray(..., dtype=numpy.float32)")
+    raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _like(template: Any, array: Optional[_np.ndarray]):
+    """The output in the kind of the input: a torch tensor sharing memory, or the numpy array."""
+    if array is None or not _is_torch(template):
+        return array
+    return _torch().from_numpy(array)
+
+
+def _new_seed() -> int:
+    return _random.getrandbits(64)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False, *, dropout_seed: Optional[int] = None,
+                                 causal_alignment: str = "top_left", need_weights: bool = False,
+                                 num_threads: int = 0):
+    """torch.nn.functional.scaled_dot_product_attention on the fused kernel.
+
+    query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev].
+    attn_mask: bool (True = attend) or float (added to the scores), broadcastable to [..., Hq, L, S].
+    is_causal may be combined with attn_mask (a key must pass both). causal_alignment is
+    "top_left" (PyTorch's) or "bottom_right" (the last query sees every key). Fully masked rows
+    give zeros. dropout_seed fixes the dropout mask (a fresh one is drawn when None).
+    With need_weights=True, returns (output, weights) instead of the output.
+    """
+    q = _as_array(query, "query")
+    k = _as_array(key, "key")
+    v = _as_array(value, "value")
+    m = _as_array(attn_mask, "attn_mask", allow_none=True)
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    if dropout_seed is None:
+        dropout_seed = _new_seed() if dropout_p > 0 else 0
+    out, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
+                             None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
+                             bool(need_weights), causal_alignment == "bottom_right", int(num_threads))
+    if need_weights:
+        return _like(query, out), _like(query, weights)
+    return _like(query, out)
+
+
+class MultiheadAttention:
+    """torch.nn.MultiheadAttention on the fused kernel: the same arguments, parameter names,
+    mask conventions (bool True = masked out) and results.
+
+    `seed` sets the initialisation (PyTorch's scheme: xavier-uniform projections, zero biases) and
+    the dropout stream. Like a PyTorch module it starts in training mode; call eval() for inference.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, batch_first: bool = False, *, seed: Optional[int] = None):
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if not isinstance(value, (int, _np.integer)) or isinstance(value, bool):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        self._m = _mha._Module(int(embed_dim), int(num_heads), float(dropout), bool(bias), bool(add_bias_kv),
+                               bool(add_zero_attn), None if kdim is None else int(kdim),
+                               None if vdim is None else int(vdim), bool(batch_first),
+                               _new_seed() if seed is None else int(seed))
+        self.dropout = float(dropout)
+        self.bias = bool(bias)
+        self.add_bias_kv = bool(add_bias_kv)
+        self.add_zero_attn = bool(add_zero_attn)
+        self.batch_first = bool(batch_first)
+
+    embed_dim = property(lambda self: self._m.embed_dim)
+    num_heads = property(lambda self: self._m.num_heads)
+    head_dim = property(lambda self: self._m.head_dim)
+    kdim = property(lambda self: self._m.kdim)
+    vdim = property(lambda self: self._m.vdim)
+    training = property(lambda self: self._m.training)
+
+    def train(self, mode: bool = True) -> "MultiheadAttention":
+        self._m.train(bool(mode))
+        return self
+
+    def eval(self) -> "MultiheadAttention":
+        return self.train(False)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
+                average_attn_weights: bool = True, is_causal: bool = False, *, dropout_seed: Optional[int] = None,
+                num_threads: int = 0) -> Tuple[Any, Optional[Any]]:
+        """Returns (attn_output, attn_weights); attn_weights is None when need_weights is False."""
+        out, weights = self._m.forward(
+            _as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"),
+            _as_array(key_padding_mask, "key_padding_mask", allow_none=True), bool(need_weights),
+            _as_array(attn_mask, "attn_mask", allow_none=True), bool(average_attn_weights), bool(is_causal),
+            dropout_seed, int(num_threads))
+        return _like(query, out), _like(query, weights)
+
+    __call__ = forward
+
+    def state_dict(self) -> Dict[str, _np.ndarray]:
+        """Parameters by PyTorch's names, as numpy arrays (copies)."""
+        return dict(self._m.parameters())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Copies values in from numpy arrays or torch tensors, checking names and shapes."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        arrays = {}
+        for name, value in state_dict.items():
+            if _is_torch(value):
+                value = value.detach().cpu().to(_torch().float32).contiguous()
+            arrays[name] = _as_array(value, f"state_dict['{name}']")
+        self._m.load_state_dict(arrays, bool(strict))
+
+    @classmethod
+    def from_torch(cls, module) -> "MultiheadAttention":
+        """A module with the options, weights and training mode of a torch.nn.MultiheadAttention."""
+        torch = _torch()
+        if torch is None or not isinstance(module, torch.nn.MultiheadAttention):
+            raise TypeError(f"module: expected a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        m = cls(module.embed_dim, module.num_heads, dropout=module.dropout, bias=module.in_proj_bias is not None,
+                add_bias_kv=module.bias_k is not None, add_zero_attn=module.add_zero_attn, kdim=module.kdim,
+                vdim=module.vdim, batch_first=module.batch_first)
+        m.load_state_dict(module.state_dict())
+        m.train(module.training)
+        return m
+
+    def __repr__(self) -> str:
+        return (f"mha.MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"dropout={self.dropout}, bias={self.bias}, add_bias_kv={self.add_bias_kv}, "
+                f"add_zero_attn={self.add_zero_attn}, kdim={self.kdim}, vdim={self.vdim}, "
+                f"batch_first={self.batch_first})")

@@ -1,0 +1,183 @@
+// The Python extension `mha._mha`: thin bindings over the C++ API. Argument conversion, PyTorch
+// interop and the friendly signatures live in python/mha/__init__.py; this file only moves
+// arrays in and out without copies and releases the GIL while the library computes.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unordered_map.h>
+#include <nanobind/stl/vector.h>
+
+#include <mha/mha.hpp>
+
+#include <optional>
+#include <string>
+
+namespace nb = nanobind;
+
+namespace {
+
+using Array = nb::ndarray<nb::ro, nb::device::cpu>;
+using NumpyArray = nb::ndarray<nb::numpy>;
+
+mha::DType to_dtype(const nb::dlpack::dtype& t, const std::string& name) {
+  if (t == nb::dtype<float>()) return mha::DType::f32;
+  if (t == nb::dtype<double>()) return mha::DType::f64;
+  if (t == nb::dtype<bool>()) return mha::DType::boolean;
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return mha::DType::bf16;
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16) return mha::DType::f16;
+  throw nb::type_error((name + ": unsupported dtype (expected float32, float64, bfloat16, float16 or bool)").c_str());
+}
+
+// A view of the caller's memory, strides and all: no copy.
+mha::TensorView view_of(const Array& a, const std::string& name) {
+  if (a.ndim() > static_cast<size_t>(mha::kMaxDims)) {
+    throw nb::value_error((name + ": at most " + std::to_string(mha::kMaxDims) + " dimensions are supported").c_str());
+  }
+  mha::Shape shape(a.ndim()), strides(a.ndim());
+  for (size_t d = 0; d < a.ndim(); ++d) {
+    shape[d] = static_cast<int64_t>(a.shape(d));
+    strides[d] = a.stride(d);
+    if (strides[d] < 0) throw nb::value_error((name + ": negative strides are not supported").c_str());
+  }
+  return mha::TensorView(a.data(), to_dtype(a.dtype(), name), shape, strides);
+}
+
+std::optional<mha::TensorView> optional_view(const std::optional<Array>& a, const std::string& name) {
+  if (!a) return std::nullopt;
+  return view_of(*a, name);
+}
+
+// Hands a Tensor to numpy without copying: the capsule keeps its storage alive.
+NumpyArray to_numpy(const mha::Tensor& t) {
+  auto* owner = new mha::Tensor(t);
+  nb::capsule keep(owner, [](void* p) noexcept { delete static_cast<mha::Tensor*>(p); });
+  std::vector<size_t> shape(t.ndim());
+  for (int d = 0; d < t.ndim(); ++d) shape[d] = static_cast<size_t>(t.size(d));
+  nb::dlpack::dtype dt = t.dtype() == mha::DType::f64 ? nb::dtype<double>() : nb::dtype<float>();
+  return NumpyArray(t.view().data, t.ndim(), shape.data(), keep, nullptr, dt);
+}
+
+using ForwardReturn = std::pair<NumpyArray, std::optional<NumpyArray>>;
+
+ForwardReturn module_forward(const mha::MultiheadAttention& m, const Array& query, const Array& key,
+                             const Array& value, const std::optional<Array>& key_padding_mask, bool need_weights,
+                             const std::optional<Array>& attn_mask, bool average_attn_weights, bool is_causal,
+                             std::optional<uint64_t> dropout_seed, int num_threads) {
+  mha::ForwardOptions o;
+  o.key_padding_mask = optional_view(key_padding_mask, "key_padding_mask");
+  o.need_weights = need_weights;
+  o.attn_mask = optional_view(attn_mask, "attn_mask");
+  o.average_attn_weights = average_attn_weights;
+  o.is_causal = is_causal;
+  o.dropout_seed = dropout_seed;
+  o.num_threads = num_threads;
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  mha::ForwardResult r;
+  {
+    nb::gil_scoped_release release;  // the arrays above keep the inputs alive meanwhile
+    r = m.forward(q, k, v, o);
+  }
+  std::optional<NumpyArray> w;
+  if (r.weights) w = to_numpy(*r.weights);
+  return {to_numpy(r.output), w};
+}
+
+ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, const std::optional<Array>& attn_mask,
+                   double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
+                   bool need_weights, bool bottom_right, int num_threads) {
+  mha::SdpaOptions o;
+  o.attn_mask = optional_view(attn_mask, "attn_mask");
+  o.dropout_p = dropout_p;
+  o.is_causal = is_causal;
+  o.causal_alignment = bottom_right ? mha::CausalAlignment::BottomRight : mha::CausalAlignment::TopLeft;
+  o.scale = scale;
+  o.enable_gqa = enable_gqa;
+  o.dropout_seed = dropout_seed;
+  o.num_threads = num_threads;
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  if (need_weights) {
+    mha::AttentionWithWeights r;
+    {
+      nb::gil_scoped_release release;
+      r = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    }
+    return {to_numpy(r.output), to_numpy(r.weights)};
+  }
+  mha::Tensor out;
+  {
+    nb::gil_scoped_release release;
+    out = mha::scaled_dot_product_attention(q, k, v, o);
+  }
+  return {to_numpy(out), std::nullopt};
+}
+
+}  // namespace
+
+NB_MODULE(_mha, m) {
+  m.doc() = "Low-level bindings of the mha C++ library; use the `mha` package's functions instead.";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const mha::Error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  nb::class_<mha::MultiheadAttention>(m, "_Module")
+      .def(
+          "__init__",
+          [](mha::MultiheadAttention* self, int64_t embed_dim, int64_t num_heads, double dropout, bool bias,
+             bool add_bias_kv, bool add_zero_attn, std::optional<int64_t> kdim, std::optional<int64_t> vdim,
+             bool batch_first, uint64_t seed) {
+            mha::MultiheadAttentionOptions o;
+            o.dropout = dropout;
+            o.bias = bias;
+            o.add_bias_kv = add_bias_kv;
+            o.add_zero_attn = add_zero_attn;
+            o.kdim = kdim;
+            o.vdim = vdim;
+            o.batch_first = batch_first;
+            o.seed = seed;
+            new (self) mha::MultiheadAttention(embed_dim, num_heads, o);
+          },
+          nb::arg("embed_dim"), nb::arg("num_heads"), nb::arg("dropout"), nb::arg("bias"), nb::arg("add_bias_kv"),
+          nb::arg("add_zero_attn"), nb::arg("kdim").none(), nb::arg("vdim").none(), nb::arg("batch_first"),
+          nb::arg("seed"))
+      .def("forward", &module_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+           nb::arg("key_padding_mask").none(), nb::arg("need_weights"), nb::arg("attn_mask").none(),
+           nb::arg("average_attn_weights"), nb::arg("is_causal"), nb::arg("dropout_seed").none(),
+           nb::arg("num_threads"))
+      .def("train", &mha::MultiheadAttention::train, nb::arg("on"))
+      .def_prop_ro("training", &mha::MultiheadAttention::is_training)
+      .def_prop_ro("embed_dim", &mha::MultiheadAttention::embed_dim)
+      .def_prop_ro("num_heads", &mha::MultiheadAttention::num_heads)
+      .def_prop_ro("head_dim", &mha::MultiheadAttention::head_dim)
+      .def_prop_ro("kdim", &mha::MultiheadAttention::kdim)
+      .def_prop_ro("vdim", &mha::MultiheadAttention::vdim)
+      .def("parameters",
+           [](const mha::MultiheadAttention& self) {
+             std::vector<std::pair<std::string, NumpyArray>> out;
+             for (const auto& [name, t] : self.named_parameters()) out.emplace_back(name, to_numpy(t.clone()));
+             return out;
+           })
+      .def(
+          "load_state_dict",
+          [](mha::MultiheadAttention& self, const std::unordered_map<std::string, Array>& state, bool strict) {
+            std::unordered_map<std::string, mha::TensorView> views;
+            for (const auto& [name, a] : state) views.emplace(name, view_of(a, name));
+            self.load_state_dict(views, strict);
+          },
+          nb::arg("state"), nb::arg("strict"))
+      .def("reset_parameters", &mha::MultiheadAttention::reset_parameters, nb::arg("seed"));
+
+  m.def("sdpa", &sdpa, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
+        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
+        nb::arg("dropout_seed"), nb::arg("need_weights"), nb::arg("bottom_right"), nb::arg("num_threads"));
+  m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
+  m.def("get_num_threads", &mha::get_num_threads);
+  m.def("cpu_isa", &mha::cpu_isa);
+}
