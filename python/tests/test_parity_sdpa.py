@@ -1,0 +1,139 @@
+"""mha.scaled_dot_product_attention against torch.nn.functional.scaled_dot_product_attention.
+
+Random configurations over ranks 2 to 4, grouped-query attention (enable_gqa), scale, bool and
+float masks broadcast from every rank, Lq != Lk, d_k != d_v, causal masks in both alignments
+(PyTorch's bottom-right one is torch.nn.attention.bias.causal_lower_right), causal combined with a
+mask, and non-contiguous inputs. PyTorch in float64 is the reference, ours in float32, tolerance
+1e-5 of the largest reference magnitude. Fully masked rows must be zero in ours (documented);
+PyTorch's result there (NaN or zero, depending on its backend) is not compared.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+import mha
+
+TOL = 1e-5
+
+
+def maybe_strided(rng, x):
+    if x.ndim >= 3 and rng.random() < 0.3:
+        return np.ascontiguousarray(x.swapaxes(-3, -2)).swapaxes(-3, -2)  # [B, L, H, D] storage
+    if rng.random() < 0.15:
+        padded = np.zeros(x.shape[:-1] + (x.shape[-1] * 2,), dtype=x.dtype)
+        padded[..., ::2] = x
+        return padded[..., ::2]
+    return x
+
+
+def draw(rng):
+    rank = int(rng.integers(2, 5))
+    gqa = rank >= 3 and rng.random() < 0.4
+    hkv = int(rng.integers(1, 4))
+    hq = hkv * int(rng.integers(1, 4)) if gqa else hkv
+    c = dict(rank=rank, gqa=gqa, B=int(rng.integers(1, 4)), Hq=hq, Hkv=hkv, Lq=int(rng.integers(1, 40)),
+             Lk=int(rng.integers(1, 40)), Dk=int(rng.integers(1, 40)), Dv=int(rng.integers(1, 40)),
+             scale=float(rng.uniform(0.05, 1.0)) if rng.random() < 0.3 else None,
+             causal=str(rng.choice(["none", "none", "top_left", "bottom_right"])),
+             mask=str(rng.choice(["none", "bool", "float"])), mask_rank=int(rng.integers(1, rank + 1)))
+    if rng.random() < 0.3:
+        c["Lk"] = c["Lq"]
+    return c
+
+
+def shape(c, heads, length, dim):
+    full = (c["B"], heads, length, dim)
+    return full[4 - c["rank"]:]
+
+
+def run_one(rng, c):
+    q = rng.standard_normal(shape(c, c["Hq"], c["Lq"], c["Dk"])).astype(np.float32)
+    k = rng.standard_normal(shape(c, c["Hkv"], c["Lk"], c["Dk"])).astype(np.float32)
+    v = rng.standard_normal(shape(c, c["Hkv"], c["Lk"], c["Dv"])).astype(np.float32)
+    full_mask_shape = shape(c, c["Hq"], c["Lq"], c["Lk"])
+    mask = None
+    if c["mask"] != "none":
+        # Broadcast from a lower rank, with random size-1 dimensions.
+        mshape = [s if rng.random() < 0.7 else 1 for s in full_mask_shape[len(full_mask_shape) - c["mask_rank"]:]]
+        if c["mask"] == "bool":
+            mask = rng.random(mshape) < 0.8  # True = attend
+        else:
+            mask = rng.standard_normal(mshape).astype(np.float32)
+            mask[rng.random(mshape) < 0.1] = -np.inf
+
+    # The reference: PyTorch in float64, with causality (and any mask) as one explicit mask.
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).double()  # noqa: E731
+    ref_mask = None if mask is None else torch.from_numpy(np.ascontiguousarray(mask))
+    if ref_mask is not None and ref_mask.dtype != torch.bool:
+        ref_mask = ref_mask.double()
+    visible = None
+    if c["causal"] != "none":
+        Lq, Lk = c["Lq"], c["Lk"]
+        if c["causal"] == "top_left":
+            visible = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+        else:
+            visible = causal_lower_right(Lq, Lk)._materialize()
+        if ref_mask is None:
+            ref_mask = visible
+        elif ref_mask.dtype == torch.bool:
+            ref_mask = ref_mask & visible
+        else:
+            ref_mask = torch.where(visible, ref_mask, torch.tensor(-np.inf, dtype=torch.float64))
+    if ref_mask is not None:  # PyTorch wants at least 2 mask dimensions; ours broadcasts any rank
+        ref_mask = ref_mask.expand(full_mask_shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=ref_mask, scale=c["scale"],
+                                             enable_gqa=c["gqa"]).numpy()
+    # Which query rows have no visible key at all.
+    if ref_mask is None:
+        dead = np.zeros(ref.shape[:-1], dtype=bool)
+    else:
+        m = ref_mask.numpy()
+        alive = m if m.dtype == bool else ~np.isneginf(m)
+        dead = ~np.broadcast_to(alive, full_mask_shape).any(-1)
+
+    out, w = mha.scaled_dot_product_attention(
+        maybe_strided(rng, q), maybe_strided(rng, k), maybe_strided(rng, v), attn_mask=mask,
+        is_causal=c["causal"] != "none", scale=c["scale"], enable_gqa=c["gqa"],
+        causal_alignment=c["causal"] if c["causal"] != "none" else "top_left", need_weights=True)
+    assert out.shape == ref.shape and out.dtype == np.float32, c
+    assert not np.isnan(out).any(), f"NaN in our output for {c}"
+    assert np.all(out[dead] == 0), f"fully masked rows are not zero for {c}"
+    assert np.all(w[dead] == 0), f"fully masked weight rows are not zero for {c}"
+    live = ~dead
+    if live.any():
+        err = np.abs(out[live] - ref[live]).max() / max(np.abs(ref[live]).max(), 1e-30)
+        assert err <= TOL, f"relative error {err:.3e} > {TOL} for {c}"
+        sums = w.sum(-1)[live]
+        assert np.allclose(sums, 1.0, atol=1e-5), f"weights do not sum to 1 for {c}"
+
+
+CHUNKS = 10
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_sdpa_matches_torch(chunk, parity_seed, parity_count):
+    rng = np.random.default_rng([parity_seed, 2, chunk])
+    n = parity_count // CHUNKS + (chunk < parity_count % CHUNKS)
+    for _ in range(n):
+        run_one(rng, draw(rng))
+
+
+def test_torch_in_torch_out_and_errors():
+    q = torch.randn(2, 3, 5, 8)
+    out = mha.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 3, 5, 8)
+    ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), is_causal=True)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        mha.scaled_dot_product_attention(q, torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), enable_gqa=True)
+    with pytest.raises(TypeError):
+        mha.scaled_dot_product_attention([1.0], q, q)
+    with pytest.raises(ValueError, match="dropout_p"):
+        mha.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
