@@ -3,7 +3,8 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test deps configure build bench clean
+.PHONY: demo test test-cpp test-python parity-long python deps configure build bench clean
+PARITY_COUNT ?= 2000
 
 deps:
 	@bash scripts/install-deps.sh
@@ -17,8 +18,20 @@ build: configure
 demo: build
 	@$(BUILD)/tools/mha demo
 
-test: build
+test: test-cpp test-python
+
+test-cpp: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+python: deps
+	@bash scripts/python-env.sh
+
+# The Python package against PyTorch: PARITY_COUNT random configurations per parity test.
+test-python: python
+	@$(BUILD)/venv/bin/python -m pytest -q -W ignore::UserWarning python/tests --parity-count $(PARITY_COUNT)
+
+parity-long: python
+	@$(BUILD)/venv/bin/python -m pytest -q -W ignore::UserWarning python/tests --parity-count 50000
 
 bench: build
 	@$(BUILD)/bench/mha_bench --benchmark_min_time=0.5
