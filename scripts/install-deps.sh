@@ -10,6 +10,7 @@ packages=(
   libbenchmark-dev     # bench/
   libcli11-dev         # the mha command line
   libpng-dev           # attention-weight pictures from `mha demo`
+  nlohmann-json3-dev   # safetensors headers (JSON)
 )
 
 missing=()

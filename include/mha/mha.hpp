@@ -3,6 +3,7 @@
 
 #include "mha/dtype.hpp"
 #include "mha/error.hpp"
+#include "mha/io.hpp"
 #include "mha/multihead_attention.hpp"
 #include "mha/reference.hpp"
 #include "mha/sdpa.hpp"

@@ -55,6 +55,12 @@ struct ForwardResult {
 class MultiheadAttention {
  public:
   MultiheadAttention(int64_t embed_dim, int64_t num_heads, const MultiheadAttentionOptions& options = {});
+  // Copies are deep (their own parameters); moves take the parameters over.
+  MultiheadAttention(const MultiheadAttention& other);
+  MultiheadAttention& operator=(const MultiheadAttention& other);
+  MultiheadAttention(MultiheadAttention&& other) noexcept;
+  MultiheadAttention& operator=(MultiheadAttention&& other) noexcept;
+  ~MultiheadAttention() = default;
 
   ForwardResult forward(const TensorView& query, const TensorView& key, const TensorView& value,
                         const ForwardOptions& options = {}) const;

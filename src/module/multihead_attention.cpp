@@ -81,6 +81,44 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   reset_parameters(options.seed);
 }
 
+MultiheadAttention::MultiheadAttention(const MultiheadAttention& other)
+    : embed_dim_(other.embed_dim_),
+      num_heads_(other.num_heads_),
+      kdim_(other.kdim_),
+      vdim_(other.vdim_),
+      options_(other.options_),
+      training_(other.training_),
+      dropout_calls_(other.dropout_calls_.load()) {
+  for (const auto& [name, t] : other.params_) params_.emplace_back(name, t.clone());
+}
+
+MultiheadAttention& MultiheadAttention::operator=(const MultiheadAttention& other) {
+  if (this != &other) *this = MultiheadAttention(other);
+  return *this;
+}
+
+MultiheadAttention::MultiheadAttention(MultiheadAttention&& other) noexcept
+    : embed_dim_(other.embed_dim_),
+      num_heads_(other.num_heads_),
+      kdim_(other.kdim_),
+      vdim_(other.vdim_),
+      options_(std::move(other.options_)),
+      training_(other.training_),
+      params_(std::move(other.params_)),
+      dropout_calls_(other.dropout_calls_.load()) {}
+
+MultiheadAttention& MultiheadAttention::operator=(MultiheadAttention&& other) noexcept {
+  embed_dim_ = other.embed_dim_;
+  num_heads_ = other.num_heads_;
+  kdim_ = other.kdim_;
+  vdim_ = other.vdim_;
+  options_ = std::move(other.options_);
+  training_ = other.training_;
+  params_ = std::move(other.params_);
+  dropout_calls_.store(other.dropout_calls_.load());
+  return *this;
+}
+
 void MultiheadAttention::reset_parameters(uint64_t seed) {
   InitRng rng(seed);
   for (auto& [name, t] : params_) {
