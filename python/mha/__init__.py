@@ -27,11 +27,26 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "cpu_isa",
+    "load_safetensors",
+    "save_safetensors",
 ]
 
 set_num_threads = _mha.set_num_threads
 get_num_threads = _mha.get_num_threads
 cpu_isa = _mha.cpu_isa
+
+
+def load_safetensors(path: str) -> Dict[str, _np.ndarray]:
+    """The tensors of a .safetensors file as numpy arrays, read by the library's C++ reader
+    (bounds-checked: a malformed file raises ValueError). bfloat16 comes back as float32."""
+    tensors, _ = _mha.load_safetensors(str(path))
+    return tensors
+
+
+def save_safetensors(path: str, tensors: Mapping[str, Any], metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Writes numpy arrays or CPU torch tensors (any strides) to a .safetensors file."""
+    arrays = {name: _as_array(value, f"tensors['{name}']") for name, value in tensors.items()}
+    _mha.save_safetensors(str(path), arrays, dict(metadata or {}))
 
 
 def _torch():

@@ -12,6 +12,7 @@
 
 #include <mha/mha.hpp>
 
+#include <map>
 #include <optional>
 #include <string>
 
@@ -50,13 +51,18 @@ std::optional<mha::TensorView> optional_view(const std::optional<Array>& a, cons
   return view_of(*a, name);
 }
 
-// Hands a Tensor to numpy without copying: the capsule keeps its storage alive.
-NumpyArray to_numpy(const mha::Tensor& t) {
+// Hands a Tensor to numpy without copying: the capsule keeps its storage alive. numpy has no
+// bfloat16, so those are converted to float32.
+NumpyArray to_numpy(const mha::Tensor& tensor) {
+  const mha::Tensor t = tensor.dtype() == mha::DType::bf16 ? mha::Tensor::copy_of(tensor, mha::DType::f32) : tensor;
   auto* owner = new mha::Tensor(t);
   nb::capsule keep(owner, [](void* p) noexcept { delete static_cast<mha::Tensor*>(p); });
   std::vector<size_t> shape(t.ndim());
   for (int d = 0; d < t.ndim(); ++d) shape[d] = static_cast<size_t>(t.size(d));
-  nb::dlpack::dtype dt = t.dtype() == mha::DType::f64 ? nb::dtype<double>() : nb::dtype<float>();
+  nb::dlpack::dtype dt = nb::dtype<float>();
+  if (t.dtype() == mha::DType::f64) dt = nb::dtype<double>();
+  if (t.dtype() == mha::DType::boolean) dt = nb::dtype<bool>();
+  if (t.dtype() == mha::DType::f16) dt = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
   return NumpyArray(t.view().data, t.ndim(), shape.data(), keep, nullptr, dt);
 }
 
@@ -177,6 +183,29 @@ NB_MODULE(_mha, m) {
   m.def("sdpa", &sdpa, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("need_weights"), nb::arg("bottom_right"), nb::arg("num_threads"));
+  m.def(
+      "load_safetensors",
+      [](const std::string& path) {
+        mha::SafetensorsFile f;
+        {
+          nb::gil_scoped_release release;
+          f = mha::load_safetensors(path);
+        }
+        std::unordered_map<std::string, NumpyArray> tensors;
+        for (const auto& [name, t] : f.tensors) tensors.emplace(name, to_numpy(t));
+        return std::make_pair(tensors, std::unordered_map<std::string, std::string>(f.metadata.begin(), f.metadata.end()));
+      },
+      nb::arg("path"));
+  m.def(
+      "save_safetensors",
+      [](const std::string& path, const std::unordered_map<std::string, Array>& tensors,
+         const std::unordered_map<std::string, std::string>& metadata) {
+        std::map<std::string, mha::TensorView> views;
+        for (const auto& [name, a] : tensors) views.emplace(name, view_of(a, name));
+        nb::gil_scoped_release release;
+        mha::save_safetensors(path, views, std::map<std::string, std::string>(metadata.begin(), metadata.end()));
+      },
+      nb::arg("path"), nb::arg("tensors"), nb::arg("metadata"));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
   m.def("cpu_isa", &mha::cpu_isa);
