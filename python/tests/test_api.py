@@ -1,0 +1,130 @@
+"""The Python API itself: kinds in and out, state dicts, errors, files, threads."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import safetensors.torch
+import torch
+
+import mha
+
+
+@pytest.fixture
+def rng(parity_seed):
+    return np.random.default_rng([parity_seed, 3])
+
+
+def test_numpy_in_numpy_out_torch_in_torch_out(rng):
+    m = mha.MultiheadAttention(16, 4, seed=1).eval()
+    x = rng.standard_normal((5, 2, 16)).astype(np.float32)
+    out, w = m(x, x, x)
+    assert isinstance(out, np.ndarray) and isinstance(w, np.ndarray)
+    assert out.shape == (5, 2, 16) and w.shape == (2, 5, 5)
+    out_t, w_t = m(torch.from_numpy(x), torch.from_numpy(x), torch.from_numpy(x))
+    assert isinstance(out_t, torch.Tensor) and isinstance(w_t, torch.Tensor)
+    np.testing.assert_array_equal(out_t.numpy(), out)
+    out, w = m(x, x, x, need_weights=False)
+    assert w is None
+
+
+def test_from_torch_and_state_dict_round_trip(rng):
+    ref = torch.nn.MultiheadAttention(24, 3, bias=True, add_bias_kv=True, kdim=10, vdim=7, batch_first=True)
+    m = mha.MultiheadAttention.from_torch(ref)
+    assert m.training == ref.training and m.batch_first and m.kdim == 10 and m.vdim == 7
+    sd = m.state_dict()
+    assert set(sd) == set(ref.state_dict())
+    for name, value in ref.state_dict().items():
+        np.testing.assert_array_equal(sd[name], value.numpy())
+    # numpy state dict loads too, and a wrong shape names the parameter
+    m2 = mha.MultiheadAttention(24, 3, add_bias_kv=True, kdim=10, vdim=7, batch_first=True)
+    m2.load_state_dict(sd)
+    bad = dict(sd, out_proj_bias=None)
+    bad.pop("out_proj_bias")
+    bad["out_proj.bias"] = np.zeros(5, dtype=np.float32)
+    with pytest.raises(ValueError, match="out_proj.bias"):
+        m2.load_state_dict(bad)
+    with pytest.raises(ValueError, match="unexpected"):
+        m2.load_state_dict(dict(sd, extra=np.zeros(1, dtype=np.float32)))
+    m2.load_state_dict(dict(sd, extra=np.zeros(1, dtype=np.float32)), strict=False)
+
+
+def test_errors_are_python_exceptions():
+    with pytest.raises(ValueError, match="divisible"):
+        mha.MultiheadAttention(10, 3)
+    with pytest.raises(ValueError, match="num_heads"):
+        mha.MultiheadAttention(8, 0)
+    with pytest.raises(TypeError):
+        mha.MultiheadAttention(8.5, 2)
+    m = mha.MultiheadAttention(8, 2)
+    x = np.zeros((3, 2, 8), dtype=np.float32) + 0.5
+    with pytest.raises(ValueError, match="query"):
+        m(np.zeros((3, 2, 9), dtype=np.float32), x, x)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        m(x, x, x, key_padding_mask=np.zeros((2, 4), dtype=bool))
+    with pytest.raises(TypeError, match="attn_mask"):
+        m(x, x, x, attn_mask=np.zeros((3, 3), dtype=np.int32))
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(x, x, x, attn_mask=np.zeros((3, 3), dtype=np.float64))
+    with pytest.raises(TypeError):
+        m("query", x, x)
+    with pytest.raises(ValueError, match="float32"):
+        m(x.astype(np.float64), x, x)
+
+
+def test_safetensors_round_trip_and_bad_files(tmp_path, rng):
+    tensors = {"a": rng.standard_normal((3, 4)).astype(np.float32), "mask": rng.random(5) < 0.5,
+               "d": rng.standard_normal(2)}
+    path = tmp_path / "t.safetensors"
+    safetensors.numpy.save_file(tensors, str(path))
+    loaded = mha.load_safetensors(path)
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(loaded[k], v)
+    ours = tmp_path / "ours.safetensors"
+    mha.save_safetensors(ours, {"t": torch.arange(12.0).reshape(3, 4).t()})
+    np.testing.assert_array_equal(safetensors.torch.load_file(str(ours))["t"].numpy(),
+                                  np.arange(12.0, dtype=np.float32).reshape(3, 4).T)
+    good = path.read_bytes()
+    for bad in (good[:7], b"\xff" * 8 + good[8:], good[:8] + b"{not json" + good[17:], good[:-3]):
+        p = tmp_path / "bad.safetensors"
+        p.write_bytes(bad)
+        with pytest.raises(ValueError, match="safetensors"):
+            mha.load_safetensors(p)
+
+
+def test_gil_is_released_during_compute(rng):
+    """Two Python threads computing at once finish with the same results as one after the other."""
+    q = rng.standard_normal((2, 4, 256, 32)).astype(np.float32)
+    expected = mha.scaled_dot_product_attention(q, q, q, num_threads=1)
+    results = [None] * 4
+
+    def work(i):
+        results[i] = mha.scaled_dot_product_attention(q, q, q, num_threads=1)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        np.testing.assert_array_equal(r, expected)
+
+
+def test_dropout_is_reproducible_by_seed(rng):
+    q = rng.standard_normal((1, 2, 9, 8)).astype(np.float32)
+    a = mha.scaled_dot_product_attention(q, q, q, dropout_p=0.5, dropout_seed=3)
+    b = mha.scaled_dot_product_attention(q, q, q, dropout_p=0.5, dropout_seed=3)
+    c = mha.scaled_dot_product_attention(q, q, q, dropout_p=0.5, dropout_seed=4)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    m = mha.MultiheadAttention(8, 2, dropout=0.5, seed=0)
+    x = q[0, 0][:, None, :]
+    o1, _ = m(x, x, x, dropout_seed=11)
+    o2, _ = m(x, x, x, dropout_seed=11)
+    np.testing.assert_array_equal(o1, o2)
+    m.eval()
+    e1, _ = m(x, x, x)
+    e2, _ = m(x, x, x)
+    np.testing.assert_array_equal(e1, e2)
