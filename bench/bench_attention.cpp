@@ -1,0 +1,111 @@
+// Google Benchmark timings of the fused SDPA kernel and of the MultiheadAttention forward.
+//
+//   mha_bench [--threads=N] [Google Benchmark flags, e.g. --benchmark_filter=SDPA]
+//
+// Threads: --threads=N, else the MHA_NUM_THREADS environment variable, else every hardware
+// thread (the library's default). Times are wall-clock (UseRealTime): the work runs on the
+// library's thread pool, so the calling thread's CPU time would understate it. The FLOPS counter
+// is the floating-point rate, e.g. "FLOPS=120G/s".
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mha/mha.hpp"
+#include "random_tensor.hpp"
+
+namespace {
+
+using mha::tools::random_normal;
+
+benchmark::Counter flops_counter(double flops_per_call) {
+  return benchmark::Counter(flops_per_call, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+
+// Args: B, H, L (= Lq = Lk), d (= Dk = Dv), causal. Output is preallocated so that the
+// kernel, not the allocator, is timed.
+void sdpa_forward(benchmark::State& state) {
+  const int64_t batch = state.range(0), heads = state.range(1), len = state.range(2), dim = state.range(3);
+  const bool causal = state.range(4) != 0;
+  std::mt19937_64 rng(42);
+  const mha::Tensor q = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor k = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor v = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor out = mha::Tensor::empty({batch, heads, len, dim});
+  const mha::SdpaOptions options{.is_causal = causal};
+  for (auto _ : state) {
+    mha::scaled_dot_product_attention_into(q, k, v, out, options);
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = flops_counter(mha::attention_flops(batch, heads, len, len, dim, dim, causal));
+}
+
+// Args: E, H, B, L. Self-attention without weights (need_weights=false), the fast path of a
+// transformer layer; FLOPs include the four E x E projections.
+void module_forward(benchmark::State& state) {
+  const int64_t embed_dim = state.range(0), heads = state.range(1), batch = state.range(2), len = state.range(3);
+  mha::MultiheadAttention attn(embed_dim, heads, {.seed = 7});
+  attn.eval();
+  std::mt19937_64 rng(43);
+  const mha::Tensor x = random_normal({len, batch, embed_dim}, rng);
+  for (auto _ : state) {
+    mha::ForwardResult r = attn(x, x, x, {.need_weights = false});
+    benchmark::DoNotOptimize(r.output.data<float>());
+  }
+  const double projections = 2.0 * batch * 4.0 * len * static_cast<double>(embed_dim) * embed_dim;
+  const int64_t head_dim = embed_dim / heads;
+  state.counters["FLOPS"] =
+      flops_counter(projections + mha::attention_flops(batch, heads, len, len, head_dim, head_dim, false));
+}
+
+void register_benchmarks() {
+  auto* sdpa = benchmark::RegisterBenchmark("SDPA_forward", sdpa_forward);
+  sdpa->ArgNames({"B", "H", "L", "d", "causal"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  // The headline batch (B=4, H=16) at a medium and a long sequence...
+  for (const int64_t len : {512, 2048})
+    for (const int64_t dim : {64, 128})
+      for (const int64_t causal : {0, 1}) sdpa->Args({4, 16, len, dim, causal});
+  // ...and a small call, where per-call overhead and threading show.
+  for (const int64_t causal : {0, 1}) sdpa->Args({1, 8, 128, 64, causal});
+
+  auto* module = benchmark::RegisterBenchmark("MHA_module_forward", module_forward);
+  module->ArgNames({"E", "H", "B", "L"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (const int64_t len : {128, 512}) module->Args({1024, 16, 4, len});
+}
+
+// Takes --threads=N out of argv (Google Benchmark rejects flags it does not know) and applies it.
+void apply_threads_flag(int& argc, char** argv) {
+  constexpr const char* kFlag = "--threads=";
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], kFlag, std::strlen(kFlag)) == 0) {
+      mha::set_num_threads(std::atoi(argv[i] + std::strlen(kFlag)));
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    apply_threads_flag(argc, argv);
+  } catch (const mha::Error& e) {
+    std::fprintf(stderr, "mha_bench: --threads: %s\n", e.what());
+    return 2;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("mha_isa", mha::cpu_isa());
+  benchmark::AddCustomContext("mha_threads", std::to_string(mha::get_num_threads()));
+  register_benchmarks();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

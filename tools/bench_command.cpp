@@ -1,0 +1,183 @@
+// `mha bench`: times one forward call on random inputs, either SDPA (the fused kernel) or the
+// whole MultiheadAttention module (projections + attention + output projection).
+#include <cstdio>
+#include <functional>
+#include <iomanip>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include "commands.hpp"
+#include "mha/mha.hpp"
+#include "random_tensor.hpp"
+#include "timing.hpp"
+
+namespace mha::tools {
+namespace {
+
+// Below this many milliseconds in all, a run finishes before anyone wonders whether it hangs.
+constexpr double kQuietMs = 2000;
+
+// The resolved shape: every defaulted option filled in.
+struct BenchShape {
+  int64_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
+  bool causal;
+  CausalAlignment alignment;
+};
+
+BenchShape resolve(const BenchOptions& o) {
+  return {o.batch,
+          o.heads,
+          o.kv_heads.value_or(o.heads),
+          o.len_q,
+          o.len_k.value_or(o.len_q),
+          o.dim,
+          o.dim_v.value_or(o.dim),
+          o.causal,
+          o.align == "bottom-right" ? CausalAlignment::BottomRight : CausalAlignment::TopLeft};
+}
+
+// What is timed: one call, its floating-point work, and a line that describes it.
+struct Workload {
+  std::function<void()> call;
+  double flops = 0;
+  std::string description;
+};
+
+Workload sdpa_workload(const BenchShape& s, bool weights, std::mt19937_64& rng) {
+  Workload w;
+  const Tensor q = random_normal({s.batch, s.heads, s.len_q, s.dim}, rng);
+  const Tensor k = random_normal({s.batch, s.kv_heads, s.len_k, s.dim}, rng);
+  const Tensor v = random_normal({s.batch, s.kv_heads, s.len_k, s.dim_v}, rng);
+  // Outputs are allocated once so the timing is the kernel's, not the allocator's.
+  const Tensor out = Tensor::empty({s.batch, s.heads, s.len_q, s.dim_v});
+  Tensor weights_buffer;
+  std::optional<TensorView> weights_view;
+  if (weights) {
+    weights_buffer = Tensor::empty({s.batch, s.heads, s.len_q, s.len_k});
+    weights_view = weights_buffer.view();
+  }
+  const SdpaOptions options{
+      .is_causal = s.causal, .causal_alignment = s.alignment, .enable_gqa = s.kv_heads != s.heads};
+  // Tensors are captured by value: the call shares, and so keeps alive, their storage.
+  w.call = [q, k, v, out, weights_buffer, weights_view, options] {
+    scaled_dot_product_attention_into(q, k, v, out, options, weights_view);
+  };
+  w.flops = attention_flops(s.batch, s.heads, s.len_q, s.len_k, s.dim, s.dim_v, s.causal, s.alignment);
+  w.description = "scaled_dot_product_attention";
+  return w;
+}
+
+Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_64& rng) {
+  // SDPA options that the module does not have.
+  if (s.kv_heads != s.heads) {
+    throw UsageError("--kv-heads: MultiheadAttention has no grouped-query attention; drop --module or --kv-heads");
+  }
+  if (s.dim_v != s.dim) {
+    throw UsageError("--dim-v: MultiheadAttention's heads all have width embed_dim / heads; drop --module or --dim-v");
+  }
+  if (s.causal && s.alignment == CausalAlignment::BottomRight) {
+    throw UsageError("--align bottom-right: MultiheadAttention's is_causal is top-left only; drop --module or --align");
+  }
+  const int64_t embed_dim = s.heads * s.dim;
+  auto attn = std::make_shared<MultiheadAttention>(embed_dim, s.heads, MultiheadAttentionOptions{.seed = o.seed});
+  attn->eval();
+  Workload w;
+  const Tensor query = random_normal({s.len_q, s.batch, embed_dim}, rng);
+  // Equal lengths: self-attention on one tensor, the module's common case. Otherwise the keys and
+  // values come from another sequence (cross-attention).
+  const Tensor memory = s.len_k == s.len_q ? query : random_normal({s.len_k, s.batch, embed_dim}, rng);
+  const ForwardOptions options{.need_weights = o.weights, .is_causal = s.causal};
+  w.call = [=] { (void)attn->forward(query, memory, memory, options); };
+  // Projections: q (Lq rows), k and v (Lk rows each), the output (Lq rows), each E x E.
+  const double projection_flops =
+      2.0 * s.batch * (2.0 * s.len_q + 2.0 * s.len_k) * static_cast<double>(embed_dim) * embed_dim;
+  w.flops = projection_flops + attention_flops(s.batch, s.heads, s.len_q, s.len_k, s.dim, s.dim, s.causal);
+  w.description = "MultiheadAttention.forward (E=" + std::to_string(embed_dim) + ", projections included)";
+  return w;
+}
+
+std::string shape_line(const BenchShape& s, bool weights) {
+  std::ostringstream line;
+  line << "B=" << s.batch << " Hq=" << s.heads << " Hkv=" << s.kv_heads << " Lq=" << s.len_q << " Lk=" << s.len_k
+       << " Dk=" << s.dim << " Dv=" << s.dim_v << ' ';
+  if (!s.causal) {
+    line << "non-causal";
+  } else {
+    line << "causal (" << (s.alignment == CausalAlignment::BottomRight ? "bottom-right" : "top-left") << ")";
+  }
+  if (weights) line << ", with weights";
+  return line.str();
+}
+
+std::string json_report(const BenchShape& s, const BenchOptions& o, const TimingStats& t, double flops) {
+  std::ostringstream j;
+  j.precision(7);  // enough for milliseconds to the microsecond
+  auto boolean = [](bool b) { return b ? "true" : "false"; };
+  j << "{\"shape\": {\"batch\": " << s.batch << ", \"heads\": " << s.heads << ", \"kv_heads\": " << s.kv_heads
+    << ", \"len_q\": " << s.len_q << ", \"len_k\": " << s.len_k << ", \"dim\": " << s.dim << ", \"dim_v\": " << s.dim_v
+    << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\"}"
+    << ", \"op\": \"" << (o.module ? "module" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
+    << ", \"threads\": " << get_num_threads() << ", \"isa\": \"" << cpu_isa() << "\", \"reps\": " << o.reps
+    << ", \"ms_median\": " << t.median_ms << ", \"ms_min\": " << t.min_ms << ", \"flops\": " << std::fixed
+    << std::setprecision(0) << flops << std::defaultfloat << std::setprecision(7)
+    << ", \"gflops\": " << gflops_per_second(flops, t.median_ms) << "}";
+  return j.str();
+}
+
+// Prints "timing N calls of ~X ms" and a dot per call on stderr, but only once the first call
+// shows that the whole run will take long enough to need it.
+class Progress {
+ public:
+  explicit Progress(int calls) : calls_(calls) {}
+  ~Progress() {
+    if (shown_) std::fprintf(stderr, "\n");
+  }
+  void after_call(double ms) {
+    if (done_++ == 0 && ms * calls_ > kQuietMs) {
+      shown_ = true;
+      std::fprintf(stderr, "timing %d calls of ~%.0f ms ", calls_, ms);
+    }
+    if (shown_) {
+      std::fprintf(stderr, ".");
+      std::fflush(stderr);
+    }
+  }
+
+ private:
+  int calls_, done_ = 0;
+  bool shown_ = false;
+};
+
+}  // namespace
+
+int run_bench(const BenchOptions& o) {
+  if (o.threads) set_num_threads(*o.threads);
+  const BenchShape s = resolve(o);
+  std::mt19937_64 rng(o.seed);
+  const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o.weights, rng);
+  if (!o.json) {
+    std::printf("shape    %s\n", shape_line(s, o.weights).c_str());
+    std::printf("op       %s, ISA %s, threads: %d\n", w.description.c_str(), cpu_isa().c_str(), get_num_threads());
+    std::fflush(stdout);  // before the progress display on stderr
+  }
+
+  TimingStats t;
+  {
+    Progress progress(o.warmup + o.reps);
+    t = time_repeats(w.call, o.warmup, o.reps, [&](double ms) { progress.after_call(ms); });
+  }
+  if (o.json) {
+    std::printf("%s\n", json_report(s, o, t, w.flops).c_str());
+    return 0;
+  }
+  std::printf("time     %.3f ms median, %.3f ms min (%d reps after %d warm-up)\n", t.median_ms, t.min_ms, o.reps,
+              o.warmup);
+  std::printf("speed    %.1f GFLOP/s at the median (%.3f GFLOP per call)\n", gflops_per_second(w.flops, t.median_ms),
+              w.flops / 1e9);
+  return 0;
+}
+
+}  // namespace mha::tools

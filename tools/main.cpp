@@ -1,0 +1,101 @@
+// `mha`: the command line of the library. Subcommands: demo (what to run first), bench, info.
+#include <CLI/CLI.hpp>
+#include <charconv>
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "commands.hpp"
+#include "mha/error.hpp"
+
+namespace {
+
+using mha::tools::BenchOptions;
+using mha::tools::DemoOptions;
+
+// A whole number >= `min`. (CLI11's PositiveNumber reports its range as "0 to 1.8e308".)
+CLI::Validator at_least(long long min) {
+  // Shown in --help after the type, in CLI11's own words where it has them: "INT:POSITIVE".
+  std::string name = ">=" + std::to_string(min);
+  if (min == 0) name = "NONNEGATIVE";
+  if (min == 1) name = "POSITIVE";
+  return CLI::Validator(
+      [min](std::string& text) -> std::string {
+        long long value = 0;
+        const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+        if (error != std::errc() || end != text.data() + text.size() || value < min) {
+          return "expected a whole number >= " + std::to_string(min) + ", got '" + text + "'";
+        }
+        return {};
+      },
+      name);
+}
+
+void add_demo(CLI::App& app, DemoOptions& o) {
+  CLI::App* demo =
+      app.add_subcommand("demo",
+                         "Self- and cross-attention examples checked against the float64 reference, a PNG of every "
+                         "head's attention weights, and a timing table");
+  demo->add_option("--out", o.out_png, "Where to write the PNG")->capture_default_str();
+  demo->add_option("--seed", o.seed, "Seed of the module parameters and inputs")->capture_default_str();
+  demo->add_option("--threads", o.threads, "Worker threads (default: the library's setting)")->check(at_least(1));
+  demo->add_flag("--no-timing", o.skip_timing, "Skip the timing table");
+}
+
+void add_bench(CLI::App& app, BenchOptions& o) {
+  CLI::App* bench = app.add_subcommand(
+      "bench", "Time one attention forward call (SDPA, or the module with --module) on random inputs");
+  bench->add_option("-b,--batch", o.batch, "Batch size B")->capture_default_str()->check(at_least(1));
+  bench->add_option("--lq", o.len_q, "Query length")->capture_default_str()->check(at_least(1));
+  bench->add_option("--lk", o.len_k, "Key/value length (default: --lq)")->check(at_least(1));
+  bench->add_option("--heads", o.heads, "Query heads")->capture_default_str()->check(at_least(1));
+  bench->add_option("--kv-heads", o.kv_heads, "Key/value heads (default: --heads; fewer is grouped-query attention)")
+      ->check(at_least(1));
+  bench->add_option("--dim", o.dim, "Head dimension of queries and keys")->capture_default_str()->check(at_least(1));
+  bench->add_option("--dim-v", o.dim_v, "Head dimension of values (default: --dim)")->check(at_least(1));
+  bench->add_flag("--causal", o.causal, "Causal mask");
+  bench->add_option("--align", o.align, "Diagonal of the causal mask when Lq != Lk")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"top-left", "bottom-right"}));
+  bench->add_option("--threads", o.threads, "Worker threads (default: the library's setting)")->check(at_least(1));
+  bench->add_option("--reps", o.reps, "Timed calls")->capture_default_str()->check(at_least(1));
+  bench->add_option("--warmup", o.warmup, "Untimed calls before timing")->capture_default_str()->check(at_least(0));
+  bench->add_flag("--module", o.module, "Time MultiheadAttention.forward (embed_dim = heads * dim) instead of SDPA");
+  bench->add_flag("--weights", o.weights, "Also return the attention weights (materialises Lq x Lk per head)");
+  bench->add_flag("--json", o.json, "Print one JSON object on stdout instead of text");
+  bench->add_option("--seed", o.seed, "Seed of the random inputs")->capture_default_str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"mha: multi-head attention on the CPU (PyTorch semantics, fused kernels)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", MHA_VERSION);
+  DemoOptions demo_options;
+  BenchOptions bench_options;
+  add_demo(app, demo_options);
+  add_bench(app, bench_options);
+  app.add_subcommand("info", "Version, instruction set and thread count");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  try {
+    if (app.got_subcommand("demo")) return mha::tools::run_demo(demo_options);
+    if (app.got_subcommand("bench")) return mha::tools::run_bench(bench_options);
+    return mha::tools::run_info();
+  } catch (const mha::Error& e) {  // the library rejected an argument
+    std::fprintf(stderr, "mha: error: %s\n", e.what());
+    return 2;
+  } catch (const mha::tools::UsageError& e) {
+    std::fprintf(stderr, "mha: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mha: failed: %s\n", e.what());
+    return 1;
+  }
+}
