@@ -1,4 +1,4 @@
-// `mha`: the command line of the library. Subcommands: demo (what to run first), bench, info.
+// `mha`: the command line of the library. Subcommands: demo (what to run first), bench, run, info.
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <cstdio>
@@ -6,6 +6,7 @@
 #include <string>
 
 #include "commands.hpp"
+#include "run_command.hpp"
 #include "mha/error.hpp"
 
 namespace {
@@ -66,6 +67,32 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   bench->add_option("--seed", o.seed, "Seed of the random inputs")->capture_default_str();
 }
 
+void add_run(CLI::App& app, mha::tools::RunOptions& o) {
+  CLI::App* run = app.add_subcommand(
+      "run", "Apply a MultiheadAttention from a checkpoint (.safetensors state dict, e.g. PyTorch's) to inputs "
+             "from .npy or .safetensors files");
+  run->add_option("--weights", o.weights, "The .safetensors state dict")->required()->check(CLI::ExistingFile);
+  run->add_option("--num-heads", o.num_heads, "Heads (default: the checkpoint's num_heads metadata)")
+      ->check(at_least(1));
+  run->add_option("--prefix", o.prefix, "Prefix of the module's tensor names in the checkpoint, e.g. 'layer.attn.'");
+  run->add_flag("--batch-first", o.batch_first, "Inputs are [N, L, E] instead of [L, N, E]");
+  run->add_flag("--add-zero-attn", o.add_zero_attn, "The module was built with add_zero_attn=True");
+  run->add_option("--inputs", o.inputs, "A .safetensors file with query (and key, value, attn_mask, key_padding_mask)")
+      ->check(CLI::ExistingFile);
+  run->add_option("--query", o.query, ".npy query")->check(CLI::ExistingFile);
+  run->add_option("--key", o.key, ".npy key (default: the query)")->check(CLI::ExistingFile);
+  run->add_option("--value", o.value, ".npy value (default: the key)")->check(CLI::ExistingFile);
+  run->add_option("--attn-mask", o.attn_mask, ".npy attn_mask (bool: True is masked out; or float)")
+      ->check(CLI::ExistingFile);
+  run->add_option("--key-padding-mask", o.key_padding_mask, ".npy key_padding_mask")->check(CLI::ExistingFile);
+  run->add_flag("--need-weights", o.need_weights, "Also compute the attention weights");
+  run->add_flag("!--no-average", o.average_attn_weights, "Per-head weights instead of their mean");
+  run->add_flag("--causal", o.is_causal, "Apply a causal mask");
+  run->add_option("--out", o.out, "Output: .npy (the output) or .safetensors (output and weights)")->required();
+  run->add_option("--weights-out", o.weights_out, ".npy for the weights when --out is .npy");
+  run->add_option("--threads", o.threads, "Worker threads (default: the library's setting)")->check(at_least(1));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -76,6 +103,8 @@ int main(int argc, char** argv) {
   BenchOptions bench_options;
   add_demo(app, demo_options);
   add_bench(app, bench_options);
+  mha::tools::RunOptions run_options;
+  add_run(app, run_options);
   app.add_subcommand("info", "Version, instruction set and thread count");
 
   try {
@@ -87,6 +116,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("demo")) return mha::tools::run_demo(demo_options);
     if (app.got_subcommand("bench")) return mha::tools::run_bench(bench_options);
+    if (app.got_subcommand("run")) return mha::tools::run_run(run_options);
     return mha::tools::run_info();
   } catch (const mha::Error& e) {  // the library rejected an argument
     std::fprintf(stderr, "mha: error: %s\n", e.what());

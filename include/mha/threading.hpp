@@ -6,12 +6,14 @@
 namespace mha {
 
 // Threads used by calls that do not set their own count. Default: the MHA_NUM_THREADS environment
-// variable if set, else the number of hardware threads. Values < 1 are an mha::Error.
+// variable if set (anything but a whole number from 1 to 4096 is an mha::Error), else the number
+// of hardware threads. set_num_threads(n) with n < 1 is an mha::Error.
 void set_num_threads(int n);
 int get_num_threads();
 
 // The instruction set the CPU kernels run with: "avx512" or "portable". Chosen once by CPUID;
-// the environment variable MHA_ISA=portable forces the portable path.
+// the environment variable MHA_ISA names a lower one to force it (MHA_ISA=portable); a name this
+// CPU cannot run is an mha::Error.
 std::string cpu_isa();
 
 }  // namespace mha

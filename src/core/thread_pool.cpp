@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -108,9 +109,13 @@ ThreadPool& pool() {
 }
 
 int default_threads() {
-  if (const char* env = std::getenv("MHA_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n >= 1) return n;
+  if (const char* env = std::getenv("MHA_NUM_THREADS"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (*end != '\0' || n < 1 || n > 4096) {
+      throw Error(std::string("MHA_NUM_THREADS: expected a whole number from 1 to 4096, got '") + env + "'");
+    }
+    return static_cast<int>(n);
   }
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : static_cast<int>(hw);

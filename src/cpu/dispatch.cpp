@@ -38,7 +38,9 @@ Isa from_environment(Isa best) {
   for (Isa isa : supported_isas()) {
     if (isa_name(isa) == want) return isa;
   }
-  return best;  // unknown or unsupported: keep the best (documented in threading.hpp)
+  std::string names;
+  for (Isa isa : supported_isas()) names += (names.empty() ? "" : ", ") + std::string(isa_name(isa));
+  throw Error("MHA_ISA: '" + want + "' is not an instruction set this CPU runs (supported: " + names + ")");
 }
 
 // -1: no override; otherwise the forced Isa's value.
@@ -66,7 +68,7 @@ std::vector<Isa> supported_isas() {
 Isa active_isa() {
   const int forced = g_forced.load(std::memory_order_relaxed);
   if (forced >= 0) return static_cast<Isa>(forced);
-  static const Isa chosen = from_environment(supported_isas().back());
+  static const Isa chosen = from_environment(supported_isas().back());  // an Error here repeats on every call
   return chosen;
 }
 
