@@ -1,4 +1,5 @@
 // run_attention: the step between a validated problem and an ISA's kernel.
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -34,6 +35,9 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
     if (o.weights) {
       const int64_t w_shape[4] = {problem.batch, problem.heads_q, problem.len_q, problem.len_k};
       fill_zero(o.weights, w_shape, o.weights_strides);
+    }
+    if (o.lse) {  // every weight is zero: +inf makes exp(score - lse) zero in a backward too
+      std::fill_n(o.lse, problem.batch * problem.heads_q * problem.len_q, std::numeric_limits<float>::infinity());
     }
     return;
   }

@@ -7,12 +7,15 @@
 
 namespace mha::detail {
 
-// Where a forward writes. out is [B, Hq, Lq, Dv]; weights, when not null, [B, Hq, Lq, Lk].
+// Where a forward writes. out is [B, Hq, Lq, Dv]; weights, when not null, [B, Hq, Lq, Lk];
+// lse, when not null, the natural log-sum-exp of each row of scores [B, Hq, Lq] (contiguous), +inf
+// for a row with no visible key, so that exp(score - lse) is its softmax in every case.
 struct ForwardOutputs {
   float* out = nullptr;
   int64_t out_strides[4] = {};
   float* weights = nullptr;
   int64_t weights_strides[4] = {};
+  float* lse = nullptr;
 };
 
 // Preconditions (checked by run_attention): float32 q, k, v with unit stride in the last

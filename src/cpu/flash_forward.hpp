@@ -23,11 +23,10 @@
 #include "core/dropout.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cpu/tile_kernels.hpp"
 
 namespace mha::detail {
 namespace {
-
-constexpr float kLog2e = 1.4426950408889634f;  // softmax runs in base 2: e^x = 2^(x log2 e)
 
 template <class S>
 struct FlashForward {
@@ -35,14 +34,12 @@ struct FlashForward {
   using U = typename S::U;
   using M = typename S::M;
 
-  // Tile sizes. kVecs query vectors per task keep 24 accumulators + 3 operands in 32 zmm registers
-  // with kKeysPerTile (QK^T) and kValuesPerTile (PV) = 8 broadcast rows.
+  using T = Tiles<S>;
   static constexpr int kLanes = S::kLanes;
-  static constexpr int kVecs = 3;
-  static constexpr int kBlockQ = kLanes * kVecs;  // queries per task
-  static constexpr int kBlockK = 64;              // keys per softmax step: S^T tile is 64 x 48
-  static constexpr int kKeysPerTile = 8;
-  static constexpr int kValuesPerTile = 8;
+  static constexpr int kVecs = T::kVecs;
+  static constexpr int kBlockQ = T::kWidth;  // queries per task
+  static constexpr int kBlockK = 64;         // keys per softmax step: the S^T tile is 64 x 48
+  static constexpr int kKeysPerTile = T::kRowsPerTile;
 
   const AttentionProblem& p;
   const ForwardOutputs& o;
@@ -63,90 +60,7 @@ struct FlashForward {
     void* memory;
   };
 
-  static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-  // S^T[jj][ii] += log2(e) * mask(b, h, i0 + ii, j0 + jj): a mask is added element by element,
-  // along its rows (the order in which masks are usually contiguous), one loop per kind.
-  static void add_mask(const MaskTerm& t, float* st, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
-                       int64_t nb) {
-    const int64_t sj = t.strides[3];
-    const int64_t base = b * t.strides[0] + h * t.strides[1] + j0 * sj;
-    for (int64_t ii = 0; ii < rows; ++ii) {
-      const int64_t off = base + (i0 + ii) * t.strides[2];
-      float* col = st + ii;
-      if (t.kind == MaskKind::additive) {
-        const float* m = static_cast<const float*>(t.data) + off;
-        for (int64_t jj = 0; jj < nb; ++jj) col[jj * kBlockQ] += kLog2e * m[jj * sj];
-      } else {
-        const uint8_t* m = static_cast<const uint8_t*>(t.data) + off;
-        const float neg_inf = -std::numeric_limits<float>::infinity();
-        const bool keep_if_true = t.kind == MaskKind::keep_if_true;
-        const float bias[2] = {keep_if_true ? neg_inf : 0.0f, keep_if_true ? 0.0f : neg_inf};  // a lookup, no branch
-        for (int64_t jj = 0; jj < nb; ++jj) col[jj * kBlockQ] += bias[m[jj * sj] != 0];
-      }
-    }
-  }
-
-  static U mix32(U x) {
-    x = S::xor_u(x, S::template shr_u<16>(x));
-    x = S::mullo_u(x, S::set1_u(0x7feb352du));
-    x = S::xor_u(x, S::template shr_u<15>(x));
-    x = S::mullo_u(x, S::set1_u(0x846ca68bu));
-    return S::xor_u(x, S::template shr_u<16>(x));
-  }
-
-  // S^T[r][:] = sum_d K[r][d] * Q^T[d][:] for kKeysPerTile keys.
-  static void qk_tile(float* st, const float* const* kp, const float* qt, int64_t dk) {
-    F acc[kKeysPerTile][kVecs];
-    for (int r = 0; r < kKeysPerTile; ++r)
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = S::zero();
-    for (int64_t d = 0; d < dk; ++d) {
-      F q[kVecs];
-      for (int c = 0; c < kVecs; ++c) q[c] = S::load(qt + d * kBlockQ + c * kLanes);
-      for (int r = 0; r < kKeysPerTile; ++r) {
-        const F kb = S::set1(kp[r][d]);
-        for (int c = 0; c < kVecs; ++c) acc[r][c] = S::fmadd(kb, q[c], acc[r][c]);
-      }
-    }
-    for (int r = 0; r < kKeysPerTile; ++r)
-      for (int c = 0; c < kVecs; ++c) S::store(st + r * kBlockQ + c * kLanes, acc[r][c]);
-  }
-
-  // O^T[r][:] += sum_j V[j][dv0 + r] * P^T[j][:] for kRows value columns.
-  template <int kRows>
-  static void pv_tile(float* ot, const float* const* vp, int64_t dv0, const float* pt, int64_t keys) {
-    F acc[kRows][kVecs];
-    for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = S::load(ot + r * kBlockQ + c * kLanes);
-    for (int64_t j = 0; j < keys; ++j) {
-      F pj[kVecs];
-      for (int c = 0; c < kVecs; ++c) pj[c] = S::load(pt + j * kBlockQ + c * kLanes);
-      const float* v = vp[j] + dv0;
-      for (int r = 0; r < kRows; ++r) {
-        const F vb = S::set1(v[r]);
-        for (int c = 0; c < kVecs; ++c) acc[r][c] = S::fmadd(vb, pj[c], acc[r][c]);
-      }
-    }
-    for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kVecs; ++c) S::store(ot + r * kBlockQ + c * kLanes, acc[r][c]);
-  }
-
-  static void pv_block(float* ot, const float* const* vp, const float* pt, int64_t keys, int64_t dv) {
-    int64_t d0 = 0;
-    for (; d0 + kValuesPerTile <= dv; d0 += kValuesPerTile) {
-      pv_tile<kValuesPerTile>(ot + d0 * kBlockQ, vp, d0, pt, keys);
-    }
-    switch (dv - d0) {  // the columns left over, one instance per count
-      case 1: pv_tile<1>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
-      case 2: pv_tile<2>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
-      case 3: pv_tile<3>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
-      case 4: pv_tile<4>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
-      case 5: pv_tile<5>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
-      case 6: pv_tile<6>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
-      case 7: pv_tile<7>(ot + d0 * kBlockQ, vp, d0, pt, keys); break;
-      default: break;
-    }
-  }
+  static int64_t round_up(int64_t x, int64_t m) { return T::round_up(x, m); }
 
   Scratch allocate() const {
     const int64_t floats = (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes;
@@ -193,9 +107,9 @@ struct FlashForward {
         s.kp[jj] = j < p.len_k ? kbase + j * p.k.strides[2] : s.zero_row;
         s.vp[jj] = j < p.len_k ? vbase + j * p.v.strides[2] : s.zero_row;
       }
-      for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) qk_tile(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk);
+      for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk);
 
-      for (int t = 0; t < p.num_masks; ++t) add_mask(p.masks[t], s.st, b, h, i0, rows, j0, nb);
+      for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], s.st, 1, kBlockQ, b, h, i0, rows, j0, nb);
       if (j0 + nbp > clean_end) {  // some (query, key) pairs are past causality or Lk
         const F minus_inf = S::set1(neg_inf);
         for (int64_t jj = 0; jj < nbp; ++jj) {
@@ -230,7 +144,7 @@ struct FlashForward {
           else sum = S::add(sum, pr);
           if (dropout) {
             const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
-            const U bits = mix32(S::add_u(mix32(S::xor_u(jv, key_lo)), key_hi));
+            const U bits = T::dropout_bits(jv, key_lo, key_hi);
             pr = S::select(S::ge_u(bits, threshold), S::mul(pr, keep_scale), S::zero());
           }
           if (!kStatsOnly) S::store(row, pr);
@@ -254,7 +168,16 @@ struct FlashForward {
           for (int64_t jj = 0; jj < nb; ++jj)
             w[ii * o.weights_strides[2] + (j0 + jj) * o.weights_strides[3]] = s.st[jj * kBlockQ + ii];
       }
-      if (!kStatsOnly) pv_block(s.ot, s.vp, s.st, nbp, p.dim_v);
+      if (!kStatsOnly) T::accumulate(s.ot, s.vp, s.st, nbp, p.dim_v);
+    }
+  }
+
+  // The natural log-sum-exp of each row from the base-2 statistics: (m + log2 l) ln 2.
+  void write_lse(const Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows) const {
+    if (o.lse == nullptr) return;
+    float* lse = o.lse + (b * p.heads_q + h) * p.len_q + i0;
+    for (int64_t ii = 0; ii < rows; ++ii) {
+      lse[ii] = s.l[ii] > 0 ? (s.m[ii] + std::log2(s.l[ii])) * kLn2 : std::numeric_limits<float>::infinity();
     }
   }
 
@@ -289,9 +212,11 @@ struct FlashForward {
 
     if (o.weights == nullptr) {
       key_pass<false, false>(s, b, h, hk, i0, rows, key_end, clean_end);
+      write_lse(s, b, h, i0, rows);
       for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
     } else {
       key_pass<true, false>(s, b, h, hk, i0, rows, key_end, clean_end);
+      write_lse(s, b, h, i0, rows);
       for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
       float* w = o.weights + b * o.weights_strides[0] + h * o.weights_strides[1] + i0 * o.weights_strides[2];
       for (int64_t ii = 0; ii < rows; ++ii)  // keys no row of the task can see

@@ -1,0 +1,119 @@
+// The register-blocked building blocks of the fused kernels, over a SIMD layer S. A "panel" is
+// kWidth = 48 floats (3 vectors) wide: the lanes run over the queries of a forward task, or over
+// the keys of a backward task, and every matrix product of attention is one of the two shapes below
+// with rows read in place through one broadcast per element.
+// Internal linkage (an anonymous namespace): each ISA's file compiles its own copy.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "core/attention_problem.hpp"
+
+namespace mha::detail {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;  // softmax runs in base 2: e^x = 2^(x log2 e)
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <class S>
+struct Tiles {
+  using F = typename S::F;
+  using U = typename S::U;
+  static constexpr int kLanes = S::kLanes;
+  static constexpr int kVecs = 3;                 // 24 accumulators + 3 operands fit 32 zmm registers
+  static constexpr int kWidth = kLanes * kVecs;   // floats per panel row
+  static constexpr int kRowsPerTile = 8;          // broadcast rows per register tile
+
+  static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+  // out[r][:] = sum_d rows[r][d] * panel[d][:] for kRowsPerTile rows (e.g. S^T = K Q^T).
+  static void dot_rows(float* out, const float* const* rows, const float* panel, int64_t depth) {
+    F acc[kRowsPerTile][kVecs];
+    for (int r = 0; r < kRowsPerTile; ++r)
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = S::zero();
+    for (int64_t d = 0; d < depth; ++d) {
+      F x[kVecs];
+      for (int c = 0; c < kVecs; ++c) x[c] = S::load(panel + d * kWidth + c * kLanes);
+      for (int r = 0; r < kRowsPerTile; ++r) {
+        const F b = S::set1(rows[r][d]);
+        for (int c = 0; c < kVecs; ++c) acc[r][c] = S::fmadd(b, x[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < kRowsPerTile; ++r)
+      for (int c = 0; c < kVecs; ++c) S::store(out + r * kWidth + c * kLanes, acc[r][c]);
+  }
+
+  // acc[c][:] += sum_j rows[j][c0 + c] * weights[j][:] for kCols columns (e.g. O^T += V^T P^T).
+  template <int kCols>
+  static void accumulate_cols(float* acc, const float* const* rows, int64_t c0, const float* weights, int64_t n) {
+    F a[kCols][kVecs];
+    for (int r = 0; r < kCols; ++r)
+      for (int c = 0; c < kVecs; ++c) a[r][c] = S::load(acc + r * kWidth + c * kLanes);
+    for (int64_t j = 0; j < n; ++j) {
+      F w[kVecs];
+      for (int c = 0; c < kVecs; ++c) w[c] = S::load(weights + j * kWidth + c * kLanes);
+      const float* row = rows[j] + c0;
+      for (int r = 0; r < kCols; ++r) {
+        const F b = S::set1(row[r]);
+        for (int c = 0; c < kVecs; ++c) a[r][c] = S::fmadd(b, w[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < kCols; ++r)
+      for (int c = 0; c < kVecs; ++c) S::store(acc + r * kWidth + c * kLanes, a[r][c]);
+  }
+
+  // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, 8 at a time.
+  static void accumulate(float* acc, const float* const* rows, const float* weights, int64_t n, int64_t cols) {
+    int64_t c0 = 0;
+    for (; c0 + kRowsPerTile <= cols; c0 += kRowsPerTile) {
+      accumulate_cols<kRowsPerTile>(acc + c0 * kWidth, rows, c0, weights, n);
+    }
+    float* a = acc + c0 * kWidth;
+    switch (cols - c0) {  // the columns left over, one instance per count
+      case 1: accumulate_cols<1>(a, rows, c0, weights, n); break;
+      case 2: accumulate_cols<2>(a, rows, c0, weights, n); break;
+      case 3: accumulate_cols<3>(a, rows, c0, weights, n); break;
+      case 4: accumulate_cols<4>(a, rows, c0, weights, n); break;
+      case 5: accumulate_cols<5>(a, rows, c0, weights, n); break;
+      case 6: accumulate_cols<6>(a, rows, c0, weights, n); break;
+      case 7: accumulate_cols<7>(a, rows, c0, weights, n); break;
+      default: break;
+    }
+  }
+
+  // tile[ii * row_step + jj * col_step] += log2(e) * mask(b, h, i0 + ii, j0 + jj) for ii < rows,
+  // jj < cols: walked along the mask's rows (where masks are usually contiguous), one loop per kind.
+  static void add_mask(const MaskTerm& t, float* tile, int64_t row_step, int64_t col_step, int64_t b, int64_t h,
+                       int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
+    const int64_t sj = t.strides[3];
+    const int64_t base = b * t.strides[0] + h * t.strides[1] + j0 * sj;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const bool keep_if_true = t.kind == MaskKind::keep_if_true;
+    const float bias[2] = {keep_if_true ? neg_inf : 0.0f, keep_if_true ? 0.0f : neg_inf};  // a lookup, no branch
+    for (int64_t ii = 0; ii < rows; ++ii) {
+      const int64_t off = base + (i0 + ii) * t.strides[2];
+      float* row = tile + ii * row_step;
+      if (t.kind == MaskKind::additive) {
+        const float* m = static_cast<const float*>(t.data) + off;
+        for (int64_t jj = 0; jj < cols; ++jj) row[jj * col_step] += kLog2e * m[jj * sj];
+      } else {
+        const uint8_t* m = static_cast<const uint8_t*>(t.data) + off;
+        for (int64_t jj = 0; jj < cols; ++jj) row[jj * col_step] += bias[m[jj * sj] != 0];
+      }
+    }
+  }
+
+  // The dropout hash of core/dropout.hpp, on 16 keys (or 16 rows) at once.
+  static U mix32(U x) {
+    x = S::xor_u(x, S::template shr_u<16>(x));
+    x = S::mullo_u(x, S::set1_u(0x7feb352du));
+    x = S::xor_u(x, S::template shr_u<15>(x));
+    x = S::mullo_u(x, S::set1_u(0x846ca68bu));
+    return S::xor_u(x, S::template shr_u<16>(x));
+  }
+  static U dropout_bits(U j, U key_lo, U key_hi) { return mix32(S::add_u(mix32(S::xor_u(j, key_lo)), key_hi)); }
+};
+
+}  // namespace
+}  // namespace mha::detail
