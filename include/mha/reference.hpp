@@ -17,6 +17,14 @@ struct Result {
 Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options = {});
 
+struct Gradients {
+  Tensor query, key, value;  // float64, shaped like q, k, v
+  Tensor attn_mask;          // float64, shaped like the mask (when one is given)
+};
+// The gradients of sum(output * grad_output), from the materialised probabilities, in float64.
+Gradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                const TensorView& grad_output, const SdpaOptions& options = {});
+
 // The module's forward in float64 with the module's parameters, following the steps of PyTorch's
 // multi_head_attention_forward. `training` decides dropout; options.dropout_seed must be set
 // when dropout applies. Weights are returned as the module returns them.

@@ -55,6 +55,29 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
                                        const TensorView& out, const SdpaOptions& options = {},
                                        const std::optional<TensorView>& weights = std::nullopt);
 
+// Training. The forward keeps the per-row log-sum-exp of the scores (O(L), not the Lq x Lk
+// matrix); the backward recomputes the probabilities from it tile by tile. Pass the same inputs
+// and options to both: dropout masks are regenerated from dropout_seed, never stored.
+struct AttentionForTraining {
+  Tensor output;  // [.., Hq, Lq, Dv]
+  Tensor lse;     // [.., Hq, Lq]: log-sum-exp of each row of scores (+inf for a fully masked row)
+};
+AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
+                                                               const TensorView& v, const SdpaOptions& options = {});
+
+struct AttentionGradients {
+  Tensor query, key, value;       // shaped like q, k, v
+  std::optional<Tensor> attn_mask;  // shaped like the mask, when asked for (float masks only)
+};
+// Deterministic: the same inputs give bit-identical gradients on every run and thread count.
+// With GQA, key and value gradients are summed over the query heads of each group; with a mask
+// broadcast over some dimensions, its gradient is summed over them.
+AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                         const AttentionForTraining& saved,
+                                                         const TensorView& grad_output,
+                                                         const SdpaOptions& options = {},
+                                                         bool attn_mask_grad = false);
+
 // Floating-point operations of one forward call: 2 * (Dk + Dv) per (query, key) pair that takes
 // part, times B * Hq. Without causality that is 4 * B * Hq * Lq * Lk * D for Dk = Dv = D; a causal
 // mask counts only the pairs it keeps (about half).

@@ -2,6 +2,7 @@
 #include "mha/sdpa.hpp"
 
 #include <algorithm>
+#include <array>
 
 #include "core/attention_problem.hpp"
 #include "cpu/attention_kernel.hpp"
@@ -55,6 +56,94 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
   detail::check_output_view(out, detail::output_shape(q, p.len_q, p.dim_v), DType::f32, "out");
   if (weights) detail::check_output_view(*weights, detail::output_shape(q, p.len_q, p.len_k), DType::f32, "weights");
   run(p, out, weights ? &*weights : nullptr);
+}
+
+AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
+                                                               const TensorView& v, const SdpaOptions& options) {
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/false);
+  AttentionForTraining r;
+  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v));
+  Shape lse_shape = q.sizes();
+  lse_shape.pop_back();
+  r.lse = Tensor::empty(lse_shape);
+  detail::ForwardOutputs o;
+  const TensorView out4 = detail::as_4d(r.output, "out");
+  o.out = out4.data_as<float>();
+  set_strides(out4, o.out_strides);
+  o.lse = r.lse.data<float>();
+  detail::run_attention(p, o);
+  return r;
+}
+
+namespace {
+
+// Sums a [B, H, Lq, Lk] gradient over the dimensions a mask of `shape` broadcasts along.
+Tensor reduce_to_mask_shape(const Tensor& full, const TensorView& mask) {
+  Tensor g = Tensor::zeros(mask.sizes());
+  std::array<int64_t, 4> strides{};  // of g, over (b, h, i, j); 0 where the mask broadcasts
+  const TensorView& gv = g.view();
+  for (int d = 0; d < 4; ++d) {
+    const int md = mask.ndim - 4 + d;
+    if (md >= 0 && mask.shape[md] != 1) strides[d] = gv.strides[md];
+  }
+  const TensorView& f = full.view();
+  const float* src = full.data<float>();
+  float* dst = g.data<float>();
+  for (int64_t b = 0; b < f.shape[0]; ++b)
+    for (int64_t h = 0; h < f.shape[1]; ++h)
+      for (int64_t i = 0; i < f.shape[2]; ++i)
+        for (int64_t j = 0; j < f.shape[3]; ++j)
+          dst[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]] +=
+              src[((b * f.shape[1] + h) * f.shape[2] + i) * f.shape[3] + j];
+  return g;
+}
+
+}  // namespace
+
+AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                         const AttentionForTraining& saved,
+                                                         const TensorView& grad_output, const SdpaOptions& options,
+                                                         bool attn_mask_grad) {
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/false);
+  const Shape out_shape = detail::output_shape(q, p.len_q, p.dim_v);
+  detail::check_output_view(saved.output, out_shape, DType::f32, "saved.output");
+  Shape lse_shape = q.sizes();
+  lse_shape.pop_back();
+  detail::check_output_view(saved.lse, lse_shape, DType::f32, "saved.lse");
+  detail::check_output_view(grad_output, out_shape, DType::f32, "grad_output");
+  if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype != DType::f32)) {
+    throw Error("attn_mask_grad: a gradient exists only for a float32 (additive) attn_mask");
+  }
+  AttentionGradients g;
+  g.query = Tensor::empty(q.sizes());
+  g.key = Tensor::empty(k.sizes());
+  g.value = Tensor::empty(v.sizes());
+  detail::BackwardInputs in;
+  const TensorView o4 = detail::as_4d(saved.output, "saved.output");
+  in.out = o4.data_as<float>();
+  set_strides(o4, in.out_strides);
+  const TensorView g4 = detail::as_4d(grad_output, "grad_output");
+  in.grad_out = g4.data_as<float>();
+  set_strides(g4, in.grad_out_strides);
+  in.lse = saved.lse.data<float>();
+  detail::BackwardOutputs out;
+  const TensorView dq = detail::as_4d(g.query, "query"), dk = detail::as_4d(g.key, "key"),
+                   dv = detail::as_4d(g.value, "value");
+  out.dq = dq.data_as<float>();
+  set_strides(dq, out.dq_strides);
+  out.dk = dk.data_as<float>();
+  set_strides(dk, out.dk_strides);
+  out.dv = dv.data_as<float>();
+  set_strides(dv, out.dv_strides);
+  Tensor dscores;
+  if (attn_mask_grad) {
+    dscores = Tensor::empty({p.batch, p.heads_q, p.len_q, p.len_k});
+    out.dscores = dscores.data<float>();
+    set_strides(dscores.view(), out.dscores_strides);
+  }
+  detail::run_attention_backward(p, in, out);
+  if (attn_mask_grad) g.attn_mask = reduce_to_mask_shape(dscores, *options.attn_mask);
+  return g;
 }
 
 double attention_flops(int64_t batch, int64_t heads, int64_t len_q, int64_t len_k, int64_t dim_qk, int64_t dim_v,

@@ -58,3 +58,65 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
 }
 
 }  // namespace mha::detail
+
+namespace mha::detail {
+
+void run_attention_backward(const AttentionProblem& problem, const BackwardInputs& in, const BackwardOutputs& out) {
+  constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max();
+  if (problem.len_q > kMaxLen || problem.len_k > kMaxLen) {
+    throw Error("query/key: sequence lengths up to 2^31 - 1 are supported, got Lq = " +
+                std::to_string(problem.len_q) + ", Lk = " + std::to_string(problem.len_k));
+  }
+  const AttentionProblem& p0 = problem;
+  const int64_t dq_shape[4] = {p0.batch, p0.heads_q, p0.len_q, p0.dim_qk};
+  const int64_t dk_shape[4] = {p0.batch, p0.heads_kv, p0.len_k, p0.dim_qk};
+  const int64_t dv_shape[4] = {p0.batch, p0.heads_kv, p0.len_k, p0.dim_v};
+  const int64_t ds_shape[4] = {p0.batch, p0.heads_q, p0.len_q, p0.len_k};
+  if (p0.batch == 0 || p0.heads_q == 0 || p0.len_q == 0 || p0.dropout_p >= 1.0) {
+    // No query, or every weight dropped: nothing flows back.
+    fill_zero(out.dq, dq_shape, out.dq_strides);
+    fill_zero(out.dk, dk_shape, out.dk_strides);
+    fill_zero(out.dv, dv_shape, out.dv_strides);
+    if (out.dscores) fill_zero(out.dscores, ds_shape, out.dscores_strides);
+    return;
+  }
+  AttentionProblem p = problem;
+  std::vector<Tensor> copies;
+  for (TensorView* t : {&p.q, &p.k, &p.v}) {
+    if (t->strides[3] != 1 && t->shape[3] > 1) {
+      copies.push_back(Tensor::copy_of(*t, DType::f32));
+      *t = copies.back().view();
+    }
+  }
+  BackwardInputs inputs = in;
+  const int64_t* gs = in.grad_out_strides;
+  if (gs[3] != 1 && p.dim_v > 1) {
+    const TensorView g(in.grad_out, DType::f32, {p.batch, p.heads_q, p.len_q, p.dim_v}, {gs[0], gs[1], gs[2], gs[3]});
+    copies.push_back(Tensor::copy_of(g, DType::f32));
+    inputs.grad_out = copies.back().data<float>();
+    const TensorView& c = copies.back().view();
+    for (int d = 0; d < 4; ++d) inputs.grad_out_strides[d] = c.strides[d];
+  }
+  // delta = rowsum(dO * O), the softmax's correction term, once per row.
+  Tensor delta = Tensor::empty({p.batch * p.heads_q * p.len_q});
+  float* dl = delta.data<float>();
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads_q; ++h)
+      for (int64_t i = 0; i < p.len_q; ++i) {
+        const float* g = inputs.grad_out + b * inputs.grad_out_strides[0] + h * inputs.grad_out_strides[1] +
+                         i * inputs.grad_out_strides[2];
+        const float* o = in.out + b * in.out_strides[0] + h * in.out_strides[1] + i * in.out_strides[2];
+        double acc = 0;
+        for (int64_t d = 0; d < p.dim_v; ++d) {
+          acc += static_cast<double>(g[d * inputs.grad_out_strides[3]]) * o[d * in.out_strides[3]];
+        }
+        dl[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(acc);
+      }
+  inputs.delta = dl;
+  switch (active_isa()) {
+    case Isa::avx512: flash_backward_avx512(p, inputs, out); break;
+    case Isa::portable: flash_backward_portable(p, inputs, out); break;
+  }
+}
+
+}  // namespace mha::detail

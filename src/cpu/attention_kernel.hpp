@@ -18,10 +18,40 @@ struct ForwardOutputs {
   float* lse = nullptr;
 };
 
+// What a backward reads besides the problem's q, k, v: the forward's output and row
+// log-sum-exp, and the gradient of the output. Views are [B, Hq, Lq, Dv]; lse is [B, Hq, Lq].
+struct BackwardInputs {
+  const float* out = nullptr;
+  int64_t out_strides[4] = {};
+  const float* grad_out = nullptr;
+  int64_t grad_out_strides[4] = {};
+  const float* lse = nullptr;
+  const float* delta = nullptr;  // [B, Hq, Lq]: rowsum(grad_out * out), filled by run_attention_backward
+};
+
+// Where a backward writes: dq [B, Hq, Lq, Dk], dk [B, Hkv, Lk, Dk], dv [B, Hkv, Lk, Dv], and when
+// not null the gradient of the scores, dscores [B, Hq, Lq, Lk] (what an additive mask receives).
+struct BackwardOutputs {
+  float* dq = nullptr;
+  int64_t dq_strides[4] = {};
+  float* dk = nullptr;
+  int64_t dk_strides[4] = {};
+  float* dv = nullptr;
+  int64_t dv_strides[4] = {};
+  float* dscores = nullptr;
+  int64_t dscores_strides[4] = {};
+};
+
 // Preconditions (checked by run_attention): float32 q, k, v with unit stride in the last
 // dimension; Lq, Lk < 2^31; 0 <= dropout_p < 1; Lk > 0.
 void flash_forward_portable(const AttentionProblem& p, const ForwardOutputs& o);
 void flash_forward_avx512(const AttentionProblem& p, const ForwardOutputs& o);
+
+// The backward, deterministic: every gradient element is summed by one task in a fixed order, so
+// the same inputs give the same bits on any thread count.
+void flash_backward_portable(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
+void flash_backward_avx512(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
+void run_attention_backward(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 
 // Validates kernel preconditions, copies inputs whose last stride is not 1, handles the cases
 // with nothing to compute (Lk == 0, dropout_p == 1, empty tensors) and runs the ISA's kernel.

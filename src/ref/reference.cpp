@@ -4,6 +4,7 @@
 // No tiling, no online softmax, no tricks: it exists to be obviously right.
 #include "mha/reference.hpp"
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -101,6 +102,87 @@ Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
   r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), DType::f64);
   r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k), DType::f64);
   attention(p, r.output.data<double>(), r.weights.data<double>());
+  return r;
+}
+
+Gradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                const TensorView& grad_output, const SdpaOptions& options) {
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/true);
+  const TensorView g = detail::as_4d(grad_output, "grad_output");
+  Gradients r;
+  r.query = Tensor::zeros(q.sizes(), DType::f64);
+  r.key = Tensor::zeros(k.sizes(), DType::f64);
+  r.value = Tensor::zeros(v.sizes(), DType::f64);
+  Tensor dmask_full = Tensor::zeros({p.batch, p.heads_q, p.len_q, p.len_k}, DType::f64);
+  const TensorView dq = detail::as_4d(r.query, "query"), dk = detail::as_4d(r.key, "key"),
+                   dv = detail::as_4d(r.value, "value");
+  auto at = [](const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) -> double& {
+    return t.data_as<double>()[a * t.strides[0] + b * t.strides[1] + c * t.strides[2] + d * t.strides[3]];
+  };
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  const double keep_scale = p.dropout_p < 1 ? 1.0 / (1.0 - p.dropout_p) : 0.0;
+  std::vector<double> prob(static_cast<size_t>(p.len_k)), zscale(static_cast<size_t>(p.len_k)),
+      dprob(static_cast<size_t>(p.len_k));
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      const int64_t hk = h / p.group();
+      for (int64_t i = 0; i < p.len_q; ++i) {
+        // P = softmax(scale q k^T + masks), zero for a row with no visible key
+        double max = neg_inf;
+        for (int64_t j = 0; j < p.len_k; ++j) {
+          double s = 0;
+          for (int64_t d = 0; d < p.dim_qk; ++d) s += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
+          s *= p.scale;
+          for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias(b, h, i, j);
+          if (j >= p.causal_end(i)) s = neg_inf;
+          prob[j] = s;
+          max = std::max(max, s);
+        }
+        double sum = 0;
+        for (double& x : prob) sum += (x = max == neg_inf ? 0.0 : std::exp(x - max));
+        for (double& x : prob) x = sum > 0 ? x / sum : 0.0;
+        // Z / (1 - p): the dropout mask, rescaled
+        const auto key = detail::dropout_row_key(p.dropout_seed, static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i));
+        const uint32_t threshold = detail::dropout_threshold(p.dropout_p);
+        for (int64_t j = 0; j < p.len_k; ++j) {
+          const bool keep = p.dropout_p == 0 || (p.dropout_p < 1 && detail::dropout_bits(key, static_cast<uint32_t>(j)) >= threshold);
+          zscale[j] = keep ? keep_scale : 0.0;
+        }
+        // dP = (dO V^T) Z / (1 - p);  D = sum_j P dP;  dS = P (dP - D)
+        double D = 0;
+        for (int64_t j = 0; j < p.len_k; ++j) {
+          double dpd = 0;
+          for (int64_t d = 0; d < p.dim_v; ++d) dpd += element(g, b, h, i, d) * element(p.v, b, hk, j, d);
+          dprob[j] = dpd * zscale[j];
+          D += prob[j] * dprob[j];
+        }
+        for (int64_t j = 0; j < p.len_k; ++j) {
+          const double ds = prob[j] * (dprob[j] - D);
+          dmask_full.data<double>()[((b * p.heads_q + h) * p.len_q + i) * p.len_k + j] = ds;
+          for (int64_t d = 0; d < p.dim_qk; ++d) {
+            at(dq, b, h, i, d) += p.scale * ds * element(p.k, b, hk, j, d);
+            at(dk, b, hk, j, d) += p.scale * ds * element(p.q, b, h, i, d);
+          }
+          for (int64_t d = 0; d < p.dim_v; ++d) at(dv, b, hk, j, d) += prob[j] * zscale[j] * element(g, b, h, i, d);
+        }
+      }
+    }
+  if (options.attn_mask) {  // sum over the dimensions the mask broadcasts along
+    const TensorView& mask = *options.attn_mask;
+    r.attn_mask = Tensor::zeros(mask.sizes(), DType::f64);
+    std::array<int64_t, 4> st{};
+    for (int d = 0; d < 4; ++d) {
+      const int md = mask.ndim - 4 + d;
+      if (md >= 0 && mask.shape[md] != 1) st[d] = r.attn_mask.view().strides[md];
+    }
+    const double* src = dmask_full.data<double>();
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads_q; ++h)
+        for (int64_t i = 0; i < p.len_q; ++i)
+          for (int64_t j = 0; j < p.len_k; ++j)
+            r.attn_mask.data<double>()[b * st[0] + h * st[1] + i * st[2] + j * st[3]] +=
+                src[((b * p.heads_q + h) * p.len_q + i) * p.len_k + j];
+  }
   return r;
 }
 

@@ -1,0 +1,278 @@
+// The fused attention backward, flash style: the probabilities are recomputed tile by tile from
+// the saved row log-sum-exp, never stored. With S = scale q k^T + mask, P = softmax(S), the
+// dropout mask Z (regenerated from the seed) and Pd = P Z / (1 - p):
+//   dV = Pd^T dO      dP = (dO V^T) Z / (1 - p)      dS = P (dP - D),  D = rowsum(dO O)
+//   dQ = scale dS K   dK = scale dS^T Q               (an additive mask receives dS)
+// Two passes keep it deterministic without atomics: pass A owns a block of 48 keys (lanes over
+// keys) and sums dK, dV over every query of every head of its group; pass B owns a block of 48
+// queries (lanes over queries, as in the forward) and sums dQ over every key. Both use the
+// panel kernels of tile_kernels.hpp with rows read in place.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include "core/attention_problem.hpp"
+#include "core/dropout.hpp"
+#include "core/thread_pool.hpp"
+#include "cpu/attention_kernel.hpp"
+#include "cpu/tile_kernels.hpp"
+
+namespace mha::detail {
+namespace {
+
+template <class S>
+struct FlashBackward {
+  using F = typename S::F;
+  using U = typename S::U;
+  using M = typename S::M;
+  using T = Tiles<S>;
+  static constexpr int kLanes = S::kLanes;
+  static constexpr int kVecs = T::kVecs;
+  static constexpr int kPanel = T::kWidth;  // keys per pass-A task, queries per pass-B task
+  static constexpr int kBlock = 64;         // rows (queries in A, keys in B) per step
+  static constexpr int kRows = T::kRowsPerTile;
+
+  const AttentionProblem& p;
+  const BackwardInputs& in;
+  const BackwardOutputs& out;
+
+  // One allocation per task holding `floats` floats, 64-byte aligned, zeroed; freed on scope exit.
+  struct Buffer {
+    float* data;
+    explicit Buffer(int64_t floats) {
+      const size_t bytes = static_cast<size_t>(T::round_up(floats * 4, 64));
+      data = static_cast<float*>(std::aligned_alloc(64, bytes));
+      if (data == nullptr) throw std::bad_alloc();
+      std::memset(data, 0, bytes);
+    }
+    ~Buffer() { std::free(data); }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+  };
+
+  int64_t causal_limit(int64_t i) const {  // keys [0, limit) are visible to query i
+    if (!p.causal) return p.len_k;
+    return std::clamp<int64_t>(i + p.causal_offset + 1, 0, p.len_k);
+  }
+  const float* row(const TensorView& t, int64_t b, int64_t h, int64_t l) const {
+    return t.data_as<const float>() + b * t.strides[0] + h * t.strides[1] + l * t.strides[2];
+  }
+  const float* grad_out_row(int64_t b, int64_t h, int64_t i) const {
+    const int64_t* st = in.grad_out_strides;
+    return in.grad_out + b * st[0] + h * st[1] + i * st[2];
+  }
+  int64_t row_index(int64_t b, int64_t h, int64_t i) const { return (b * p.heads_q + h) * p.len_q + i; }
+
+  // Pass A: dK and dV of keys [j0, j0 + 48) of key/value head hk.
+  void keys_task(int64_t b, int64_t hk, int64_t j0) const {
+    const int64_t nk = std::min<int64_t>(kPanel, p.len_k - j0);
+    const int64_t dk = p.dim_qk, dv = p.dim_v;
+    const float qk_scale = static_cast<float>(p.scale) * kLog2e;
+    Buffer buf((2 * dk + 2 * dv + 2 * kBlock) * kPanel + std::max(dk, dv) + kLanes);
+    float* kt = buf.data;           // [Dk][48] K^T, scaled by scale * log2(e)
+    float* vt = kt + dk * kPanel;   // [Dv][48] V^T
+    float* dkt = vt + dv * kPanel;  // [Dk][48] dK^T accumulator
+    float* dvt = dkt + dk * kPanel; // [Dv][48] dV^T accumulator
+    float* pt = dvt + dv * kPanel;  // [64][48] P, then Pd
+    float* gt = pt + kBlock * kPanel;  // [64][48] dPd, then dS
+    const float* zero_row = gt + kBlock * kPanel;
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      const float* kr = row(p.k, b, hk, j0 + jj);
+      const float* vr = row(p.v, b, hk, j0 + jj);
+      for (int64_t d = 0; d < dk; ++d) kt[d * kPanel + jj] = kr[d] * qk_scale;
+      for (int64_t d = 0; d < dv; ++d) vt[d * kPanel + jj] = vr[d];
+    }
+    U jv[kVecs];
+    for (int c = 0; c < kVecs; ++c) {
+      alignas(64) uint32_t idx[kLanes];
+      for (int l = 0; l < kLanes; ++l) idx[l] = static_cast<uint32_t>(j0 + c * kLanes + l);
+      jv[c] = S::load_u(idx);
+    }
+    const bool dropout = p.dropout_p > 0;
+    const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
+    const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
+    const F zero = S::zero();
+    const float* qrows[kBlock];
+    const float* grows[kBlock];
+
+    // The first query that sees any key of the block; earlier ones are skipped, not masked.
+    int64_t i_start = 0;
+    if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q);
+    const int64_t group = p.heads_q / p.heads_kv;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t i0 = i_start; i0 < p.len_q; i0 += kBlock) {
+        const int64_t ni = std::min<int64_t>(kBlock, p.len_q - i0);
+        const int64_t nip = T::round_up(ni, kRows);
+        for (int64_t ii = 0; ii < nip; ++ii) {
+          qrows[ii] = ii < ni ? row(p.q, b, h, i0 + ii) : zero_row;
+          grows[ii] = ii < ni ? grad_out_row(b, h, i0 + ii) : zero_row;
+        }
+        for (int64_t ii = 0; ii < nip; ii += kRows) {
+          T::dot_rows(pt + ii * kPanel, qrows + ii, kt, dk);  // scores, base 2
+          T::dot_rows(gt + ii * kPanel, grows + ii, vt, dv);  // dPd = dO V^T
+        }
+        for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
+        for (int64_t ii = 0; ii < nip; ++ii) {
+          float* prow = pt + ii * kPanel;
+          float* grow = gt + ii * kPanel;
+          if (ii >= ni) {  // padding rows contribute nothing
+            for (int c = 0; c < kVecs; ++c) S::store(prow + c * kLanes, zero), S::store(grow + c * kLanes, zero);
+            continue;
+          }
+          const int64_t i = i0 + ii;
+          const int64_t r = row_index(b, h, i);
+          const F lse2 = S::set1(in.lse[r] * kLog2e);
+          const F delta = S::set1(in.delta[r]);
+          const U limit = S::set1_u(static_cast<uint32_t>(causal_limit(i)));
+          U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
+          if (dropout) {
+            const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
+            key_lo = S::set1_u(key.lo);
+            key_hi = S::set1_u(key.hi);
+          }
+          for (int c = 0; c < kVecs; ++c) {
+            const M visible = S::lt_i(jv[c], limit);  // causality and keys past Lk
+            const F pr = S::select(visible, S::exp2(S::sub(S::load(prow + c * kLanes), lse2)), zero);
+            F dp = S::load(grow + c * kLanes);
+            F pd = pr;
+            if (dropout) {
+              const M keep = S::ge_u(T::dropout_bits(jv[c], key_lo, key_hi), threshold);
+              pd = S::select(keep, S::mul(pr, keep_scale), zero);
+              dp = S::select(keep, S::mul(dp, keep_scale), zero);
+            }
+            S::store(prow + c * kLanes, pd);
+            S::store(grow + c * kLanes, S::mul(pr, S::sub(dp, delta)));  // dS
+          }
+        }
+        T::accumulate(dvt, grows, pt, nip, dv);  // dV^T += dO^T Pd
+        T::accumulate(dkt, qrows, gt, nip, dk);  // dK^T += Q^T dS
+      }
+    }
+    const float scale = static_cast<float>(p.scale);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      float* dkr = out.dk + b * out.dk_strides[0] + hk * out.dk_strides[1] + (j0 + jj) * out.dk_strides[2];
+      float* dvr = out.dv + b * out.dv_strides[0] + hk * out.dv_strides[1] + (j0 + jj) * out.dv_strides[2];
+      for (int64_t d = 0; d < dk; ++d) dkr[d * out.dk_strides[3]] = dkt[d * kPanel + jj] * scale;
+      for (int64_t d = 0; d < dv; ++d) dvr[d * out.dv_strides[3]] = dvt[d * kPanel + jj];
+    }
+  }
+
+  // Pass B: dQ (and dS, when asked) of queries [i0, i0 + 48) of query head h.
+  void queries_task(int64_t b, int64_t h, int64_t i0) const {
+    const int64_t ni = std::min<int64_t>(kPanel, p.len_q - i0);
+    const int64_t dk = p.dim_qk, dv = p.dim_v;
+    const int64_t hk = h / (p.heads_q / p.heads_kv);
+    const float qk_scale = static_cast<float>(p.scale) * kLog2e;
+    Buffer buf((2 * dk + dv + 2 * kBlock + 5) * kPanel + std::max(dk, dv) + kLanes);
+    float* qt = buf.data;            // [Dk][48] Q^T, scaled
+    float* got = qt + dk * kPanel;   // [Dv][48] dO^T
+    float* dqt = got + dv * kPanel;  // [Dk][48] dQ^T accumulator
+    float* st = dqt + dk * kPanel;   // [64][48] scores, then dS
+    float* gt = st + kBlock * kPanel;  // [64][48] dPd
+    float* lse2 = gt + kBlock * kPanel;
+    float* delta = lse2 + kPanel;
+    uint32_t* limit = reinterpret_cast<uint32_t*>(delta + kPanel);
+    uint32_t* key_lo = limit + kPanel;
+    uint32_t* key_hi = key_lo + kPanel;
+    const float* zero_row = reinterpret_cast<const float*>(key_hi + kPanel);
+    for (int64_t ii = 0; ii < ni; ++ii) {
+      const float* qr = row(p.q, b, h, i0 + ii);
+      const float* gr = grad_out_row(b, h, i0 + ii);
+      for (int64_t d = 0; d < dk; ++d) qt[d * kPanel + ii] = qr[d] * qk_scale;
+      for (int64_t d = 0; d < dv; ++d) got[d * kPanel + ii] = gr[d];
+    }
+    for (int64_t ii = 0; ii < kPanel; ++ii) {
+      const int64_t i = i0 + ii;
+      const bool real = ii < ni;
+      const int64_t r = row_index(b, h, real ? i : i0);
+      lse2[ii] = real ? in.lse[r] * kLog2e : std::numeric_limits<float>::infinity();
+      delta[ii] = real ? in.delta[r] : 0.0f;
+      limit[ii] = static_cast<uint32_t>(real ? causal_limit(i) : 0);
+      if (p.dropout_p > 0 && real) {
+        const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
+        key_lo[ii] = key.lo;
+        key_hi[ii] = key.hi;
+      }
+    }
+    const bool dropout = p.dropout_p > 0;
+    const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
+    const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
+    const F zero = S::zero();
+    const float* krows[kBlock];
+    const float* vrows[kBlock];
+    const int64_t key_end = limit[ni - 1];  // limits grow with the query: later keys are unseen
+    for (int64_t j0 = 0; j0 < key_end; j0 += kBlock) {
+      const int64_t nj = std::min<int64_t>(kBlock, key_end - j0);
+      const int64_t njp = T::round_up(nj, kRows);
+      for (int64_t jj = 0; jj < njp; ++jj) {
+        const bool real = j0 + jj < p.len_k;
+        krows[jj] = real ? row(p.k, b, hk, j0 + jj) : zero_row;
+        vrows[jj] = real ? row(p.v, b, hk, j0 + jj) : zero_row;
+      }
+      for (int64_t jj = 0; jj < njp; jj += kRows) {
+        T::dot_rows(st + jj * kPanel, krows + jj, qt, dk);
+        T::dot_rows(gt + jj * kPanel, vrows + jj, got, dv);
+      }
+      for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], st, 1, kPanel, b, h, i0, ni, j0, nj);
+      for (int c = 0; c < kVecs; ++c) {
+        const F l2 = S::load(lse2 + c * kLanes);
+        const F dl = S::load(delta + c * kLanes);
+        const U lim = S::load_u(limit + c * kLanes);
+        const U lo = S::load_u(key_lo + c * kLanes), hi = S::load_u(key_hi + c * kLanes);
+        for (int64_t jj = 0; jj < njp; ++jj) {
+          float* srow = st + jj * kPanel + c * kLanes;
+          const U j = S::set1_u(static_cast<uint32_t>(j0 + jj));
+          const M visible = S::lt_i(j, lim);
+          const F pr = S::select(visible, S::exp2(S::sub(S::load(srow), l2)), zero);
+          F dp = S::load(gt + jj * kPanel + c * kLanes);
+          if (dropout) dp = S::select(S::ge_u(T::dropout_bits(j, lo, hi), threshold), S::mul(dp, keep_scale), zero);
+          S::store(srow, S::mul(pr, S::sub(dp, dl)));  // dS
+        }
+      }
+      if (out.dscores) {
+        for (int64_t ii = 0; ii < ni; ++ii) {
+          float* dsr = out.dscores + b * out.dscores_strides[0] + h * out.dscores_strides[1] +
+                       (i0 + ii) * out.dscores_strides[2];
+          for (int64_t jj = 0; jj < nj; ++jj) dsr[(j0 + jj) * out.dscores_strides[3]] = st[jj * kPanel + ii];
+        }
+      }
+      T::accumulate(dqt, krows, st, njp, dk);  // dQ^T += K^T dS^T
+    }
+    if (out.dscores) {  // keys no query of the task sees
+      for (int64_t ii = 0; ii < ni; ++ii) {
+        float* dsr = out.dscores + b * out.dscores_strides[0] + h * out.dscores_strides[1] +
+                     (i0 + ii) * out.dscores_strides[2];
+        for (int64_t j = key_end; j < p.len_k; ++j) dsr[j * out.dscores_strides[3]] = 0.0f;
+      }
+    }
+    const float scale = static_cast<float>(p.scale);
+    for (int64_t ii = 0; ii < ni; ++ii) {
+      float* dqr = out.dq + b * out.dq_strides[0] + h * out.dq_strides[1] + (i0 + ii) * out.dq_strides[2];
+      for (int64_t d = 0; d < dk; ++d) dqr[d * out.dq_strides[3]] = dqt[d * kPanel + ii] * scale;
+    }
+  }
+
+  void run() const {
+    const int threads = resolve_threads(p.num_threads);
+    const int64_t key_blocks = (p.len_k + kPanel - 1) / kPanel;
+    parallel_for(p.batch * p.heads_kv * key_blocks, threads, [&](int64_t t, int) {
+      const int64_t bh = t / key_blocks;
+      keys_task(bh / p.heads_kv, bh % p.heads_kv, (t % key_blocks) * kPanel);
+    });
+    const int64_t query_blocks = (p.len_q + kPanel - 1) / kPanel;
+    parallel_for(p.batch * p.heads_q * query_blocks, threads, [&](int64_t t, int) {
+      const int64_t qb = query_blocks - 1 - t % query_blocks;  // long causal rows first
+      const int64_t bh = t / query_blocks;
+      queries_task(bh / p.heads_q, bh % p.heads_q, qb * kPanel);
+    });
+  }
+};
+
+}  // namespace
+}  // namespace mha::detail

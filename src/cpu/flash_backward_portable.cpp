@@ -1,0 +1,9 @@
+// The fused backward for any CPU: the same body over 16-float arrays.
+#include "cpu/flash_backward.hpp"
+#include "cpu/simd_portable.hpp"
+
+namespace mha::detail {
+void flash_backward_portable(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
+  FlashBackward<simd::Portable>{p, in, out}.run();
+}
+}  // namespace mha::detail
