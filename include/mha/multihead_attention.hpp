@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -52,6 +53,31 @@ struct ForwardResult {
   std::optional<Tensor> weights;  // present when need_weights
 };
 
+// What a training forward keeps for the backward: the inputs, the projections, the attention
+// output and the per-row log-sum-exp of the scores (never the L x S matrix), the masks and the
+// dropout seed. Owns copies of everything, so the caller's inputs need not outlive it.
+class ForwardContext {
+ public:
+  ForwardContext();
+  ~ForwardContext();
+  ForwardContext(ForwardContext&&) noexcept;
+  ForwardContext& operator=(ForwardContext&&) noexcept;
+  bool empty() const { return state_ == nullptr; }
+  struct State;
+
+ private:
+  friend class MultiheadAttention;
+  std::unique_ptr<State> state_;
+};
+
+// Gradients of a scalar loss with respect to the inputs and every parameter, given the gradient of
+// the output. (The returned attention weights are not differentiated.)
+struct ModuleGradients {
+  Tensor query, key, value;                                 // shaped like the inputs
+  std::vector<std::pair<std::string, Tensor>> parameters;  // the names and order of named_parameters()
+  const Tensor& parameter(const std::string& name) const;
+};
+
 class MultiheadAttention {
  public:
   MultiheadAttention(int64_t embed_dim, int64_t num_heads, const MultiheadAttentionOptions& options = {});
@@ -64,6 +90,13 @@ class MultiheadAttention {
 
   ForwardResult forward(const TensorView& query, const TensorView& key, const TensorView& value,
                         const ForwardOptions& options = {}) const;
+  // The same forward, also filling `context` for backward().
+  ForwardResult forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                        const ForwardOptions& options, ForwardContext* context) const;
+  // Gradients for the forward that filled `context` (with the parameters it ran with).
+  // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
+  ModuleGradients backward(const ForwardContext& context, const TensorView& grad_output) const;
+
   ForwardResult operator()(const TensorView& query, const TensorView& key, const TensorView& value,
                            const ForwardOptions& options = {}) const {
     return forward(query, key, value, options);

@@ -87,6 +87,13 @@ def _like(template: Any, array: Optional[_np.ndarray]):
     return _torch().from_numpy(array)
 
 
+def _needs_grad(*xs) -> bool:
+    """Whether PyTorch autograd must see this call: a torch input requires grad, grad mode is on."""
+    torch = _torch()
+    return (torch is not None and torch.is_grad_enabled()
+            and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs))
+
+
 def _new_seed() -> int:
     return _random.getrandbits(64)
 
@@ -113,6 +120,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
+    if _needs_grad(query, key, value, attn_mask):
+        from .autograd import SdpaFunction
+        if attn_mask is not None and attn_mask.requires_grad and attn_mask.dtype != _torch().float32:
+            raise ValueError("attn_mask: only a float32 (additive) mask can require grad")
+        out = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                                 None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
+                                 causal_alignment == "bottom_right", int(num_threads))
+        if not need_weights:
+            return out
+        _, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal), None if scale is None else float(scale),
+                               bool(enable_gqa), int(dropout_seed), True, causal_alignment == "bottom_right",
+                               int(num_threads))
+        return out, _like(query, weights)
     out, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
                              None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
                              bool(need_weights), causal_alignment == "bottom_right", int(num_threads))
@@ -162,7 +182,15 @@ class MultiheadAttention:
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False, *, dropout_seed: Optional[int] = None,
                 num_threads: int = 0) -> Tuple[Any, Optional[Any]]:
-        """Returns (attn_output, attn_weights); attn_weights is None when need_weights is False."""
+        """Returns (attn_output, attn_weights); attn_weights is None when need_weights is False.
+
+        With torch inputs that require grad (and grad mode on), the call is recorded by autograd:
+        loss.backward() fills the inputs' .grad, and this module's parameter gradients are left in
+        `self.grad` (a dict of numpy arrays by parameter name). For a torch.nn.Module whose
+        parameters receive .grad, use mha.nn.MultiheadAttention."""
+        if _needs_grad(query, key, value):
+            return self._forward_autograd(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                          average_attn_weights, is_causal, dropout_seed, num_threads)
         out, weights = self._m.forward(
             _as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"),
             _as_array(key_padding_mask, "key_padding_mask", allow_none=True), bool(need_weights),
@@ -171,6 +199,26 @@ class MultiheadAttention:
         return _like(query, out), _like(query, weights)
 
     __call__ = forward
+
+    def _forward_autograd(self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal,
+                          dropout_seed, num_threads):
+        from .autograd import ModuleFunction
+        torch = _torch()
+        # The parameters enter autograd as leaf tensors (copies): their .grad is this call's gradient.
+        params = [(name, torch.from_numpy(value).requires_grad_()) for name, value in self._m.parameters()]
+        flags = (bool(need_weights), bool(average), bool(is_causal), dropout_seed, int(num_threads))
+        out, weights = ModuleFunction.apply(
+            self._m, [name for name, _ in params], flags, query, key, value,
+            _as_array(key_padding_mask, "key_padding_mask", allow_none=True),
+            _as_array(attn_mask, "attn_mask", allow_none=True), *[t for _, t in params])
+        self._grad_holders = dict(params)
+        return out, weights
+
+    @property
+    def grad(self) -> Dict[str, _np.ndarray]:
+        """Parameter gradients accumulated by backward passes through autograd calls."""
+        holders = getattr(self, "_grad_holders", {})
+        return {name: t.grad.numpy() for name, t in holders.items() if t.grad is not None}
 
     def state_dict(self) -> Dict[str, _np.ndarray]:
         """Parameters by PyTorch's names, as numpy arrays (copies)."""
@@ -205,3 +253,11 @@ class MultiheadAttention:
                 f"dropout={self.dropout}, bias={self.bias}, add_bias_kv={self.add_bias_kv}, "
                 f"add_zero_attn={self.add_zero_attn}, kdim={self.kdim}, vdim={self.vdim}, "
                 f"batch_first={self.batch_first})")
+
+
+def __getattr__(name: str):
+    """`mha.nn` (which needs torch) is imported on first use."""
+    if name == "nn":
+        import importlib
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'mha' has no attribute {name!r}")

@@ -91,6 +91,96 @@ ForwardReturn module_forward(const mha::MultiheadAttention& m, const Array& quer
   return {to_numpy(r.output), w};
 }
 
+// A training forward: the outputs and the context its backward needs.
+std::tuple<NumpyArray, std::optional<NumpyArray>, mha::ForwardContext> module_forward_train(
+    const mha::MultiheadAttention& m, const Array& query, const Array& key, const Array& value,
+    const std::optional<Array>& key_padding_mask, bool need_weights, const std::optional<Array>& attn_mask,
+    bool average_attn_weights, bool is_causal, std::optional<uint64_t> dropout_seed, int num_threads) {
+  mha::ForwardOptions o;
+  o.key_padding_mask = optional_view(key_padding_mask, "key_padding_mask");
+  o.need_weights = need_weights;
+  o.attn_mask = optional_view(attn_mask, "attn_mask");
+  o.average_attn_weights = average_attn_weights;
+  o.is_causal = is_causal;
+  o.dropout_seed = dropout_seed;
+  o.num_threads = num_threads;
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  mha::ForwardContext context;
+  mha::ForwardResult r;
+  {
+    nb::gil_scoped_release release;
+    r = m.forward(q, k, v, o, &context);
+  }
+  std::optional<NumpyArray> w;
+  if (r.weights) w = to_numpy(*r.weights);
+  return {to_numpy(r.output), w, std::move(context)};
+}
+
+std::tuple<NumpyArray, NumpyArray, NumpyArray, std::unordered_map<std::string, NumpyArray>> module_backward(
+    const mha::MultiheadAttention& m, const mha::ForwardContext& context, const Array& grad_output) {
+  const mha::TensorView g = view_of(grad_output, "grad_output");
+  mha::ModuleGradients r;
+  {
+    nb::gil_scoped_release release;
+    r = m.backward(context, g);
+  }
+  std::unordered_map<std::string, NumpyArray> params;
+  for (const auto& [name, t] : r.parameters) params.emplace(name, to_numpy(t));
+  return {to_numpy(r.query), to_numpy(r.key), to_numpy(r.value), params};
+}
+
+mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
+                              std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right,
+                              int num_threads) {
+  mha::SdpaOptions o;
+  o.attn_mask = optional_view(attn_mask, "attn_mask");
+  o.dropout_p = dropout_p;
+  o.is_causal = is_causal;
+  o.causal_alignment = bottom_right ? mha::CausalAlignment::BottomRight : mha::CausalAlignment::TopLeft;
+  o.scale = scale;
+  o.enable_gqa = enable_gqa;
+  o.dropout_seed = dropout_seed;
+  o.num_threads = num_threads;
+  return o;
+}
+
+std::pair<NumpyArray, NumpyArray> sdpa_train(const Array& query, const Array& key, const Array& value,
+                                             const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
+                                             std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
+                                             bool bottom_right, int num_threads) {
+  const mha::SdpaOptions o =
+      sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  mha::AttentionForTraining r;
+  {
+    nb::gil_scoped_release release;
+    r = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+  }
+  return {to_numpy(r.output), to_numpy(r.lse)};
+}
+
+std::tuple<NumpyArray, NumpyArray, NumpyArray, std::optional<NumpyArray>> sdpa_backward(
+    const Array& query, const Array& key, const Array& value, const Array& output, const Array& lse,
+    const Array& grad_output, const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int num_threads,
+    bool attn_mask_grad) {
+  const mha::SdpaOptions o =
+      sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  mha::AttentionForTraining saved;
+  saved.output = mha::Tensor::copy_of(view_of(output, "output"), mha::DType::f32);
+  saved.lse = mha::Tensor::copy_of(view_of(lse, "lse"), mha::DType::f32);
+  const mha::TensorView g = view_of(grad_output, "grad_output");
+  mha::AttentionGradients r;
+  {
+    nb::gil_scoped_release release;
+    r = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o, attn_mask_grad);
+  }
+  std::optional<NumpyArray> dm;
+  if (r.attn_mask) dm = to_numpy(*r.attn_mask);
+  return {to_numpy(r.query), to_numpy(r.key), to_numpy(r.value), dm};
+}
+
 ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, const std::optional<Array>& attn_mask,
                    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
                    bool need_weights, bool bottom_right, int num_threads) {
@@ -124,6 +214,9 @@ ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, con
 
 NB_MODULE(_mha, m) {
   m.doc() = "Low-level bindings of the mha C++ library; use the `mha` package's functions instead.";
+  // Modules referenced from PyTorch autograd graphs may still be alive when the interpreter exits;
+  // that is not a leak of ours, so nanobind's exit-time report is off.
+  nb::set_leak_warnings(false);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -132,6 +225,8 @@ NB_MODULE(_mha, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
+
+  nb::class_<mha::ForwardContext>(m, "_Context");
 
   nb::class_<mha::MultiheadAttention>(m, "_Module")
       .def(
@@ -157,6 +252,11 @@ NB_MODULE(_mha, m) {
            nb::arg("key_padding_mask").none(), nb::arg("need_weights"), nb::arg("attn_mask").none(),
            nb::arg("average_attn_weights"), nb::arg("is_causal"), nb::arg("dropout_seed").none(),
            nb::arg("num_threads"))
+      .def("forward_train", &module_forward_train, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+           nb::arg("key_padding_mask").none(), nb::arg("need_weights"), nb::arg("attn_mask").none(),
+           nb::arg("average_attn_weights"), nb::arg("is_causal"), nb::arg("dropout_seed").none(),
+           nb::arg("num_threads"))
+      .def("backward", &module_backward, nb::arg("context"), nb::arg("grad_output"))
       .def("train", &mha::MultiheadAttention::train, nb::arg("on"))
       .def_prop_ro("training", &mha::MultiheadAttention::is_training)
       .def_prop_ro("embed_dim", &mha::MultiheadAttention::embed_dim)
@@ -206,6 +306,13 @@ NB_MODULE(_mha, m) {
         mha::save_safetensors(path, views, std::map<std::string, std::string>(metadata.begin(), metadata.end()));
       },
       nb::arg("path"), nb::arg("tensors"), nb::arg("metadata"));
+  m.def("sdpa_train", &sdpa_train, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
+        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
+        nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("num_threads"));
+  m.def("sdpa_backward", &sdpa_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("output"),
+        nb::arg("lse"), nb::arg("grad_output"), nb::arg("attn_mask").none(), nb::arg("dropout_p"),
+        nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"),
+        nb::arg("bottom_right"), nb::arg("num_threads"), nb::arg("attn_mask_grad"));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
   m.def("cpu_isa", &mha::cpu_isa);

@@ -35,6 +35,16 @@ void sgemm_rows(const float* x, int64_t ldx, const TensorView& w, float* y, int6
 
 }  // namespace
 
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
+  if (m == 0 || n == 0) return;
+  openblas_set_num_threads(std::max(threads, 1));
+  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
+              static_cast<blasint>(std::max<int64_t>(lda, 1)), b, static_cast<blasint>(std::max<int64_t>(ldb, 1)), beta,
+              c, static_cast<blasint>(std::max<int64_t>(ldc, 1)));
+}
+
 RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
   RowBuffer b;
   const int64_t N = like.shape[0];

@@ -10,6 +10,10 @@ namespace mha::detail {
 // with uniform strides, one per batch entry otherwise.
 void linear(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
 
+// C = op(A) op(B) + beta C on row-major matrices (op: transpose or not), through sgemm.
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads);
+
 // A [N, rows, cols] float32 buffer whose (N, rows) memory order matches `like` ([N, L, C]): a
 // sequence-first input gets a sequence-first buffer, so projecting it is a single sgemm.
 struct RowBuffer {

@@ -8,6 +8,7 @@
 #include "cpu/attention_kernel.hpp"
 #include "mha/multihead_attention.hpp"
 #include "module/linear.hpp"
+#include "module/forward_context.hpp"
 #include "module/module_call.hpp"
 
 namespace mha {
@@ -30,8 +31,37 @@ void set_row(const TensorView& t, int64_t row, const float* values) {
 
 }  // namespace
 
+ForwardContext::ForwardContext() = default;
+ForwardContext::~ForwardContext() = default;
+ForwardContext::ForwardContext(ForwardContext&&) noexcept = default;
+ForwardContext& ForwardContext::operator=(ForwardContext&&) noexcept = default;
+
 ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorView& key, const TensorView& value,
                                           const ForwardOptions& options) const {
+  return forward(query, key, value, options, nullptr);
+}
+
+ForwardResult MultiheadAttention::forward(const TensorView& query_in, const TensorView& key_in,
+                                          const TensorView& value_in, const ForwardOptions& options_in,
+                                          ForwardContext* context) const {
+  detail::validate_module_call(*this, query_in, key_in, value_in, options_in);  // before any copy
+  // A training forward keeps its own copies of the inputs and masks, so the backward does not
+  // depend on the caller's buffers; the self-attention case stays one shared copy.
+  std::unique_ptr<ForwardContext::State> st;
+  TensorView query = query_in, key = key_in, value = value_in;
+  ForwardOptions options = options_in;
+  if (context != nullptr) {
+    st = std::make_unique<ForwardContext::State>();
+    auto keep = [&](const TensorView& t) {
+      st->inputs.push_back(Tensor::copy_of(t));
+      return st->inputs.back().view();
+    };
+    query = keep(query_in);
+    key = same_view(key_in, query_in) ? query : keep(key_in);
+    value = same_view(value_in, key_in) ? key : keep(value_in);
+    if (options.attn_mask) options.attn_mask = keep(*options.attn_mask);
+    if (options.key_padding_mask) options.key_padding_mask = keep(*options.key_padding_mask);
+  }
   const detail::ModuleCall c = detail::validate_module_call(*this, query, key, value, options);
   const int threads = detail::resolve_threads(options.num_threads);
   const int64_t E = embed_dim_, H = num_heads_, hd = head_dim();
@@ -41,7 +71,8 @@ ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorV
   // 1. Projections. Self-attention with the packed weight is one sgemm against [3E, E].
   detail::RowBuffer q_buf, k_buf, v_buf;
   TensorView q, k, v;  // [N, L, E], [N, St, E], [N, St, E]
-  if (qkv_same_embed_dim() && same_view(query, key) && same_view(key, value) && L == S) {
+  const bool packed = qkv_same_embed_dim() && same_view(query, key) && same_view(key, value) && L == S;
+  if (packed) {
     const Tensor w = parameter("in_proj_weight");
     q_buf = detail::rows_like(c.query, St, 3 * E);
     detail::linear(c.query, w, in_bias, q_buf.view.slice(1, 0, L), threads);
@@ -96,7 +127,7 @@ ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorV
   p.q = q.split_dim(2, H).transpose(1, 2);
   p.k = k.split_dim(2, H).transpose(1, 2);
   p.v = v.split_dim(2, H).transpose(1, 2);
-  const detail::MaskTerms masks = detail::module_mask_terms(c, H);
+  detail::MaskTerms masks = detail::module_mask_terms(c, H);
   for (int i = 0; i < masks.count; ++i) p.add_mask(masks.terms[i]);
   p.causal = masks.causal;
   p.scale = 1.0 / std::sqrt(static_cast<double>(hd));
@@ -116,6 +147,11 @@ ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorV
     weights = Tensor::empty({N, H, L, St});
     o.weights = weights.data<float>();
     for (int d = 0; d < 4; ++d) o.weights_strides[d] = weights.view().strides[d];
+  }
+  Tensor lse;
+  if (st) {
+    lse = Tensor::empty({N, H, L});
+    o.lse = lse.data<float>();
   }
   detail::run_attention(p, o);
 
@@ -143,6 +179,19 @@ ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorV
     } else {
       result.weights = weights;
     }
+  }
+  if (st) {
+    st->call = c;
+    st->masks = std::move(masks);
+    st->q_buf = std::move(q_buf), st->k_buf = std::move(k_buf), st->v_buf = std::move(v_buf);
+    st->q = q, st->k = k, st->v = v;
+    st->attn = attn;
+    st->lse = lse;
+    st->problem = p;
+    st->packed_self_attention = packed;
+    st->query_shape = query_in.sizes(), st->key_shape = key_in.sizes(), st->value_shape = value_in.sizes();
+    st->output_shape = result.output.sizes();
+    context->state_ = std::move(st);
   }
   return result;
 }

@@ -1,0 +1,65 @@
+"""PyTorch autograd for the fused kernels: torch.autograd.Functions whose forward runs the C++
+training forward and whose backward runs the C++ backward (deterministic, flash-style)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _mha
+
+
+def _detached(x):
+    return None if x is None else x.detach()
+
+
+class SdpaFunction(torch.autograd.Function):
+    """scaled_dot_product_attention with gradients for query, key, value and a float attn_mask."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+                bottom_right, num_threads):
+        out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
+                                   is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
+        out, lse = torch.from_numpy(out), torch.from_numpy(lse)
+        ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+        ctx.options = (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, attn_mask, out, lse = ctx.saved_tensors
+        dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = ctx.options
+        mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dm = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out, lse,
+                                            grad_output.detach().contiguous(), _detached(attn_mask), dropout_p,
+                                            is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads,
+                                            mask_grad)
+        return (torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv),
+                torch.from_numpy(dm) if mask_grad else None, None, None, None, None, None, None, None)
+
+
+class ModuleFunction(torch.autograd.Function):
+    """MultiheadAttention.forward with gradients for the inputs and every parameter. The module's
+    parameters enter as tensors (after the flags) so that autograd hands their gradients back."""
+
+    @staticmethod
+    def forward(ctx, module, names, flags, query, key, value, key_padding_mask, attn_mask, *params):
+        need_weights, average, is_causal, dropout_seed, num_threads = flags
+        out, weights, context = module.forward_train(query.detach(), key.detach(), value.detach(),
+                                                     _detached(key_padding_mask), need_weights,
+                                                     _detached(attn_mask), average, is_causal, dropout_seed,
+                                                     num_threads)
+        ctx.module, ctx.names, ctx.context = module, names, context
+        ctx.n_params = len(params)
+        weights = None if weights is None else torch.from_numpy(weights)
+        if weights is not None:
+            ctx.mark_non_differentiable(weights)
+        return torch.from_numpy(out), weights
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_weights):
+        dq, dk, dv, dparams = ctx.module.backward(ctx.context, grad_output.detach().contiguous())
+        ctx.context = None  # free the saved activations
+        param_grads = [torch.from_numpy(dparams[name]) for name in ctx.names]
+        return (None, None, None, torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None,
+                *param_grads)

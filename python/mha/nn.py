@@ -1,0 +1,97 @@
+"""mha.nn.MultiheadAttention: a torch.nn.Module with the parameters, names, initialisation and
+forward signature of torch.nn.MultiheadAttention, computed by the fused C++ kernels forward and
+backward. A drop-in replacement inside a PyTorch model on the CPU:
+
+    attn = mha.nn.MultiheadAttention(512, 8, batch_first=True)
+    attn.load_state_dict(torch_attn.state_dict())
+    out, w = attn(x, x, x)
+    out.sum().backward()          # fills attn.in_proj_weight.grad, ..., and x.grad
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import _mha
+from .autograd import ModuleFunction
+
+
+class MultiheadAttention(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None):
+        super().__init__()
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device: only 'cpu' is supported, got {device!r}")
+        if dtype is not None and dtype != torch.float32:
+            raise ValueError(f"dtype: only torch.float32 is supported, got {dtype}")
+        # The C++ module validates the options and holds the kernels' copy of the weights.
+        self._impl = _mha._Module(int(embed_dim), int(num_heads), float(dropout), bool(bias), bool(add_bias_kv),
+                                  bool(add_zero_attn), kdim, vdim, bool(batch_first), 0)
+        self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
+        self.kdim, self.vdim = self._impl.kdim, self._impl.vdim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.dropout, self.batch_first, self.add_zero_attn = float(dropout), bool(batch_first), bool(add_zero_attn)
+        self.head_dim = self.embed_dim // self.num_heads
+        E = self.embed_dim
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * E, E))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(E, E))
+            self.k_proj_weight = nn.Parameter(torch.empty(E, self.kdim))
+            self.v_proj_weight = nn.Parameter(torch.empty(E, self.vdim))
+            self.register_parameter("in_proj_weight", None)
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * E)) if bias else None
+        if not bias:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(E, E, bias=bias)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, E))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, E))
+        else:
+            self.bias_k = self.bias_v = None
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        """PyTorch's initialisation: xavier-uniform projections, zero biases, xavier-normal bias_k/v."""
+        if self._qkv_same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def _sync(self):
+        """Copies the current parameter values into the C++ module before each call."""
+        self._impl.train(self.training)
+        self._impl.load_state_dict({name: p.detach() for name, p in self.named_parameters()}, True)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
+                average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        self._sync()
+        names = [name for name, _ in self.named_parameters()]
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if self.training and self.dropout > 0 else None
+        flags = (bool(need_weights), bool(average_attn_weights), bool(is_causal), seed, 0)
+        if not torch.is_grad_enabled():
+            out, weights = self._impl.forward(query.detach(), key.detach(), value.detach(),
+                                              None if key_padding_mask is None else key_padding_mask.detach(),
+                                              flags[0], None if attn_mask is None else attn_mask.detach(),
+                                              flags[1], flags[2], seed, 0)
+            return torch.from_numpy(out), None if weights is None else torch.from_numpy(weights)
+        return ModuleFunction.apply(self._impl, names, flags, query, key, value, key_padding_mask, attn_mask,
+                                    *[p for _, p in self.named_parameters()])

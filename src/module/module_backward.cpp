@@ -1,0 +1,146 @@
+// MultiheadAttention::backward: the forward's steps in reverse.
+//   out = A W_o^T + b_o        ->  dA = dY W_o,  dW_o = dY^T A,  db_o = sum dY
+//   A = attention(Q, K, V)     ->  dQ, dK, dV by the fused backward (bias_k/bias_v rows included)
+//   Q = X_q W_q^T + b_q, ...   ->  dX_q = dQ W_q,  dW_q = dQ^T X_q,  db_q = sum dQ, ...
+// Every matrix is taken batch-major and contiguous ([N * L, C]) so each step is one sgemm.
+#include <cstring>
+
+#include "cpu/attention_kernel.hpp"
+#include "mha/multihead_attention.hpp"
+#include "module/forward_context.hpp"
+#include "module/linear.hpp"
+
+namespace mha {
+namespace {
+
+// [N, L, C] view in batch-major contiguous storage.
+Tensor contiguous_nlc(const TensorView& t) { return Tensor::copy_of(t, DType::f32); }
+
+// Column sums of a [rows, cols] matrix added into `out`.
+void add_column_sums(const float* m, int64_t rows, int64_t cols, float* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[c] += m[r * cols + c];
+}
+
+// Gradients through y = x W^T + b, for x [rows, in] and dy [rows, out] contiguous:
+// dx = dy W (when dx is not null), dW = dy^T x, db = sum dy (when db is not null).
+void linear_backward(const float* x, const float* dy, const float* w, int64_t rows, int64_t in, int64_t out,
+                     float* dx, float* dw, float* db, int threads) {
+  if (dx) detail::gemm(false, false, rows, in, out, dy, out, w, in, 0.0f, dx, in, threads);
+  detail::gemm(true, false, out, in, rows, dy, out, x, in, 0.0f, dw, in, threads);
+  if (db) {
+    std::memset(db, 0, sizeof(float) * out);
+    add_column_sums(dy, rows, out, db);
+  }
+}
+
+}  // namespace
+
+const Tensor& ModuleGradients::parameter(const std::string& name) const {
+  for (const auto& [n, t] : parameters) {
+    if (n == name) return t;
+  }
+  throw Error("ModuleGradients::parameter: no gradient named '" + name + "'");
+}
+
+ModuleGradients MultiheadAttention::backward(const ForwardContext& context, const TensorView& grad_output) const {
+  if (context.empty()) throw Error("backward: the context is empty; pass it to forward(..., &context) first");
+  const ForwardContext::State& st = *context.state_;
+  if (grad_output.sizes() != st.output_shape || grad_output.dtype != DType::f32) {
+    throw Error("grad_output: expected float32 of shape " + TensorView(nullptr, DType::f32, st.output_shape).shape_str() +
+                ", got " + std::string(dtype_name(grad_output.dtype)) + " " + grad_output.shape_str());
+  }
+  if (grad_output.numel() > 0 && grad_output.data == nullptr) throw Error("grad_output: data pointer is null");
+  const detail::ModuleCall& c = st.call;
+  const detail::AttentionProblem& p = st.problem;
+  const int threads = p.num_threads;
+  const int64_t E = embed_dim_, H = num_heads_, N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
+  auto as_nle = [&](const TensorView& t) {
+    if (!c.batched) return t.unsqueeze(0);
+    return options_.batch_first ? t : t.transpose(0, 1);
+  };
+
+  ModuleGradients g;
+  std::vector<std::pair<std::string, Tensor>> grads;
+  for (const auto& [name, t] : params_) grads.emplace_back(name, Tensor::zeros(t.sizes()));
+  auto grad_of = [&](const std::string& name) -> float* {
+    for (auto& [n, t] : grads)
+      if (n == name) return t.data<float>();
+    return nullptr;
+  };
+
+  // 1. Output projection.
+  const Tensor dy = contiguous_nlc(as_nle(grad_output));  // [N, L, E]
+  const Tensor a = contiguous_nlc(as_nle(st.attn.view()));
+  Tensor da = Tensor::empty({N, L, E});
+  linear_backward(a.data<float>(), dy.data<float>(), parameter("out_proj.weight").data<float>(), N * L, E, E,
+                  da.data<float>(), grad_of("out_proj.weight"), grad_of("out_proj.bias"), threads);
+
+  // 2. Attention, through the fused backward.
+  Tensor dq = Tensor::empty({N, L, E}), dk = Tensor::empty({N, St, E}), dv = Tensor::empty({N, St, E});
+  detail::BackwardInputs in;
+  const TensorView heads_out = as_nle(st.attn.view()).split_dim(2, H).transpose(1, 2);
+  in.out = heads_out.data_as<float>();
+  const TensorView heads_grad = da.view().split_dim(2, H).transpose(1, 2);
+  in.grad_out = heads_grad.data_as<float>();
+  in.lse = st.lse.data<float>();
+  detail::BackwardOutputs out;
+  const TensorView dqh = dq.view().split_dim(2, H).transpose(1, 2), dkh = dk.view().split_dim(2, H).transpose(1, 2),
+                   dvh = dv.view().split_dim(2, H).transpose(1, 2);
+  out.dq = dqh.data_as<float>();
+  out.dk = dkh.data_as<float>();
+  out.dv = dvh.data_as<float>();
+  for (int d = 0; d < 4; ++d) {
+    in.out_strides[d] = heads_out.strides[d];
+    in.grad_out_strides[d] = heads_grad.strides[d];
+    out.dq_strides[d] = dqh.strides[d];
+    out.dk_strides[d] = dkh.strides[d];
+    out.dv_strides[d] = dvh.strides[d];
+  }
+  detail::run_attention_backward(p, in, out);
+
+  // 3. bias_k and bias_v receive the gradient of their appended row, summed over the batch.
+  if (options_.add_bias_kv) {
+    float* gk = grad_of("bias_k");
+    float* gv = grad_of("bias_v");
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) {
+        gk[e] += dk.data<float>()[(n * St + S) * E + e];
+        gv[e] += dv.data<float>()[(n * St + S) * E + e];
+      }
+  }
+
+  // 4. Input projections. The inputs are the forward's own copies, viewed [N, L, C].
+  const Tensor xq = contiguous_nlc(c.query), xk = contiguous_nlc(c.key), xv = contiguous_nlc(c.value);
+  const Tensor dk_rows = contiguous_nlc(dk.view().slice(1, 0, S)), dv_rows = contiguous_nlc(dv.view().slice(1, 0, S));
+  Tensor dxq = Tensor::empty({N, L, E}), dxk = Tensor::empty({N, S, kdim_}), dxv = Tensor::empty({N, S, vdim_});
+  float* din_bias = grad_of("in_proj_bias");
+  if (qkv_same_embed_dim()) {
+    const float* w = parameter("in_proj_weight").data<float>();
+    float* dw = grad_of("in_proj_weight");
+    linear_backward(xq.data<float>(), dq.data<float>(), w, N * L, E, E, dxq.data<float>(), dw, din_bias, threads);
+    linear_backward(xk.data<float>(), dk_rows.data<float>(), w + E * E, N * S, E, E, dxk.data<float>(), dw + E * E,
+                    din_bias ? din_bias + E : nullptr, threads);
+    linear_backward(xv.data<float>(), dv_rows.data<float>(), w + 2 * E * E, N * S, E, E, dxv.data<float>(),
+                    dw + 2 * E * E, din_bias ? din_bias + 2 * E : nullptr, threads);
+  } else {
+    linear_backward(xq.data<float>(), dq.data<float>(), parameter("q_proj_weight").data<float>(), N * L, E, E,
+                    dxq.data<float>(), grad_of("q_proj_weight"), din_bias, threads);
+    linear_backward(xk.data<float>(), dk_rows.data<float>(), parameter("k_proj_weight").data<float>(), N * S, kdim_, E,
+                    dxk.data<float>(), grad_of("k_proj_weight"), din_bias ? din_bias + E : nullptr, threads);
+    linear_backward(xv.data<float>(), dv_rows.data<float>(), parameter("v_proj_weight").data<float>(), N * S, vdim_, E,
+                    dxv.data<float>(), grad_of("v_proj_weight"), din_bias ? din_bias + 2 * E : nullptr, threads);
+  }
+
+  // 5. Input gradients in the caller's layout.
+  g.query = Tensor::empty(st.query_shape);
+  g.key = Tensor::empty(st.key_shape);
+  g.value = Tensor::empty(st.value_shape);
+  copy_into(dxq, as_nle(g.query.view()));
+  copy_into(dxk, as_nle(g.key.view()));
+  copy_into(dxv, as_nle(g.value.view()));
+  g.parameters = std::move(grads);
+  return g;
+}
+
+}  // namespace mha
