@@ -47,15 +47,16 @@ class MultiheadAttention(nn.Module):
             self.k_proj_weight = nn.Parameter(torch.empty(E, self.kdim))
             self.v_proj_weight = nn.Parameter(torch.empty(E, self.vdim))
             self.register_parameter("in_proj_weight", None)
-        self.in_proj_bias = nn.Parameter(torch.empty(3 * E)) if bias else None
-        if not bias:
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * E))
+        else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(E, E, bias=bias)
         if add_bias_kv:
             self.bias_k = nn.Parameter(torch.empty(1, 1, E))
             self.bias_v = nn.Parameter(torch.empty(1, 1, E))
         else:
-            self.bias_k = self.bias_v = None
+            self.bias_k = self.bias_v = None  # plain attributes, as in PyTorch
         self._reset_parameters()
 
     def _reset_parameters(self):

@@ -1,0 +1,165 @@
+"""Gradients against PyTorch autograd on randomized configurations: mha.scaled_dot_product_attention
+(query, key, value and a float attn_mask) and mha.nn.MultiheadAttention (inputs and every
+parameter), with PyTorch in float64 as the reference and ours in float32.
+
+Tolerance 1e-4 of the largest reference gradient (normwise): a gradient is a longer chain of
+float32 sums than the forward (1e-5), through the softmax Jacobian and the projections' transposes.
+A gradient that is zero in exact arithmetic (the query gradient when a single key is visible)
+is judged against 1% of the largest gradient of its case instead of its own size.
+Masks keep key 0 visible to every query, since a fully masked row is NaN in PyTorch and so are
+all the gradients it touches; dropout is left out, since the two libraries' random masks differ
+(our backward's dropout is checked against the float64 reference in the C++ tests).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha
+
+TOL = 1e-4
+CHUNKS = 5
+
+
+def rel(a, b, floor=1e-30):
+    return (a.double() - b).abs().max().item() / max(b.abs().max().item(), floor)
+
+
+def case_floor(tensors):
+    return 0.01 * max([t.grad.abs().max().item() for t in tensors if t is not None and t.grad is not None] + [1e-30])
+
+
+def sdpa_case(rng):
+    rank = int(rng.integers(2, 5))
+    gqa = rank >= 3 and rng.random() < 0.4
+    hkv = int(rng.integers(1, 3))
+    hq = hkv * int(rng.integers(1, 3)) if gqa else hkv
+    B, Lq, Lk = int(rng.integers(1, 3)), int(rng.integers(1, 24)), int(rng.integers(1, 24))
+    Dk, Dv = int(rng.integers(1, 20)), int(rng.integers(1, 20))
+    lead = (B, hq)[4 - rank:] if rank > 2 else ()
+    lead_kv = (B, hkv)[4 - rank:] if rank > 2 else ()
+    q = torch.from_numpy(rng.standard_normal(lead + (Lq, Dk))).requires_grad_()
+    k = torch.from_numpy(rng.standard_normal(lead_kv + (Lk, Dk))).requires_grad_()
+    v = torch.from_numpy(rng.standard_normal(lead_kv + (Lk, Dv))).requires_grad_()
+    mask = None
+    kind = rng.choice(["none", "float", "bool"])
+    if kind != "none":
+        shape = (Lq, Lk) if rng.random() < 0.5 else lead + (Lq, Lk)
+        if kind == "float":
+            mask = torch.from_numpy(rng.standard_normal(shape)).requires_grad_(bool(rng.random() < 0.7))
+        else:
+            m = rng.random(shape) < 0.8
+            m[..., 0] = True  # key 0 stays visible (True = attend)
+            mask = torch.from_numpy(m)
+    causal = bool(rng.random() < 0.3) and mask is None
+    scale = float(rng.uniform(0.1, 1.0)) if rng.random() < 0.3 else None
+    return q, k, v, mask, causal, scale, gqa
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_sdpa_gradients_match_torch(chunk, parity_seed, parity_count):
+    rng = np.random.default_rng([parity_seed, 5, chunk])
+    n = max(300 // CHUNKS, parity_count // 8 // CHUNKS)
+    for _ in range(n):
+        q, k, v, mask, causal, scale, gqa = sdpa_case(rng)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        g = torch.from_numpy(rng.standard_normal(tuple(ref.shape)))
+        ref.backward(g)
+        leaves = [t.detach().float().requires_grad_(t.requires_grad) if t is not None and t.is_floating_point()
+                  else t for t in (q, k, v, mask)]
+        out = mha.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], attn_mask=leaves[3],
+                                               is_causal=causal, scale=scale, enable_gqa=gqa)
+        assert rel(out.detach(), ref.detach()) <= 1e-5
+        out.backward(g.float())
+        floor = case_floor((q, k, v, mask))
+        for ours, theirs, name in zip(leaves, (q, k, v, mask), ("query", "key", "value", "attn_mask")):
+            if theirs is None or not theirs.requires_grad:
+                continue
+            err = rel(ours.grad, theirs.grad, floor)
+            assert err <= TOL, f"{name} gradient: relative error {err:.2e} (shapes {tuple(q.shape)}, {tuple(k.shape)})"
+
+
+def module_case(rng):
+    H = int(rng.integers(1, 4))
+    E = H * int(rng.integers(1, 6))
+    cross = bool(rng.random() < 0.5)
+    c = dict(E=E, H=H, bias=bool(rng.random() < 0.7), add_bias_kv=bool(rng.random() < 0.3),
+             add_zero_attn=bool(rng.random() < 0.3), batch_first=bool(rng.random() < 0.5),
+             kdim=int(rng.integers(1, 8)) if cross and rng.random() < 0.5 else None,
+             vdim=int(rng.integers(1, 8)) if cross and rng.random() < 0.5 else None,
+             batched=bool(rng.random() < 0.8), N=int(rng.integers(1, 3)), L=int(rng.integers(1, 8)), cross=cross)
+    c["S"] = int(rng.integers(1, 8)) if cross else c["L"]
+    return c
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_module_gradients_match_torch(chunk, parity_seed, parity_count):
+    rng = np.random.default_rng([parity_seed, 6, chunk])
+    n = max(300 // CHUNKS, parity_count // 8 // CHUNKS)
+    for _ in range(n):
+        c = module_case(rng)
+        E, H, N, L, S = c["E"], c["H"], c["N"], c["L"], c["S"]
+        torch.manual_seed(int(rng.integers(2**31)))
+        ref = torch.nn.MultiheadAttention(E, H, bias=c["bias"], add_bias_kv=c["add_bias_kv"],
+                                          add_zero_attn=c["add_zero_attn"], kdim=c["kdim"], vdim=c["vdim"],
+                                          batch_first=c["batch_first"]).double()
+        ours = mha.nn.MultiheadAttention(E, H, bias=c["bias"], add_bias_kv=c["add_bias_kv"],
+                                         add_zero_attn=c["add_zero_attn"], kdim=c["kdim"], vdim=c["vdim"],
+                                         batch_first=c["batch_first"])
+        ours.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+
+        def seq(length, width):
+            shape = (N, length, width) if c["batch_first"] else (length, N, width)
+            return torch.from_numpy(rng.standard_normal(shape if c["batched"] else (length, width)))
+
+        query = seq(L, E).requires_grad_()
+        key = seq(S, c["kdim"] or E).requires_grad_() if c["cross"] else query
+        value = seq(S, c["vdim"] or E).requires_grad_() if c["cross"] else query
+        kpm = None
+        if rng.random() < 0.5:
+            m = rng.random((N, S) if c["batched"] else (S,)) < 0.3
+            m[..., 0] = False  # key 0 stays visible (True = masked out)
+            kpm = torch.from_numpy(m)
+        attn_mask = None
+        if rng.random() < 0.4:
+            attn_mask = torch.from_numpy(rng.standard_normal((L, S)))
+        need_weights = bool(rng.random() < 0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref_out, _ = ref(query, key, value, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights)
+        g = torch.from_numpy(rng.standard_normal(tuple(ref_out.shape)))
+        ref_out.backward(g)
+
+        q32 = query.detach().float().requires_grad_()
+        k32 = key.detach().float().requires_grad_() if c["cross"] else q32
+        v32 = value.detach().float().requires_grad_() if c["cross"] else q32
+        out, _ = ours(q32, k32, v32, key_padding_mask=kpm, attn_mask=None if attn_mask is None else attn_mask.float(),
+                      need_weights=need_weights)
+        assert rel(out.detach(), ref_out.detach()) <= 1e-5, c
+        out.backward(g.float())
+        pairs = [(q32, query, "query")] + ([(k32, key, "key"), (v32, value, "value")] if c["cross"] else [])
+        pairs += [(p, rp, name) for (name, p), (_, rp) in zip(ours.named_parameters(), ref.named_parameters())]
+        floor = case_floor([b for _, b, _ in pairs])
+        for a, b, name in pairs:
+            err = rel(a.grad, b.grad, floor)
+            assert err <= TOL, f"{name} gradient: relative error {err:.2e} for {c}"
+
+
+def test_loss_falls_with_torch_optimizer(parity_seed):
+    """mha.nn.MultiheadAttention trains inside a PyTorch loop: copy a random sequence."""
+    torch.manual_seed(parity_seed % 2**31)
+    attn = mha.nn.MultiheadAttention(16, 2, batch_first=True)
+    opt = torch.optim.Adam(attn.parameters(), lr=1e-2)
+    x = torch.randn(8, 6, 16)
+    first = None
+    for _ in range(60):
+        out, _ = attn(x, x, x, need_weights=False)
+        loss = ((out - x) ** 2).mean()
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5 * first
