@@ -25,11 +25,15 @@ struct Gradients {
 Gradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                                 const TensorView& grad_output, const SdpaOptions& options = {});
 
-// The module's forward in float64 with the module's parameters, following the steps of PyTorch's
-// multi_head_attention_forward. `training` decides dropout; options.dropout_seed must be set
-// when dropout applies. Weights are returned as the module returns them.
+// The module's forward in float64, following the steps of PyTorch's multi_head_attention_forward,
+// with the module's options and its parameters, or those of `parameters` where given (by name, of
+// any floating dtype: float64 parameters make the whole computation float64, for finite
+// differences). Inputs may be of any floating dtype. `training` decides dropout;
+// options.dropout_seed must be set when dropout applies. Weights are returned as the module
+// returns them.
 ForwardResult multihead_attention(const MultiheadAttention& module, const TensorView& query,
                                   const TensorView& key, const TensorView& value,
-                                  const ForwardOptions& options, bool training);
+                                  const ForwardOptions& options, bool training,
+                                  const std::unordered_map<std::string, TensorView>& parameters = {});
 
 }  // namespace mha::reference

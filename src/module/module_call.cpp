@@ -5,8 +5,8 @@ namespace {
 
 std::string shape_of(const Shape& s) { return TensorView(nullptr, DType::f32, s).shape_str(); }
 
-void check_input(const TensorView& t, const std::string& name, bool batched, int64_t width) {
-  if (t.dtype != DType::f32) {
+void check_input(const TensorView& t, const std::string& name, bool batched, int64_t width, bool any_float) {
+  if (any_float ? t.dtype == DType::boolean : t.dtype != DType::f32) {
     throw Error(name + ": expected dtype float32 (bf16/fp16 kernels are not available yet), got " +
                 std::string(dtype_name(t.dtype)));
   }
@@ -47,7 +47,7 @@ Tensor pad_columns(const TensorView& mask, int64_t extra) {
 }  // namespace
 
 ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
-                                const TensorView& value, const ForwardOptions& options) {
+                                const TensorView& value, const ForwardOptions& options, bool any_float) {
   ModuleCall c;
   if (query.ndim != 2 && query.ndim != 3) {
     throw Error("query: expected 3 dimensions (" +
@@ -55,9 +55,9 @@ ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& q
                 ") or 2 for an unbatched input ([L, E]), got shape " + query.shape_str());
   }
   c.batched = query.ndim == 3;
-  check_input(query, "query", c.batched, m.embed_dim());
-  check_input(key, "key", c.batched, m.kdim());
-  check_input(value, "value", c.batched, m.vdim());
+  check_input(query, "query", c.batched, m.embed_dim(), any_float);
+  check_input(key, "key", c.batched, m.kdim(), any_float);
+  check_input(value, "value", c.batched, m.vdim(), any_float);
   const bool bf = m.options().batch_first;
   c.query = batch_major(query, c.batched, bf);
   c.key = batch_major(key, c.batched, bf);

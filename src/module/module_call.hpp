@@ -24,8 +24,9 @@ struct ModuleCall {
   int64_t total_keys() const { return len_k + extra_keys; }
 };
 
+// Inputs must be float32 unless `any_float` (the float64 reference takes any floating dtype).
 ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
-                                const TensorView& value, const ForwardOptions& options);
+                                const TensorView& value, const ForwardOptions& options, bool any_float = false);
 
 // The masks as terms over the total_keys() columns. Where extra key columns exist, the masks are
 // copied with those columns set to "attend" (as PyTorch pads them) into `storage`, which must

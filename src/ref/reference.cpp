@@ -187,8 +187,19 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
 }
 
 ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
-                                  const TensorView& value, const ForwardOptions& options, bool training) {
-  const detail::ModuleCall c = detail::validate_module_call(m, query, key, value, options);
+                                  const TensorView& value, const ForwardOptions& options, bool training,
+                                  const std::unordered_map<std::string, TensorView>& parameters) {
+  const detail::ModuleCall c = detail::validate_module_call(m, query, key, value, options, /*any_float=*/true);
+  auto param = [&](const std::string& name) -> Tensor {
+    auto it = parameters.find(name);
+    const Tensor own = m.parameter(name);
+    if (it == parameters.end()) return Tensor::copy_of(own, DType::f64);
+    if (it->second.sizes() != own.sizes()) {
+      throw Error("reference::multihead_attention: parameter '" + name + "' expected shape " + own.shape_str() +
+                  ", got " + it->second.shape_str());
+    }
+    return Tensor::copy_of(it->second, DType::f64);
+  };
   const int64_t E = m.embed_dim(), H = m.num_heads(), hd = m.head_dim();
   const int64_t N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
   const bool bias = m.options().bias;
@@ -196,18 +207,18 @@ ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView&
   // 1. Projections, with W_q, W_k, W_v the row blocks of in_proj_weight when packed.
   Tensor wq, wk, wv;
   if (m.qkv_same_embed_dim()) {
-    const Tensor w = m.parameter("in_proj_weight");
+    const Tensor w = param("in_proj_weight");
     wq = Tensor::copy_of(w.view().slice(0, 0, E));
     wk = Tensor::copy_of(w.view().slice(0, E, 2 * E));
     wv = Tensor::copy_of(w.view().slice(0, 2 * E, 3 * E));
   } else {
-    wq = m.parameter("q_proj_weight");
-    wk = m.parameter("k_proj_weight");
-    wv = m.parameter("v_proj_weight");
+    wq = param("q_proj_weight");
+    wk = param("k_proj_weight");
+    wv = param("v_proj_weight");
   }
   Tensor bq, bk, bv;
   if (bias) {
-    const Tensor b = m.parameter("in_proj_bias");
+    const Tensor b = param("in_proj_bias");
     bq = Tensor::copy_of(b.view().slice(0, 0, E));
     bk = Tensor::copy_of(b.view().slice(0, E, 2 * E));
     bv = Tensor::copy_of(b.view().slice(0, 2 * E, 3 * E));
@@ -221,7 +232,7 @@ ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView&
   copy_into(k, k_all.view().slice(1, 0, S));
   copy_into(v, v_all.view().slice(1, 0, S));
   if (m.options().add_bias_kv) {
-    const Tensor bk_row = m.parameter("bias_k"), bv_row = m.parameter("bias_v");
+    const Tensor bk_row = param("bias_k"), bv_row = param("bias_v");
     for (int64_t n = 0; n < N; ++n)
       for (int64_t e = 0; e < E; ++e) {
         k_all.data<double>()[(n * St + S) * E + e] = bk_row.at({0, 0, e});
@@ -255,9 +266,9 @@ ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView&
   // 4. Concatenate heads and project: out = concat(heads) W_o^T + b_o.
   Tensor merged = Tensor::empty({N, L, E}, DType::f64);
   copy_into(heads.view().transpose(1, 2), merged.view().split_dim(2, H));
-  const Tensor wo = m.parameter("out_proj.weight");
+  const Tensor wo = param("out_proj.weight");
   Tensor bo;
-  if (bias) bo = m.parameter("out_proj.bias");
+  if (bias) bo = param("out_proj.bias");
   const Tensor out = linear(merged, wo, bias ? &bo : nullptr);  // [N, L, E]
 
   ForwardResult r;

@@ -1,0 +1,349 @@
+// Backward passes: the fused SDPA backward against the float64 reference backward, the reference
+// backward against central finite differences of the reference forward, the module backward
+// against finite differences of the float64 module reference, and determinism across runs and
+// thread counts. Fresh seeds each run (printed; MHA_TEST_SEED replays one).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+
+#include "cpu/dispatch.hpp"
+#include "mha/mha.hpp"
+
+namespace {
+
+uint64_t test_seed() {
+  if (const char* s = std::getenv("MHA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+  return std::random_device{}() * 0x9e3779b97f4a7c15ull + std::random_device{}();
+}
+
+mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng, mha::DType dtype = mha::DType::f32) {
+  mha::Tensor t = mha::Tensor::empty(shape, mha::DType::f64);
+  std::normal_distribution<double> normal;
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = normal(rng);
+  return dtype == mha::DType::f64 ? t : mha::Tensor::copy_of(t, dtype);
+}
+
+double max_abs(const mha::TensorView& t) {
+  const mha::Tensor d = mha::Tensor::copy_of(t, mha::DType::f64);
+  double m = 0;
+  for (int64_t i = 0; i < d.numel(); ++i) m = std::max(m, std::abs(d.data<double>()[i]));
+  return m;
+}
+
+// max |a - r| / max(max |r|, floor): normwise relative error.
+double rel_error(const mha::TensorView& a, const mha::TensorView& r, double floor = 1e-30) {
+  EXPECT_EQ(a.sizes(), r.sizes());
+  const mha::Tensor a64 = mha::Tensor::copy_of(a, mha::DType::f64), r64 = mha::Tensor::copy_of(r, mha::DType::f64);
+  double d = 0;
+  for (int64_t i = 0; i < a64.numel(); ++i) d = std::max(d, std::abs(a64.data<double>()[i] - r64.data<double>()[i]));
+  return d == 0 ? 0.0 : d / std::max({max_abs(r), floor, 1e-30});
+}
+
+bool same_bits(const mha::Tensor& a, const mha::Tensor& b) {
+  return a.sizes() == b.sizes() && std::memcmp(a.view().data, b.view().data, a.numel() * 4) == 0;
+}
+
+struct SdpaCase {
+  mha::Tensor q, k, v, grad, mask;
+  mha::SdpaOptions options;
+  bool mask_grad = false;
+  std::string describe;
+};
+
+SdpaCase draw_sdpa_case(std::mt19937_64& rng) {
+  auto pick = [&](int lo, int hi) { return static_cast<int64_t>(std::uniform_int_distribution<int>(lo, hi)(rng)); };
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  static const int64_t sizes[] = {1, 3, 7, 15, 16, 17, 47, 48, 49, 64, 65, 113};
+  SdpaCase c;
+  const int64_t B = pick(1, 2), Hkv = pick(1, 2), Hq = Hkv * pick(1, 3);
+  const int64_t Lq = sizes[pick(0, 11)], Lk = coin(0.3) ? Lq : sizes[pick(0, 11)];
+  const int64_t Dk = pick(1, 40), Dv = coin(0.5) ? Dk : pick(1, 40);
+  c.q = randn({B, Hq, Lq, Dk}, rng);
+  c.k = randn({B, Hkv, Lk, Dk}, rng);
+  c.v = randn({B, Hkv, Lk, Dv}, rng);
+  c.grad = randn({B, Hq, Lq, Dv}, rng);
+  c.options.enable_gqa = Hq != Hkv;
+  c.options.is_causal = coin(0.3);
+  c.options.causal_alignment = coin(0.5) ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+  if (coin(0.3)) c.options.scale = std::uniform_real_distribution<double>(0.05, 1.0)(rng);
+  if (coin(0.3)) {
+    c.options.dropout_p = std::uniform_real_distribution<double>(0.05, 0.6)(rng);
+    c.options.dropout_seed = rng();
+  }
+  const int kind = static_cast<int>(pick(0, 2));
+  if (kind == 1) {  // float mask, broadcast over batch, with some -inf
+    c.mask = randn({Hq, Lq, Lk}, rng);
+    for (int64_t i = 0; i < c.mask.numel(); ++i)
+      if (coin(0.05)) c.mask.data<float>()[i] = -INFINITY;
+    c.options.attn_mask = c.mask.view();
+    c.mask_grad = true;
+  } else if (kind == 2) {
+    c.mask = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
+    for (int64_t i = 0; i < c.mask.numel(); ++i) c.mask.data<bool>()[i] = coin(0.8);
+    c.options.attn_mask = c.mask.view();
+  }
+  c.describe = "B=" + std::to_string(B) + " Hq=" + std::to_string(Hq) + " Hkv=" + std::to_string(Hkv) +
+               " Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk) + " Dk=" + std::to_string(Dk) +
+               " Dv=" + std::to_string(Dv) + " causal=" + std::to_string(c.options.is_causal) +
+               " dropout=" + std::to_string(c.options.dropout_p) + " mask=" + std::to_string(kind);
+  return c;
+}
+
+TEST(SdpaBackward, MatchesFloat64ReferenceOnEveryIsa) {
+  const uint64_t seed = test_seed();
+  std::printf("seed %llu (MHA_TEST_SEED replays it)\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    for (int n = 0; n < 40; ++n) {
+      const SdpaCase c = draw_sdpa_case(rng);
+      SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " " + c.describe);
+      const auto saved = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
+      const auto g = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, c.options, c.mask_grad);
+      const auto r = mha::reference::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.grad, c.options);
+      // 1e-4: gradients are longer float32 chains than outputs; a gradient that is zero in exact
+      // arithmetic (one visible key) is judged against 1% of the case's largest gradient.
+      const double floor = 0.01 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
+      EXPECT_LT(rel_error(g.query, r.query, floor), 1e-4);
+      EXPECT_LT(rel_error(g.key, r.key, floor), 1e-4);
+      EXPECT_LT(rel_error(g.value, r.value, floor), 1e-4);
+      if (c.mask_grad) EXPECT_LT(rel_error(*g.attn_mask, r.attn_mask, floor), 1e-4);
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
+TEST(SdpaBackward, StridedInputsAndGradientViews) {
+  std::mt19937_64 rng(test_seed());
+  // [B, L, H, D] storage viewed as [B, H, L, D]
+  const mha::Tensor q = randn({2, 33, 3, 16}, rng), k = randn({2, 20, 3, 16}, rng), v = randn({2, 20, 3, 8}, rng);
+  const mha::Tensor g = randn({2, 33, 3, 8}, rng);
+  const mha::TensorView qv = q.view().transpose(1, 2), kv = k.view().transpose(1, 2), vv = v.view().transpose(1, 2),
+                        gv = g.view().transpose(1, 2);
+  const mha::SdpaOptions o{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight};
+  const auto saved = mha::scaled_dot_product_attention_for_training(qv, kv, vv, o);
+  const auto grads = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, gv, o);
+  const auto r = mha::reference::scaled_dot_product_attention_backward(qv, kv, vv, gv, o);
+  EXPECT_LT(rel_error(grads.query, r.query), 1e-4);
+  EXPECT_LT(rel_error(grads.key, r.key), 1e-4);
+  EXPECT_LT(rel_error(grads.value, r.value), 1e-4);
+}
+
+// Central differences of f with respect to every element of `x` (float64), against `analytic`.
+// Relative to the gradient's largest element, or to `floor` when that is smaller.
+double finite_difference_error(mha::Tensor& x, const mha::TensorView& analytic, const std::function<double()>& f,
+                               double floor = 1e-12) {
+  double worst = 0, scale = std::max(max_abs(analytic), floor);
+  const mha::Tensor a = mha::Tensor::copy_of(analytic, mha::DType::f64);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    double& xi = x.data<double>()[i];
+    const double saved = xi, h = 1e-6;
+    xi = saved + h;
+    const double plus = f();
+    xi = saved - h;
+    const double minus = f();
+    xi = saved;
+    worst = std::max(worst, std::abs((plus - minus) / (2 * h) - a.data<double>()[i]));
+  }
+  return worst / scale;
+}
+
+TEST(SdpaBackward, ReferenceMatchesFiniteDifferences) {
+  std::mt19937_64 rng(test_seed());
+  mha::Tensor q = randn({1, 4, 5, 3}, rng, mha::DType::f64), k = randn({1, 2, 6, 3}, rng, mha::DType::f64);
+  mha::Tensor v = randn({1, 2, 6, 4}, rng, mha::DType::f64), mask = randn({5, 6}, rng, mha::DType::f64);
+  const mha::Tensor g = randn({1, 4, 5, 4}, rng, mha::DType::f64);
+  mha::Tensor mask32 = mha::Tensor::copy_of(mask, mha::DType::f32);  // masks are float32 in the API
+  mha::SdpaOptions o{.attn_mask = mask32.view(), .is_causal = true, .enable_gqa = true, .dropout_p = 0.25,
+                     .dropout_seed = rng()};
+  const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, g, o);
+  auto loss = [&]() {
+    const auto out = mha::reference::scaled_dot_product_attention(q, k, v, o).output;
+    double s = 0;
+    for (int64_t i = 0; i < out.numel(); ++i) s += out.data<double>()[i] * g.data<double>()[i];
+    return s;
+  };
+  EXPECT_LT(finite_difference_error(q, r.query, loss), 1e-6);
+  EXPECT_LT(finite_difference_error(k, r.key, loss), 1e-6);
+  EXPECT_LT(finite_difference_error(v, r.value, loss), 1e-6);
+  // The mask: perturbed in float32, so a larger step and tolerance.
+  double worst = 0;
+  for (int64_t i = 0; i < mask32.numel(); ++i) {
+    float& m = mask32.data<float>()[i];
+    const float saved = m, h = 1e-2f;
+    m = saved + h;
+    const double plus = loss();
+    m = saved - h;
+    const double minus = loss();
+    m = saved;
+    worst = std::max(worst, std::abs((plus - minus) / (2.0 * h) - r.attn_mask.data<double>()[i]));
+  }
+  EXPECT_LT(worst / max_abs(r.attn_mask), 1e-3);
+}
+
+TEST(SdpaBackward, BitIdenticalAcrossRunsAndThreadCounts) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({2, 4, 150, 32}, rng), k = randn({2, 2, 130, 32}, rng), v = randn({2, 2, 130, 24}, rng);
+  const mha::Tensor g = randn({2, 4, 150, 24}, rng), mask = randn({150, 130}, rng);
+  mha::SdpaOptions o{.attn_mask = mask.view(), .is_causal = true, .enable_gqa = true, .dropout_p = 0.1,
+                     .dropout_seed = 42};
+  mha::AttentionGradients first;
+  for (int threads : {1, 2, 3, 4, 1}) {
+    o.num_threads = threads;
+    const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    auto grads = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o, true);
+    if (threads == 1 && !first.query.defined()) {
+      first = std::move(grads);
+      continue;
+    }
+    EXPECT_TRUE(same_bits(grads.query, first.query)) << threads << " threads";
+    EXPECT_TRUE(same_bits(grads.key, first.key)) << threads << " threads";
+    EXPECT_TRUE(same_bits(grads.value, first.value)) << threads << " threads";
+    EXPECT_TRUE(same_bits(*grads.attn_mask, *first.attn_mask)) << threads << " threads";
+  }
+}
+
+TEST(SdpaBackward, Errors) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({1, 2, 4, 8}, rng), g = randn({1, 2, 4, 8}, rng);
+  const auto saved = mha::scaled_dot_product_attention_for_training(q, q, q);
+  EXPECT_THROW(mha::scaled_dot_product_attention_backward(q, q, q, saved, randn({1, 2, 4, 7}, rng)), mha::Error);
+  mha::AttentionForTraining wrong = saved;
+  wrong.lse = randn({1, 2, 5}, rng);
+  EXPECT_THROW(mha::scaled_dot_product_attention_backward(q, q, q, wrong, g), mha::Error);
+  EXPECT_THROW(mha::scaled_dot_product_attention_backward(q, q, q, saved, g, {}, /*attn_mask_grad=*/true), mha::Error);
+}
+
+struct ModuleCase {
+  int64_t E, H, kdim, vdim, N, L, S;
+  mha::MultiheadAttentionOptions options;
+  bool batched, cross, causal, use_kpm, use_mask, dropout;
+};
+
+// The module's backward against central differences of the float64 module reference, over the
+// inputs and every parameter.
+void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_64& rng) {
+  mha::MultiheadAttention m(c.E, c.H, c.options);
+  const bool bf = c.options.batch_first;
+  auto shape = [&](int64_t len, int64_t width) -> mha::Shape {
+    if (!c.batched) return {len, width};
+    return bf ? mha::Shape{c.N, len, width} : mha::Shape{len, c.N, width};
+  };
+  mha::Tensor query = randn(shape(c.L, c.E), rng, mha::DType::f64);
+  mha::Tensor key = c.cross ? randn(shape(c.S, c.kdim), rng, mha::DType::f64) : query;
+  mha::Tensor value = c.cross ? randn(shape(c.S, c.vdim), rng, mha::DType::f64) : query;
+  mha::ForwardOptions fo;
+  fo.is_causal = c.causal;
+  fo.need_weights = false;
+  mha::Tensor kpm, mask;
+  if (c.use_kpm) {
+    kpm = c.batched ? mha::Tensor::zeros({c.N, c.S}, mha::DType::boolean) : mha::Tensor::zeros({c.S}, mha::DType::boolean);
+    kpm.data<bool>()[kpm.numel() - 1] = c.S > 1;  // mask the last key (key 0 stays visible)
+    fo.key_padding_mask = kpm.view();
+  }
+  if (c.use_mask) {
+    mask = randn({c.L, c.S}, rng);
+    fo.attn_mask = mask.view();
+  }
+  if (c.dropout) fo.dropout_seed = rng();
+  m.train(c.dropout);
+
+  const mha::Tensor q32 = mha::Tensor::copy_of(query, mha::DType::f32), k32 = mha::Tensor::copy_of(key, mha::DType::f32),
+                    v32 = mha::Tensor::copy_of(value, mha::DType::f32);
+  mha::ForwardContext ctx;
+  const mha::TensorView kin = c.cross ? k32.view() : q32.view(), vin = c.cross ? v32.view() : q32.view();
+  const auto result = m.forward(q32, kin, vin, fo, &ctx);
+  const mha::Tensor grad = randn(result.output.sizes(), rng);
+  const mha::ModuleGradients g = m.backward(ctx, grad);
+
+  // float64 parameters: the reference then computes in float64 throughout.
+  std::vector<std::pair<std::string, mha::Tensor>> params;
+  std::unordered_map<std::string, mha::TensorView> views;
+  for (const auto& [name, t] : m.named_parameters()) params.emplace_back(name, mha::Tensor::copy_of(t, mha::DType::f64));
+  for (auto& [name, t] : params) views[name] = t.view();
+  auto loss = [&]() {
+    const auto out = mha::reference::multihead_attention(m, query, key, value, fo, c.dropout, views).output;
+    double s = 0;
+    for (int64_t i = 0; i < out.numel(); ++i) s += out.data<double>()[i] * grad.data<float>()[i];
+    return s;
+  };
+  // float32 gradients against float64 differences: 1e-4 of the gradient's size, or of 1% of the
+  // case's largest gradient for one that is zero in exact arithmetic (q/k weights with one key).
+  const double tol = 1e-4;
+  double largest = std::max({max_abs(g.query), max_abs(g.key), max_abs(g.value)});
+  for (const auto& [name, t] : g.parameters) largest = std::max(largest, max_abs(t));
+  const double floor = 0.01 * largest;
+  if (c.cross) {
+    EXPECT_LT(finite_difference_error(query, g.query, loss, floor), tol) << "query";
+    EXPECT_LT(finite_difference_error(key, g.key, loss, floor), tol) << "key";
+    EXPECT_LT(finite_difference_error(value, g.value, loss, floor), tol) << "value";
+  } else {  // one tensor passed three times: its gradient is the sum of the three
+    mha::Tensor sum = mha::Tensor::copy_of(g.query, mha::DType::f64);
+    for (int64_t i = 0; i < sum.numel(); ++i) sum.data<double>()[i] += g.key.data<float>()[i] + g.value.data<float>()[i];
+    EXPECT_LT(finite_difference_error(query, sum, loss, floor), tol) << "query = key = value";
+  }
+  for (auto& [name, t] : params) EXPECT_LT(finite_difference_error(t, g.parameter(name), loss, floor), tol) << name;
+}
+
+TEST(ModuleBackward, MatchesFiniteDifferencesOfTheReference) {
+  const uint64_t seed = test_seed();
+  std::printf("seed %llu (MHA_TEST_SEED replays it)\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  for (int n = 0; n < 12; ++n) {
+    auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+    ModuleCase c{};
+    c.H = 1 + static_cast<int64_t>(rng() % 3);
+    c.E = c.H * (1 + static_cast<int64_t>(rng() % 3));
+    c.cross = coin(0.5);
+    c.kdim = c.cross && coin(0.5) ? 1 + static_cast<int64_t>(rng() % 5) : c.E;
+    c.vdim = c.cross && coin(0.5) ? 1 + static_cast<int64_t>(rng() % 5) : c.E;
+    c.N = 1 + static_cast<int64_t>(rng() % 2);
+    c.L = 1 + static_cast<int64_t>(rng() % 4);
+    c.S = c.cross ? 1 + static_cast<int64_t>(rng() % 4) : c.L;
+    c.batched = coin(0.8);
+    c.causal = coin(0.3);
+    c.use_kpm = coin(0.4);
+    c.use_mask = coin(0.4);
+    c.dropout = coin(0.3);
+    c.options = {.dropout = c.dropout ? 0.3 : 0.0, .bias = coin(0.7), .add_bias_kv = coin(0.4),
+                 .add_zero_attn = coin(0.3), .kdim = c.kdim, .vdim = c.vdim, .batch_first = coin(0.5),
+                 .seed = rng()};
+    SCOPED_TRACE("case " + std::to_string(n) + ": E=" + std::to_string(c.E) + " H=" + std::to_string(c.H) +
+                 " kdim=" + std::to_string(c.kdim) + " vdim=" + std::to_string(c.vdim) + " L=" + std::to_string(c.L) +
+                 " S=" + std::to_string(c.S) + " cross=" + std::to_string(c.cross) +
+                 " bias_kv=" + std::to_string(c.options.add_bias_kv) + " zero_attn=" +
+                 std::to_string(c.options.add_zero_attn) + " dropout=" + std::to_string(c.dropout));
+    check_module_against_finite_differences(c, rng);
+  }
+}
+
+TEST(ModuleBackward, BitIdenticalAcrossThreadCountsAndErrors) {
+  std::mt19937_64 rng(test_seed());
+  mha::MultiheadAttention m(32, 4, {.dropout = 0.2, .add_bias_kv = true, .seed = 3});
+  const mha::Tensor x = randn({70, 3, 32}, rng), grad = randn({70, 3, 32}, rng);
+  mha::ModuleGradients first;
+  for (int threads : {1, 2, 3}) {
+    mha::ForwardContext ctx;
+    m.forward(x, x, x, {.need_weights = false, .is_causal = true, .dropout_seed = 9, .num_threads = threads}, &ctx);
+    mha::ModuleGradients g = m.backward(ctx, grad);
+    if (threads == 1) {
+      first = std::move(g);
+      continue;
+    }
+    EXPECT_TRUE(same_bits(g.query, first.query));
+    for (const auto& [name, t] : g.parameters) EXPECT_TRUE(same_bits(t, first.parameter(name))) << name;
+  }
+  mha::ForwardContext empty;
+  EXPECT_THROW(m.backward(empty, grad), mha::Error);
+  mha::ForwardContext ctx;
+  m.forward(x, x, x, {}, &ctx);
+  EXPECT_THROW(m.backward(ctx, randn({70, 3, 31}, rng)), mha::Error);
+  EXPECT_THROW(first.parameter("nope"), mha::Error);
+}
+
+}  // namespace
