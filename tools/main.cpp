@@ -1,4 +1,4 @@
-// `mha`: the command line of the library. Subcommands: demo (what to run first), bench, run, info.
+// `mha`: the command line of the library. Subcommands: demo (what to run first), bench, run, train-demo, info.
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <cstdio>
@@ -7,6 +7,7 @@
 
 #include "commands.hpp"
 #include "run_command.hpp"
+#include "train_demo.hpp"
 #include "mha/error.hpp"
 
 namespace {
@@ -93,6 +94,17 @@ void add_run(CLI::App& app, mha::tools::RunOptions& o) {
   run->add_option("--threads", o.threads, "Worker threads (default: the library's setting)")->check(at_least(1));
 }
 
+void add_train_demo(CLI::App& app, mha::tools::TrainDemoOptions& o) {
+  CLI::App* t = app.add_subcommand(
+      "train-demo", "Train a one-layer attention model to reverse token sequences (forward, backward, Adam in C++)");
+  t->add_option("--steps", o.steps, "Adam steps")->capture_default_str()->check(at_least(1));
+  t->add_option("--lr", o.learning_rate, "Learning rate")->capture_default_str();
+  t->add_option("--length", o.length, "Sequence length")->capture_default_str()->check(at_least(2));
+  t->add_option("--vocab", o.vocab, "Tokens")->capture_default_str()->check(at_least(2));
+  t->add_option("--batch", o.batch, "Sequences per step")->capture_default_str()->check(at_least(1));
+  t->add_option("--seed", o.seed, "Seed")->capture_default_str();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -105,6 +117,8 @@ int main(int argc, char** argv) {
   add_bench(app, bench_options);
   mha::tools::RunOptions run_options;
   add_run(app, run_options);
+  mha::tools::TrainDemoOptions train_options;
+  add_train_demo(app, train_options);
   app.add_subcommand("info", "Version, instruction set and thread count");
 
   try {
@@ -117,6 +131,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("demo")) return mha::tools::run_demo(demo_options);
     if (app.got_subcommand("bench")) return mha::tools::run_bench(bench_options);
     if (app.got_subcommand("run")) return mha::tools::run_run(run_options);
+    if (app.got_subcommand("train-demo")) return mha::tools::run_train_demo(train_options);
     return mha::tools::run_info();
   } catch (const mha::Error& e) {  // the library rejected an argument
     std::fprintf(stderr, "mha: error: %s\n", e.what());
