@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Side-by-side benchmark: mha's fused CPU kernels against PyTorch on the same machine, in the same
+run, on the same inputs and thread count.
+
+  python bench/compare.py                      # the headline shapes (B=4, H=16, L=2048, d=64)
+  python bench/compare.py --lengths 512 2048 --dims 64 128 --threads 2 --json out.json
+
+FLOPs: forward 4 * B * H * Lq * Lk * d (only the pairs a causal mask keeps), backward 2.5x that
+(the convention of FlashAttention's papers); the module adds its four E x E projections.
+Each figure is the median of --reps timed calls after one warm-up call.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import mha
+from mha import _mha
+
+
+def median_seconds(fn, reps):
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def attention_flops(B, H, L, d, causal):
+    pairs = L * (L + 1) / 2 if causal else L * L
+    return 4.0 * B * H * pairs * d
+
+
+def bench_sdpa(B, H, L, d, causal, reps, rows):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(B, H, L, d, generator=g) for _ in range(4))
+    flops = attention_flops(B, H, L, d, causal)
+    shape = f"B={B} H={H} L={L} d={d}{' causal' if causal else ''}"
+
+    ours_fwd = median_seconds(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+    torch_fwd = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+    rows.append(("sdpa fwd fp32", shape, ours_fwd, torch_fwd, flops))
+
+    out, lse = _mha.sdpa_train(q, k, v, None, 0.0, causal, None, False, 0, False, 0)
+    ours_bwd = median_seconds(lambda: _mha.sdpa_backward(q, k, v, out, lse, go, None, 0.0, causal, None, False, 0,
+                                                         False, 0, False), reps)
+    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    torch_bwd = median_seconds(lambda: torch.autograd.grad(ref, (qt, kt, vt), go, retain_graph=True), reps)
+    rows.append(("sdpa bwd fp32", shape, ours_bwd, torch_bwd, 2.5 * flops))
+
+
+def bench_module(E, H, B, L, reps, rows):
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    ours = mha.MultiheadAttention.from_torch(ref).eval()
+    x = torch.randn(B, L, E)
+    flops = attention_flops(B, H, L, E // H, False) + 4 * 2.0 * B * L * E * E
+    with torch.no_grad():
+        ours_t = median_seconds(lambda: ours(x, x, x, need_weights=False), reps)
+        torch_t = median_seconds(lambda: ref(x, x, x, need_weights=False), reps)
+    rows.append(("module fwd fp32", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    ap.add_argument("--dims", type=int, nargs="+", default=[64])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-module", action="store_true")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    mha.set_num_threads(args.threads)
+    print(f"threads={args.threads}  mha ISA={mha.cpu_isa()}  torch {torch.__version__} "
+          f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
+    rows = []
+    for L in args.lengths:
+        for d in args.dims:
+            for causal in (False, True):
+                bench_sdpa(args.batch, args.heads, L, d, causal, args.reps, rows)
+    if not args.no_module:
+        bench_module(1024, 16, 4, 512, args.reps, rows)
+
+    print(f"{'op':<16} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'torch ms':>9} {'GFLOP/s':>8} {'speedup':>8}")
+    for op, shape, ours, theirs, flops in rows:
+        print(f"{op:<16} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f} {theirs * 1e3:9.1f} "
+              f"{flops / theirs / 1e9:8.1f} {theirs / ours:7.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(op=op, shape=shape, mha_ms=o * 1e3, torch_ms=t * 1e3, flops=fl,
+                            mha_gflops=fl / o / 1e9, torch_gflops=fl / t / 1e9, speedup=t / o)
+                       for op, shape, o, t, fl in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
