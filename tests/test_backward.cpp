@@ -118,6 +118,33 @@ TEST(SdpaBackward, MatchesFloat64ReferenceOnEveryIsa) {
   mha::detail::force_isa(std::nullopt);
 }
 
+// With 16 or more (batch, key/value head) groups the backward runs its one-pass schedule.
+TEST(SdpaBackward, OnePassScheduleMatchesReference) {
+  std::mt19937_64 rng(test_seed());
+  for (int n = 0; n < 4; ++n) {
+    const mha::Tensor q = randn({3, 12, 53, 20}, rng), k = randn({3, 6, 61, 20}, rng), v = randn({3, 6, 61, 9}, rng);
+    const mha::Tensor g = randn({3, 12, 53, 9}, rng);
+    mha::Tensor mask = mha::Tensor::empty({53, 61}, mha::DType::boolean);
+    for (int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = rng() % 5 != 0;
+    mha::SdpaOptions o{.is_causal = n % 2 == 1, .causal_alignment = n == 3 ? mha::CausalAlignment::BottomRight
+                                                                         : mha::CausalAlignment::TopLeft,
+                       .enable_gqa = true, .dropout_p = n >= 2 ? 0.2 : 0.0, .dropout_seed = rng()};
+    if (n == 0) o.attn_mask = mask.view();
+    const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    const auto grads = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o);
+    const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, g, o);
+    EXPECT_LT(rel_error(grads.query, r.query), 1e-4) << n;
+    EXPECT_LT(rel_error(grads.key, r.key), 1e-4) << n;
+    EXPECT_LT(rel_error(grads.value, r.value), 1e-4) << n;
+    for (int threads : {1, 3}) {  // the same bits on any thread count
+      o.num_threads = threads;
+      const auto again = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o);
+      EXPECT_TRUE(same_bits(again.query, grads.query) && same_bits(again.key, grads.key) &&
+                  same_bits(again.value, grads.value));
+    }
+  }
+}
+
 TEST(SdpaBackward, StridedInputsAndGradientViews) {
   std::mt19937_64 rng(test_seed());
   // [B, L, H, D] storage viewed as [B, H, L, D]

@@ -3,10 +3,13 @@
 // dropout mask Z (regenerated from the seed) and Pd = P Z / (1 - p):
 //   dV = Pd^T dO      dP = (dO V^T) Z / (1 - p)      dS = P (dP - D),  D = rowsum(dO O)
 //   dQ = scale dS K   dK = scale dS^T Q               (an additive mask receives dS)
-// Two passes keep it deterministic without atomics: pass A owns a block of 48 keys (lanes over
-// keys) and sums dK, dV over every query of every head of its group; pass B owns a block of 48
-// queries (lanes over queries, as in the forward) and sums dQ over every key. Both use the
-// panel kernels of tile_kernels.hpp with rows read in place.
+// Deterministic without atomics, in one of two schedules: with many (batch, key/value head) groups,
+// one task per group does everything in one pass (group_task); with few, two passes split the
+// sequence: pass A owns a block of 48 keys (lanes over keys) and sums dK, dV over every query of
+// every head of its group; pass B owns a block of 48 queries (lanes over queries, as in the
+// forward) and sums dQ over every key. All use the panel kernels of tile_kernels.hpp with rows
+// read in place. Either way each gradient element is summed by one task in a fixed order, and the
+// schedule is chosen from the shape alone, so the bits do not depend on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -258,8 +261,132 @@ struct FlashBackward {
     }
   }
 
+  // One pass for a whole key/value head group (used when there are enough groups to keep every
+  // thread busy): each (query block, key block) pair is visited once, 5 matrix products instead of
+  // the two passes' 7. dQ accumulates per 48-query block, transposed, from dS^T; dK and dV per
+  // 48-key block. Extra memory is O(L d) per task.
+  void group_task(int64_t b, int64_t hk) const {
+    const int64_t dk = p.dim_qk, dv = p.dim_v;
+    const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
+    const float qk_scale = static_cast<float>(p.scale) * kLog2e;
+    const int64_t panel_k = dk * kPanel, panel_v = dv * kPanel;
+    Buffer buf(nkb * 2 * (panel_k + panel_v) + nqb * panel_k + 3 * kPanel * kPanel + std::max(dk, dv) + kLanes);
+    float* kt_all = buf.data;                  // [nkb][Dk][48] K^T, scaled
+    float* vt_all = kt_all + nkb * panel_k;    // [nkb][Dv][48] V^T
+    float* dkt_all = vt_all + nkb * panel_v;   // [nkb][Dk][48] dK^T accumulators
+    float* dvt_all = dkt_all + nkb * panel_k;  // [nkb][Dv][48] dV^T accumulators
+    float* dqt_all = dvt_all + nkb * panel_v;  // [nqb][Dk][48] dQ^T accumulators of one head
+    float* pt = dqt_all + nqb * panel_k;       // [48 queries][48 keys] P, then Pd
+    float* gt = pt + kPanel * kPanel;          // [48 queries][48 keys] dPd, then dS
+    float* st = gt + kPanel * kPanel;          // [48 keys][48 queries] dS^T
+    const float* zero_row = st + kPanel * kPanel;
+    for (int64_t j = 0; j < p.len_k; ++j) {
+      const int64_t kb = j / kPanel, jj = j % kPanel;
+      const float* kr = row(p.k, b, hk, j);
+      const float* vr = row(p.v, b, hk, j);
+      for (int64_t d = 0; d < dk; ++d) kt_all[kb * panel_k + d * kPanel + jj] = kr[d] * qk_scale;
+      for (int64_t d = 0; d < dv; ++d) vt_all[kb * panel_v + d * kPanel + jj] = vr[d];
+    }
+    const bool dropout = p.dropout_p > 0;
+    const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
+    const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
+    const F zero = S::zero();
+    const float* qrows[kPanel];
+    const float* grows[kPanel];
+    const float* krows[kPanel];
+    const int64_t group = p.heads_q / p.heads_kv;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      std::memset(dqt_all, 0, sizeof(float) * nqb * panel_k);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const int64_t j0 = kb * kPanel, nk = std::min<int64_t>(kPanel, p.len_k - j0);
+        for (int64_t jj = 0; jj < kPanel; ++jj) krows[jj] = jj < nk ? row(p.k, b, hk, j0 + jj) : zero_row;
+        U jv[kVecs];
+        for (int c = 0; c < kVecs; ++c) {
+          alignas(64) uint32_t idx[kLanes];
+          for (int l = 0; l < kLanes; ++l) idx[l] = static_cast<uint32_t>(j0 + c * kLanes + l);
+          jv[c] = S::load_u(idx);
+        }
+        int64_t i_start = 0;  // queries before it see no key of the block: skipped
+        if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q) / kPanel * kPanel;
+        for (int64_t i0 = i_start; i0 < p.len_q; i0 += kPanel) {
+          const int64_t ni = std::min<int64_t>(kPanel, p.len_q - i0);
+          for (int64_t ii = 0; ii < kPanel; ++ii) {
+            qrows[ii] = ii < ni ? row(p.q, b, h, i0 + ii) : zero_row;
+            grows[ii] = ii < ni ? grad_out_row(b, h, i0 + ii) : zero_row;
+          }
+          for (int64_t ii = 0; ii < kPanel; ii += kRows) {
+            T::dot_rows(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk);
+            T::dot_rows(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv);
+          }
+          for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
+          for (int64_t ii = 0; ii < kPanel; ++ii) {
+            float* prow = pt + ii * kPanel;
+            float* grow = gt + ii * kPanel;
+            if (ii >= ni) {
+              for (int c = 0; c < kVecs; ++c) S::store(prow + c * kLanes, zero), S::store(grow + c * kLanes, zero);
+              continue;
+            }
+            const int64_t i = i0 + ii;
+            const int64_t r = row_index(b, h, i);
+            const F lse2 = S::set1(in.lse[r] * kLog2e);
+            const F delta = S::set1(in.delta[r]);
+            const U limit = S::set1_u(static_cast<uint32_t>(causal_limit(i)));
+            U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
+            if (dropout) {
+              const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
+              key_lo = S::set1_u(key.lo);
+              key_hi = S::set1_u(key.hi);
+            }
+            for (int c = 0; c < kVecs; ++c) {
+              const M visible = S::lt_i(jv[c], limit);
+              const F pr = S::select(visible, S::exp2(S::sub(S::load(prow + c * kLanes), lse2)), zero);
+              F dp = S::load(grow + c * kLanes);
+              F pd = pr;
+              if (dropout) {
+                const M keep = S::ge_u(T::dropout_bits(jv[c], key_lo, key_hi), threshold);
+                pd = S::select(keep, S::mul(pr, keep_scale), zero);
+                dp = S::select(keep, S::mul(dp, keep_scale), zero);
+              }
+              S::store(prow + c * kLanes, pd);
+              S::store(grow + c * kLanes, S::mul(pr, S::sub(dp, delta)));
+            }
+          }
+          T::accumulate(dvt_all + kb * panel_v, grows, pt, kPanel, dv);  // dV^T += dO^T Pd
+          T::accumulate(dkt_all + kb * panel_k, qrows, gt, kPanel, dk);  // dK^T += Q^T dS
+          for (int64_t ii = 0; ii < kPanel; ++ii)                         // dS^T, for dQ
+            for (int64_t jj = 0; jj < kPanel; ++jj) st[jj * kPanel + ii] = gt[ii * kPanel + jj];
+          T::accumulate(dqt_all + (i0 / kPanel) * panel_k, krows, st, kPanel, dk);  // dQ^T += K^T dS^T
+        }
+      }
+      const float scale = static_cast<float>(p.scale);
+      for (int64_t i = 0; i < p.len_q; ++i) {
+        const float* acc = dqt_all + (i / kPanel) * panel_k + i % kPanel;
+        float* dqr = out.dq + b * out.dq_strides[0] + h * out.dq_strides[1] + i * out.dq_strides[2];
+        for (int64_t d = 0; d < dk; ++d) dqr[d * out.dq_strides[3]] = acc[d * kPanel] * scale;
+      }
+    }
+    const float scale = static_cast<float>(p.scale);
+    for (int64_t j = 0; j < p.len_k; ++j) {
+      const int64_t kb = j / kPanel, jj = j % kPanel;
+      float* dkr = out.dk + b * out.dk_strides[0] + hk * out.dk_strides[1] + j * out.dk_strides[2];
+      float* dvr = out.dv + b * out.dv_strides[0] + hk * out.dv_strides[1] + j * out.dv_strides[2];
+      for (int64_t d = 0; d < dk; ++d) dkr[d * out.dk_strides[3]] = dkt_all[kb * panel_k + d * kPanel + jj] * scale;
+      for (int64_t d = 0; d < dv; ++d) dvr[d * out.dv_strides[3]] = dvt_all[kb * panel_v + d * kPanel + jj];
+    }
+  }
+
   void run() const {
     const int threads = resolve_threads(p.num_threads);
+    // Many head groups and no score gradient to write: one pass per group. Otherwise two passes,
+    // over key blocks then query blocks, which split the sequence too. The choice depends on the
+    // shape only (never on the thread count), which keeps the results bit-identical across thread
+    // counts; 16 groups keep up to 4 threads busy with room to balance.
+    constexpr int64_t kMinGroupsForOnePass = 16;
+    if (out.dscores == nullptr && p.batch * p.heads_kv >= kMinGroupsForOnePass) {
+      parallel_for(p.batch * p.heads_kv, threads,
+                   [&](int64_t t, int) { group_task(t / p.heads_kv, t % p.heads_kv); });
+      return;
+    }
     const int64_t key_blocks = (p.len_k + kPanel - 1) / kPanel;
     parallel_for(p.batch * p.heads_kv * key_blocks, threads, [&](int64_t t, int) {
       const int64_t bh = t / key_blocks;
