@@ -1,4 +1,5 @@
-// Google Benchmark timings of the fused SDPA kernel and of the MultiheadAttention forward.
+// Google Benchmark timings of the fused SDPA kernels (forward and backward) and of the
+// MultiheadAttention forward.
 //
 //   mha_bench [--threads=N] [Google Benchmark flags, e.g. --benchmark_filter=SDPA]
 //
@@ -44,6 +45,25 @@ void sdpa_forward(benchmark::State& state) {
   state.counters["FLOPS"] = flops_counter(mha::attention_flops(batch, heads, len, len, dim, dim, causal));
 }
 
+// Args: B, H, L, d, causal. The backward alone (the forward's output and log-sum-exp are computed
+// once, outside the loop); FLOPs are 2.5x the forward's, the usual convention.
+void sdpa_backward(benchmark::State& state) {
+  const int64_t batch = state.range(0), heads = state.range(1), len = state.range(2), dim = state.range(3);
+  const bool causal = state.range(4) != 0;
+  std::mt19937_64 rng(44);
+  const mha::Tensor q = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor k = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor v = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor grad = random_normal({batch, heads, len, dim}, rng);
+  const mha::SdpaOptions options{.is_causal = causal};
+  const mha::AttentionForTraining saved = mha::scaled_dot_product_attention_for_training(q, k, v, options);
+  for (auto _ : state) {
+    mha::AttentionGradients g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, options);
+    benchmark::DoNotOptimize(g.query.data<float>());
+  }
+  state.counters["FLOPS"] = flops_counter(2.5 * mha::attention_flops(batch, heads, len, len, dim, dim, causal));
+}
+
 // Args: E, H, B, L. Self-attention without weights (need_weights=false), the fast path of a
 // transformer layer; FLOPs include the four E x E projections.
 void module_forward(benchmark::State& state) {
@@ -71,6 +91,10 @@ void register_benchmarks() {
       for (const int64_t causal : {0, 1}) sdpa->Args({4, 16, len, dim, causal});
   // ...and a small call, where per-call overhead and threading show.
   for (const int64_t causal : {0, 1}) sdpa->Args({1, 8, 128, 64, causal});
+
+  auto* backward = benchmark::RegisterBenchmark("SDPA_backward", sdpa_backward);
+  backward->ArgNames({"B", "H", "L", "d", "causal"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (const int64_t causal : {0, 1}) backward->Args({4, 16, 2048, 64, causal});
 
   auto* module = benchmark::RegisterBenchmark("MHA_module_forward", module_forward);
   module->ArgNames({"E", "H", "B", "L"})->UseRealTime()->Unit(benchmark::kMillisecond);
