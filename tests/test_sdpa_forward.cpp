@@ -1,0 +1,275 @@
+// The fused SDPA forward against the float64 reference, on every ISA this CPU runs: randomized
+// shapes and options (fresh seed each run, printed; MHA_TEST_SEED replays), awkward sizes around
+// the kernel's tiles, strided views, every mask kind and rank, both causal alignments, GQA,
+// Lq != Lk, Dk != Dv, scale, dropout; plus the behaviours the API documents.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/dispatch.hpp"
+#include "mha/mha.hpp"
+
+namespace {
+
+uint64_t test_seed() {
+  if (const char* s = std::getenv("MHA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+  return (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+}
+
+mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng) {
+  mha::Tensor t = mha::Tensor::empty(shape);
+  std::normal_distribution<float> normal;
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
+  return t;
+}
+
+// Normwise relative error max|a - r| / max|r|. fp32 against float64: the kernel's sums run over
+// at most a few hundred O(1) terms here, so rounding stays near 1e-6; 1e-5 is the bound.
+double rel_error(const mha::TensorView& a, const mha::TensorView& r) {
+  EXPECT_EQ(a.sizes(), r.sizes());
+  const mha::Tensor a64 = mha::Tensor::copy_of(a, mha::DType::f64), r64 = mha::Tensor::copy_of(r, mha::DType::f64);
+  double d = 0, m = 0;
+  for (int64_t i = 0; i < a64.numel(); ++i) {
+    const double x = a64.data<double>()[i], y = r64.data<double>()[i];
+    if (std::isnan(x) != std::isnan(y)) return INFINITY;
+    d = std::max(d, std::abs(x - y));
+    m = std::max(m, std::abs(y));
+  }
+  return d == 0 ? 0.0 : d / m;
+}
+constexpr double kTolerance = 1e-5;
+
+// Sizes around the kernel's tiles (48 queries, 64 keys, 8 rows) and odd ones.
+const int64_t kLengths[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 47, 48, 49, 63, 64, 65, 113, 130};
+
+struct Case {
+  mha::Tensor q_store, k_store, v_store, mask;
+  mha::TensorView q, k, v;
+  mha::SdpaOptions options;
+  std::string what;
+};
+
+Case draw(std::mt19937_64& rng) {
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  Case c;
+  const int rank = static_cast<int>(pick(2, 4));
+  const int64_t B = rank == 4 ? pick(1, 2) : 1;
+  const int64_t Hkv = rank >= 3 ? pick(1, 3) : 1;
+  const int64_t Hq = rank >= 3 && coin(0.4) ? Hkv * pick(2, 3) : Hkv;
+  const int64_t Lq = kLengths[pick(0, 16)], Lk = coin(0.3) ? Lq : kLengths[pick(0, 16)];
+  const int64_t Dk = coin(0.2) ? pick(65, 160) : pick(1, 64), Dv = coin(0.5) ? Dk : pick(1, 96);
+  auto shape = [&](int64_t h, int64_t l, int64_t d) {
+    mha::Shape full{B, h, l, d};
+    return mha::Shape(full.end() - rank, full.end());
+  };
+  // Sometimes [B, L, H, D] storage viewed as [B, H, L, D]; sometimes a slice of a wider buffer.
+  auto make = [&](mha::Tensor& store, int64_t h, int64_t l, int64_t d) -> mha::TensorView {
+    if (rank == 4 && coin(0.3)) {
+      store = randn({B, l, h, d}, rng);
+      return store.view().transpose(1, 2);
+    }
+    if (coin(0.2)) {
+      mha::Shape s = shape(h, l, d);
+      s.back() += 5;
+      store = randn(s, rng);
+      return store.view().slice(-1, 2, 2 + d);
+    }
+    store = randn(shape(h, l, d), rng);
+    return store.view();
+  };
+  c.q = make(c.q_store, Hq, Lq, Dk);
+  c.k = make(c.k_store, Hkv, Lk, Dk);
+  c.v = make(c.v_store, Hkv, Lk, Dv);
+  c.options.enable_gqa = Hq != Hkv;
+  c.options.is_causal = coin(0.3);
+  c.options.causal_alignment = coin(0.5) ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+  if (coin(0.2)) c.options.scale = std::uniform_real_distribution<double>(0.01, 2.0)(rng);
+  if (coin(0.15)) {
+    c.options.dropout_p = std::uniform_real_distribution<double>(0.05, 0.9)(rng);
+    c.options.dropout_seed = rng();
+  }
+  const int mask_kind = static_cast<int>(pick(0, 2));
+  if (mask_kind > 0) {
+    const mha::Shape full = {B, Hq, Lq, Lk};
+    const int mrank = static_cast<int>(pick(1, 4));
+    mha::Shape ms(full.end() - mrank, full.end());
+    for (auto& s : ms)
+      if (coin(0.3)) s = 1;  // broadcast dimensions
+    if (mask_kind == 1) {
+      c.mask = mha::Tensor::empty(ms, mha::DType::boolean);
+      for (int64_t i = 0; i < c.mask.numel(); ++i) c.mask.data<bool>()[i] = coin(0.75);
+    } else {
+      c.mask = randn(ms, rng);
+      for (int64_t i = 0; i < c.mask.numel(); ++i)
+        if (coin(0.1)) c.mask.data<float>()[i] = -INFINITY;
+    }
+    c.options.attn_mask = c.mask.view();
+  }
+  c.what = "q " + c.q.shape_str() + " k " + c.k.shape_str() + " v " + c.v.shape_str() + " causal " +
+           std::to_string(c.options.is_causal) + (c.options.causal_alignment == mha::CausalAlignment::TopLeft ? " TL" : " BR") +
+           " mask " + std::to_string(mask_kind) + (c.mask.defined() ? c.mask.shape_str() : "") + " dropout " +
+           std::to_string(c.options.dropout_p) + " scale " + std::to_string(c.options.scale.value_or(0));
+  return c;
+}
+
+class EveryIsa : public ::testing::TestWithParam<mha::detail::Isa> {
+ protected:
+  void SetUp() override { mha::detail::force_isa(GetParam()); }
+  void TearDown() override { mha::detail::force_isa(std::nullopt); }
+};
+
+TEST_P(EveryIsa, RandomizedAgainstReference) {
+  const uint64_t seed = test_seed();
+  std::printf("seed %llu (MHA_TEST_SEED replays it)\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  for (int n = 0; n < 150; ++n) {
+    const Case c = draw(rng);
+    SCOPED_TRACE(c.what);
+    const auto ref = mha::reference::scaled_dot_product_attention(c.q, c.k, c.v, c.options);
+    const auto fused = mha::scaled_dot_product_attention_with_weights(c.q, c.k, c.v, c.options);
+    EXPECT_LT(rel_error(fused.output, ref.output), kTolerance);
+    EXPECT_LT(rel_error(fused.weights, ref.weights), kTolerance);
+    const mha::Tensor plain = mha::scaled_dot_product_attention(c.q, c.k, c.v, c.options);
+    EXPECT_LT(rel_error(plain, ref.output), kTolerance);
+  }
+}
+
+// Writes into a strided view of a larger buffer: every element of the view is written (it was
+// NaN before), and nothing outside it is touched.
+TEST_P(EveryIsa, IntoStridedViewWritesExactlyTheView) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({2, 3, 37, 24}, rng), k = randn({2, 3, 50, 24}, rng), v = randn({2, 3, 50, 16}, rng);
+  mha::Tensor buffer = mha::Tensor::empty({2, 37, 3, 20});  // [B, L, H, Dv + 4]
+  for (int64_t i = 0; i < buffer.numel(); ++i) buffer.data<float>()[i] = NAN;
+  const mha::TensorView out = buffer.view().transpose(1, 2).slice(-1, 2, 18);
+  mha::Tensor wbuf = mha::Tensor::empty({2, 3, 37, 53});
+  for (int64_t i = 0; i < wbuf.numel(); ++i) wbuf.data<float>()[i] = 12345.0f;
+  const mha::TensorView weights = wbuf.view().slice(-1, 1, 51);
+  mha::scaled_dot_product_attention_into(q, k, v, out, {.is_causal = true}, weights);
+  const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, {.is_causal = true});
+  EXPECT_LT(rel_error(out, ref.output), kTolerance);
+  EXPECT_LT(rel_error(weights, ref.weights), kTolerance);
+  for (int64_t i = 0; i < buffer.numel(); ++i) {
+    const int64_t d = i % 20;
+    EXPECT_EQ(std::isnan(buffer.data<float>()[i]), d < 2 || d >= 18) << i;
+  }
+  for (int64_t i = 0; i < wbuf.numel(); ++i) {
+    const int64_t j = i % 53;
+    if (j == 0 || j >= 51) EXPECT_EQ(wbuf.data<float>()[i], 12345.0f) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sdpa, EveryIsa, ::testing::ValuesIn(mha::detail::supported_isas()),
+                         [](const auto& info) { return std::string(mha::detail::isa_name(info.param)); });
+
+TEST(Sdpa, FullyMaskedRowsAreZero) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({2, 5, 8}, rng), k = randn({2, 6, 8}, rng), v = randn({2, 6, 8}, rng);
+  mha::Tensor mask = mha::Tensor::empty({5, 6}, mha::DType::boolean);
+  for (int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = i / 6 != 2;  // row 2 sees nothing
+  const auto r = mha::scaled_dot_product_attention_with_weights(q, k, v, {.attn_mask = mask.view()});
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t d = 0; d < 8; ++d) {
+      EXPECT_EQ(r.output.at({h, 2, d}), 0.0);
+      EXPECT_NE(r.output.at({h, 1, d}), 0.0);
+    }
+  for (int64_t j = 0; j < 6; ++j) EXPECT_EQ(r.weights.at({0, 2, j}), 0.0);
+  // Bottom-right causality with Lq > Lk hides every key from the first Lq - Lk queries.
+  const mha::Tensor q2 = randn({1, 9, 4}, rng), k2 = randn({1, 4, 4}, rng);
+  const mha::Tensor o2 = mha::scaled_dot_product_attention(
+      q2, k2, k2, {.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight});
+  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(o2.at({0, i, 0}), 0.0) << i;
+  EXPECT_NE(o2.at({0, 5, 0}), 0.0);
+}
+
+TEST(Sdpa, DropoutIsReproducibleAndHasTheRightStatistics) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({2, 4, 64, 16}, rng), k = randn({2, 4, 96, 16}, rng), v = randn({2, 4, 96, 16}, rng);
+  const double p = 0.3;
+  mha::SdpaOptions o{.dropout_p = p, .dropout_seed = 17};
+  const auto a = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+  const auto b = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+  EXPECT_EQ(std::memcmp(a.output.data<float>(), b.output.data<float>(), a.output.numel() * 4), 0);
+  const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, o);
+  EXPECT_LT(rel_error(plain, a.output), kTolerance);  // the weights path normalises earlier: not bitwise
+  for (int threads : {1, 3}) {
+    o.num_threads = threads;
+    const mha::Tensor t = mha::scaled_dot_product_attention(q, k, v, o);
+    EXPECT_EQ(std::memcmp(t.data<float>(), plain.data<float>(), t.numel() * 4), 0) << threads;
+  }
+  o.num_threads = 0;
+  o.dropout_seed = 18;
+  const mha::Tensor c = mha::scaled_dot_product_attention(q, k, v, o);
+  EXPECT_NE(std::memcmp(c.data<float>(), plain.data<float>(), c.numel() * 4), 0);
+  // Dropped fraction: n = 2*4*64*96 = 49152 Bernoulli(p) draws; 5 sigma is about 0.01.
+  int64_t dropped = 0;
+  for (int64_t i = 0; i < a.weights.numel(); ++i) dropped += a.weights.data<float>()[i] == 0.0f;
+  const double n = static_cast<double>(a.weights.numel());
+  EXPECT_NEAR(dropped / n, p, 5 * std::sqrt(p * (1 - p) / n));
+  // Kept weights are the softmax scaled by 1/(1-p), so dropout is unbiased: over many seeds each
+  // output's mean is within a few standard errors (sample standard deviation / sqrt(seeds)) of
+  // the output without dropout.
+  const mha::Tensor clean = mha::scaled_dot_product_attention(q, k, v);
+  const int seeds = 300;
+  std::vector<double> sum(clean.numel(), 0.0), sum_sq(clean.numel(), 0.0);
+  for (int s = 0; s < seeds; ++s) {
+    const mha::Tensor t = mha::scaled_dot_product_attention(q, k, v, {.dropout_p = p, .dropout_seed = 1000u + s});
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      sum[i] += t.data<float>()[i];
+      sum_sq[i] += static_cast<double>(t.data<float>()[i]) * t.data<float>()[i];
+    }
+  }
+  int64_t outside = 0;
+  for (int64_t i = 0; i < clean.numel(); ++i) {
+    const double mean = sum[i] / seeds, var = std::max(sum_sq[i] / seeds - mean * mean, 0.0);
+    outside += std::abs(mean - clean.data<float>()[i]) > 5 * std::sqrt(var / seeds) + 1e-5;
+  }
+  EXPECT_LE(outside, clean.numel() / 1000) << "outputs whose mean is more than 5 standard errors off";
+  // p = 1 drops everything.
+  const mha::Tensor none = mha::scaled_dot_product_attention(q, k, v, {.dropout_p = 1.0, .dropout_seed = 1});
+  for (int64_t i = 0; i < none.numel(); ++i) ASSERT_EQ(none.data<float>()[i], 0.0f);
+}
+
+TEST(Sdpa, ThreadCountsGiveIdenticalBits) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({2, 3, 200, 40}, rng), k = randn({2, 3, 150, 40}, rng), v = randn({2, 3, 150, 24}, rng);
+  const mha::Tensor one = mha::scaled_dot_product_attention(q, k, v, {.is_causal = true, .num_threads = 1});
+  for (int threads : {2, 3, 5}) {
+    const mha::Tensor t = mha::scaled_dot_product_attention(q, k, v, {.is_causal = true, .num_threads = threads});
+    EXPECT_EQ(std::memcmp(t.data<float>(), one.data<float>(), t.numel() * 4), 0) << threads;
+  }
+}
+
+TEST(Sdpa, LongSequenceAgainstSampledReferenceRows) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t L = 4096, D = 64;
+  const mha::Tensor q = randn({1, 1, L, D}, rng), k = randn({1, 1, L, D}, rng), v = randn({1, 1, L, D}, rng);
+  const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, {.is_causal = true});
+  for (int64_t start : {int64_t{0}, int64_t{1500}, L - 7}) {
+    const mha::TensorView rows = q.view().slice(2, start, start + 7);
+    // Bottom-right alignment with Lk = L makes these 7 queries the rows start..start+6 of the full problem
+    // only when they end at L; otherwise give the reference exactly the keys they see.
+    const int64_t keys = start + 7;
+    const auto ref = mha::reference::scaled_dot_product_attention(
+        rows, k.view().slice(2, 0, keys), v.view().slice(2, 0, keys),
+        {.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight});
+    EXPECT_LT(rel_error(out.view().slice(2, start, start + 7), ref.output), kTolerance) << start;
+  }
+}
+
+TEST(Sdpa, FlopCount) {
+  EXPECT_DOUBLE_EQ(mha::attention_flops(4, 16, 2048, 2048, 64, 64, false), 4.0 * 4 * 16 * 2048.0 * 2048 * 64);
+  // Causal top-left on a square problem keeps L(L+1)/2 pairs.
+  EXPECT_DOUBLE_EQ(mha::attention_flops(1, 1, 10, 10, 8, 8, true), 2.0 * 55 * 16);
+  EXPECT_DOUBLE_EQ(mha::attention_flops(1, 1, 4, 10, 8, 8, true, mha::CausalAlignment::BottomRight),
+                   2.0 * (7 + 8 + 9 + 10) * 16);
+}
+
+}  // namespace
