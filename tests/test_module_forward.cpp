@@ -1,0 +1,216 @@
+// MultiheadAttention against the float64 module reference over randomized combinations of every
+// constructor and forward option; PyTorch's parameter names, shapes and initialisation; state
+// dicts; train/eval and dropout. Fresh seed each run (printed; MHA_TEST_SEED replays).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "mha/mha.hpp"
+
+namespace {
+
+uint64_t test_seed() {
+  if (const char* s = std::getenv("MHA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+  return (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+}
+
+mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng) {
+  mha::Tensor t = mha::Tensor::empty(shape);
+  std::normal_distribution<float> normal;
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
+  return t;
+}
+
+double rel_error(const mha::TensorView& a, const mha::TensorView& r) {
+  EXPECT_EQ(a.sizes(), r.sizes());
+  const mha::Tensor a64 = mha::Tensor::copy_of(a, mha::DType::f64), r64 = mha::Tensor::copy_of(r, mha::DType::f64);
+  double d = 0, m = 0;
+  for (int64_t i = 0; i < a64.numel(); ++i) {
+    const double x = a64.data<double>()[i], y = r64.data<double>()[i];
+    if (std::isnan(x) || std::isnan(y)) return INFINITY;  // the module never returns NaN for finite inputs
+    d = std::max(d, std::abs(x - y));
+    m = std::max(m, std::abs(y));
+  }
+  return d == 0 ? 0.0 : d / m;
+}
+constexpr double kTolerance = 1e-5;  // fp32 projections and attention against float64 (sums of <= ~100 terms)
+
+TEST(Module, RandomizedOptionsAgainstReference) {
+  const uint64_t seed = test_seed();
+  std::printf("seed %llu (MHA_TEST_SEED replays it)\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  for (int n = 0; n < 200; ++n) {
+    const int64_t H = pick(1, 4), E = H * pick(1, 12);
+    const bool cross = coin(0.5);
+    mha::MultiheadAttentionOptions o;
+    o.dropout = coin(0.3) ? 0.25 : 0.0;
+    o.bias = coin(0.7);
+    o.add_bias_kv = coin(0.3);
+    o.add_zero_attn = coin(0.3);
+    if (cross && coin(0.5)) o.kdim = pick(1, 20);
+    if (cross && coin(0.5)) o.vdim = pick(1, 20);
+    o.batch_first = coin(0.5);
+    o.seed = rng();
+    mha::MultiheadAttention m(E, H, o);
+    const bool training = o.dropout > 0 && coin(0.5);
+    m.train(training);
+    const bool batched = coin(0.8);
+    const int64_t N = pick(1, 3), L = pick(1, 20), S = cross ? pick(1, 20) : L;
+    auto shape = [&](int64_t len, int64_t width) -> mha::Shape {
+      if (!batched) return {len, width};
+      return o.batch_first ? mha::Shape{N, len, width} : mha::Shape{len, N, width};
+    };
+    const mha::Tensor query = randn(shape(L, E), rng);
+    const mha::Tensor key = cross ? randn(shape(S, m.kdim()), rng) : query;
+    const mha::Tensor value = cross ? randn(shape(S, m.vdim()), rng) : query;
+    mha::ForwardOptions f;
+    f.need_weights = coin(0.6);
+    f.average_attn_weights = coin(0.5);
+    f.is_causal = coin(0.2);
+    if (training) f.dropout_seed = rng();
+    mha::Tensor attn_mask, kpm;
+    const int mask_kind = static_cast<int>(pick(0, 4));  // none, 2-D bool, 2-D float, 3-D bool, 3-D float
+    if (mask_kind > 0) {
+      const mha::Shape ms = mask_kind <= 2 ? mha::Shape{L, S} : mha::Shape{(batched ? N : 1) * H, L, S};
+      if (mask_kind % 2 == 1) {
+        attn_mask = mha::Tensor::empty(ms, mha::DType::boolean);
+        for (int64_t i = 0; i < attn_mask.numel(); ++i) attn_mask.data<bool>()[i] = coin(0.2);  // true: masked
+      } else {
+        attn_mask = randn(ms, rng);
+      }
+      f.attn_mask = attn_mask.view();
+    }
+    if (coin(0.5)) {
+      const mha::Shape ks = batched ? mha::Shape{N, S} : mha::Shape{S};
+      if (coin(0.5)) {
+        kpm = mha::Tensor::empty(ks, mha::DType::boolean);
+        for (int64_t i = 0; i < kpm.numel(); ++i) kpm.data<bool>()[i] = coin(0.25);
+      } else {
+        kpm = randn(ks, rng);
+      }
+      f.key_padding_mask = kpm.view();
+    }
+    // Sometimes a strided (non-contiguous) query: stored with its two leading dims swapped.
+    mha::Tensor swapped;
+    mha::TensorView q_in = query.view();
+    if (cross && batched && coin(0.3)) {
+      swapped = mha::Tensor::copy_of(query.view().transpose(0, 1));
+      q_in = swapped.view().transpose(0, 1);
+    }
+    SCOPED_TRACE("case " + std::to_string(n) + ": E=" + std::to_string(E) + " H=" + std::to_string(H) +
+                 " cross=" + std::to_string(cross) + " bias_kv=" + std::to_string(o.add_bias_kv) +
+                 " zero_attn=" + std::to_string(o.add_zero_attn) + " batch_first=" + std::to_string(o.batch_first) +
+                 " batched=" + std::to_string(batched) + " mask=" + std::to_string(mask_kind) +
+                 " causal=" + std::to_string(f.is_causal) + " training=" + std::to_string(training));
+    const mha::ForwardResult ours = m.forward(q_in, cross ? key.view() : q_in, cross ? value.view() : q_in, f);
+    const mha::ForwardResult ref = mha::reference::multihead_attention(m, query, key, value, f, training);
+    EXPECT_EQ(ours.output.sizes(), query.sizes()[0] == 0 ? ours.output.sizes() : ref.output.sizes());
+    EXPECT_LT(rel_error(ours.output, ref.output), kTolerance);
+    ASSERT_EQ(ours.weights.has_value(), f.need_weights);
+    if (f.need_weights) EXPECT_LT(rel_error(*ours.weights, *ref.weights), kTolerance);
+  }
+}
+
+TEST(Module, ParametersHavePyTorchNamesShapesAndInitialisation) {
+  mha::MultiheadAttention packed(16, 4, {.add_bias_kv = true, .seed = 1});
+  std::vector<std::string> names;
+  for (const auto& [name, t] : packed.named_parameters()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"in_proj_weight", "in_proj_bias", "bias_k", "bias_v", "out_proj.weight",
+                                             "out_proj.bias"}));
+  EXPECT_EQ(packed.parameter("in_proj_weight").sizes(), (mha::Shape{48, 16}));
+  EXPECT_EQ(packed.parameter("bias_k").sizes(), (mha::Shape{1, 1, 16}));
+  mha::MultiheadAttention split(16, 4, {.bias = false, .kdim = 5, .vdim = 7});
+  names.clear();
+  for (const auto& [name, t] : split.named_parameters()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"}));
+  EXPECT_EQ(split.parameter("k_proj_weight").sizes(), (mha::Shape{16, 5}));
+  EXPECT_EQ(split.parameter("v_proj_weight").sizes(), (mha::Shape{16, 7}));
+
+  // xavier_uniform on [3E, E]: U(-a, a), a = sqrt(6 / (E + 3E)); its variance is a^2 / 3.
+  const int64_t E = 64;
+  mha::MultiheadAttention m(E, 8, {.seed = test_seed()});
+  const mha::Tensor w = m.parameter("in_proj_weight");
+  const double bound = std::sqrt(6.0 / (E + 3 * E));
+  double sum_sq = 0, max = 0;
+  for (int64_t i = 0; i < w.numel(); ++i) {
+    sum_sq += w.data<float>()[i] * w.data<float>()[i];
+    max = std::max(max, std::abs(static_cast<double>(w.data<float>()[i])));
+  }
+  EXPECT_LE(max, bound);
+  EXPECT_GT(max, 0.95 * bound);
+  EXPECT_NEAR(sum_sq / w.numel(), bound * bound / 3, 0.05 * bound * bound / 3);
+  for (const char* zero : {"in_proj_bias", "out_proj.bias"})
+    for (int64_t i = 0; i < E; ++i) EXPECT_EQ(m.parameter(zero).data<float>()[i], 0.0f);
+  const mha::Tensor wo = m.parameter("out_proj.weight");  // kaiming_uniform(a=sqrt(5)): U(-1/sqrt(E), 1/sqrt(E))
+  for (int64_t i = 0; i < wo.numel(); ++i) ASSERT_LE(std::abs(wo.data<float>()[i]), 1.0 / std::sqrt(double(E)));
+
+  // The same seed gives the same parameters; another seed, others.
+  mha::MultiheadAttention a(E, 8, {.seed = 5}), b(E, 8, {.seed = 5}), c(E, 8, {.seed = 6});
+  EXPECT_EQ(std::memcmp(a.parameter("in_proj_weight").data<float>(), b.parameter("in_proj_weight").data<float>(), w.numel() * 4), 0);
+  EXPECT_NE(std::memcmp(a.parameter("in_proj_weight").data<float>(), c.parameter("in_proj_weight").data<float>(), w.numel() * 4), 0);
+}
+
+TEST(Module, StateDictRoundTripAndStrictness) {
+  std::mt19937_64 rng(test_seed());
+  mha::MultiheadAttention src(12, 3, {.add_bias_kv = true, .kdim = 4, .vdim = 6, .seed = 2});
+  mha::MultiheadAttention dst(12, 3, {.add_bias_kv = true, .kdim = 4, .vdim = 6, .seed = 3});
+  std::unordered_map<std::string, mha::TensorView> state;
+  for (const auto& [name, t] : src.named_parameters()) state[name] = t.view();
+  dst.load_state_dict(state);
+  const mha::Tensor x = randn({5, 2, 12}, rng), k = randn({4, 2, 4}, rng), v = randn({4, 2, 6}, rng);
+  src.eval();
+  dst.eval();
+  EXPECT_EQ(rel_error(src(x, k, v).output, dst(x, k, v).output), 0.0);
+  // A copy is deep: changing it leaves the original alone.
+  mha::MultiheadAttention copy = src;
+  copy.parameter("bias_k").data<float>()[0] += 1.0f;
+  EXPECT_NE(copy.parameter("bias_k").data<float>()[0], src.parameter("bias_k").data<float>()[0]);
+
+  auto missing = state;
+  missing.erase("bias_v");
+  EXPECT_THROW(dst.load_state_dict(missing), mha::Error);
+  EXPECT_NO_THROW(dst.load_state_dict(missing, /*strict=*/false));
+  auto extra = state;
+  const mha::Tensor junk = randn({3}, rng);
+  extra["junk"] = junk.view();
+  EXPECT_THROW(dst.load_state_dict(extra), mha::Error);
+  auto wrong = state;
+  const mha::Tensor bad = randn({12, 5}, rng);
+  wrong["k_proj_weight"] = bad.view();
+  try {
+    dst.load_state_dict(wrong);
+    FAIL() << "expected mha::Error";
+  } catch (const mha::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("k_proj_weight"), std::string::npos) << e.what();
+  }
+  // float64 values are converted.
+  const mha::Tensor w64 = mha::Tensor::copy_of(src.parameter("out_proj.weight"), mha::DType::f64);
+  auto as64 = state;
+  as64["out_proj.weight"] = w64.view();
+  EXPECT_NO_THROW(dst.load_state_dict(as64));
+}
+
+TEST(Module, TrainingModeAppliesDropoutAndEvalDoesNot) {
+  std::mt19937_64 rng(test_seed());
+  mha::MultiheadAttention m(16, 2, {.dropout = 0.5, .seed = 4});
+  const mha::Tensor x = randn({9, 2, 16}, rng);
+  EXPECT_TRUE(m.is_training());
+  const auto a = m(x, x, x), b = m(x, x, x);  // a new dropout stream each call
+  EXPECT_GT(rel_error(a.output, b.output), 1e-3);
+  const auto s1 = m(x, x, x, {.dropout_seed = 5}), s2 = m(x, x, x, {.dropout_seed = 5});
+  EXPECT_EQ(rel_error(s1.output, s2.output), 0.0);
+  m.eval();
+  const auto e1 = m(x, x, x), e2 = m(x, x, x);
+  EXPECT_EQ(rel_error(e1.output, e2.output), 0.0);
+  const auto ref = mha::reference::multihead_attention(m, x, x, x, {}, false);
+  EXPECT_LT(rel_error(e1.output, ref.output), kTolerance);
+}
+
+}  // namespace
