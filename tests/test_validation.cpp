@@ -1,0 +1,163 @@
+// Every invalid input is an mha::Error whose message names the argument; tensors and views.
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <random>
+#include <string>
+
+#include "mha/mha.hpp"
+
+namespace {
+
+mha::Tensor randn(const mha::Shape& shape, uint64_t seed = 1) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  mha::Tensor t = mha::Tensor::empty(shape);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
+  return t;
+}
+
+// Runs `f`, expecting an mha::Error whose message contains `needle`.
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected mha::Error mentioning '" << needle << "'";
+  } catch (const mha::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
+}
+
+TEST(Errors, ModuleConstruction) {
+  expect_error([] { mha::MultiheadAttention(10, 3); }, "divisible by num_heads");
+  expect_error([] { mha::MultiheadAttention(8, 0); }, "num_heads");
+  expect_error([] { mha::MultiheadAttention(8, -2); }, "num_heads");
+  expect_error([] { mha::MultiheadAttention(0, 1); }, "embed_dim");
+  expect_error([] { mha::MultiheadAttention(8, 2, {.kdim = 0}); }, "kdim");
+  expect_error([] { mha::MultiheadAttention(8, 2, {.vdim = -1}); }, "vdim");
+  expect_error([] { mha::MultiheadAttention(8, 2, {.dropout = 1.5}); }, "dropout");
+  expect_error([] { mha::MultiheadAttention(8, 2).parameter("nope"); }, "nope");
+}
+
+TEST(Errors, ModuleForward) {
+  mha::MultiheadAttention m(8, 2, {.kdim = 4});
+  const mha::Tensor x = randn({5, 3, 8}), k = randn({6, 3, 4}), v = randn({6, 3, 8});
+  expect_error([&] { m(randn({5, 3, 7}), k, v); }, "query");
+  expect_error([&] { m(randn({5, 3, 8, 1}), k, v); }, "query");
+  expect_error([&] { m(x, randn({6, 2, 4}), randn({6, 2, 8})); }, "batch");
+  expect_error([&] { m(x, k, randn({7, 3, 8})); }, "value");
+  expect_error([&] { m(x, randn({6, 3, 8}), v); }, "key");
+  expect_error([&] { m(x, randn({6, 4}), randn({6, 8})); }, "key");  // unbatched key for a batched query
+  const mha::Tensor bad_mask = randn({5, 5});
+  expect_error([&] { m(x, k, v, {.attn_mask = bad_mask.view()}); }, "attn_mask");
+  const mha::Tensor mask3 = randn({3, 5, 6});  // needs N * H = 6
+  expect_error([&] { m(x, k, v, {.attn_mask = mask3.view()}); }, "attn_mask");
+  const mha::Tensor mask64 = mha::Tensor::zeros({5, 6}, mha::DType::f64);
+  expect_error([&] { m(x, k, v, {.attn_mask = mask64.view()}); }, "attn_mask");
+  const mha::Tensor kpm = mha::Tensor::zeros({3, 5}, mha::DType::boolean);
+  expect_error([&] { m(x, k, v, {.key_padding_mask = kpm.view()}); }, "key_padding_mask");
+  const mha::Tensor kpm_bf16 = mha::Tensor::zeros({3, 6}, mha::DType::bf16);
+  expect_error([&] { m(x, k, v, {.key_padding_mask = kpm_bf16.view()}); }, "key_padding_mask");
+  const mha::Tensor bf16 = mha::Tensor::copy_of(x, mha::DType::bf16);
+  expect_error([&] { m(bf16, k, v); }, "query");
+  mha::TensorView null_view(static_cast<const float*>(nullptr), {5, 3, 8});
+  expect_error([&] { m(null_view, k, v); }, "null");
+  expect_error([&] { m(x, k, v, {.num_threads = -1}); }, "num_threads");
+}
+
+TEST(Errors, Sdpa) {
+  const mha::Tensor q = randn({2, 4, 5, 8}), k = randn({2, 2, 6, 8}), v = randn({2, 2, 6, 3});
+  expect_error([&] { mha::scaled_dot_product_attention(q, k, v); }, "enable_gqa");
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({2, 3, 6, 8}), randn({2, 3, 6, 3}), {.enable_gqa = true}); },
+               "enable_gqa");
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({2, 4, 6, 7}), randn({2, 4, 6, 3})); }, "key");
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({2, 4, 6, 8}), randn({2, 4, 5, 3})); }, "value");
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({3, 4, 6, 8}), randn({3, 4, 6, 3})); }, "batch");
+  expect_error([&] { mha::scaled_dot_product_attention(randn({8}), randn({8}), randn({8})); }, "query");
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({4, 6, 8}), randn({4, 6, 3})); }, "dimensions");
+  const mha::Tensor kk = randn({2, 4, 6, 8}), vv = randn({2, 4, 6, 3});
+  expect_error([&] { mha::scaled_dot_product_attention(q, kk, vv, {.dropout_p = -0.1}); }, "dropout_p");
+  expect_error([&] { mha::scaled_dot_product_attention(q, kk, vv, {.dropout_p = 1.01}); }, "dropout_p");
+  expect_error([&] { mha::scaled_dot_product_attention(q, kk, vv, {.scale = std::numeric_limits<double>::infinity()}); },
+               "scale");
+  const mha::Tensor wide = randn({5, 7});
+  expect_error([&] { mha::scaled_dot_product_attention(q, kk, vv, {.attn_mask = wide.view()}); }, "attn_mask");
+  const mha::Tensor m64 = mha::Tensor::zeros({5, 6}, mha::DType::f64);
+  expect_error([&] { mha::scaled_dot_product_attention(q, kk, vv, {.attn_mask = m64.view()}); }, "attn_mask");
+  const mha::Tensor q16 = mha::Tensor::copy_of(q, mha::DType::f16);
+  expect_error([&] { mha::scaled_dot_product_attention(q16, kk, vv); }, "query");
+  const mha::Tensor out = randn({2, 4, 5, 4});
+  expect_error([&] { mha::scaled_dot_product_attention_into(q, kk, vv, out); }, "out");
+  mha::TensorView null_k(static_cast<const float*>(nullptr), {2, 4, 6, 8});
+  expect_error([&] { mha::scaled_dot_product_attention(q, null_k, vv); }, "key");
+}
+
+TEST(Errors, SizesThatOverflow) {
+  expect_error([] { mha::checked_numel({int64_t{1} << 40, int64_t{1} << 40}, "shape"); }, "overflow");
+  expect_error([] { mha::Tensor::empty({int64_t{1} << 62, 4}); }, "overflow");
+  expect_error([] { mha::checked_numel({3, -1}, "shape"); }, ">= 0");
+  expect_error([] { mha::TensorView(static_cast<const float*>(nullptr), {int64_t{1} << 32, int64_t{1} << 32}); },
+               "overflow");
+  // Offsets that overflow even though the element count does not.
+  expect_error([] { mha::TensorView(static_cast<const float*>(nullptr), {4, 4}, {int64_t{1} << 62, 1}); }, "overflow");
+  expect_error([] { mha::set_num_threads(0); }, "set_num_threads");
+}
+
+TEST(Errors, AllocationBeyondMemoryIsAnError) {
+  // 2^44 floats = 64 TiB: the count fits, the allocation cannot succeed.
+  expect_error([] { mha::Tensor::empty({int64_t{1} << 44}); }, "allocate");
+}
+
+TEST(Tensor, ViewsShareStorageAndKeepStrides) {
+  mha::Tensor t = randn({2, 3, 4});
+  EXPECT_TRUE(t.view().is_contiguous());
+  const mha::TensorView tr = t.view().transpose(0, 2);
+  EXPECT_EQ(tr.sizes(), (mha::Shape{4, 3, 2}));
+  EXPECT_FALSE(tr.is_contiguous());
+  EXPECT_EQ(tr.at({3, 2, 1}), t.at({1, 2, 3}));
+  const mha::TensorView p = t.view().permute({1, 2, 0});
+  EXPECT_EQ(p.at({2, 3, 1}), t.at({1, 2, 3}));
+  const mha::TensorView s = t.view().select(1, 2);
+  EXPECT_EQ(s.sizes(), (mha::Shape{2, 4}));
+  EXPECT_EQ(s.at({1, 3}), t.at({1, 2, 3}));
+  const mha::TensorView sl = t.view().slice(2, 1, 3);
+  EXPECT_EQ(sl.at({1, 2, 0}), t.at({1, 2, 1}));
+  const mha::TensorView u = t.view().unsqueeze(1);
+  EXPECT_EQ(u.sizes(), (mha::Shape{2, 1, 3, 4}));
+  EXPECT_EQ(u.at({1, 0, 2, 3}), t.at({1, 2, 3}));
+  const mha::TensorView sp = t.view().split_dim(2, 2);
+  EXPECT_EQ(sp.sizes(), (mha::Shape{2, 3, 2, 2}));
+  EXPECT_EQ(sp.at({1, 2, 1, 1}), t.at({1, 2, 3}));
+  mha::Tensor shared = t;  // a Tensor copy shares storage...
+  shared.data<float>()[0] = 42.0f;
+  EXPECT_EQ(t.data<float>()[0], 42.0f);
+  mha::Tensor deep = t.clone();  // ...clone() does not
+  deep.data<float>()[0] = 7.0f;
+  EXPECT_EQ(t.data<float>()[0], 42.0f);
+  expect_error([&] { t.view().select(1, 3); }, "select");
+  expect_error([&] { t.view().slice(0, 1, 3); }, "slice");
+  expect_error([&] { t.view().split_dim(2, 3); }, "split_dim");
+  expect_error([&] { t.view().permute({0, 0, 1}); }, "permute");
+  expect_error([&] { t.view().transpose(0, 3); }, "dimension");
+}
+
+TEST(Tensor, DtypeConversionsRoundTrip) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::normal_distribution<float> normal;
+  mha::Tensor t = mha::Tensor::empty({1000});
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng) * 100;
+  // Rounding to nearest: bf16 keeps 8 significant bits (relative error <= 2^-8), fp16 11 bits
+  // (<= 2^-11 in its normal range).
+  const mha::Tensor bf = mha::Tensor::copy_of(t, mha::DType::bf16), h = mha::Tensor::copy_of(t, mha::DType::f16);
+  const mha::Tensor back_bf = mha::Tensor::copy_of(bf, mha::DType::f32), back_h = mha::Tensor::copy_of(h, mha::DType::f32);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const float x = t.data<float>()[i];
+    EXPECT_LE(std::abs(back_bf.data<float>()[i] - x), std::abs(x) * 0x1p-8f);
+    if (std::abs(x) > 6.2e-5f) EXPECT_LE(std::abs(back_h.data<float>()[i] - x), std::abs(x) * 0x1p-11f);
+  }
+  EXPECT_EQ(static_cast<float>(mha::float16(70000.0f)), INFINITY);
+  EXPECT_TRUE(std::isnan(static_cast<float>(mha::bfloat16(NAN))));
+  EXPECT_EQ(static_cast<float>(mha::float16(5.9604645e-8f)), 5.9604645e-8f);  // the smallest subnormal
+}
+
+}  // namespace
