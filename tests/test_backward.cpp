@@ -13,40 +13,15 @@
 
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
+#include "test_util.hpp"
 
 namespace {
 
-uint64_t test_seed() {
-  if (const char* s = std::getenv("MHA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return std::random_device{}() * 0x9e3779b97f4a7c15ull + std::random_device{}();
-}
-
-mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng, mha::DType dtype = mha::DType::f32) {
-  mha::Tensor t = mha::Tensor::empty(shape, mha::DType::f64);
-  std::normal_distribution<double> normal;
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = normal(rng);
-  return dtype == mha::DType::f64 ? t : mha::Tensor::copy_of(t, dtype);
-}
-
-double max_abs(const mha::TensorView& t) {
-  const mha::Tensor d = mha::Tensor::copy_of(t, mha::DType::f64);
-  double m = 0;
-  for (int64_t i = 0; i < d.numel(); ++i) m = std::max(m, std::abs(d.data<double>()[i]));
-  return m;
-}
-
-// max |a - r| / max(max |r|, floor): normwise relative error.
-double rel_error(const mha::TensorView& a, const mha::TensorView& r, double floor = 1e-30) {
-  EXPECT_EQ(a.sizes(), r.sizes());
-  const mha::Tensor a64 = mha::Tensor::copy_of(a, mha::DType::f64), r64 = mha::Tensor::copy_of(r, mha::DType::f64);
-  double d = 0;
-  for (int64_t i = 0; i < a64.numel(); ++i) d = std::max(d, std::abs(a64.data<double>()[i] - r64.data<double>()[i]));
-  return d == 0 ? 0.0 : d / std::max({max_abs(r), floor, 1e-30});
-}
-
-bool same_bits(const mha::Tensor& a, const mha::Tensor& b) {
-  return a.sizes() == b.sizes() && std::memcmp(a.view().data, b.view().data, a.numel() * 4) == 0;
-}
+using mha_test::max_abs;
+using mha_test::randn;
+using mha_test::rel_error;
+using mha_test::same_bits;
+using mha_test::test_seed;
 
 struct SdpaCase {
   mha::Tensor q, k, v, grad, mask;
@@ -95,9 +70,7 @@ SdpaCase draw_sdpa_case(std::mt19937_64& rng) {
 }
 
 TEST(SdpaBackward, MatchesFloat64ReferenceOnEveryIsa) {
-  const uint64_t seed = test_seed();
-  std::printf("seed %llu (MHA_TEST_SEED replays it)\n", static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(test_seed());
   for (mha::detail::Isa isa : mha::detail::supported_isas()) {
     mha::detail::force_isa(isa);
     for (int n = 0; n < 40; ++n) {
@@ -318,9 +291,7 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
 }
 
 TEST(ModuleBackward, MatchesFiniteDifferencesOfTheReference) {
-  const uint64_t seed = test_seed();
-  std::printf("seed %llu (MHA_TEST_SEED replays it)\n", static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(test_seed());
   for (int n = 0; n < 12; ++n) {
     auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
     ModuleCase c{};

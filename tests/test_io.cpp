@@ -9,6 +9,7 @@
 #include <string>
 
 #include "mha/mha.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -16,12 +17,7 @@ std::string temp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("mha_test_io_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
-mha::Tensor random_tensor(const mha::Shape& shape, std::mt19937_64& rng) {
-  mha::Tensor t = mha::Tensor::empty(shape);
-  std::normal_distribution<float> normal;
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-  return t;
-}
+mha::Tensor random_tensor(const mha::Shape& shape, std::mt19937_64& rng) { return mha_test::randn(shape, rng); }
 
 void expect_equal(const mha::TensorView& a, const mha::TensorView& b) {
   ASSERT_EQ(a.sizes(), b.sizes());
@@ -35,7 +31,7 @@ std::string bytes_of(const std::string& path) {
 }
 
 TEST(Safetensors, RoundTripWithStridesDtypesAndMetadata) {
-  std::mt19937_64 rng(std::random_device{}());
+  std::mt19937_64 rng(mha_test::test_seed());
   const mha::Tensor a = random_tensor({3, 5}, rng);
   mha::Tensor mask = mha::Tensor::zeros({4}, mha::DType::boolean);
   mask.data<bool>()[1] = true;
@@ -53,7 +49,7 @@ TEST(Safetensors, RoundTripWithStridesDtypesAndMetadata) {
 }
 
 TEST(Safetensors, MalformedFilesAreErrors) {
-  std::mt19937_64 rng(std::random_device{}());
+  std::mt19937_64 rng(mha_test::test_seed());
   const std::string path = temp_path("good.safetensors");
   mha::save_safetensors(path, {{"w", random_tensor({2, 3}, rng)}});
   const std::string good = bytes_of(path);
@@ -94,7 +90,7 @@ TEST(Safetensors, MalformedFilesAreErrors) {
 }
 
 TEST(Npy, RoundTripAndFortranOrder) {
-  std::mt19937_64 rng(std::random_device{}());
+  std::mt19937_64 rng(mha_test::test_seed());
   const mha::Tensor a = random_tensor({2, 3, 4}, rng);
   const std::string path = temp_path("a.npy");
   mha::save_npy(path, a.view().transpose(0, 2));  // strided input, stored C-contiguous
@@ -111,7 +107,7 @@ TEST(Npy, RoundTripAndFortranOrder) {
 }
 
 TEST(Npy, MalformedFilesAreErrors) {
-  std::mt19937_64 rng(std::random_device{}());
+  std::mt19937_64 rng(mha_test::test_seed());
   const std::string path = temp_path("m.npy");
   mha::save_npy(path, random_tensor({3, 2}, rng));
   const std::string good = bytes_of(path);

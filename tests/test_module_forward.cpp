@@ -11,39 +11,18 @@
 #include <string>
 
 #include "mha/mha.hpp"
+#include "test_util.hpp"
 
 namespace {
 
-uint64_t test_seed() {
-  if (const char* s = std::getenv("MHA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
-}
+using mha_test::randn;
+using mha_test::rel_error;
+using mha_test::test_seed;
 
-mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng) {
-  mha::Tensor t = mha::Tensor::empty(shape);
-  std::normal_distribution<float> normal;
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-  return t;
-}
-
-double rel_error(const mha::TensorView& a, const mha::TensorView& r) {
-  EXPECT_EQ(a.sizes(), r.sizes());
-  const mha::Tensor a64 = mha::Tensor::copy_of(a, mha::DType::f64), r64 = mha::Tensor::copy_of(r, mha::DType::f64);
-  double d = 0, m = 0;
-  for (int64_t i = 0; i < a64.numel(); ++i) {
-    const double x = a64.data<double>()[i], y = r64.data<double>()[i];
-    if (std::isnan(x) || std::isnan(y)) return INFINITY;  // the module never returns NaN for finite inputs
-    d = std::max(d, std::abs(x - y));
-    m = std::max(m, std::abs(y));
-  }
-  return d == 0 ? 0.0 : d / m;
-}
 constexpr double kTolerance = 1e-5;  // fp32 projections and attention against float64 (sums of <= ~100 terms)
 
 TEST(Module, RandomizedOptionsAgainstReference) {
-  const uint64_t seed = test_seed();
-  std::printf("seed %llu (MHA_TEST_SEED replays it)\n", static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(test_seed());
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
   for (int n = 0; n < 200; ++n) {

@@ -14,35 +14,16 @@
 
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
+#include "test_util.hpp"
 
 namespace {
 
-uint64_t test_seed() {
-  if (const char* s = std::getenv("MHA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
-}
+using mha_test::randn;
+using mha_test::rel_error;
+using mha_test::test_seed;
 
-mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng) {
-  mha::Tensor t = mha::Tensor::empty(shape);
-  std::normal_distribution<float> normal;
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-  return t;
-}
-
-// Normwise relative error max|a - r| / max|r|. fp32 against float64: the kernel's sums run over
-// at most a few hundred O(1) terms here, so rounding stays near 1e-6; 1e-5 is the bound.
-double rel_error(const mha::TensorView& a, const mha::TensorView& r) {
-  EXPECT_EQ(a.sizes(), r.sizes());
-  const mha::Tensor a64 = mha::Tensor::copy_of(a, mha::DType::f64), r64 = mha::Tensor::copy_of(r, mha::DType::f64);
-  double d = 0, m = 0;
-  for (int64_t i = 0; i < a64.numel(); ++i) {
-    const double x = a64.data<double>()[i], y = r64.data<double>()[i];
-    if (std::isnan(x) != std::isnan(y)) return INFINITY;
-    d = std::max(d, std::abs(x - y));
-    m = std::max(m, std::abs(y));
-  }
-  return d == 0 ? 0.0 : d / m;
-}
+// fp32 against float64: the kernel's sums run over at most a few hundred O(1) terms here, so
+// rounding stays near 1e-6; 1e-5 is the bound.
 constexpr double kTolerance = 1e-5;
 
 // Sizes around the kernel's tiles (48 queries, 64 keys, 8 rows) and odd ones.
@@ -126,9 +107,7 @@ class EveryIsa : public ::testing::TestWithParam<mha::detail::Isa> {
 };
 
 TEST_P(EveryIsa, RandomizedAgainstReference) {
-  const uint64_t seed = test_seed();
-  std::printf("seed %llu (MHA_TEST_SEED replays it)\n", static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(test_seed());
   for (int n = 0; n < 150; ++n) {
     const Case c = draw(rng);
     SCOPED_TRACE(c.what);

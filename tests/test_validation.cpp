@@ -6,15 +6,13 @@
 #include <string>
 
 #include "mha/mha.hpp"
+#include "test_util.hpp"
 
 namespace {
 
 mha::Tensor randn(const mha::Shape& shape, uint64_t seed = 1) {
   std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  mha::Tensor t = mha::Tensor::empty(shape);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-  return t;
+  return mha_test::randn(shape, rng);
 }
 
 // Runs `f`, expecting an mha::Error whose message contains `needle`.
@@ -142,7 +140,7 @@ TEST(Tensor, ViewsShareStorageAndKeepStrides) {
 }
 
 TEST(Tensor, DtypeConversionsRoundTrip) {
-  std::mt19937_64 rng(std::random_device{}());
+  std::mt19937_64 rng(mha_test::test_seed());
   std::normal_distribution<float> normal;
   mha::Tensor t = mha::Tensor::empty({1000});
   for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng) * 100;

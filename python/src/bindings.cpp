@@ -68,10 +68,9 @@ NumpyArray to_numpy(const mha::Tensor& tensor) {
 
 using ForwardReturn = std::pair<NumpyArray, std::optional<NumpyArray>>;
 
-ForwardReturn module_forward(const mha::MultiheadAttention& m, const Array& query, const Array& key,
-                             const Array& value, const std::optional<Array>& key_padding_mask, bool need_weights,
-                             const std::optional<Array>& attn_mask, bool average_attn_weights, bool is_causal,
-                             std::optional<uint64_t> dropout_seed, int num_threads) {
+mha::ForwardOptions forward_options(const std::optional<Array>& key_padding_mask, bool need_weights,
+                                    const std::optional<Array>& attn_mask, bool average_attn_weights, bool is_causal,
+                                    std::optional<uint64_t> dropout_seed, int num_threads) {
   mha::ForwardOptions o;
   o.key_padding_mask = optional_view(key_padding_mask, "key_padding_mask");
   o.need_weights = need_weights;
@@ -80,6 +79,15 @@ ForwardReturn module_forward(const mha::MultiheadAttention& m, const Array& quer
   o.is_causal = is_causal;
   o.dropout_seed = dropout_seed;
   o.num_threads = num_threads;
+  return o;
+}
+
+ForwardReturn module_forward(const mha::MultiheadAttention& m, const Array& query, const Array& key,
+                             const Array& value, const std::optional<Array>& key_padding_mask, bool need_weights,
+                             const std::optional<Array>& attn_mask, bool average_attn_weights, bool is_causal,
+                             std::optional<uint64_t> dropout_seed, int num_threads) {
+  const mha::ForwardOptions o = forward_options(key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                                is_causal, dropout_seed, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::ForwardResult r;
   {
@@ -96,14 +104,8 @@ std::tuple<NumpyArray, std::optional<NumpyArray>, mha::ForwardContext> module_fo
     const mha::MultiheadAttention& m, const Array& query, const Array& key, const Array& value,
     const std::optional<Array>& key_padding_mask, bool need_weights, const std::optional<Array>& attn_mask,
     bool average_attn_weights, bool is_causal, std::optional<uint64_t> dropout_seed, int num_threads) {
-  mha::ForwardOptions o;
-  o.key_padding_mask = optional_view(key_padding_mask, "key_padding_mask");
-  o.need_weights = need_weights;
-  o.attn_mask = optional_view(attn_mask, "attn_mask");
-  o.average_attn_weights = average_attn_weights;
-  o.is_causal = is_causal;
-  o.dropout_seed = dropout_seed;
-  o.num_threads = num_threads;
+  const mha::ForwardOptions o = forward_options(key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                                is_causal, dropout_seed, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::ForwardContext context;
   mha::ForwardResult r;
@@ -184,15 +186,8 @@ std::tuple<NumpyArray, NumpyArray, NumpyArray, std::optional<NumpyArray>> sdpa_b
 ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, const std::optional<Array>& attn_mask,
                    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
                    bool need_weights, bool bottom_right, int num_threads) {
-  mha::SdpaOptions o;
-  o.attn_mask = optional_view(attn_mask, "attn_mask");
-  o.dropout_p = dropout_p;
-  o.is_causal = is_causal;
-  o.causal_alignment = bottom_right ? mha::CausalAlignment::BottomRight : mha::CausalAlignment::TopLeft;
-  o.scale = scale;
-  o.enable_gqa = enable_gqa;
-  o.dropout_seed = dropout_seed;
-  o.num_threads = num_threads;
+  const mha::SdpaOptions o =
+      sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   if (need_weights) {
     mha::AttentionWithWeights r;

@@ -19,6 +19,18 @@ void fill_zero(float* base, const int64_t* shape, const int64_t* strides) {
           base[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]] = 0.0f;
 }
 
+// The kernels read rows with unit stride; an input without it is copied once (into `copies`).
+AttentionProblem with_unit_row_strides(const AttentionProblem& problem, std::vector<Tensor>& copies) {
+  AttentionProblem p = problem;
+  for (TensorView* t : {&p.q, &p.k, &p.v}) {
+    if (t->strides[3] != 1 && t->shape[3] > 1) {
+      copies.push_back(Tensor::copy_of(*t, DType::f32));
+      *t = copies.back().view();
+    }
+  }
+  return p;
+}
+
 }  // namespace
 
 void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
@@ -42,15 +54,8 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
     return;
   }
 
-  // The kernels read rows with unit stride; an input without it is copied once, here.
-  AttentionProblem p = problem;
   std::vector<Tensor> copies;
-  for (TensorView* t : {&p.q, &p.k, &p.v}) {
-    if (t->strides[3] != 1 && t->shape[3] > 1) {
-      copies.push_back(Tensor::copy_of(*t, DType::f32));
-      *t = copies.back().view();
-    }
-  }
+  const AttentionProblem p = with_unit_row_strides(problem, copies);
   switch (active_isa()) {
     case Isa::avx512: flash_forward_avx512(p, o); break;
     case Isa::portable: flash_forward_portable(p, o); break;
@@ -80,14 +85,8 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     if (out.dscores) fill_zero(out.dscores, ds_shape, out.dscores_strides);
     return;
   }
-  AttentionProblem p = problem;
   std::vector<Tensor> copies;
-  for (TensorView* t : {&p.q, &p.k, &p.v}) {
-    if (t->strides[3] != 1 && t->shape[3] > 1) {
-      copies.push_back(Tensor::copy_of(*t, DType::f32));
-      *t = copies.back().view();
-    }
-  }
+  const AttentionProblem p = with_unit_row_strides(problem, copies);
   BackwardInputs inputs = in;
   const int64_t* gs = in.grad_out_strides;
   if (gs[3] != 1 && p.dim_v > 1) {

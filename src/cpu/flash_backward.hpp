@@ -72,6 +72,59 @@ struct FlashBackward {
   }
   int64_t row_index(int64_t b, int64_t h, int64_t i) const { return (b * p.heads_q + h) * p.len_q + i; }
 
+  // The key index of every lane of a 48-key panel starting at j0.
+  static void key_lanes(int64_t j0, U* jv) {
+    for (int c = 0; c < kVecs; ++c) {
+      alignas(64) uint32_t idx[kLanes];
+      for (int l = 0; l < kLanes; ++l) idx[l] = static_cast<uint32_t>(j0 + c * kLanes + l);
+      jv[c] = S::load_u(idx);
+    }
+  }
+
+  // Rows of queries i0.. against a 48-key panel (lanes jv), with base-2 scores in pt and
+  // dPd = dO V^T in gt: pt becomes Pd = P Z / (1 - p) and gt becomes dS = P (dP - D), with
+  // P = 2^(s - lse) where the key is visible and 0 elsewhere. Rows from `ni` to `rows` (padding)
+  // become zero.
+  void probabilities_and_score_gradients(float* pt, float* gt, int64_t rows, int64_t ni, int64_t b, int64_t h,
+                                         int64_t i0, const U* jv) const {
+    const bool dropout = p.dropout_p > 0;
+    const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
+    const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
+    const F zero = S::zero();
+    for (int64_t ii = 0; ii < rows; ++ii) {
+      float* prow = pt + ii * kPanel;
+      float* grow = gt + ii * kPanel;
+      if (ii >= ni) {
+        for (int c = 0; c < kVecs; ++c) S::store(prow + c * kLanes, zero), S::store(grow + c * kLanes, zero);
+        continue;
+      }
+      const int64_t i = i0 + ii;
+      const int64_t r = row_index(b, h, i);
+      const F lse2 = S::set1(in.lse[r] * kLog2e);
+      const F delta = S::set1(in.delta[r]);
+      const U limit = S::set1_u(static_cast<uint32_t>(causal_limit(i)));
+      U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
+      if (dropout) {
+        const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
+        key_lo = S::set1_u(key.lo);
+        key_hi = S::set1_u(key.hi);
+      }
+      for (int c = 0; c < kVecs; ++c) {
+        const M visible = S::lt_i(jv[c], limit);  // causality and keys past Lk
+        const F pr = S::select(visible, S::exp2(S::sub(S::load(prow + c * kLanes), lse2)), zero);
+        F dp = S::load(grow + c * kLanes);
+        F pd = pr;
+        if (dropout) {
+          const M keep = S::ge_u(T::dropout_bits(jv[c], key_lo, key_hi), threshold);
+          pd = S::select(keep, S::mul(pr, keep_scale), zero);
+          dp = S::select(keep, S::mul(dp, keep_scale), zero);
+        }
+        S::store(prow + c * kLanes, pd);
+        S::store(grow + c * kLanes, S::mul(pr, S::sub(dp, delta)));
+      }
+    }
+  }
+
   // Pass A: dK and dV of keys [j0, j0 + 48) of key/value head hk.
   void keys_task(int64_t b, int64_t hk, int64_t j0) const {
     const int64_t nk = std::min<int64_t>(kPanel, p.len_k - j0);
@@ -92,15 +145,7 @@ struct FlashBackward {
       for (int64_t d = 0; d < dv; ++d) vt[d * kPanel + jj] = vr[d];
     }
     U jv[kVecs];
-    for (int c = 0; c < kVecs; ++c) {
-      alignas(64) uint32_t idx[kLanes];
-      for (int l = 0; l < kLanes; ++l) idx[l] = static_cast<uint32_t>(j0 + c * kLanes + l);
-      jv[c] = S::load_u(idx);
-    }
-    const bool dropout = p.dropout_p > 0;
-    const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
-    const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
-    const F zero = S::zero();
+    key_lanes(j0, jv);
     const float* qrows[kBlock];
     const float* grows[kBlock];
 
@@ -121,38 +166,7 @@ struct FlashBackward {
           T::dot_rows(gt + ii * kPanel, grows + ii, vt, dv);  // dPd = dO V^T
         }
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
-        for (int64_t ii = 0; ii < nip; ++ii) {
-          float* prow = pt + ii * kPanel;
-          float* grow = gt + ii * kPanel;
-          if (ii >= ni) {  // padding rows contribute nothing
-            for (int c = 0; c < kVecs; ++c) S::store(prow + c * kLanes, zero), S::store(grow + c * kLanes, zero);
-            continue;
-          }
-          const int64_t i = i0 + ii;
-          const int64_t r = row_index(b, h, i);
-          const F lse2 = S::set1(in.lse[r] * kLog2e);
-          const F delta = S::set1(in.delta[r]);
-          const U limit = S::set1_u(static_cast<uint32_t>(causal_limit(i)));
-          U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
-          if (dropout) {
-            const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
-            key_lo = S::set1_u(key.lo);
-            key_hi = S::set1_u(key.hi);
-          }
-          for (int c = 0; c < kVecs; ++c) {
-            const M visible = S::lt_i(jv[c], limit);  // causality and keys past Lk
-            const F pr = S::select(visible, S::exp2(S::sub(S::load(prow + c * kLanes), lse2)), zero);
-            F dp = S::load(grow + c * kLanes);
-            F pd = pr;
-            if (dropout) {
-              const M keep = S::ge_u(T::dropout_bits(jv[c], key_lo, key_hi), threshold);
-              pd = S::select(keep, S::mul(pr, keep_scale), zero);
-              dp = S::select(keep, S::mul(dp, keep_scale), zero);
-            }
-            S::store(prow + c * kLanes, pd);
-            S::store(grow + c * kLanes, S::mul(pr, S::sub(dp, delta)));  // dS
-          }
-        }
+        probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, jv);
         T::accumulate(dvt, grows, pt, nip, dv);  // dV^T += dO^T Pd
         T::accumulate(dkt, qrows, gt, nip, dk);  // dK^T += Q^T dS
       }
@@ -287,10 +301,6 @@ struct FlashBackward {
       for (int64_t d = 0; d < dk; ++d) kt_all[kb * panel_k + d * kPanel + jj] = kr[d] * qk_scale;
       for (int64_t d = 0; d < dv; ++d) vt_all[kb * panel_v + d * kPanel + jj] = vr[d];
     }
-    const bool dropout = p.dropout_p > 0;
-    const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
-    const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
-    const F zero = S::zero();
     const float* qrows[kPanel];
     const float* grows[kPanel];
     const float* krows[kPanel];
@@ -301,11 +311,7 @@ struct FlashBackward {
         const int64_t j0 = kb * kPanel, nk = std::min<int64_t>(kPanel, p.len_k - j0);
         for (int64_t jj = 0; jj < kPanel; ++jj) krows[jj] = jj < nk ? row(p.k, b, hk, j0 + jj) : zero_row;
         U jv[kVecs];
-        for (int c = 0; c < kVecs; ++c) {
-          alignas(64) uint32_t idx[kLanes];
-          for (int l = 0; l < kLanes; ++l) idx[l] = static_cast<uint32_t>(j0 + c * kLanes + l);
-          jv[c] = S::load_u(idx);
-        }
+        key_lanes(j0, jv);
         int64_t i_start = 0;  // queries before it see no key of the block: skipped
         if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q) / kPanel * kPanel;
         for (int64_t i0 = i_start; i0 < p.len_q; i0 += kPanel) {
@@ -319,38 +325,7 @@ struct FlashBackward {
             T::dot_rows(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv);
           }
           for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
-          for (int64_t ii = 0; ii < kPanel; ++ii) {
-            float* prow = pt + ii * kPanel;
-            float* grow = gt + ii * kPanel;
-            if (ii >= ni) {
-              for (int c = 0; c < kVecs; ++c) S::store(prow + c * kLanes, zero), S::store(grow + c * kLanes, zero);
-              continue;
-            }
-            const int64_t i = i0 + ii;
-            const int64_t r = row_index(b, h, i);
-            const F lse2 = S::set1(in.lse[r] * kLog2e);
-            const F delta = S::set1(in.delta[r]);
-            const U limit = S::set1_u(static_cast<uint32_t>(causal_limit(i)));
-            U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
-            if (dropout) {
-              const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
-              key_lo = S::set1_u(key.lo);
-              key_hi = S::set1_u(key.hi);
-            }
-            for (int c = 0; c < kVecs; ++c) {
-              const M visible = S::lt_i(jv[c], limit);
-              const F pr = S::select(visible, S::exp2(S::sub(S::load(prow + c * kLanes), lse2)), zero);
-              F dp = S::load(grow + c * kLanes);
-              F pd = pr;
-              if (dropout) {
-                const M keep = S::ge_u(T::dropout_bits(jv[c], key_lo, key_hi), threshold);
-                pd = S::select(keep, S::mul(pr, keep_scale), zero);
-                dp = S::select(keep, S::mul(dp, keep_scale), zero);
-              }
-              S::store(prow + c * kLanes, pd);
-              S::store(grow + c * kLanes, S::mul(pr, S::sub(dp, delta)));
-            }
-          }
+          probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, jv);
           T::accumulate(dvt_all + kb * panel_v, grows, pt, kPanel, dv);  // dV^T += dO^T Pd
           T::accumulate(dkt_all + kb * panel_k, qrows, gt, kPanel, dk);  // dK^T += Q^T dS
           for (int64_t ii = 0; ii < kPanel; ++ii)                         // dS^T, for dQ

@@ -1,0 +1,64 @@
+// Shared by the C++ tests: seeds, random tensors, and the error measure they judge by.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "mha/mha.hpp"
+
+namespace mha_test {
+
+// A fresh seed each run, or MHA_TEST_SEED's to replay one. Printed, so a failure can be replayed.
+inline uint64_t test_seed() {
+  uint64_t seed;
+  if (const char* s = std::getenv("MHA_TEST_SEED")) {
+    seed = std::strtoull(s, nullptr, 10);
+  } else {
+    seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  }
+  std::printf("seed %llu (MHA_TEST_SEED=%llu replays it)\n", static_cast<unsigned long long>(seed),
+              static_cast<unsigned long long>(seed));
+  return seed;
+}
+
+// Standard normal values (never all zeros or ones), drawn in float64 and rounded to `dtype`.
+inline mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng, mha::DType dtype = mha::DType::f32) {
+  mha::Tensor t = mha::Tensor::empty(shape, mha::DType::f64);
+  std::normal_distribution<double> normal;
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = normal(rng);
+  return dtype == mha::DType::f64 ? t : mha::Tensor::copy_of(t, dtype);
+}
+
+inline double max_abs(const mha::TensorView& t) {
+  const mha::Tensor d = mha::Tensor::copy_of(t, mha::DType::f64);
+  double m = 0;
+  for (int64_t i = 0; i < d.numel(); ++i) m = std::max(m, std::abs(d.data<double>()[i]));
+  return m;
+}
+
+// Normwise relative error max|a - r| / max(max|r|, floor); infinite where one side is NaN and
+// the other is not, and where the shapes differ.
+inline double rel_error(const mha::TensorView& a, const mha::TensorView& r, double floor = 0.0) {
+  if (a.sizes() != r.sizes()) return INFINITY;
+  const mha::Tensor a64 = mha::Tensor::copy_of(a, mha::DType::f64), r64 = mha::Tensor::copy_of(r, mha::DType::f64);
+  double d = 0, m = 0;
+  for (int64_t i = 0; i < a64.numel(); ++i) {
+    const double x = a64.data<double>()[i], y = r64.data<double>()[i];
+    if (std::isnan(x) != std::isnan(y)) return INFINITY;
+    if (std::isnan(x)) continue;
+    d = std::max(d, std::abs(x - y));
+    m = std::max(m, std::abs(y));
+  }
+  return d == 0 ? 0.0 : d / std::max({m, floor, 1e-300});
+}
+
+inline bool same_bits(const mha::TensorView& a, const mha::TensorView& b) {
+  return a.sizes() == b.sizes() && a.dtype == b.dtype && a.is_contiguous() && b.is_contiguous() &&
+         std::memcmp(a.data, b.data, static_cast<size_t>(a.numel() * mha::dtype_size(a.dtype))) == 0;
+}
+
+}  // namespace mha_test
