@@ -243,6 +243,28 @@ TEST(Sdpa, LongSequenceAgainstSampledReferenceRows) {
   }
 }
 
+// bfloat16 and float16 inputs give outputs of their dtype, within their rounding of the float64
+// reference on the same (rounded) inputs: one rounding of the output, 2^-8 relative for bf16 and
+// 2^-11 for fp16, plus float32 compute; bounds 1e-2 and 2e-3 of the largest output.
+TEST(Sdpa, LowPrecisionInputs) {
+  std::mt19937_64 rng(test_seed());
+  for (const auto& [dtype, tolerance] : {std::pair{mha::DType::bf16, 1e-2}, std::pair{mha::DType::f16, 2e-3}}) {
+    const mha::Tensor q = randn({2, 4, 70, 32}, rng, dtype), k = randn({2, 2, 90, 32}, rng, dtype),
+                      v = randn({2, 2, 90, 24}, rng, dtype);
+    const mha::Tensor mask = randn({70, 90}, rng);
+    const mha::SdpaOptions o{.attn_mask = mask.view(), .is_causal = true, .enable_gqa = true};
+    const auto r = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    EXPECT_EQ(r.output.dtype(), dtype);
+    EXPECT_EQ(r.weights.dtype(), dtype);
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+    EXPECT_LT(rel_error(r.output, ref.output), tolerance) << mha::dtype_name(dtype);
+    EXPECT_LT(rel_error(r.weights, ref.weights), tolerance) << mha::dtype_name(dtype);
+    EXPECT_GT(rel_error(r.output, ref.output), 0.0);  // it really is rounded
+    const mha::Tensor k32 = mha::Tensor::copy_of(k, mha::DType::f32);
+    EXPECT_THROW(mha::scaled_dot_product_attention(q, k32, v), mha::Error);  // mixed dtypes
+  }
+}
+
 TEST(Sdpa, FlopCount) {
   EXPECT_DOUBLE_EQ(mha::attention_flops(4, 16, 2048, 2048, 64, 64, false), 4.0 * 4 * 16 * 2048.0 * 2048 * 64);
   // Causal top-left on a square problem keeps L(L+1)/2 pairs.

@@ -37,7 +37,10 @@ struct SdpaOptions {
 // and in the weights. PyTorch's SDPA (2.5 and later) returns the same zeros; nn.MultiheadAttention
 // and softmax over a row of -inf return NaN there instead.
 
-// Returns out [.., Hq, Lq, Dv] (contiguous, float32).
+// q, k, v are float32, bfloat16 or float16 (one dtype); the output has their dtype. bfloat16 and
+// float16 are computed in float32 (fp32 accumulation and softmax statistics) and rounded once.
+// The training functions below take float32.
+// Returns out [.., Hq, Lq, Dv] (contiguous).
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options = {});
 

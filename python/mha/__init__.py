@@ -84,7 +84,10 @@ def _like(template: Any, array: Optional[_np.ndarray]):
     """The output in the kind of the input: a torch tensor sharing memory, or the numpy array."""
     if array is None or not _is_torch(template):
         return array
-    return _torch().from_numpy(array)
+    out = _torch().from_numpy(array)
+    if template.dtype == _torch().bfloat16:  # numpy has no bfloat16: it came back as float32
+        out = out.to(template.dtype)
+    return out
 
 
 def _needs_grad(*xs) -> bool:

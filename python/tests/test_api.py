@@ -128,3 +128,16 @@ def test_dropout_is_reproducible_by_seed(rng):
     e1, _ = m(x, x, x)
     e2, _ = m(x, x, x)
     np.testing.assert_array_equal(e1, e2)
+
+
+def test_low_precision_inputs_keep_their_dtype(rng):
+    q = torch.from_numpy(rng.standard_normal((2, 3, 20, 16)).astype(np.float32))
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        x = q.to(dtype)
+        out = mha.scaled_dot_product_attention(x, x, x, is_causal=True)
+        assert out.dtype == dtype
+        exact = torch.nn.functional.scaled_dot_product_attention(*(x.double(),) * 3, is_causal=True)
+        assert (out.double() - exact).abs().max() / exact.abs().max() < tol
+    half = q.numpy().astype(np.float16)
+    out = mha.scaled_dot_product_attention(half, half, half)
+    assert out.dtype == np.float16

@@ -78,17 +78,25 @@ Shape output_shape(const TensorView& q, int64_t rows, int64_t cols) {
 }
 
 AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
-                                   const SdpaOptions& options, bool any_float) {
+                                   const SdpaOptions& options, InputDtypes dtypes) {
   const TensorView* inputs[] = {&q_in, &k_in, &v_in};
   const char* names[] = {"query", "key", "value"};
   for (int i = 0; i < 3; ++i) {
     const DType t = inputs[i]->dtype;
-    const bool ok = any_float ? (t != DType::boolean) : (t == DType::f32);
+    const bool ok = dtypes == InputDtypes::any_float      ? t != DType::boolean
+                    : dtypes == InputDtypes::low_precision ? (t == DType::f32 || t == DType::bf16 || t == DType::f16)
+                                                           : t == DType::f32;
     if (!ok) {
-      throw Error(std::string(names[i]) + ": expected dtype " + (any_float ? "float32/float64/bf16/f16" : "float32") +
-                  " (bf16/fp16 kernels are not available yet), got " + std::string(dtype_name(t)));
+      const char* expected = dtypes == InputDtypes::any_float      ? "float32, float64, bfloat16 or float16"
+                             : dtypes == InputDtypes::low_precision ? "float32, bfloat16 or float16"
+                                                                    : "float32";
+      throw Error(std::string(names[i]) + ": expected dtype " + expected + ", got " + std::string(dtype_name(t)));
     }
     check_data(*inputs[i], names[i]);
+  }
+  if (dtypes == InputDtypes::low_precision && (k_in.dtype != q_in.dtype || v_in.dtype != q_in.dtype)) {
+    throw Error("query, key, value: expected one dtype, got " + std::string(dtype_name(q_in.dtype)) + ", " +
+                std::string(dtype_name(k_in.dtype)) + ", " + std::string(dtype_name(v_in.dtype)));
   }
   if (q_in.ndim != k_in.ndim || q_in.ndim != v_in.ndim) {
     throw Error("query, key, value: expected the same number of dimensions, got shapes " + q_in.shape_str() + ", " +

@@ -57,11 +57,14 @@ struct AttentionProblem {
   void add_mask(const MaskTerm& m) { masks[num_masks++] = m; }
 };
 
+// Which input dtypes a caller accepts: the fused fp32 kernels and the backward take float32; the
+// forward also bfloat16 and float16 (one dtype for q, k, v); the reference any floating dtype.
+enum class InputDtypes { f32, low_precision, any_float };
+
 // Validates the arguments of scaled_dot_product_attention (mha::Error on any problem) and builds
-// the problem. Inputs must be float32 (the dtype of the fused kernels) unless `any_float` is set
-// (the reference accepts every floating dtype).
+// the problem.
 AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, const TensorView& v,
-                                   const SdpaOptions& options, bool any_float);
+                                   const SdpaOptions& options, InputDtypes dtypes);
 
 // A rank-2..4 view as [B, H, L, D] (leading size-1 dimensions added).
 TensorView as_4d(const TensorView& t, const std::string& name);

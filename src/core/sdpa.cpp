@@ -29,38 +29,58 @@ void run(const AttentionProblem& p, const TensorView& out, const TensorView* wei
   detail::run_attention(p, o);
 }
 
+// The forward for inputs of any supported dtype, into outputs of the inputs' dtype. float32 goes
+// straight to the fused kernel; bfloat16 and float16 are widened to float32 copies, computed there
+// and rounded back once at the end (low-precision kernels of their own come later).
+void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+             const SdpaOptions& options, const TensorView& out, const TensorView* weights) {
+  if (q.dtype == DType::f32) {
+    run(p, out, weights);
+    return;
+  }
+  const Tensor q32 = Tensor::copy_of(q, DType::f32), k32 = Tensor::copy_of(k, DType::f32),
+               v32 = Tensor::copy_of(v, DType::f32);
+  const AttentionProblem p32 = detail::make_sdpa_problem(q32, k32, v32, options, detail::InputDtypes::f32);
+  const Tensor out32 = Tensor::empty(out.sizes());
+  Tensor weights32;
+  if (weights) weights32 = Tensor::empty(weights->sizes());
+  run(p32, out32, weights ? &weights32.view() : nullptr);
+  copy_into(out32, out);
+  if (weights) copy_into(weights32, *weights);
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/false);
-  Tensor out = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v));
-  run(p, out, nullptr);
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  Tensor out = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
+  forward(p, q, k, v, options, out, nullptr);
   return out;
 }
 
 AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/false);
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
   AttentionWithWeights r;
-  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v));
-  r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k));
-  run(p, r.output, &r.weights.view());
+  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
+  r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k), q.dtype);
+  forward(p, q, k, v, options, r.output, &r.weights.view());
   return r;
 }
 
 void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k, const TensorView& v,
                                        const TensorView& out, const SdpaOptions& options,
                                        const std::optional<TensorView>& weights) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/false);
-  detail::check_output_view(out, detail::output_shape(q, p.len_q, p.dim_v), DType::f32, "out");
-  if (weights) detail::check_output_view(*weights, detail::output_shape(q, p.len_q, p.len_k), DType::f32, "weights");
-  run(p, out, weights ? &*weights : nullptr);
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  detail::check_output_view(out, detail::output_shape(q, p.len_q, p.dim_v), q.dtype, "out");
+  if (weights) detail::check_output_view(*weights, detail::output_shape(q, p.len_q, p.len_k), q.dtype, "weights");
+  forward(p, q, k, v, options, out, weights ? &*weights : nullptr);
 }
 
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/false);
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::f32);
   AttentionForTraining r;
   r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v));
   Shape lse_shape = q.sizes();
@@ -104,7 +124,7 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
                                                          const AttentionForTraining& saved,
                                                          const TensorView& grad_output, const SdpaOptions& options,
                                                          bool attn_mask_grad) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, /*any_float=*/false);
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::f32);
   const Shape out_shape = detail::output_shape(q, p.len_q, p.dim_v);
   detail::check_output_view(saved.output, out_shape, DType::f32, "saved.output");
   Shape lse_shape = q.sizes();
