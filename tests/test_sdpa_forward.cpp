@@ -244,24 +244,38 @@ TEST(Sdpa, LongSequenceAgainstSampledReferenceRows) {
 }
 
 // bfloat16 and float16 inputs give outputs of their dtype, within their rounding of the float64
-// reference on the same (rounded) inputs: one rounding of the output, 2^-8 relative for bf16 and
-// 2^-11 for fp16, plus float32 compute; bounds 1e-2 and 2e-3 of the largest output.
-TEST(Sdpa, LowPrecisionInputs) {
+// reference on the same (rounded) inputs: the output is rounded once (2^-8 relative for bf16,
+// 2^-11 for fp16) and the AMX kernel also rounds P to bf16 before P V (another 2^-8, averaging
+// down over the keys); bounds 1e-2 (bf16) and 2e-3 (fp16) of the largest output. Head dims that
+// are multiples of 32 take the AMX kernel where the CPU has it, others the float32 path; both run
+// on every ISA.
+TEST_P(EveryIsa, LowPrecisionInputs) {
   std::mt19937_64 rng(test_seed());
   for (const auto& [dtype, tolerance] : {std::pair{mha::DType::bf16, 1e-2}, std::pair{mha::DType::f16, 2e-3}}) {
-    const mha::Tensor q = randn({2, 4, 70, 32}, rng, dtype), k = randn({2, 2, 90, 32}, rng, dtype),
-                      v = randn({2, 2, 90, 24}, rng, dtype);
-    const mha::Tensor mask = randn({70, 90}, rng);
-    const mha::SdpaOptions o{.attn_mask = mask.view(), .is_causal = true, .enable_gqa = true};
-    const auto r = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
-    EXPECT_EQ(r.output.dtype(), dtype);
-    EXPECT_EQ(r.weights.dtype(), dtype);
-    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
-    EXPECT_LT(rel_error(r.output, ref.output), tolerance) << mha::dtype_name(dtype);
-    EXPECT_LT(rel_error(r.weights, ref.weights), tolerance) << mha::dtype_name(dtype);
-    EXPECT_GT(rel_error(r.output, ref.output), 0.0);  // it really is rounded
-    const mha::Tensor k32 = mha::Tensor::copy_of(k, mha::DType::f32);
-    EXPECT_THROW(mha::scaled_dot_product_attention(q, k32, v), mha::Error);  // mixed dtypes
+    for (const auto& [dk, dv] : {std::pair{int64_t{64}, int64_t{32}}, std::pair{int64_t{32}, int64_t{24}}}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        const int64_t lq = 70 + 13 * variant, lk = variant == 2 ? 5 : 90 + 7 * variant;
+        const mha::Tensor q = randn({2, 4, lq, dk}, rng, dtype), k = randn({2, 2, lk, dk}, rng, dtype),
+                          v = randn({2, 2, lk, dv}, rng, dtype);
+        const mha::Tensor mask = randn({lq, lk}, rng);
+        mha::SdpaOptions o{.is_causal = variant != 1, .enable_gqa = true};
+        if (variant == 0) o.attn_mask = mask.view();
+        if (variant == 1) o.dropout_p = 0.2, o.dropout_seed = rng();
+        if (variant == 2) o.causal_alignment = mha::CausalAlignment::BottomRight;
+        SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " dk=" + std::to_string(dk) + " variant " + std::to_string(variant));
+        const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, o);
+        EXPECT_EQ(out.dtype(), dtype);
+        const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+        EXPECT_LT(rel_error(out, ref.output), tolerance);
+        EXPECT_GT(rel_error(out, ref.output), 0.0);  // it really is rounded
+        const auto with_weights = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+        EXPECT_EQ(with_weights.weights.dtype(), dtype);
+        EXPECT_LT(rel_error(with_weights.weights, ref.weights), tolerance);
+      }
+    }
+    const mha::Tensor q = randn({1, 2, 8, 32}, rng, dtype);
+    const mha::Tensor k32 = mha::Tensor::copy_of(q, mha::DType::f32);
+    EXPECT_THROW(mha::scaled_dot_product_attention(q, k32, q), mha::Error);  // mixed dtypes
   }
 }
 

@@ -5,6 +5,7 @@
 #include <array>
 
 #include "core/attention_problem.hpp"
+#include "cpu/amx.hpp"
 #include "cpu/attention_kernel.hpp"
 
 namespace mha {
@@ -30,12 +31,21 @@ void run(const AttentionProblem& p, const TensorView& out, const TensorView* wei
 }
 
 // The forward for inputs of any supported dtype, into outputs of the inputs' dtype. float32 goes
-// straight to the fused kernel; bfloat16 and float16 are widened to float32 copies, computed there
-// and rounded back once at the end (low-precision kernels of their own come later).
+// straight to the fused kernel; bfloat16 to the AMX kernel where the CPU has one and the problem
+// fits it (no weights, head dims multiples of 32); otherwise bfloat16 and float16 are widened to
+// float32 copies, computed there and rounded back once at the end.
 void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
              const SdpaOptions& options, const TensorView& out, const TensorView* weights) {
   if (q.dtype == DType::f32) {
     run(p, out, weights);
+    return;
+  }
+  if (weights == nullptr && detail::amx_usable() && detail::amx_bf16_supports(p)) {  // bf16 on the tile unit
+    detail::AmxOutputs o;
+    const TensorView out4 = detail::as_4d(out, "out");
+    o.out = out4.data_as<uint16_t>();
+    set_strides(out4, o.out_strides);
+    detail::amx_bf16_forward(p, o);
     return;
   }
   const Tensor q32 = Tensor::copy_of(q, DType::f32), k32 = Tensor::copy_of(k, DType::f32),

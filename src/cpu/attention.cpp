@@ -57,6 +57,7 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   std::vector<Tensor> copies;
   const AttentionProblem p = with_unit_row_strides(problem, copies);
   switch (active_isa()) {
+    case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32
     case Isa::avx512: flash_forward_avx512(p, o); break;
     case Isa::portable: flash_forward_portable(p, o); break;
   }
@@ -113,6 +114,7 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
       }
   inputs.delta = dl;
   switch (active_isa()) {
+    case Isa::amx:
     case Isa::avx512: flash_backward_avx512(p, inputs, out); break;
     case Isa::portable: flash_backward_portable(p, inputs, out); break;
   }

@@ -1,7 +1,11 @@
 #include "cpu/dispatch.hpp"
 
+#include "cpu/amx.hpp"
+
 #include <atomic>
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <cstdlib>
 #include <string>
 
@@ -31,6 +35,28 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_amx_bf16() {
+#if defined(__x86_64__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
+  const bool avx512_bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+  return amx_bf16 && amx_tile && avx512_bf16;
+#else
+  return false;
+#endif
+}
+
+// Linux hands out the 8 KiB tile state only on request (XFEATURE_XTILEDATA = 18).
+bool request_amx_permission() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
 Isa from_environment(Isa best) {
   const char* env = std::getenv("MHA_ISA");
   if (env == nullptr || *env == '\0') return best;
@@ -52,6 +78,7 @@ std::string_view isa_name(Isa isa) {
   switch (isa) {
     case Isa::portable: return "portable";
     case Isa::avx512: return "avx512";
+    case Isa::amx: return "amx";
   }
   return "?";
 }
@@ -60,6 +87,7 @@ std::vector<Isa> supported_isas() {
   static const std::vector<Isa> isas = [] {
     std::vector<Isa> v{Isa::portable};
     if (cpu_has_avx512()) v.push_back(Isa::avx512);
+    if (cpu_has_avx512() && cpu_has_amx_bf16() && request_amx_permission()) v.push_back(Isa::amx);
     return v;
   }();
   return isas;
@@ -84,6 +112,18 @@ void force_isa(std::optional<Isa> isa) {
     }
   }
   throw Error("force_isa: this CPU does not support " + std::string(isa_name(*isa)));
+}
+
+bool amx_usable() { return active_isa() == Isa::amx; }
+
+bool amx_bf16_supports(const AttentionProblem& p) {
+  const TensorView* views[] = {&p.q, &p.k, &p.v};
+  for (const TensorView* t : views) {
+    if (t->dtype != DType::bf16 || (t->strides[3] != 1 && t->shape[3] > 1)) return false;
+  }
+  return p.dim_qk > 0 && p.dim_v > 0 && p.dim_qk % 32 == 0 && p.dim_v % 32 == 0 && p.len_q > 0 && p.len_k > 0 &&
+         p.dropout_p < 1.0 &&
+         p.len_q <= (int64_t{1} << 30) && p.len_k <= (int64_t{1} << 30);
 }
 
 }  // namespace mha::detail

@@ -7,7 +7,8 @@
 
 namespace mha::detail {
 
-enum class Isa { portable, avx512 };
+// avx512 runs the float32 kernels with AVX-512; amx adds the bfloat16 kernels on the tile unit.
+enum class Isa { portable, avx512, amx };
 
 std::string_view isa_name(Isa isa);
 // Every ISA this CPU can run, lowest first (portable is always there).

@@ -1,0 +1,26 @@
+// The AMX (tile unit) kernels: bfloat16 attention forward. Entered only when amx_usable().
+#pragma once
+
+#include <cstdint>
+
+#include "core/attention_problem.hpp"
+
+namespace mha::detail {
+
+// Where the bf16 forward writes: out [B, Hq, Lq, Dv] as bfloat16 bits, any strides.
+struct AmxOutputs {
+  uint16_t* out = nullptr;
+  int64_t out_strides[4] = {};
+};
+
+// The CPU has AMX-BF16 and the kernel granted this process the tile state (requested once, with
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), on first use).
+bool amx_usable();
+
+// Which problems the AMX kernel takes: bfloat16 q, k, v with unit-stride rows and head dimensions
+// that are multiples of 32 (the tile's depth). Others take the float32 path.
+bool amx_bf16_supports(const AttentionProblem& p);
+
+void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o);
+
+}  // namespace mha::detail
