@@ -77,18 +77,37 @@ struct AmxForward {
   const uint16_t* k_panel(int64_t b, int64_t hk) const { return packed.k + kv_index(b, hk) * p.dim_qk * packed.len; }
   const uint16_t* v_panel(int64_t b, int64_t hk) const { return packed.v + kv_index(b, hk) * packed.len * p.dim_v; }
 
+  // K as pairs of dims (one 32-bit word per key and pair) transposed; V as pairs of keys
+  // interleaved per value column. Rows have unit stride (amx_bf16_supports checks it).
   void pack(int threads) {
     const int64_t L = packed.len, dk = p.dim_qk, dv = p.dim_v;
     parallel_for(p.batch * p.heads_kv, threads, [&](int64_t t, int) {
       const int64_t b = t / p.heads_kv, hk = t % p.heads_kv;
-      uint16_t* kp = packed.k + t * dk * L;
+      uint32_t* kp = reinterpret_cast<uint32_t*>(packed.k + t * dk * L);
       uint16_t* vp = packed.v + t * L * dv;
-      for (int64_t j = 0; j < L; ++j)
-        for (int64_t d = 0; d < dk; ++d)
-          kp[((d / 2) * L + j) * 2 + d % 2] = j < p.len_k ? bits_at(p.k, b, hk, j, d) : 0;
-      for (int64_t j = 0; j < L; ++j)
-        for (int64_t d = 0; d < dv; ++d)
-          vp[((j / 2) * dv + d) * 2 + j % 2] = j < p.len_k ? bits_at(p.v, b, hk, j, d) : 0;
+      const uint16_t* k0 = p.k.data_as<const uint16_t>() + b * p.k.strides[0] + hk * p.k.strides[1];
+      const uint16_t* v0 = p.v.data_as<const uint16_t>() + b * p.v.strides[0] + hk * p.v.strides[1];
+      for (int64_t j = 0; j < L; ++j) {
+        if (j < p.len_k) {
+          const uint16_t* row = k0 + j * p.k.strides[2];
+          for (int64_t d2 = 0; d2 < dk / 2; ++d2) {
+            uint32_t pair;
+            std::memcpy(&pair, row + 2 * d2, 4);
+            kp[d2 * L + j] = pair;
+          }
+        } else {
+          for (int64_t d2 = 0; d2 < dk / 2; ++d2) kp[d2 * L + j] = 0;
+        }
+      }
+      for (int64_t j = 0; j < L; j += 2) {
+        const uint16_t* r0 = j < p.len_k ? v0 + j * p.v.strides[2] : nullptr;
+        const uint16_t* r1 = j + 1 < p.len_k ? v0 + (j + 1) * p.v.strides[2] : nullptr;
+        uint16_t* dst = vp + (j / 2) * dv * 2;
+        for (int64_t d = 0; d < dv; ++d) {
+          dst[2 * d] = r0 ? r0[d] : 0;
+          dst[2 * d + 1] = r1 ? r1[d] : 0;
+        }
+      }
     });
   }
 
@@ -101,7 +120,7 @@ struct AmxForward {
     for (int64_t ii = 0; ii < kQ; ++ii)
       for (int64_t d = 0; d < dk; ++d) q_rows[ii * dk + d] = ii < rows ? bits_at(p.q, b, h, i0 + ii, d) : 0;
     std::memset(out_acc, 0, sizeof(float) * kQ * dv);
-    float m[kQ], l[kQ];
+    alignas(64) float m[kQ], l[kQ];
     int64_t limit[kQ];
     DropoutRowKey keys[kQ];
     for (int64_t ii = 0; ii < kQ; ++ii) {
@@ -137,31 +156,48 @@ struct AmxForward {
       _tile_stored(1, s + 16, kK * 4);
       _tile_stored(2, s + 16 * kK, kK * 4);
       _tile_stored(3, s + 16 * kK + 16, kK * 4);
-      for (int64_t ii = 0; ii < kQ; ++ii)
-        for (int c = 0; c < 2; ++c) {
-          float* row = s + ii * kK + c * 16;
-          _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(qk_scale)));
-        }
-      for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], s, kK, 1, b, h, i0, rows, j0, std::min<int64_t>(kK, p.len_k - j0));
-
-      // Online softmax per query row (lanes over keys), P in bf16 as the next A tiles.
+      const int64_t nk = std::min<int64_t>(kK, p.len_k - j0);
+      // Scores in base 2: the scale is applied here (or before the masks, which add base-2 values).
+      float load_scale = qk_scale;
+      if (p.num_masks > 0) {
+        for (int64_t e = 0; e < kQ * kK; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), _mm512_set1_ps(qk_scale)));
+        for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], s, kK, 1, b, h, i0, rows, j0, nk);
+        load_scale = 1.0f;
+      }
+      // Every query of the task sees every key of the block: no causal or length mask to apply.
+      const bool clean = j0 + kK <= limit[0];
+      alignas(64) float block_max[kQ], m_use[kQ], alpha[kQ], sums[kQ];
       for (int64_t ii = 0; ii < kQ; ++ii) {
         float* row = s + ii * kK;
-        const __m512i lim = _mm512_set1_epi32(static_cast<int>(limit[ii]));
-        __m512 x[2];
-        for (int c = 0; c < 2; ++c) {
-          const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0 + c * 16)));
-          const __mmask16 visible = _mm512_cmp_epi32_mask(j, lim, _MM_CMPINT_LT);
-          x[c] = _mm512_mask_blend_ps(visible, _mm512_set1_ps(neg_inf), _mm512_loadu_ps(row + c * 16));
+        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(load_scale));
+        __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(row + 16), _mm512_set1_ps(load_scale));
+        if (!clean) {
+          const __m512i lim = _mm512_set1_epi32(static_cast<int>(limit[ii]));
+          const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0)));
+          x0 = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(j, lim, _MM_CMPINT_LT), _mm512_set1_ps(neg_inf), x0);
+          x1 = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(_mm512_add_epi32(j, _mm512_set1_epi32(16)), lim, _MM_CMPINT_LT),
+                                    _mm512_set1_ps(neg_inf), x1);
         }
-        const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1]));
-        const float m_new = std::max(m[ii], block_max);
-        const float m_use = m_new == neg_inf ? 0.0f : m_new;
-        const float alpha = std::exp2(m[ii] - m_use);
+        _mm512_storeu_ps(row, x0);
+        _mm512_storeu_ps(row + 16, x1);
+        block_max[ii] = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+      }
+      // The statistics of 16 rows at a time: new max, the base to subtract, the rescale factor.
+      for (int64_t r = 0; r < kQ; r += 16) {
+        const __m512 m_old = _mm512_loadu_ps(m + r);
+        const __m512 m_new = _mm512_max_ps(m_old, _mm512_loadu_ps(block_max + r));
+        const __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(neg_inf), _CMP_EQ_OQ), m_new,
+                                                 _mm512_setzero_ps());
+        _mm512_storeu_ps(m + r, m_new);
+        _mm512_storeu_ps(m_use + r, base);
+        _mm512_storeu_ps(alpha + r, simd::Avx512::exp2(_mm512_sub_ps(m_old, base)));
+      }
+      for (int64_t ii = 0; ii < kQ; ++ii) {
+        const float* row = s + ii * kK;
+        const __m512 base = _mm512_set1_ps(m_use[ii]);
         __m512 pr[2];
-        for (int c = 0; c < 2; ++c) pr[c] = simd::Avx512::exp2(_mm512_sub_ps(x[c], _mm512_set1_ps(m_use)));
-        l[ii] = l[ii] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(pr[0], pr[1]));
-        m[ii] = m_new;
+        for (int c = 0; c < 2; ++c) pr[c] = simd::Avx512::exp2(_mm512_sub_ps(_mm512_loadu_ps(row + c * 16), base));
+        sums[ii] = _mm512_reduce_add_ps(_mm512_add_ps(pr[0], pr[1]));
         if (p.dropout_p > 0) {
           for (int c = 0; c < 2; ++c) {
             const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0 + c * 16)));
@@ -172,10 +208,14 @@ struct AmxForward {
           }
         }
         _mm512_storeu_si512(p_rows + ii * kK, (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
-        if (alpha != 1.0f) {
+        if (alpha[ii] != 1.0f) {
           float* acc = out_acc + ii * dv;
-          for (int64_t d = 0; d < dv; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(alpha)));
+          const __m512 a = _mm512_set1_ps(alpha[ii]);
+          for (int64_t d = 0; d < dv; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), a));
         }
+      }
+      for (int64_t r = 0; r < kQ; r += 16) {
+        _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), _mm512_loadu_ps(alpha + r), _mm512_loadu_ps(sums + r)));
       }
 
       // O += P V, 32 value columns at a time.
