@@ -57,6 +57,16 @@ def bench_sdpa(B, H, L, d, causal, reps, rows):
     rows.append(("sdpa bwd fp32", shape, ours_bwd, torch_bwd, 2.5 * flops))
 
 
+def bench_sdpa_bf16(B, H, L, d, causal, reps, rows):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, d, generator=g).to(torch.bfloat16) for _ in range(3))
+    flops = attention_flops(B, H, L, d, causal)
+    shape = f"B={B} H={H} L={L} d={d}{' causal' if causal else ''}"
+    ours = median_seconds(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+    theirs = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+    rows.append(("sdpa fwd bf16", shape, ours, theirs, flops))
+
+
 def bench_module(E, H, B, L, reps, rows):
     torch.manual_seed(0)
     ref = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
@@ -90,6 +100,7 @@ def main():
         for d in args.dims:
             for causal in (False, True):
                 bench_sdpa(args.batch, args.heads, L, d, causal, args.reps, rows)
+                bench_sdpa_bf16(args.batch, args.heads, L, d, causal, args.reps, rows)
     if not args.no_module:
         bench_module(1024, 16, 4, 512, args.reps, rows)
 

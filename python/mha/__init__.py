@@ -85,8 +85,8 @@ def _like(template: Any, array: Optional[_np.ndarray]):
     if array is None or not _is_torch(template):
         return array
     out = _torch().from_numpy(array)
-    if template.dtype == _torch().bfloat16:  # numpy has no bfloat16: it came back as float32
-        out = out.to(template.dtype)
+    if template.dtype == _torch().bfloat16:  # numpy has no bfloat16: it came back as its bits
+        out = out.view(_torch().bfloat16)
     return out
 
 

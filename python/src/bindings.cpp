@@ -52,9 +52,11 @@ std::optional<mha::TensorView> optional_view(const std::optional<Array>& a, cons
 }
 
 // Hands a Tensor to numpy without copying: the capsule keeps its storage alive. numpy has no
-// bfloat16, so those are converted to float32.
-NumpyArray to_numpy(const mha::Tensor& tensor) {
-  const mha::Tensor t = tensor.dtype() == mha::DType::bf16 ? mha::Tensor::copy_of(tensor, mha::DType::f32) : tensor;
+// bfloat16: those are handed over as their uint16 bits (the Python layer views them as
+// torch.bfloat16, still without a copy) or, with `bf16_bits` false, converted to float32.
+NumpyArray to_numpy(const mha::Tensor& tensor, bool bf16_bits = true) {
+  const bool convert = tensor.dtype() == mha::DType::bf16 && !bf16_bits;
+  const mha::Tensor t = convert ? mha::Tensor::copy_of(tensor, mha::DType::f32) : tensor;
   auto* owner = new mha::Tensor(t);
   nb::capsule keep(owner, [](void* p) noexcept { delete static_cast<mha::Tensor*>(p); });
   std::vector<size_t> shape(t.ndim());
@@ -63,6 +65,7 @@ NumpyArray to_numpy(const mha::Tensor& tensor) {
   if (t.dtype() == mha::DType::f64) dt = nb::dtype<double>();
   if (t.dtype() == mha::DType::boolean) dt = nb::dtype<bool>();
   if (t.dtype() == mha::DType::f16) dt = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+  if (t.dtype() == mha::DType::bf16) dt = nb::dtype<uint16_t>();
   return NumpyArray(t.view().data, t.ndim(), shape.data(), keep, nullptr, dt);
 }
 
@@ -287,7 +290,7 @@ NB_MODULE(_mha, m) {
           f = mha::load_safetensors(path);
         }
         std::unordered_map<std::string, NumpyArray> tensors;
-        for (const auto& [name, t] : f.tensors) tensors.emplace(name, to_numpy(t));
+        for (const auto& [name, t] : f.tensors) tensors.emplace(name, to_numpy(t, /*bf16_bits=*/false));
         return std::make_pair(tensors, std::unordered_map<std::string, std::string>(f.metadata.begin(), f.metadata.end()));
       },
       nb::arg("path"));
