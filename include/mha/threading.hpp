@@ -11,9 +11,9 @@ namespace mha {
 void set_num_threads(int n);
 int get_num_threads();
 
-// The instruction set the CPU kernels run with: "avx512" or "portable". Chosen once by CPUID;
-// the environment variable MHA_ISA names a lower one to force it (MHA_ISA=portable); a name this
-// CPU cannot run is an mha::Error.
+// The instruction set the CPU kernels run with: "amx", "avx512", "avx2" or "portable". Chosen once
+// by CPUID; the environment variable MHA_ISA names a lower one to force it (MHA_ISA=avx2); a name
+// this CPU cannot run is an mha::Error.
 std::string cpu_isa();
 
 }  // namespace mha

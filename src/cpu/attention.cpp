@@ -59,6 +59,7 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   switch (active_isa()) {
     case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32
     case Isa::avx512: flash_forward_avx512(p, o); break;
+    case Isa::avx2: flash_forward_avx2(p, o); break;
     case Isa::portable: flash_forward_portable(p, o); break;
   }
 }
@@ -116,6 +117,7 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   switch (active_isa()) {
     case Isa::amx:
     case Isa::avx512: flash_backward_avx512(p, inputs, out); break;
+    case Isa::avx2: flash_backward_avx2(p, inputs, out); break;
     case Isa::portable: flash_backward_portable(p, inputs, out); break;
   }
 }

@@ -45,11 +45,13 @@ struct BackwardOutputs {
 // Preconditions (checked by run_attention): float32 q, k, v with unit stride in the last
 // dimension; Lq, Lk < 2^31; 0 <= dropout_p < 1; Lk > 0.
 void flash_forward_portable(const AttentionProblem& p, const ForwardOutputs& o);
+void flash_forward_avx2(const AttentionProblem& p, const ForwardOutputs& o);
 void flash_forward_avx512(const AttentionProblem& p, const ForwardOutputs& o);
 
 // The backward, deterministic: every gradient element is summed by one task in a fixed order, so
 // the same inputs give the same bits on any thread count.
 void flash_backward_portable(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
+void flash_backward_avx2(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 void flash_backward_avx512(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 void run_attention_backward(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 

@@ -35,6 +35,21 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  const bool osxsave = ecx & (1u << 27), fma = ecx & (1u << 12);
+  if (!osxsave || !fma) return false;
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & 0x6u) != 0x6u) return false;  // the OS saves XMM and YMM state
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (ebx & (1u << 5));
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_amx_bf16() {
 #if defined(__x86_64__)
   unsigned eax, ebx, ecx, edx;
@@ -77,6 +92,7 @@ std::atomic<int> g_forced{-1};
 std::string_view isa_name(Isa isa) {
   switch (isa) {
     case Isa::portable: return "portable";
+    case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
     case Isa::amx: return "amx";
   }
@@ -86,6 +102,7 @@ std::string_view isa_name(Isa isa) {
 std::vector<Isa> supported_isas() {
   static const std::vector<Isa> isas = [] {
     std::vector<Isa> v{Isa::portable};
+    if (cpu_has_avx2_fma()) v.push_back(Isa::avx2);
     if (cpu_has_avx512()) v.push_back(Isa::avx512);
     if (cpu_has_avx512() && cpu_has_amx_bf16() && request_amx_permission()) v.push_back(Isa::amx);
     return v;

@@ -7,8 +7,9 @@
 
 namespace mha::detail {
 
-// avx512 runs the float32 kernels with AVX-512; amx adds the bfloat16 kernels on the tile unit.
-enum class Isa { portable, avx512, amx };
+// From the lowest: portable C++ (any CPU), AVX2 + FMA, AVX-512, and AMX, which adds the bfloat16
+// kernels on the tile unit (float32 runs on AVX-512 there).
+enum class Isa { portable, avx2, avx512, amx };
 
 std::string_view isa_name(Isa isa);
 // Every ISA this CPU can run, lowest first (portable is always there).

@@ -1,0 +1,92 @@
+// 16 float lanes as two ymm registers: the AVX2 + FMA layer, for CPUs without AVX-512. The same
+// operations as simd_avx512.hpp; masks are 16-bit integers (bit i: lane i), as there.
+// Included only by *_avx2.cpp files.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace mha::detail::simd {
+
+struct Avx2 {
+  static constexpr int kLanes = 16;
+  struct F {
+    __m256 lo, hi;
+  };
+  struct U {
+    __m256i lo, hi;
+  };
+  using M = uint32_t;
+
+  static F load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void store(float* p, F v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+  }
+  static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static F fmadd(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static F add(F a, F b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+  static F sub(F a, F b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  static F max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+
+  // A lane mask from bits: lane i is all ones where bit i is set.
+  static __m256 lanes_of(uint32_t bits) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i b = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), bit);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
+  }
+  static M bits_of(__m256 lo, __m256 hi) {
+    return static_cast<M>(_mm256_movemask_ps(lo)) | (static_cast<M>(_mm256_movemask_ps(hi)) << 8);
+  }
+  static F select(M m, F t, F f) {
+    return {_mm256_blendv_ps(f.lo, t.lo, lanes_of(m & 0xffu)), _mm256_blendv_ps(f.hi, t.hi, lanes_of(m >> 8))};
+  }
+  static M eq(F a, F b) { return bits_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ)); }
+  static M gt(F a, F b) { return bits_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ)); }
+  static bool all(M m) { return m == 0xffffu; }
+
+  // 2^x with the AVX-512 layer's rules: below 2^-100 flushed to zero (so -inf gives 0), the same
+  // degree-7 polynomial on f = x - round(x), and 2^n built from the exponent bits.
+  static __m256 exp2_half(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-100.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-100.0f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(128.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5252733804059840e-5f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-4f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    // 2^n for n in [-100, 128]: n = 128 gives the bits of infinity, as it should.
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+  static F exp2(F x) { return {exp2_half(x.lo), exp2_half(x.hi)}; }
+
+  static U load_u(const uint32_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8))};
+  }
+  static U set1_u(uint32_t x) { return {_mm256_set1_epi32(static_cast<int>(x)), _mm256_set1_epi32(static_cast<int>(x))}; }
+  static U xor_u(U a, U b) { return {_mm256_xor_si256(a.lo, b.lo), _mm256_xor_si256(a.hi, b.hi)}; }
+  static U add_u(U a, U b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+  static U mullo_u(U a, U b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
+  template <int n> static U shr_u(U a) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
+  static M ge_u(U a, U b) {  // unsigned a >= b  <=>  max(a, b) == a
+    const __m256i lo = _mm256_cmpeq_epi32(_mm256_max_epu32(a.lo, b.lo), a.lo);
+    const __m256i hi = _mm256_cmpeq_epi32(_mm256_max_epu32(a.hi, b.hi), a.hi);
+    return bits_of(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi));
+  }
+  static M lt_i(U a, U b) {
+    return bits_of(_mm256_castsi256_ps(_mm256_cmpgt_epi32(b.lo, a.lo)), _mm256_castsi256_ps(_mm256_cmpgt_epi32(b.hi, a.hi)));
+  }
+};
+
+}  // namespace mha::detail::simd
