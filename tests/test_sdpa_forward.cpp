@@ -14,7 +14,7 @@
 
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
-#include "test_util.hpp"
+#include "test_support.hpp"
 
 namespace {
 

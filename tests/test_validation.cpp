@@ -6,7 +6,7 @@
 #include <string>
 
 #include "mha/mha.hpp"
-#include "test_util.hpp"
+#include "test_support.hpp"
 
 namespace {
 
