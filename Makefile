@@ -33,7 +33,10 @@ test-python: python
 parity-long: python
 	@$(BUILD)/venv/bin/python -m pytest -q -W ignore::UserWarning python/tests --parity-count 50000
 
-bench: build
+# The side-by-side comparison with PyTorch (table, plot in docs/) and the Google Benchmark suite.
+bench: build python
+	@$(BUILD)/venv/bin/python -c "import matplotlib" 2>/dev/null || $(BUILD)/venv/bin/pip install -q matplotlib
+	@$(BUILD)/venv/bin/python bench/compare.py --lengths 128 512 2048 --dims 64 128 --plot docs/attention_gflops.png --peak-memory 32768
 	@$(BUILD)/bench/mha_bench --benchmark_min_time=0.5
 
 clean:

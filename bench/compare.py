@@ -4,6 +4,7 @@ run, on the same inputs and thread count.
 
   python bench/compare.py                      # the headline shapes (B=4, H=16, L=2048, d=64)
   python bench/compare.py --lengths 512 2048 --dims 64 128 --threads 2 --json out.json
+  python bench/compare.py --lengths 128 512 2048 8192 --dims 64 128 --plot docs/attention_gflops.png
 
 FLOPs: forward 4 * B * H * Lq * Lk * d (only the pairs a causal mask keeps), backward 2.5x that
 (the convention of FlashAttention's papers); the module adds its four E x E projections.
@@ -79,6 +80,63 @@ def bench_module(E, H, B, L, reps, rows):
     rows.append(("module fwd fp32", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
 
 
+def peak_memory_mib(impl, L):
+    """How much one forward raises the peak resident memory of a fresh process, over what the
+    process already held with its inputs allocated (libraries, q/k/v)."""
+    import subprocess
+    import sys
+    call = ("mha.scaled_dot_product_attention(q, q, q)" if impl == "mha"
+            else "torch.nn.functional.scaled_dot_product_attention(q, q, q)")
+    code = f"""
+import resource, torch, mha
+torch.set_num_threads(2); mha.set_num_threads(2)
+q = torch.randn(1, 16, {L}, 64)
+q.add_(0)  # touch every page
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = {call}
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def plot(rows, path):
+    """One panel per operation; one colour per (d, causal); mha solid, PyTorch dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ops = sorted({op for op, *_ in rows if op.startswith("sdpa")})
+    series = {}
+    for op, shape, ours, theirs, flops in rows:
+        if not op.startswith("sdpa"):
+            continue
+        fields = dict(f.split("=") for f in shape.replace(" causal", "").split())
+        variant = f"d={fields['d']}{', causal' if 'causal' in shape else ''}"
+        L = int(fields["L"])
+        series.setdefault((op, variant, "mha"), []).append((L, flops / ours / 1e9))
+        series.setdefault((op, variant, "PyTorch"), []).append((L, flops / theirs / 1e9))
+    variants = sorted({v for _, v, _ in series})
+    colours = {v: f"C{i}" for i, v in enumerate(variants)}
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.5), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for (o, variant, impl), points in sorted(series.items()):
+            if o != op:
+                continue
+            points.sort()
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", color=colours[variant],
+                    linestyle="-" if impl == "mha" else "--", label=f"{impl}, {variant}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length L (B=4, H=16)")
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(op)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Attention on {mha.get_num_threads()} CPU threads: mha (solid) and PyTorch {torch.__version__} (dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
@@ -89,6 +147,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-module", action="store_true")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--plot", help="also draw GFLOP/s against sequence length to this PNG (needs matplotlib)")
+    ap.add_argument("--peak-memory", type=int, metavar="L",
+                    help="also measure peak resident memory of one forward at this length (B=1, H=16, d=64)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -108,6 +169,13 @@ def main():
     for op, shape, ours, theirs, flops in rows:
         print(f"{op:<16} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f} {theirs * 1e3:9.1f} "
               f"{flops / theirs / 1e9:8.1f} {theirs / ours:7.2f}x")
+    if args.peak_memory:
+        for impl in ("mha", "torch"):
+            print(f"peak resident memory added by one {impl} fp32 SDPA forward at B=1 H=16 L={args.peak_memory} "
+                  f"d=64: {peak_memory_mib(impl, args.peak_memory):.0f} MiB (its output alone: "
+                  f"{16 * args.peak_memory * 64 * 4 / 2**20:.0f} MiB)")
+    if args.plot:
+        plot(rows, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(op=op, shape=shape, mha_ms=o * 1e3, torch_ms=t * 1e3, flops=fl,
