@@ -21,6 +21,7 @@
 
 #include "core/attention_problem.hpp"
 #include "core/dropout.hpp"
+#include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cpu/tile_kernels.hpp"
@@ -44,7 +45,8 @@ struct FlashForward {
   const AttentionProblem& p;
   const ForwardOutputs& o;
 
-  // Per-task scratch, O(D) floats: nothing here grows with the sequence length.
+  // Per-task scratch, O(D) floats (nothing here grows with the sequence length), in the thread's
+  // reusable buffer: every field is initialised by the task before it is read.
   struct Scratch {
     float* qt;      // [Dk][kBlockQ]   Q^T of the task, pre-scaled by scale * log2(e)
     float* ot;      // [Dv][kBlockQ]   O^T accumulator
@@ -57,7 +59,7 @@ struct FlashForward {
     uint32_t* key_hi;
     const float* kp[kBlockK];
     const float* vp[kBlockK];
-    void* memory;
+    void* memory;  // the thread's scratch buffer (core/scratch.hpp)
   };
 
   static int64_t round_up(int64_t x, int64_t m) { return T::round_up(x, m); }
@@ -65,10 +67,7 @@ struct FlashForward {
   Scratch allocate() const {
     const int64_t floats = (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes;
     const int64_t words = 3 * kBlockQ;
-    const size_t bytes = static_cast<size_t>(round_up((floats + words) * 4, 64));
-    void* mem = std::aligned_alloc(64, bytes);
-    if (mem == nullptr) throw std::bad_alloc();
-    std::memset(mem, 0, bytes);
+    void* mem = thread_scratch(static_cast<size_t>(round_up((floats + words) * 4, 64)));
     Scratch s;
     s.memory = mem;
     float* f = static_cast<float*>(mem);
@@ -78,6 +77,7 @@ struct FlashForward {
     s.m = f, f += kBlockQ;
     s.l = f, f += kBlockQ;
     s.zero_row = f, f += std::max(p.dim_qk, p.dim_v) + kLanes;
+    std::memset(s.zero_row, 0, sizeof(float) * (std::max(p.dim_qk, p.dim_v) + kLanes));
     uint32_t* u = reinterpret_cast<uint32_t*>(f);
     s.lim = u, u += kBlockQ;
     s.key_lo = u, u += kBlockQ;
@@ -240,10 +240,6 @@ struct FlashForward {
       const int64_t qb = q_blocks - 1 - t % q_blocks;
       const int64_t bh = t / q_blocks;
       Scratch s = allocate();
-      struct Release {
-        void* m;
-        ~Release() { std::free(m); }
-      } release{s.memory};
       task(s, bh / p.heads_q, bh % p.heads_q, qb * kBlockQ);
     });
   }

@@ -18,6 +18,7 @@
 #include <new>
 
 #include "core/dropout.hpp"
+#include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/simd_avx512.hpp"
@@ -263,14 +264,11 @@ struct AmxForward {
     parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t t, int) {
       configure_tiles();
       const int64_t qb = q_blocks - 1 - t % q_blocks, bh = t / q_blocks;
-      float* scratch = aligned_floats(kQ * p.dim_qk / 2 + kQ * kK + kQ * kK / 2 + kQ * p.dim_v + 64);
+      float* scratch = static_cast<float*>(
+          thread_scratch(sizeof(float) * static_cast<size_t>(kQ * p.dim_qk / 2 + kQ * kK + kQ * kK / 2 + kQ * p.dim_v + 64)));
       struct Release {
-        void* m;
-        ~Release() {
-          std::free(m);
-          _tile_release();
-        }
-      } release{scratch};
+        ~Release() { _tile_release(); }
+      } release;
       uint16_t* q_rows = reinterpret_cast<uint16_t*>(scratch);
       float* s = scratch + kQ * p.dim_qk / 2;
       uint16_t* p_rows = reinterpret_cast<uint16_t*>(s + kQ * kK);
