@@ -8,7 +8,7 @@ run, on the same inputs and thread count.
 
 FLOPs: forward 4 * B * H * Lq * Lk * d (only the pairs a causal mask keeps), backward 2.5x that
 (the convention of FlashAttention's papers); the module adds its four E x E projections.
-Each figure is the median of --reps timed calls after one warm-up call.
+Each figure is the median of --reps timed calls after three warm-up calls.
 """
 
 import argparse
@@ -25,7 +25,8 @@ from mha import _mha
 
 
 def median_seconds(fn, reps):
-    fn()  # warm-up
+    for _ in range(3):  # warm-up: thread pools, scratch buffers, caches
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -144,7 +145,7 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
     ap.add_argument("--dims", type=int, nargs="+", default=[64])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-module", action="store_true")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--plot", help="also draw GFLOP/s against sequence length to this PNG (needs matplotlib)")
