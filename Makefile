@@ -3,7 +3,7 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test test-cpp test-python parity-long python deps configure build bench clean
+.PHONY: demo test test-cpp test-python test-sanitize parity-long python deps configure build bench clean
 PARITY_COUNT ?= 2000
 
 deps:
@@ -22,6 +22,18 @@ test: test-cpp test-python
 
 test-cpp: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The C++ suite again under AddressSanitizer + UndefinedBehaviorSanitizer, then ThreadSanitizer
+# (3 pool threads). allocator_may_return_null: one test asks for 64 TiB on purpose, to see an
+# mha::Error rather than an abort; the sanitizers' allocators abort on such requests by default.
+SANITIZE_CMAKE = -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF
+test-sanitize: deps
+	@cmake -S . -B build-asan $(SANITIZE_CMAKE) -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" > /dev/null
+	@cmake --build build-asan -j $(JOBS)
+	@cd build-asan && ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
+	@cmake -S . -B build-tsan $(SANITIZE_CMAKE) -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" > /dev/null
+	@cmake --build build-tsan -j $(JOBS)
+	@cd build-tsan && TSAN_OPTIONS=allocator_may_return_null=1:halt_on_error=1 MHA_NUM_THREADS=3 ctest --output-on-failure -j $(JOBS)
 
 python: deps
 	@bash scripts/python-env.sh
