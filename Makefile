@@ -1,9 +1,10 @@
 # Two commands do everything: `make demo` and `make test`. Each installs what is missing,
 # configures, builds and runs.
+SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test test-cpp test-python test-sanitize parity-long python deps configure build bench clean
+.PHONY: demo test test-cpp test-python test-sanitize fuzz parity-long python deps configure build bench clean
 PARITY_COUNT ?= 2000
 
 deps:
@@ -34,6 +35,25 @@ test-sanitize: deps
 	@cmake -S . -B build-tsan $(SANITIZE_CMAKE) -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" > /dev/null
 	@cmake --build build-tsan -j $(JOBS)
 	@cd build-tsan && TSAN_OPTIONS=allocator_may_return_null=1:halt_on_error=1 MHA_NUM_THREADS=3 ctest --output-on-failure -j $(JOBS)
+
+# libFuzzer targets (clang), each run for FUZZ_SECONDS from its seed corpus in fuzz/corpus/.
+# New inputs go to build-fuzz/corpus/ (the committed seeds stay as they are); a finding stops
+# the run and leaves its input in build-fuzz/.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS = safetensors npy validation differential
+fuzz: deps
+	@CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TESTS=OFF -DMHA_BUILD_TOOLS=OFF \
+	  -DMHA_BUILD_BENCH=OFF -DMHA_BUILD_FUZZ=ON \
+	  -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all" > /dev/null
+	@cmake --build build-fuzz -j $(JOBS)
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build-fuzz/corpus/$$t; \
+	  echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
+	  ASAN_OPTIONS=allocator_may_return_null=1 build-fuzz/fuzz/fuzz_$$t build-fuzz/corpus/$$t fuzz/corpus/$$t \
+	    -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -artifact_prefix=build-fuzz/ -print_final_stats=1 2>&1 \
+	    | grep -E "stat::number_of_executed_units|ERROR|SUMMARY" ; \
+	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
+	done
 
 python: deps
 	@bash scripts/python-env.sh

@@ -11,6 +11,7 @@ packages=(
   libcli11-dev         # the mha command line
   libpng-dev           # attention-weight pictures from `mha demo`
   nlohmann-json3-dev   # safetensors headers (JSON)
+  clang libclang-rt-14-dev  # libFuzzer and sanitizer runtimes for `make fuzz`
 )
 
 missing=()

@@ -159,3 +159,55 @@ TEST(Tensor, DtypeConversionsRoundTrip) {
 }
 
 }  // namespace
+
+namespace {
+
+// Regressions found by fuzzing: empty tensors next to absurd sizes, empty operands, bool bytes
+// other than 0 and 1. Each must give a defined result or an mha::Error, never undefined behaviour
+// (the sanitizer builds of this suite check the "never").
+TEST(Edges, EmptyAndAbsurdShapes) {
+  // A view with a zero size may have any other sizes: its element count is 0.
+  const mha::TensorView empty(static_cast<const float*>(nullptr), {0, int64_t{1} << 62, int64_t{1} << 62});
+  EXPECT_EQ(empty.numel(), 0);
+  EXPECT_EQ(empty.unsqueeze(0).numel(), 0);
+  EXPECT_EQ(empty.slice(1, 5, 7).numel(), 0);
+  expect_error([] { mha::MultiheadAttention(int64_t{1} << 62, 1); }, "embed_dim");
+  std::mt19937_64 rng(mha_test::test_seed());
+  const mha::Tensor q = mha_test::randn({2, 3, 5, 8}, rng);
+  // No key at all: every row is fully masked, so the output is zero.
+  const mha::Tensor k0 = mha::Tensor::empty({2, 3, 0, 8}), v0 = mha::Tensor::empty({2, 3, 0, 4});
+  const mha::Tensor none = mha::scaled_dot_product_attention(q, k0, v0);
+  for (int64_t i = 0; i < none.numel(); ++i) ASSERT_EQ(none.data<float>()[i], 0.0f);
+  // Value width 0: an empty output, weights still defined, and a backward that runs.
+  const mha::Tensor k = mha_test::randn({2, 3, 6, 8}, rng), v = mha::Tensor::empty({2, 3, 6, 0});
+  const auto r = mha::scaled_dot_product_attention_with_weights(q, k, v);
+  EXPECT_EQ(r.output.numel(), 0);
+  const auto ref = mha::reference::scaled_dot_product_attention(q, k, v);
+  EXPECT_LT(mha_test::rel_error(r.weights, ref.weights), 1e-5);
+  const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v);
+  const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, mha::Tensor::empty({2, 3, 5, 0}));
+  for (int64_t i = 0; i < g.query.numel(); ++i) ASSERT_EQ(g.query.data<float>()[i], 0.0f);
+  // A module call with no query rows.
+  mha::MultiheadAttention m(8, 2);
+  const mha::Tensor x = mha_test::randn({4, 2, 8}, rng), nothing = mha::Tensor::empty({0, 2, 8});
+  const auto out = m(nothing, x, x);
+  EXPECT_EQ(out.output.sizes(), (mha::Shape{0, 2, 8}));
+}
+
+TEST(Edges, BoolMasksReadAnyNonzeroByteAsTrue) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  const mha::Tensor q = mha_test::randn({1, 4, 8}, rng), k = mha_test::randn({1, 6, 8}, rng);
+  mha::Tensor ones = mha::Tensor::empty({4, 6}, mha::DType::boolean), bytes = mha::Tensor::empty({4, 6}, mha::DType::boolean);
+  for (int64_t i = 0; i < 24; ++i) {
+    const bool keep = i % 3 != 0;
+    ones.data<bool>()[i] = keep;
+    reinterpret_cast<uint8_t*>(bytes.data<bool>())[i] = keep ? static_cast<uint8_t>(2 + i) : 0;  // not 0/1
+  }
+  const mha::Tensor a = mha::scaled_dot_product_attention(q, k, k, {.attn_mask = ones.view()});
+  const mha::Tensor b = mha::scaled_dot_product_attention(q, k, k, {.attn_mask = bytes.view()});
+  EXPECT_TRUE(mha_test::same_bits(a, b));
+  const auto ref = mha::reference::scaled_dot_product_attention(q, k, k, {.attn_mask = bytes.view()});
+  EXPECT_LT(mha_test::rel_error(b, ref.output), 1e-5);
+}
+
+}  // namespace

@@ -30,7 +30,7 @@ struct MaskTerm {
   float bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
     const int64_t off = b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3];
     if (kind == MaskKind::additive) return static_cast<const float*>(data)[off];
-    const bool v = static_cast<const bool*>(data)[off];
+    const bool v = static_cast<const uint8_t*>(data)[off] != 0;  // any nonzero byte is true
     return v == (kind == MaskKind::keep_if_true) ? 0.0f : -std::numeric_limits<float>::infinity();
   }
 };

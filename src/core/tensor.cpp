@@ -38,7 +38,9 @@ TensorView::TensorView(const void* data_, DType dtype_, const Shape& shape_, con
     shape[d] = shape_[d];
     strides[d] = strides_.empty() ? running : strides_[d];
     if (strides[d] < 0) throw Error("TensorView: strides must be >= 0, got " + std::to_string(strides[d]));
-    running *= shape_[d];
+    // Only an empty tensor (some size 0, which checked_numel allows) can overflow here; its
+    // strides are never used to address anything.
+    if (__builtin_mul_overflow(running, shape_[d], &running)) running = 0;
   }
   // The largest offset must be representable: sum of (size-1)*stride.
   int64_t max_offset = 0;
@@ -50,6 +52,19 @@ TensorView::TensorView(const void* data_, DType dtype_, const Shape& shape_, con
     }
   }
 }
+
+namespace {
+
+// `data` advanced by `elements` of `dtype`. A null pointer stays null (views without data exist
+// only to be validated, and must not be offset); an offset whose byte count overflows is an Error.
+void* advance(void* data, int64_t elements, DType dtype) {
+  if (data == nullptr) return nullptr;
+  int64_t bytes;
+  if (__builtin_mul_overflow(elements, dtype_size(dtype), &bytes)) throw Error("TensorView: offset overflows 64 bits");
+  return static_cast<char*>(data) + bytes;
+}
+
+}  // namespace
 
 int TensorView::normalize_dim(int dim) const {
   const int d = dim < 0 ? dim + ndim : dim;
@@ -115,7 +130,7 @@ TensorView TensorView::select(int dim, int64_t index) const {
                 " of size " + std::to_string(shape[d]));
   }
   TensorView r = *this;
-  r.data = static_cast<char*>(data) + index * strides[d] * dtype_size(dtype);
+  r.data = advance(data, index * strides[d], dtype);  // within the view's checked extent
   for (int i = d; i + 1 < ndim; ++i) {
     r.shape[i] = shape[i + 1];
     r.strides[i] = strides[i + 1];
@@ -133,7 +148,7 @@ TensorView TensorView::slice(int dim, int64_t start, int64_t stop) const {
                 ") is not within dimension " + std::to_string(d) + " of size " + std::to_string(shape[d]));
   }
   TensorView r = *this;
-  r.data = static_cast<char*>(data) + start * strides[d] * dtype_size(dtype);
+  r.data = advance(data, start < shape[d] ? start * strides[d] : 0, dtype);  // an empty slice stays put
   r.shape[d] = stop - start;
   return r;
 }
@@ -148,7 +163,10 @@ TensorView TensorView::unsqueeze(int dim) const {
     r.strides[i] = strides[i - 1];
   }
   r.shape[d] = 1;
-  r.strides[d] = d < ndim ? strides[d] * shape[d] : 1;  // any stride works for size 1
+  // Any stride works for size 1; the natural one where it is representable, else 0.
+  int64_t natural = 1;
+  if (d < ndim && __builtin_mul_overflow(strides[d], shape[d], &natural)) natural = 0;
+  r.strides[d] = natural;
   r.ndim = ndim + 1;
   return r;
 }
@@ -167,7 +185,11 @@ TensorView TensorView::split_dim(int dim, int64_t outer) const {
   }
   const int64_t inner = shape[d] / outer;
   r.shape[d] = outer;
-  r.strides[d] = strides[d] * inner;
+  // (outer - 1) * inner * stride lies within the view; only outer == 1 can overflow, and a
+  // dimension of size 1 takes any stride.
+  int64_t outer_stride = 0;
+  if (__builtin_mul_overflow(strides[d], inner, &outer_stride)) outer_stride = 0;
+  r.strides[d] = outer_stride;
   r.shape[d + 1] = inner;
   r.strides[d + 1] = strides[d];
   r.ndim = ndim + 1;
@@ -182,7 +204,7 @@ double load(const void* base, DType t, int64_t offset) {
     case DType::f64: return static_cast<const double*>(base)[offset];
     case DType::bf16: return static_cast<float>(static_cast<const bfloat16*>(base)[offset]);
     case DType::f16: return static_cast<float>(static_cast<const float16*>(base)[offset]);
-    case DType::boolean: return static_cast<const bool*>(base)[offset] ? 1.0 : 0.0;
+    case DType::boolean: return static_cast<const uint8_t*>(base)[offset] != 0 ? 1.0 : 0.0;  // any nonzero byte
   }
   return 0;
 }

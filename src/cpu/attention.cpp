@@ -31,6 +31,22 @@ AttentionProblem with_unit_row_strides(const AttentionProblem& problem, std::vec
   return p;
 }
 
+// An empty operand (a size of 0 somewhere) may have no storage; the kernels still form (never
+// dereference) addresses from it, so it gets a stand-in that arithmetic on it cannot leave.
+float g_stand_in[16] = {};
+void stand_in_if_empty(TensorView& t) {
+  if (t.numel() == 0) {
+    t.data = g_stand_in;
+    t.strides = {};
+  }
+}
+void stand_in_if_null(float*& data, int64_t* strides) {
+  if (data == nullptr) {
+    data = g_stand_in;
+    for (int d = 0; d < 4; ++d) strides[d] = 0;
+  }
+}
+
 }  // namespace
 
 void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
@@ -55,12 +71,21 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   }
 
   std::vector<Tensor> copies;
-  const AttentionProblem p = with_unit_row_strides(problem, copies);
+  AttentionProblem p = with_unit_row_strides(problem, copies);
+  if (p.len_k == 0) {  // no key: every row is fully masked
+    const int64_t out_shape[4] = {p.batch, p.heads_q, p.len_q, p.dim_v};
+    fill_zero(o.out, out_shape, o.out_strides);
+    if (o.lse) std::fill_n(o.lse, p.batch * p.heads_q * p.len_q, std::numeric_limits<float>::infinity());
+    return;
+  }
+  for (TensorView* t : {&p.q, &p.k, &p.v}) stand_in_if_empty(*t);
+  ForwardOutputs outputs = o;
+  stand_in_if_null(outputs.out, outputs.out_strides);  // Dv == 0: nothing is written there
   switch (active_isa()) {
     case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32
-    case Isa::avx512: flash_forward_avx512(p, o); break;
-    case Isa::avx2: flash_forward_avx2(p, o); break;
-    case Isa::portable: flash_forward_portable(p, o); break;
+    case Isa::avx512: flash_forward_avx512(p, outputs); break;
+    case Isa::avx2: flash_forward_avx2(p, outputs); break;
+    case Isa::portable: flash_forward_portable(p, outputs); break;
   }
 }
 
@@ -88,7 +113,12 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     return;
   }
   std::vector<Tensor> copies;
-  const AttentionProblem p = with_unit_row_strides(problem, copies);
+  AttentionProblem p = with_unit_row_strides(problem, copies);
+  for (TensorView* t : {&p.q, &p.k, &p.v}) stand_in_if_empty(*t);
+  BackwardOutputs outs = out;
+  stand_in_if_null(outs.dq, outs.dq_strides);
+  stand_in_if_null(outs.dk, outs.dk_strides);
+  stand_in_if_null(outs.dv, outs.dv_strides);
   BackwardInputs inputs = in;
   const int64_t* gs = in.grad_out_strides;
   if (gs[3] != 1 && p.dim_v > 1) {
@@ -98,6 +128,10 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     const TensorView& c = copies.back().view();
     for (int d = 0; d < 4; ++d) inputs.grad_out_strides[d] = c.strides[d];
   }
+  if (p.dim_v == 0) {  // empty output and gradient: stand-ins for their (absent) storage
+    inputs.out = g_stand_in, inputs.grad_out = g_stand_in;
+    for (int d = 0; d < 4; ++d) inputs.out_strides[d] = inputs.grad_out_strides[d] = 0;
+  }
   // delta = rowsum(dO * O), the softmax's correction term, once per row.
   Tensor delta = Tensor::empty({p.batch * p.heads_q * p.len_q});
   float* dl = delta.data<float>();
@@ -106,19 +140,19 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
       for (int64_t i = 0; i < p.len_q; ++i) {
         const float* g = inputs.grad_out + b * inputs.grad_out_strides[0] + h * inputs.grad_out_strides[1] +
                          i * inputs.grad_out_strides[2];
-        const float* o = in.out + b * in.out_strides[0] + h * in.out_strides[1] + i * in.out_strides[2];
+        const float* o = inputs.out + b * inputs.out_strides[0] + h * inputs.out_strides[1] + i * inputs.out_strides[2];
         double acc = 0;
         for (int64_t d = 0; d < p.dim_v; ++d) {
-          acc += static_cast<double>(g[d * inputs.grad_out_strides[3]]) * o[d * in.out_strides[3]];
+          acc += static_cast<double>(g[d * inputs.grad_out_strides[3]]) * o[d * inputs.out_strides[3]];
         }
         dl[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(acc);
       }
   inputs.delta = dl;
   switch (active_isa()) {
     case Isa::amx:
-    case Isa::avx512: flash_backward_avx512(p, inputs, out); break;
-    case Isa::avx2: flash_backward_avx2(p, inputs, out); break;
-    case Isa::portable: flash_backward_portable(p, inputs, out); break;
+    case Isa::avx512: flash_backward_avx512(p, inputs, outs); break;
+    case Isa::avx2: flash_backward_avx2(p, inputs, outs); break;
+    case Isa::portable: flash_backward_portable(p, inputs, outs); break;
   }
 }
 

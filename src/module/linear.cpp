@@ -61,6 +61,7 @@ RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
 
 void linear(const TensorView& x_in, const TensorView& w, const float* bias, const TensorView& y, int threads) {
   const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w.shape[0];
+  if (N == 0 || L == 0 || out == 0) return;  // no rows (their buffers may have no storage at all)
   Tensor contiguous;
   TensorView x = x_in;
   if (x.strides[2] != 1 && x.shape[2] > 1) {  // BLAS needs unit stride along the features

@@ -174,7 +174,9 @@ ForwardResult MultiheadAttention::forward(const TensorView& query_in, const Tens
       result.weights = avg;
     } else if (!c.batched) {
       Tensor squeezed = Tensor::empty(detail::module_weights_shape(c, H, false));
-      std::memcpy(squeezed.data<float>(), weights.data<float>(), sizeof(float) * static_cast<size_t>(weights.numel()));
+      if (weights.numel() > 0) {  // an empty tensor has no storage to copy from
+        std::memcpy(squeezed.data<float>(), weights.data<float>(), sizeof(float) * static_cast<size_t>(weights.numel()));
+      }
       result.weights = squeezed;
     } else {
       result.weights = weights;

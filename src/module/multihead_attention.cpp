@@ -63,6 +63,9 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   if (!(options.dropout >= 0.0 && options.dropout <= 1.0)) {
     throw Error("dropout: expected a probability in [0, 1], got " + std::to_string(options.dropout));
   }
+  // Sizes whose weights cannot even be counted are an Error here, before any arithmetic on them.
+  checked_numel({3, embed_dim, embed_dim}, "embed_dim (weights of 3 * embed_dim x embed_dim)");
+  checked_numel({embed_dim, std::max(kdim_, vdim_)}, "kdim/vdim (weights of embed_dim x kdim)");
   const int64_t E = embed_dim;
   if (qkv_same_embed_dim()) {
     params_.emplace_back("in_proj_weight", Tensor::empty({3 * E, E}));
