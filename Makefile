@@ -27,6 +27,7 @@ test-cpp: build
 # The C++ suite again under AddressSanitizer + UndefinedBehaviorSanitizer, then ThreadSanitizer
 # (3 pool threads). allocator_may_return_null: one test asks for 64 TiB on purpose, to see an
 # mha::Error rather than an abort; the sanitizers' allocators abort on such requests by default.
+# die_after_fork=0: one test starts the pool in a forked child, which TSan refuses by default.
 SANITIZE_CMAKE = -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF
 test-sanitize: deps
 	@cmake -S . -B build-asan $(SANITIZE_CMAKE) -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" > /dev/null
@@ -34,7 +35,7 @@ test-sanitize: deps
 	@cd build-asan && ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 	@cmake -S . -B build-tsan $(SANITIZE_CMAKE) -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" > /dev/null
 	@cmake --build build-tsan -j $(JOBS)
-	@cd build-tsan && TSAN_OPTIONS=allocator_may_return_null=1:halt_on_error=1 MHA_NUM_THREADS=3 ctest --output-on-failure -j $(JOBS)
+	@cd build-tsan && TSAN_OPTIONS=allocator_may_return_null=1:halt_on_error=1:die_after_fork=0 MHA_NUM_THREADS=3 ctest --output-on-failure -j $(JOBS)
 
 # libFuzzer targets (clang), each run for FUZZ_SECONDS from its seed corpus in fuzz/corpus/.
 # New inputs go to build-fuzz/corpus/ (the committed seeds stay as they are); a finding stops

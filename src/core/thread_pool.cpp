@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <pthread.h>
 #include <string>
 #include <thread>
 #include <vector>
@@ -103,9 +104,25 @@ class ThreadPool {
   bool stopping_ = false;
 };
 
+// The pool lives for the whole process (never destroyed: at exit its idle workers simply end with
+// it). A child created by fork() has none of the parent's worker threads, so it drops the
+// inherited pool (left as it was, never touched again) and builds its own on first use.
+std::atomic<ThreadPool*> g_pool{nullptr};
+std::once_flag g_atfork_once;
+
 ThreadPool& pool() {
-  static ThreadPool instance;
-  return instance;
+  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); }); });
+  ThreadPool* p = g_pool.load(std::memory_order_acquire);
+  if (p == nullptr) {
+    static std::mutex create;
+    std::lock_guard<std::mutex> lock(create);
+    p = g_pool.load(std::memory_order_acquire);
+    if (p == nullptr) {
+      p = new ThreadPool();
+      g_pool.store(p, std::memory_order_release);
+    }
+  }
+  return *p;
 }
 
 int default_threads() {
