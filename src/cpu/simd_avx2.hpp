@@ -52,8 +52,10 @@ struct Avx2 {
   // degree-7 polynomial on f = x - round(x), and 2^n built from the exponent bits.
   static __m256 exp2_half(__m256 x) {
     const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-100.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-100.0f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(128.0f));
+    // The constant first: max/min return their second operand when either is NaN, so a NaN
+    // score stays NaN (and propagates to the output) instead of being clamped away.
+    x = _mm256_max_ps(_mm256_set1_ps(-100.0f), x);
+    x = _mm256_min_ps(_mm256_set1_ps(128.0f), x);
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
     __m256 p = _mm256_set1_ps(1.5252733804059840e-5f);

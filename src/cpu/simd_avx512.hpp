@@ -34,8 +34,10 @@ struct Avx512 {
   // relative, below float rounding), scaled by 2^n exactly with vscalefps.
   static F exp2(F x) {
     const M tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.0f), _CMP_LT_OQ);  // also true for -inf
-    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(128.0f));
+    // The constant first: max/min return their second operand when either is NaN, so a NaN
+    // score stays NaN (and propagates to the output) instead of being clamped away.
+    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x);
+    x = _mm512_min_ps(_mm512_set1_ps(128.0f), x);
     const F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm512_sub_ps(x, n);
     F p = _mm512_set1_ps(1.5252733804059840e-5f);

@@ -1,0 +1,136 @@
+// Numerical edge cases, each with the behaviour the library documents (docs/RELIABILITY.md).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include "cpu/dispatch.hpp"
+#include "mha/mha.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+class EdgeIsa : public ::testing::TestWithParam<mha::detail::Isa> {
+ protected:
+  void SetUp() override { mha::detail::force_isa(GetParam()); }
+  void TearDown() override { mha::detail::force_isa(std::nullopt); }
+};
+
+// NaN or Inf in an input reaches the outputs it touches; it is never silently dropped.
+TEST_P(EdgeIsa, NanAndInfPropagate) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  mha::Tensor q = mha_test::randn({1, 2, 70, 16}, rng), k = mha_test::randn({1, 2, 90, 16}, rng),
+              v = mha_test::randn({1, 2, 90, 16}, rng);
+  v.data<float>()[(0 * 90 + 40) * 16 + 3] = NAN;  // head 0, key 40, column 3
+  q.data<float>()[(1 * 70 + 5) * 16 + 0] = INFINITY;  // head 1, query 5
+  const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, {.is_causal = true});
+  const auto at = [&](int64_t h, int64_t i, int64_t d) { return out.data<float>()[(h * 70 + i) * 16 + d]; };
+  // Head 0: queries that see key 40 (i >= 40 under top-left causality) have NaN in column 3, and
+  // the other columns stay finite. (A query that does not see key 40 may still get NaN there, as
+  // with PyTorch's P @ V: its zero weight times NaN is NaN. That is not asserted either way.)
+  EXPECT_TRUE(std::isnan(at(0, 40, 3)));
+  EXPECT_TRUE(std::isnan(at(0, 69, 3)));
+  EXPECT_FALSE(std::isnan(at(0, 69, 2)));
+  EXPECT_FALSE(std::isnan(at(1, 69, 3)));  // nothing leaks into another head
+  // Head 1: the query with an infinite component gives a non-finite row; its neighbours do not.
+  EXPECT_FALSE(std::isfinite(at(1, 5, 0)) && std::isfinite(at(1, 5, 1)) && std::isfinite(at(1, 5, 7)));
+  EXPECT_TRUE(std::isfinite(at(1, 6, 0)));
+}
+
+// Scores of magnitude 1e4 (fp32) neither overflow nor lose the softmax: the max is subtracted first.
+TEST_P(EdgeIsa, HugeScores) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  mha::Tensor q = mha_test::randn({1, 1, 33, 8}, rng), k = mha_test::randn({1, 1, 70, 8}, rng);
+  const mha::Tensor v = mha_test::randn({1, 1, 70, 8}, rng);
+  for (int64_t i = 0; i < q.numel(); ++i) q.data<float>()[i] *= 100.0f;  // scores ~ 1e4
+  for (int64_t i = 0; i < k.numel(); ++i) k.data<float>()[i] *= 100.0f;
+  const auto r = mha::scaled_dot_product_attention_with_weights(q, k, v);
+  const auto ref = mha::reference::scaled_dot_product_attention(q, k, v);
+  // The fp32 scores themselves carry a relative rounding of ~1e-7, i.e. ~1e-3 absolute at 1e4:
+  // weights are compared with that slack, and the output likewise.
+  EXPECT_LT(mha_test::rel_error(r.weights, ref.weights), 2e-2);
+  EXPECT_LT(mha_test::rel_error(r.output, ref.output), 2e-2);
+  for (int64_t i = 0; i < r.output.numel(); ++i) ASSERT_TRUE(std::isfinite(r.output.data<float>()[i]));
+  // bf16 inputs of large magnitude, likewise finite.
+  const mha::Tensor qb = mha::Tensor::copy_of(q, mha::DType::bf16), kb = mha::Tensor::copy_of(k, mha::DType::bf16),
+                    vb = mha::Tensor::copy_of(v, mha::DType::bf16);
+  const mha::Tensor ob = mha::scaled_dot_product_attention(qb, kb, vb);
+  const mha::Tensor ob32 = mha::Tensor::copy_of(ob, mha::DType::f32);
+  for (int64_t i = 0; i < ob32.numel(); ++i) ASSERT_TRUE(std::isfinite(ob32.data<float>()[i]));
+}
+
+INSTANTIATE_TEST_SUITE_P(Edges, EdgeIsa, ::testing::ValuesIn(mha::detail::supported_isas()),
+                         [](const auto& info) { return std::string(mha::detail::isa_name(info.param)); });
+
+TEST(Edges, NegativeInfinityInAdditiveMasksExcludes) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  const mha::Tensor q = mha_test::randn({3, 6, 8}, rng), k = mha_test::randn({3, 9, 8}, rng),
+                    v = mha_test::randn({3, 9, 8}, rng);
+  mha::Tensor mask = mha_test::randn({6, 9}, rng);
+  for (int64_t j = 0; j < 9; ++j) mask.data<float>()[2 * 9 + j] = j == 4 ? 0.0f : -INFINITY;  // row 2 sees key 4 only
+  const auto r = mha::scaled_dot_product_attention_with_weights(q, k, v, {.attn_mask = mask.view()});
+  for (int64_t h = 0; h < 3; ++h) {
+    EXPECT_EQ(r.weights.at({h, 2, 4}), 1.0);
+    for (int64_t d = 0; d < 8; ++d) EXPECT_NEAR(r.output.at({h, 2, d}), v.at({h, 4, d}), 1e-6);
+  }
+}
+
+TEST(Edges, SingleQueryAgainstALongSequence) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  const mha::Tensor q = mha_test::randn({1, 2, 1, 32}, rng), k = mha_test::randn({1, 2, 100000, 32}, rng),
+                    v = mha_test::randn({1, 2, 100000, 32}, rng);
+  const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, {.is_causal = true,
+                                                                     .causal_alignment = mha::CausalAlignment::BottomRight});
+  const auto ref = mha::reference::scaled_dot_product_attention(q, k, v);
+  EXPECT_LT(mha_test::rel_error(out, ref.output), 1e-5);
+  // L = 1 and Lk = 1: the single key's value, exactly.
+  const mha::Tensor k1 = mha_test::randn({1, 2, 1, 32}, rng), v1 = mha_test::randn({1, 2, 1, 32}, rng);
+  const mha::Tensor o1 = mha::scaled_dot_product_attention(q, k1, v1);
+  for (int64_t i = 0; i < o1.numel(); ++i) EXPECT_NEAR(o1.data<float>()[i], v1.data<float>()[i], 1e-6);
+}
+
+int64_t peak_rss_kib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+// L = 65536 runs in memory that stays O(L): the score matrix would be 16 GiB.
+TEST(Edges, LongestSequenceInLinearMemory) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  const int64_t L = 65536, D = 16;
+  const mha::Tensor q = mha_test::randn({1, 1, L, D}, rng), k = mha_test::randn({1, 1, L, D}, rng),
+                    v = mha_test::randn({1, 1, L, D}, rng);
+  mha::Tensor out = mha::Tensor::zeros({1, 1, L, D});  // touched before the baseline
+  const int64_t before = peak_rss_kib();
+  mha::scaled_dot_product_attention_into(q, k, v, out, {.is_causal = true});
+  const int64_t grown = peak_rss_kib() - before;
+  if (before > 0) EXPECT_LT(grown, 64 * 1024) << "peak RSS grew by " << grown << " KiB";  // scratch is O(D) per thread
+  // Rows from the start, the middle and the end against the reference on exactly their keys.
+  for (int64_t start : {int64_t{0}, L / 2, L - 4}) {
+    const auto ref = mha::reference::scaled_dot_product_attention(
+        q.view().slice(2, start, start + 4), k.view().slice(2, 0, start + 4), v.view().slice(2, 0, start + 4),
+        {.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight});
+    EXPECT_LT(mha_test::rel_error(out.view().slice(2, start, start + 4), ref.output), 1e-5) << start;
+  }
+}
+
+// Element counts beyond 2^31 are indexed with 64 bits: views over a small buffer with huge strides
+// (never dereferenced beyond the buffer) keep exact offsets.
+TEST(Edges, SixtyFourBitIndexArithmetic) {
+  const int64_t big = int64_t{3} << 31;  // 6 Gi elements
+  const mha::TensorView v(static_cast<const float*>(nullptr), {4, big}, {big, 1});
+  EXPECT_EQ(v.numel(), 4 * big);
+  EXPECT_EQ(v.transpose(0, 1).stride(0), 1);
+  EXPECT_EQ(v.stride(0) * 3 + (big - 1), 4 * big - 1);  // the last element's offset, exact
+  const mha::TensorView s = v.split_dim(1, 3);
+  EXPECT_EQ(s.stride(1), big / 3);
+  EXPECT_EQ(mha::checked_numel({int64_t{1} << 31, 4}, "shape"), int64_t{1} << 33);
+}
+
+}  // namespace
