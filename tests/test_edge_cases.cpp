@@ -134,3 +134,29 @@ TEST(Edges, SixtyFourBitIndexArithmetic) {
 }
 
 }  // namespace
+
+namespace {
+
+// A request whose weights cannot fit in memory is an mha::Error, not an abort: 2 heads of
+// 2^17 x 2^17 float weights are 128 GiB.
+TEST(Edges, WeightsBeyondMemoryAreAnError) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  mha::MultiheadAttention m(8, 2);
+  const mha::Tensor x = mha_test::randn({int64_t{1} << 17, 1, 8}, rng);
+  EXPECT_THROW(m(x, x, x, {.need_weights = true, .average_attn_weights = false}), mha::Error);
+}
+
+// Large float16 inputs: scores far beyond fp16's range are computed in fp32, and the result is
+// finite and accurate.
+TEST(Edges, LargeHalfPrecisionInputs) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  mha::Tensor q = mha_test::randn({1, 2, 40, 32}, rng), k = mha_test::randn({1, 2, 50, 32}, rng);
+  for (int64_t i = 0; i < q.numel(); ++i) q.data<float>()[i] *= 200.0f;  // q.k ~ 1e6, fp16 max 65504
+  const mha::Tensor qh = mha::Tensor::copy_of(q, mha::DType::f16), kh = mha::Tensor::copy_of(k, mha::DType::f16),
+                    vh = mha::Tensor::copy_of(mha_test::randn({1, 2, 50, 32}, rng), mha::DType::f16);
+  const mha::Tensor out = mha::scaled_dot_product_attention(qh, kh, vh);
+  const auto ref = mha::reference::scaled_dot_product_attention(qh, kh, vh);
+  EXPECT_LT(mha_test::rel_error(out, ref.output), 2e-3);
+}
+
+}  // namespace
