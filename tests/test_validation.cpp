@@ -171,6 +171,10 @@ TEST(Edges, EmptyAndAbsurdShapes) {
   EXPECT_EQ(empty.numel(), 0);
   EXPECT_EQ(empty.unsqueeze(0).numel(), 0);
   EXPECT_EQ(empty.slice(1, 5, 7).numel(), 0);
+  EXPECT_EQ(empty.select(1, 3).numel(), 0);
+  const mha::TensorView zero_last(static_cast<const float*>(nullptr), {int64_t{1} << 62, int64_t{1} << 62, 0});
+  EXPECT_EQ(zero_last.numel(), 0);
+  EXPECT_EQ(zero_last.slice(0, 3, 9).numel(), 0);
   expect_error([] { mha::MultiheadAttention(int64_t{1} << 62, 1); }, "embed_dim");
   std::mt19937_64 rng(mha_test::test_seed());
   const mha::Tensor q = mha_test::randn({2, 3, 5, 8}, rng);

@@ -2,14 +2,20 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace mha {
 
 int64_t checked_numel(const Shape& shape, const std::string& what) {
-  int64_t n = 1;
+  bool empty = false;
   for (int64_t s : shape) {
     if (s < 0) throw Error(what + ": sizes must be >= 0, got " + std::to_string(s));
+    empty |= s == 0;
+  }
+  if (empty) return 0;  // whatever the other sizes, in any order
+  int64_t n = 1;
+  for (int64_t s : shape) {
     if (__builtin_mul_overflow(n, s, &n)) {
       std::ostringstream os;
       os << what << ": element count overflows 64 bits for shape [";
@@ -76,8 +82,16 @@ int TensorView::normalize_dim(int dim) const {
 }
 
 int64_t TensorView::numel() const {
+  // A zero anywhere makes the count 0, whatever the other sizes (which may be absurd).
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] == 0) return 0;
+  }
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < ndim; ++d) {
+    if (__builtin_mul_overflow(n, shape[d], &n)) {
+      throw Error("tensor of shape " + shape_str() + " has more elements than 64 bits can count");
+    }
+  }
   return n;
 }
 
@@ -130,7 +144,9 @@ TensorView TensorView::select(int dim, int64_t index) const {
                 " of size " + std::to_string(shape[d]));
   }
   TensorView r = *this;
-  r.data = advance(data, index * strides[d], dtype);  // within the view's checked extent
+  // Within the view's checked extent; a view with no elements may carry strides whose products
+  // overflow, and its pointer is never read, so it stays put.
+  r.data = numel() == 0 ? data : advance(data, index * strides[d], dtype);
   for (int i = d; i + 1 < ndim; ++i) {
     r.shape[i] = shape[i + 1];
     r.strides[i] = strides[i + 1];
@@ -148,7 +164,8 @@ TensorView TensorView::slice(int dim, int64_t start, int64_t stop) const {
                 ") is not within dimension " + std::to_string(d) + " of size " + std::to_string(shape[d]));
   }
   TensorView r = *this;
-  r.data = advance(data, start < shape[d] ? start * strides[d] : 0, dtype);  // an empty slice stays put
+  // An empty slice, or a slice of a view with no elements, stays put: its pointer is never read.
+  r.data = (start < shape[d] && numel() != 0) ? advance(data, start * strides[d], dtype) : data;
   r.shape[d] = stop - start;
   return r;
 }
@@ -264,6 +281,12 @@ Tensor Tensor::empty(const Shape& shape, DType dtype) {
   int64_t bytes;
   if (__builtin_mul_overflow(n, dtype_size(dtype), &bytes)) {
     throw Error("Tensor::empty: byte count overflows 64 bits");
+  }
+  // aligned_alloc wants a multiple of the alignment; a count within 63 of the int64 limit can
+  // neither be rounded up nor allocated.
+  if (bytes > std::numeric_limits<int64_t>::max() - 63) {
+    throw Error("Tensor::empty: cannot allocate " + std::to_string(bytes) + " bytes for shape " +
+                TensorView(nullptr, dtype, shape).shape_str());
   }
   Tensor t;
   const size_t alloc = static_cast<size_t>((bytes + 63) / 64 * 64);

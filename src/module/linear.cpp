@@ -1,5 +1,7 @@
 #include "module/linear.hpp"
 
+#include "core/thread_pool.hpp"
+
 #include <cblas.h>
 
 #include <algorithm>
@@ -24,25 +26,35 @@ RowOrder row_order(const TensorView& t, int64_t* row_stride) {
   return RowOrder::neither;
 }
 
-void sgemm_rows(const float* x, int64_t ldx, const TensorView& w, float* y, int64_t ldy, int64_t rows) {
-  const int64_t out = w.shape[0], in = w.shape[1];
-  if (rows == 0 || out == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), static_cast<blasint>(out),
-              static_cast<blasint>(in), 1.0f, x, static_cast<blasint>(std::max<int64_t>(ldx, 1)), w.data_as<float>(),
-              static_cast<blasint>(std::max<int64_t>(w.strides[0], 1)), 1.0f, y,
-              static_cast<blasint>(std::max<int64_t>(ldy, 1)));
-}
+// The blocks gemm splits C into. They depend on the shape alone, never on the thread count, and
+// each is one single-threaded sgemm: so every element of C is computed by the same code in the
+// same order however many threads run, and results are bit-identical across thread counts.
+// (OpenBLAS's own threading splits a call by its thread count, and on some CPUs its edge kernels
+// round differently, so a multi-threaded call is not reproducible across counts.) 256 rows or
+// columns keep the repeated packing of the other operand near 1/64 byte per flop.
+constexpr int64_t kGemmBlock = 256;
 
 }  // namespace
 
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
   if (m == 0 || n == 0) return;
-  openblas_set_num_threads(std::max(threads, 1));
-  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
-              static_cast<blasint>(std::max<int64_t>(lda, 1)), b, static_cast<blasint>(std::max<int64_t>(ldb, 1)), beta,
-              c, static_cast<blasint>(std::max<int64_t>(ldc, 1)));
+  openblas_set_num_threads(1);  // the blocks below are the parallelism
+  const int64_t row_block = kGemmBlock, col_block = m <= kGemmBlock ? kGemmBlock : n;
+  const int64_t row_blocks = (m + row_block - 1) / row_block, col_blocks = (n + col_block - 1) / col_block;
+  lda = std::max<int64_t>(lda, 1);
+  ldb = std::max<int64_t>(ldb, 1);
+  ldc = std::max<int64_t>(ldc, 1);
+  parallel_for(row_blocks * col_blocks, threads, [&](int64_t block, int) {
+    const int64_t i0 = block / col_blocks * row_block, j0 = block % col_blocks * col_block;
+    const int64_t rows = std::min(row_block, m - i0), cols = std::min(col_block, n - j0);
+    const float* a_block = transpose_a ? a + i0 : a + i0 * lda;
+    const float* b_block = transpose_b ? b + j0 * ldb : b + j0;
+    cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
+                static_cast<blasint>(rows), static_cast<blasint>(cols), static_cast<blasint>(k), 1.0f, a_block,
+                static_cast<blasint>(lda), b_block, static_cast<blasint>(ldb), beta, c + i0 * ldc + j0,
+                static_cast<blasint>(ldc));
+  });
 }
 
 RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
@@ -60,7 +72,7 @@ RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
 }
 
 void linear(const TensorView& x_in, const TensorView& w, const float* bias, const TensorView& y, int threads) {
-  const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w.shape[0];
+  const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w.shape[0], in = w.shape[1];
   if (N == 0 || L == 0 || out == 0) return;  // no rows (their buffers may have no storage at all)
   Tensor contiguous;
   TensorView x = x_in;
@@ -75,16 +87,16 @@ void linear(const TensorView& x_in, const TensorView& w, const float* bias, cons
       if (bias) std::memcpy(row, bias, sizeof(float) * out);
       else std::memset(row, 0, sizeof(float) * out);
     }
-  openblas_set_num_threads(std::max(threads, 1));
   int64_t ldx = 0, ldy = 0;
   const RowOrder ox = row_order(x, &ldx), oy = row_order(y, &ldy);
   if (ox != RowOrder::neither && ox == oy) {
-    sgemm_rows(x.data_as<float>(), ldx, w, y.data_as<float>(), ldy, N * L);
+    gemm(false, true, N * L, out, in, x.data_as<float>(), ldx, w.data_as<float>(), w.strides[0], 1.0f,
+         y.data_as<float>(), ldy, threads);
     return;
   }
   for (int64_t n = 0; n < N; ++n) {
-    sgemm_rows(x.data_as<float>() + n * x.strides[0], x.strides[1], w, y.data_as<float>() + n * y.strides[0],
-               y.strides[1], L);
+    gemm(false, true, L, out, in, x.data_as<float>() + n * x.strides[0], x.strides[1], w.data_as<float>(),
+         w.strides[0], 1.0f, y.data_as<float>() + n * y.strides[0], y.strides[1], threads);
   }
 }
 
