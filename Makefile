@@ -37,23 +37,26 @@ test-sanitize: deps
 	@cmake --build build-tsan -j $(JOBS)
 	@cd build-tsan && TSAN_OPTIONS=allocator_may_return_null=1:halt_on_error=1:die_after_fork=0 MHA_NUM_THREADS=3 ctest --output-on-failure -j $(JOBS)
 
-# libFuzzer targets (clang), each run for FUZZ_SECONDS from its seed corpus in fuzz/corpus/.
-# New inputs go to build-fuzz/corpus/ (the committed seeds stay as they are); a finding stops
-# the run and leaves its input in build-fuzz/.
+# libFuzzer targets (clang), each run for FUZZ_SECONDS from its seed corpus in fuzz/corpus/
+# (written by fuzz/make_seeds.py). New inputs go to build-fuzz/corpus/ (the committed seeds stay
+# as they are); each run's log is build-fuzz/fuzz_<target>.log; a finding stops the run, prints
+# the end of the log and leaves its input in build-fuzz/ (replay: build-fuzz/fuzz/fuzz_<target> <file>).
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS = safetensors npy validation differential
-fuzz: deps
-	@CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TESTS=OFF -DMHA_BUILD_TOOLS=OFF \
-	  -DMHA_BUILD_BENCH=OFF -DMHA_BUILD_FUZZ=ON \
+fuzz:
+	@bash scripts/install-deps.sh fuzz
+	@cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TESTS=OFF \
+	  -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF -DMHA_BUILD_FUZZ=ON \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all" > /dev/null
 	@cmake --build build-fuzz -j $(JOBS)
 	@for t in $(FUZZ_TARGETS); do \
 	  mkdir -p build-fuzz/corpus/$$t; \
-	  echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
-	  ASAN_OPTIONS=allocator_may_return_null=1 build-fuzz/fuzz/fuzz_$$t build-fuzz/corpus/$$t fuzz/corpus/$$t \
-	    -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -artifact_prefix=build-fuzz/ -print_final_stats=1 2>&1 \
-	    | grep -E "stat::number_of_executed_units|ERROR|SUMMARY" ; \
-	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
+	  ASAN_OPTIONS=allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	    build-fuzz/fuzz/fuzz_$$t build-fuzz/corpus/$$t fuzz/corpus/$$t -max_total_time=$(FUZZ_SECONDS) \
+	    -rss_limit_mb=4096 -artifact_prefix=build-fuzz/ -print_final_stats=1 > build-fuzz/fuzz_$$t.log 2>&1; \
+	  rc=$$?; \
+	  echo "fuzz_$$t: $(FUZZ_SECONDS) s, $$(sed -n 's/^stat::number_of_executed_units: *//p' build-fuzz/fuzz_$$t.log) executions"; \
+	  if [ $$rc -ne 0 ]; then tail -n 60 build-fuzz/fuzz_$$t.log; echo "fuzz_$$t FAILED (exit $$rc)"; exit 1; fi; \
 	done
 
 python: deps

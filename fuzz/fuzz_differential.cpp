@@ -1,50 +1,122 @@
-// Differential: a small random SDPA problem through the fused kernels (the CPU's best ISA) and
-// the float64 reference; aborts when they disagree by more than 1e-4 of the largest output (fp32
-// outputs are within ~1e-6 on inputs bounded by 8; 1e-4 leaves room for long rows of large scores).
+// Differential: a small random SDPA problem through the fused kernels and the float64 reference.
+// The input picks the ISA (every one this CPU runs), the layouts (contiguous [B, H, L, D] or a
+// transposed view of [B, L, H, D] storage), GQA, causality and its alignment, a bool or additive
+// mask (with -inf entries, broadcast or not), scale, dropout and the thread count. Aborts when
+//   - an output or weight is NaN or infinite (the inputs are finite and bounded by 3), or
+//   - the normwise relative error max|fused - ref| / max|ref| of the output (with and without
+//     weights) or of the weights exceeds 1e-4.
+// Scores stay below ~120 in magnitude (|x| <= 3, Dk <= 41, scale <= 2/sqrt(Dk)), so their fp32
+// rounding moves the weights by ~1e-5 at most: 1e-4 is a bound a correct kernel always meets.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
+#include <random>
+#include <string>
 #include <vector>
 
+#include "cpu/dispatch.hpp"
 #include "fuzz_input.hpp"
 #include "mha/mha.hpp"
 
+// A compile-time knob only to check that the target can fail (build with -DMHA_FUZZ_TOLERANCE=1e-12).
+#ifndef MHA_FUZZ_TOLERANCE
+#define MHA_FUZZ_TOLERANCE 1e-4
+#endif
+
+namespace {
+
+// A [B, H, L, D] tensor of values uniform in [-amplitude, amplitude], stored contiguous or as
+// [B, L, H, D] (then viewed transposed, as a batch-first caller passes it). `owner` keeps the
+// storage. The input bytes choose the structure; the values come from a generator seeded by them,
+// so that even short inputs give full tensors.
+mha::TensorView tensor(FuzzInput& in, std::mt19937_64& rng, float amplitude, int64_t B, int64_t H, int64_t L,
+                       int64_t D, mha::Tensor& owner) {
+  const bool transposed = in.flag();
+  owner = transposed ? mha::Tensor::empty({B, L, H, D}) : mha::Tensor::empty({B, H, L, D});
+  std::uniform_real_distribution<float> u(-amplitude, amplitude);
+  for (int64_t i = 0; i < owner.numel(); ++i) owner.data<float>()[i] = u(rng);
+  return transposed ? owner.view().transpose(1, 2) : owner.view();
+}
+
+[[noreturn]] void fail(const char* what, double err, double scale, int64_t B, int64_t Hq, int64_t Lq, int64_t Lk) {
+  std::fprintf(stderr, "%s: normwise error %.3e (scale %.3e), ISA %s, B=%lld Hq=%lld Lq=%lld Lk=%lld\n", what, err,
+               scale, std::string(mha::detail::isa_name(mha::detail::active_isa())).c_str(),
+               static_cast<long long>(B), static_cast<long long>(Hq), static_cast<long long>(Lq),
+               static_cast<long long>(Lk));
+  __builtin_trap();
+}
+
+// max|got - ref| / max|ref|, or trap on a non-finite value in `got`.
+double normwise(const mha::Tensor& got, const mha::Tensor& ref, double* scale_out) {
+  double err = 0, scale = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    const double r = ref.data<double>()[i], f = got.data<float>()[i];
+    if (!std::isfinite(f)) return std::numeric_limits<double>::infinity();
+    err = std::max(err, std::abs(f - r));
+    scale = std::max(scale, std::abs(r));
+  }
+  *scale_out = scale;
+  return err == 0 ? 0.0 : err / std::max(scale, 1e-30);
+}
+
+}  // namespace
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in{data, size};
+  static const std::vector<mha::detail::Isa> isas = mha::detail::supported_isas();
+  mha::detail::force_isa(isas[in.byte() % isas.size()]);
+
   const int64_t B = 1 + in.small(1), Hkv = 1 + in.small(2), group = 1 + in.small(2), Hq = Hkv * group;
   const int64_t Lq = 1 + in.small(70), Lk = 1 + in.small(70), Dk = 1 + in.small(40), Dv = 1 + in.small(40);
-  auto tensor = [&](mha::Shape shape) {
-    mha::Tensor t = mha::Tensor::empty(shape);
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = in.value();
-    return t;
-  };
-  const mha::Tensor q = tensor({B, Hq, Lq, Dk}), k = tensor({B, Hkv, Lk, Dk}), v = tensor({B, Hkv, Lk, Dv});
+  std::mt19937_64 rng(in.u64());
+  static const float amplitudes[] = {0.25f, 1.0f, 3.0f};
+  const float amplitude = amplitudes[in.small(2)];
+  mha::Tensor qs, ks, vs;
+  const mha::TensorView q = tensor(in, rng, amplitude, B, Hq, Lq, Dk, qs),
+                        k = tensor(in, rng, amplitude, B, Hkv, Lk, Dk, ks),
+                        v = tensor(in, rng, amplitude, B, Hkv, Lk, Dv, vs);
   mha::SdpaOptions o;
   o.enable_gqa = group > 1;
   o.is_causal = in.flag();
   o.causal_alignment = in.flag() ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
   if (in.flag()) o.dropout_p = 0.25, o.dropout_seed = in.byte();
+  if (in.flag()) o.scale = (0.05 + in.small(39) / 20.0) / std::sqrt(static_cast<double>(Dk));  // 0.05x to 2x the default
+  o.num_threads = 1 + static_cast<int>(in.small(2));
   mha::Tensor mask;
-  if (in.flag()) {
-    mask = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
-    for (int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = in.byte() % 5 != 0;
-    o.attn_mask = mask.view();
+  switch (in.small(4)) {
+    case 1: {  // bool [Lq, Lk], true = attend
+      mask = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
+      const uint64_t keep = 1 + in.small(8);  // attend with probability keep / 9
+      for (int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = rng() % 9 < keep;
+      break;
+    }
+    case 2: {  // bool [Lk], broadcast over rows: padding
+      mask = mha::Tensor::empty({Lk}, mha::DType::boolean);
+      for (int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = rng() % 4 != 0;
+      break;
+    }
+    case 3: {  // additive [B or 1, Hq or 1, Lq, Lk] with some -inf
+      mask = mha::Tensor::empty({in.flag() ? B : 1, in.flag() ? Hq : 1, Lq, Lk});
+      const uint64_t excluded = in.small(8);  // -inf with probability excluded / 9, else in [-4, 4]
+      std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+      for (int64_t i = 0; i < mask.numel(); ++i) {
+        mask.data<float>()[i] = rng() % 9 < excluded ? -std::numeric_limits<float>::infinity() : u(rng);
+      }
+      break;
+    }
+    default: break;
   }
+  if (mask.defined()) o.attn_mask = mask.view();
+
   const auto fused = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+  const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, o);
   const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
-  double err = 0, scale = 1e-30;
-  for (int64_t i = 0; i < ref.output.numel(); ++i) {
-    const double r = ref.output.data<double>()[i], f = fused.output.data<float>()[i];
-    if (std::isnan(f)) __builtin_trap();
-    err = std::max(err, std::abs(f - r));
-    scale = std::max(scale, std::abs(r));
-  }
-  if (err > 1e-4 * scale && err > 1e-30) {
-    std::fprintf(stderr, "disagreement %.3e (scale %.3e) B=%lld Hq=%lld Lq=%lld Lk=%lld\n", err, scale,
-                 static_cast<long long>(B), static_cast<long long>(Hq), static_cast<long long>(Lq),
-                 static_cast<long long>(Lk));
-    __builtin_trap();
-  }
+  double scale = 0, err = 0;
+  if ((err = normwise(fused.output, ref.output, &scale)) > MHA_FUZZ_TOLERANCE) fail("output (with weights)", err, scale, B, Hq, Lq, Lk);
+  if ((err = normwise(plain, ref.output, &scale)) > MHA_FUZZ_TOLERANCE) fail("output", err, scale, B, Hq, Lq, Lk);
+  if ((err = normwise(fused.weights, ref.weights, &scale)) > MHA_FUZZ_TOLERANCE) fail("weights", err, scale, B, Hq, Lq, Lk);
   return 0;
 }

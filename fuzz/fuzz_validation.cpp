@@ -1,57 +1,272 @@
-// Option and shape validation of SDPA and MultiheadAttention: random ranks, sizes (including
-// absurd ones), strides (including 0), dtypes, masks and flags. Every call must succeed or throw
-// mha::Error. Buffers are real (sized from the strides) when small, null when huge, so that
-// validation is exercised on absurd sizes without allocating them.
-#include <cstddef>
+// Option and shape validation of SDPA (forward, _into, training forward and backward) and of
+// MultiheadAttention (construction, forward, backward): random ranks, sizes (0 to 2^62), strides
+// (0 included), dtypes, masks, flags, scales, dropout probabilities, thread counts.
+//
+// The expected outcome of every call is a result or an mha::Error, never a crash, a sanitizer
+// report or another exception. Beyond that:
+//   - a call that succeeds on finite inputs returns finite values (inputs here are all finite);
+//   - a call given a null data pointer for a non-empty tensor must throw.
+// Calls run for real only when they are tiny: every argument fits a buffer of kMaxElements and has
+// at most kMaxNumel elements, and (query rows) x (key rows) <= kMaxPairs. Larger and absurd sizes still go through validation:
+// the public functions get null data (so they must refuse), and the internal validators
+// (detail::make_sdpa_problem, detail::validate_module_call), which never touch the data, get a
+// non-null placeholder so that every later check is reached.
 #include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "core/attention_problem.hpp"
 #include "fuzz_input.hpp"
 #include "mha/mha.hpp"
+#include "module/module_call.hpp"
 
 namespace {
 
-constexpr int64_t kMaxElements = 1 << 14;
+constexpr int64_t kMaxElements = 1 << 14;  // per argument buffer
+constexpr int64_t kMaxNumel = 100000;      // elements of any argument of a call that runs
+constexpr int64_t kMaxPairs = 1 << 16;     // (query rows) x (key rows) of a call that runs
+// Never dereferenced: given only to validators, for views too large to have storage.
+void* const kPlaceholder = reinterpret_cast<void*>(uintptr_t{1} << 40);
 
 struct Arg {
-  std::vector<float> storage;  // enough for any float dtype (bytes / 4, rounded up)
-  mha::TensorView view;
+  std::vector<float> storage;
+  mha::TensorView view;         // real storage, or null data when too large
+  mha::TensorView placeholder;  // the same view with non-null data, for the validators only
+  bool big = false;             // no storage
 };
 
-// A view with fuzzed rank, sizes, strides and dtype over a real buffer when it is small.
+// A view with fuzzed rank, sizes, strides and dtype; its buffer holds 0.5f (finite in every
+// dtype, read as bytes 0x00 0x00 0x00 0x3f).
 Arg make(FuzzInput& in, int max_rank) {
   Arg a;
   const int rank = static_cast<int>(in.small(max_rank));
   mha::Shape shape(rank), strides(rank);
   int64_t span = 1;
-  bool huge = false;
   for (int d = rank - 1; d >= 0; --d) {
     shape[d] = in.dim();
     strides[d] = in.flag() ? span : in.small(3) == 0 ? 0 : in.dim();
-    if (shape[d] > 0 && strides[d] > 0 && (__builtin_mul_overflow(shape[d], strides[d], &span) || span > kMaxElements)) {
-      huge = true;
+    int64_t extent = 0;
+    if (shape[d] > 0 && strides[d] > 0 &&
+        (__builtin_mul_overflow(shape[d], strides[d], &extent) || extent > kMaxElements)) {
+      a.big = true;
       span = 1;
-    } else if (strides[d] > 0) {
-      span = std::max<int64_t>(span, shape[d] * strides[d]);
+    } else {
+      span = std::max<int64_t>(span, extent);
     }
   }
-  static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::bf16, mha::DType::f16,
-                                      mha::DType::boolean, mha::DType::f64};
-  const mha::DType dtype = dtypes[in.small(5)];
+  static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::f32, mha::DType::bf16,
+                                      mha::DType::f16, mha::DType::boolean, mha::DType::f64};
+  const mha::DType dtype = dtypes[in.small(6)];
   try {
-    if (!huge) {
+    if (!a.big) {
       int64_t max_offset = 0;
       for (int d = 0; d < rank; ++d) max_offset += (shape[d] > 0 ? shape[d] - 1 : 0) * strides[d];
       a.storage.assign(static_cast<size_t>((max_offset + 1) * mha::dtype_size(dtype) / 4 + 1), 0.5f);
       a.view = mha::TensorView(a.storage.data(), dtype, shape, strides);
+      a.placeholder = a.view;
     } else {
       a.view = mha::TensorView(nullptr, dtype, shape, strides);
+      a.placeholder = mha::TensorView(kPlaceholder, dtype, shape, strides);
     }
-  } catch (const mha::Error&) {  // the view itself refused (e.g. offsets overflow): fall back to empty
-    a.view = mha::TensorView(a.storage.data(), mha::DType::f32, {0});
+  } catch (const mha::Error&) {  // the view itself refused (offsets overflow): an empty one instead
+    a = Arg{};
+    a.view = a.placeholder = mha::TensorView(nullptr, mha::DType::f32, {0});
   }
   return a;
+}
+
+// Product of all sizes but the last (rows of a [.., L, D] operand), saturating.
+int64_t rows(const mha::TensorView& t) {
+  int64_t n = 1;
+  for (int d = 0; d + 1 < t.ndim; ++d) {
+    if (__builtin_mul_overflow(n, t.shape[d], &n)) return INT64_MAX;
+  }
+  return n;
+}
+
+bool small_pairs(const mha::TensorView& q, const mha::TensorView& k) {
+  int64_t pairs;
+  return !__builtin_mul_overflow(rows(q), rows(k), &pairs) && pairs <= kMaxPairs;
+}
+
+// Small enough to run: real storage and few elements (a stride-0 dimension can be huge in a
+// small buffer).
+bool tiny(const Arg& a) { return !a.big && a.view.numel() <= kMaxNumel; }
+
+bool has_null(const mha::TensorView& t) { return t.numel() > 0 && t.data == nullptr; }
+
+void check_finite(const mha::TensorView& t) {
+  if (t.dtype != mha::DType::f32 || t.data == nullptr) return;  // bf16/f16 outputs: checked via f32 below
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (!std::isfinite(static_cast<const float*>(t.data)[i])) __builtin_trap();
+  }
+}
+void check_finite_any(const mha::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return;
+  check_finite(t.dtype() == mha::DType::f32 ? t : mha::Tensor::copy_of(t, mha::DType::f32));
+}
+
+// `call` must throw mha::Error.
+template <class F> void must_refuse(F&& call) {
+  try {
+    call();
+  } catch (const mha::Error&) {
+    return;
+  }
+  __builtin_trap();
+}
+
+void fuzz_sdpa(FuzzInput& in) {
+  Arg q = make(in, 5), k = make(in, 5), v = make(in, 5), mask = make(in, 5);
+  mha::SdpaOptions o, op;  // op: the same options with the placeholder mask
+  const bool with_mask = in.flag();
+  if (with_mask) o.attn_mask = mask.view, op.attn_mask = mask.placeholder;
+  o.is_causal = in.flag();
+  o.causal_alignment = in.flag() ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+  if (in.flag()) o.scale = in.small(7) == 0 ? std::nan("") : in.value();
+  o.enable_gqa = in.flag();
+  o.dropout_p = in.small(4) == 0 ? in.value() : 0.0;
+  o.dropout_seed = in.byte();
+  o.num_threads = static_cast<int>(in.small(4)) - 1;  // -1 (refused) to 3
+  op.is_causal = o.is_causal, op.causal_alignment = o.causal_alignment, op.scale = o.scale;
+  op.enable_gqa = o.enable_gqa, op.dropout_p = o.dropout_p, op.num_threads = o.num_threads;
+
+  // The validator on every size, absurd ones included.
+  try {
+    mha::detail::make_sdpa_problem(q.placeholder, k.placeholder, v.placeholder, op,
+                                   mha::detail::InputDtypes::low_precision);
+  } catch (const mha::Error&) {
+  }
+  const int variant = static_cast<int>(in.small(3));
+  const bool runs = tiny(q) && tiny(k) && tiny(v) && (!with_mask || tiny(mask)) && small_pairs(q.view, k.view);
+  if (!runs) {
+    // Null data for a non-empty tensor: the public functions must refuse, whatever the sizes.
+    if (has_null(q.view) || has_null(k.view) || has_null(v.view) || (with_mask && has_null(mask.view))) {
+      must_refuse([&] { mha::scaled_dot_product_attention(q.view, k.view, v.view, o); });
+      must_refuse([&] { mha::scaled_dot_product_attention_with_weights(q.view, k.view, v.view, o); });
+    }
+    return;
+  }
+  switch (variant) {
+    case 0: check_finite_any(mha::scaled_dot_product_attention(q.view, k.view, v.view, o)); break;
+    case 1: {
+      const auto r = mha::scaled_dot_product_attention_with_weights(q.view, k.view, v.view, o);
+      check_finite_any(r.output);
+      check_finite_any(r.weights);
+      break;
+    }
+    case 2: {  // into a fuzzed output view, or a well-formed one
+      Arg out = make(in, 5);
+      if (in.flag()) {
+        const auto p = mha::detail::make_sdpa_problem(q.view, k.view, v.view, o, mha::detail::InputDtypes::low_precision);
+        const mha::Tensor t = mha::Tensor::empty(mha::detail::output_shape(q.view, p.len_q, p.dim_v), q.view.dtype);
+        mha::scaled_dot_product_attention_into(q.view, k.view, v.view, t, o);
+        check_finite_any(t);
+      } else if (tiny(out)) {
+        mha::scaled_dot_product_attention_into(q.view, k.view, v.view, out.view, o);
+      }
+      break;
+    }
+    default: {  // training forward, then the backward with a fuzzed or well-formed gradient
+      const auto saved = mha::scaled_dot_product_attention_for_training(q.view, k.view, v.view, o);
+      check_finite_any(saved.output);
+      Arg grad = make(in, 5);
+      const bool mask_grad = in.flag();
+      mha::Tensor g = saved.output.clone();
+      const mha::TensorView gv = in.flag() ? g.view() : grad.view;
+      if (!tiny(grad) && gv.data == grad.view.data) return;
+      const auto grads = mha::scaled_dot_product_attention_backward(q.view, k.view, v.view, saved, gv, o, mask_grad);
+      check_finite_any(grads.query);
+      check_finite_any(grads.key);
+      check_finite_any(grads.value);
+      break;
+    }
+  }
+}
+
+void fuzz_module(FuzzInput& in) {
+  const int64_t heads = in.dim(), embed = in.dim();
+  mha::MultiheadAttentionOptions mo;
+  mo.bias = in.flag();
+  mo.add_bias_kv = in.flag();
+  mo.add_zero_attn = in.flag();
+  if (in.flag()) mo.kdim = in.dim();
+  if (in.flag()) mo.vdim = in.dim();
+  mo.batch_first = in.flag();
+  if (in.small(3) == 0) mo.dropout = in.value();
+  mo.seed = in.byte();
+  const int64_t widest = std::max({embed, mo.kdim.value_or(0), mo.vdim.value_or(0)});
+  if (widest > 256) {
+    // Large modules are only constructed: where the largest weight matrix cannot be counted or
+    // allocated (beyond 2^42 elements, 16 TiB) that must be an mha::Error; where it is small
+    // (up to 2^20 elements) construction may succeed or refuse; sizes between would only slow
+    // the fuzzer down (and trip its 4 GiB allocation limit).
+    int64_t largest = 0;
+    for (int64_t width : {embed, mo.kdim.value_or(embed), mo.vdim.value_or(embed)}) {
+      int64_t n;
+      if (embed <= 0 || width <= 0) continue;  // refused before any allocation
+      largest = __builtin_mul_overflow(embed, width, &n) ? INT64_MAX : std::max(largest, n);
+      if (largest == INT64_MAX) break;
+    }
+    if (largest > (int64_t{1} << 42)) {
+      must_refuse([&] { mha::MultiheadAttention(embed, heads, mo); });
+    } else if (largest <= (int64_t{1} << 20)) {
+      mha::MultiheadAttention(embed, heads, mo);  // inside the caller's catch of mha::Error
+    }
+    return;
+  }
+  mha::MultiheadAttention m(embed, heads, mo);
+  Arg q = make(in, 4), k = make(in, 4), v = make(in, 4), mask = make(in, 4), kpm = make(in, 3);
+  const bool self_k = in.flag(), self_v = in.flag();
+  Arg& kk = self_k ? q : k;
+  Arg& vv = self_v ? q : v;
+  mha::ForwardOptions f, fp;
+  const bool use_mask = in.flag(), use_kpm = in.flag();
+  if (use_mask) f.attn_mask = mask.view, fp.attn_mask = mask.placeholder;
+  if (use_kpm) f.key_padding_mask = kpm.view, fp.key_padding_mask = kpm.placeholder;
+  f.need_weights = fp.need_weights = in.flag();
+  f.average_attn_weights = fp.average_attn_weights = in.flag();
+  f.is_causal = fp.is_causal = in.flag();
+  if (in.flag()) f.dropout_seed = fp.dropout_seed = in.byte();
+  f.num_threads = fp.num_threads = static_cast<int>(in.small(3));
+  if (in.flag()) m.eval();
+
+  try {
+    const auto call = mha::detail::validate_module_call(m, q.placeholder, kk.placeholder, vv.placeholder, fp);
+    mha::detail::module_weights_shape(call, m.num_heads(), fp.average_attn_weights);
+    mha::detail::module_output_shape(call, m, mo.batch_first);
+  } catch (const mha::Error&) {
+  }
+  int64_t pairs_times_heads = 0;
+  const bool runs = tiny(q) && tiny(kk) && tiny(vv) && (!use_mask || tiny(mask)) && (!use_kpm || tiny(kpm)) &&
+                    small_pairs(q.view, kk.view) &&
+                    !__builtin_mul_overflow(rows(q.view) * rows(kk.view), m.num_heads(), &pairs_times_heads) &&
+                    pairs_times_heads <= (int64_t{1} << 20);
+  if (!runs) {
+    if (has_null(q.view) || has_null(kk.view) || has_null(vv.view) || (use_mask && has_null(mask.view)) ||
+        (use_kpm && has_null(kpm.view))) {
+      must_refuse([&] { m.forward(q.view, kk.view, vv.view, f); });
+    }
+    return;
+  }
+  if (in.flag()) {
+    const auto r = m.forward(q.view, kk.view, vv.view, f);
+    check_finite_any(r.output);
+    if (r.weights) check_finite_any(*r.weights);
+  } else {  // with a context, then the backward with a fuzzed or well-formed gradient
+    mha::ForwardContext ctx;
+    const auto r = m.forward(q.view, kk.view, vv.view, f, &ctx);
+    check_finite_any(r.output);
+    Arg grad = make(in, 4);
+    const mha::Tensor g = r.output.clone();
+    const mha::TensorView gv = in.flag() ? g.view() : grad.view;
+    if (!tiny(grad) && gv.data == grad.view.data) return;
+    const auto grads = m.backward(ctx, gv);
+    check_finite_any(grads.query);
+    for (const auto& [name, t] : grads.parameters) check_finite_any(t);
+  }
 }
 
 }  // namespace
@@ -60,46 +275,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in{data, size};
   try {
     if (in.flag()) {
-      Arg q = make(in, 5), k = make(in, 5), v = make(in, 5), mask = make(in, 5);
-      mha::SdpaOptions o;
-      if (in.flag()) o.attn_mask = mask.view;
-      o.is_causal = in.flag();
-      o.causal_alignment = in.flag() ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
-      if (in.flag()) o.scale = in.value();
-      o.enable_gqa = in.flag();
-      o.dropout_p = in.small(4) == 0 ? in.value() : 0.0;
-      o.num_threads = static_cast<int>(in.small(3));
-      if (in.flag()) {
-        mha::scaled_dot_product_attention(q.view, k.view, v.view, o);
-      } else {
-        mha::scaled_dot_product_attention_with_weights(q.view, k.view, v.view, o);
-      }
+      fuzz_sdpa(in);
     } else {
-      const int64_t heads = in.dim(), embed = in.dim();
-      mha::MultiheadAttentionOptions mo;
-      mo.bias = in.flag();
-      mo.add_bias_kv = in.flag();
-      mo.add_zero_attn = in.flag();
-      if (in.flag()) mo.kdim = in.dim();
-      if (in.flag()) mo.vdim = in.dim();
-      mo.batch_first = in.flag();
-      const int64_t widest = std::max({embed, mo.kdim.value_or(0), mo.vdim.value_or(0)});
-      if (widest > 256) {
-        // Weights this large either cannot be allocated (from 2^21: an mha::Error) or would only
-        // slow the fuzzer down; construct only the former.
-        if (widest >= (int64_t{1} << 21)) mha::MultiheadAttention(embed, heads, mo);
-        return 0;
-      }
-      mha::MultiheadAttention m(embed, heads, mo);
-      Arg q = make(in, 4), k = make(in, 4), v = make(in, 4), mask = make(in, 4), kpm = make(in, 3);
-      mha::ForwardOptions f;
-      if (in.flag()) f.attn_mask = mask.view;
-      if (in.flag()) f.key_padding_mask = kpm.view;
-      f.need_weights = in.flag();
-      f.average_attn_weights = in.flag();
-      f.is_causal = in.flag();
-      m.eval();
-      m.forward(q.view, in.flag() ? q.view : k.view, in.flag() ? q.view : v.view, f);
+      fuzz_module(in);
     }
   } catch (const mha::Error&) {
   }

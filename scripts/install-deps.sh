@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the build needs from Debian's packages, only where it is missing.
 # Safe to run again: it does nothing once everything is present.
+# `install-deps.sh fuzz` adds clang and its runtimes (libFuzzer, sanitizers), which only
+# `make fuzz` needs; `make demo` and `make test` build with GCC.
 set -euo pipefail
 
 packages=(
@@ -11,8 +13,10 @@ packages=(
   libcli11-dev         # the mha command line
   libpng-dev           # attention-weight pictures from `mha demo`
   nlohmann-json3-dev   # safetensors headers (JSON)
-  clang libclang-rt-14-dev  # libFuzzer and sanitizer runtimes for `make fuzz`
 )
+if [ "${1:-}" = fuzz ]; then
+  packages+=(clang libclang-rt-14-dev)  # clang 14; libclang_rt.fuzzer and the sanitizer runtimes
+fi
 
 missing=()
 for p in "${packages[@]}"; do
