@@ -99,6 +99,12 @@ TEST(Errors, SizesThatOverflow) {
   // Offsets that overflow even though the element count does not.
   expect_error([] { mha::TensorView(static_cast<const float*>(nullptr), {4, 4}, {int64_t{1} << 62, 1}); }, "overflow");
   expect_error([] { mha::set_num_threads(0); }, "set_num_threads");
+  // An empty input (L = 0) may have a batch of 2^62; N * num_heads for a 3-D attn_mask then
+  // overflows, and that must be an error naming the mask, not an overflow (found by fuzzing).
+  const mha::TensorView empty_batch(static_cast<const float*>(nullptr), {0, int64_t{1} << 62, 8});
+  const mha::TensorView mask(static_cast<const float*>(nullptr), {5, 0, 1});
+  const mha::MultiheadAttention m(8, 4);
+  expect_error([&] { m.forward(empty_batch, empty_batch, empty_batch, {.attn_mask = mask}); }, "attn_mask");
 }
 
 TEST(Errors, AllocationBeyondMemoryIsAnError) {

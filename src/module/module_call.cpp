@@ -85,11 +85,16 @@ ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& q
       }
       c.attn_mask_strides = {0, 0, a.strides[0], a.strides[1]};
     } else if (a.ndim == 3) {
-      if (a.shape[0] != N * H || a.shape[1] != L || a.shape[2] != S) {
-        throw Error("attn_mask: expected 3-D shape " + shape_of({N * H, L, S}) + " (N * num_heads, L, S), got " +
+      int64_t batch_heads;  // N * H, which absurd sizes can overflow: then no mask can match
+      if (__builtin_mul_overflow(N, H, &batch_heads) || a.shape[0] != batch_heads || a.shape[1] != L ||
+          a.shape[2] != S) {
+        throw Error("attn_mask: expected 3-D shape (N * num_heads, L, S) = (" + std::to_string(N) + " * " +
+                    std::to_string(H) + ", " + std::to_string(L) + ", " + std::to_string(S) + "), got " +
                     a.shape_str());
       }
-      c.attn_mask_strides = {H * a.strides[0], a.strides[0], a.strides[1], a.strides[2]};
+      // Batch n starts at row n * H; with one batch entry that stride is never used (and H times
+      // the row stride may lie beyond the view's extent).
+      c.attn_mask_strides = {N > 1 ? H * a.strides[0] : 0, a.strides[0], a.strides[1], a.strides[2]};
     } else {
       throw Error("attn_mask: expected 2 or 3 dimensions, got shape " + a.shape_str());
     }
