@@ -4,7 +4,7 @@ SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test test-cpp test-python test-sanitize fuzz parity-long python deps configure build bench clean
+.PHONY: demo test test-cpp test-python test-sanitize fuzz parity-long python deps configure build bench clean cuda-report
 PARITY_COUNT ?= 2000
 
 deps:
@@ -28,7 +28,7 @@ test-cpp: build
 # (3 pool threads). allocator_may_return_null: one test asks for 64 TiB on purpose, to see an
 # mha::Error rather than an abort; the sanitizers' allocators abort on such requests by default.
 # die_after_fork=0: one test starts the pool in a forked child, which TSan refuses by default.
-SANITIZE_CMAKE = -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF
+SANITIZE_CMAKE = -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF -DMHA_CUDA=OFF
 test-sanitize: deps
 	@cmake -S . -B build-asan $(SANITIZE_CMAKE) -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" > /dev/null
 	@cmake --build build-asan -j $(JOBS)
@@ -46,7 +46,7 @@ FUZZ_TARGETS = safetensors npy validation differential
 fuzz:
 	@bash scripts/install-deps.sh fuzz
 	@cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TESTS=OFF \
-	  -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF -DMHA_BUILD_FUZZ=ON \
+	  -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF -DMHA_BUILD_FUZZ=ON -DMHA_CUDA=OFF \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all" > /dev/null
 	@cmake --build build-fuzz -j $(JOBS)
 	@for t in $(FUZZ_TARGETS); do \
@@ -58,6 +58,13 @@ fuzz:
 	  echo "fuzz_$$t: $(FUZZ_SECONDS) s, $$(sed -n 's/^stat::number_of_executed_units: *//p' build-fuzz/fuzz_$$t.log) executions"; \
 	  if [ $$rc -ne 0 ]; then tail -n 60 build-fuzz/fuzz_$$t.log; echo "fuzz_$$t FAILED (exit $$rc)"; exit 1; fi; \
 	done
+
+# ptxas's registers, shared memory and spills for every CUDA kernel (needs nvcc, not a GPU).
+cuda-report: deps
+	@cmake -S . -B build-cuda-report -DCMAKE_BUILD_TYPE=Release -DMHA_CUDA=ON -DMHA_CUDA_RESOURCE_REPORT=ON \
+	  -DMHA_BUILD_TESTS=OFF -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF > /dev/null
+	@touch src/cuda/*.cu && cmake --build build-cuda-report --target mha_cuda -j $(JOBS) 2>&1 \
+	  | grep -E "Compiling entry|registers|spill" | sed -E 's/_ZN3mha6detail[^ ]*flash_forward_kernelI//'
 
 python: deps
 	@bash scripts/python-env.sh

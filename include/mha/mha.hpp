@@ -2,6 +2,7 @@
 #pragma once
 
 #include "mha/dtype.hpp"
+#include "mha/cuda.hpp"
 #include "mha/error.hpp"
 #include "mha/io.hpp"
 #include "mha/multihead_attention.hpp"

@@ -21,12 +21,28 @@ inline constexpr int kMaxDims = 6;
 
 using Shape = std::vector<int64_t>;
 
+// Where a tensor's data lives. CUDA memory is reachable only where the library was built with
+// CUDA (cuda::is_available() in mha/cuda.hpp); the CPU functions refuse device data with an
+// mha::Error naming the argument.
+enum class DeviceType : uint8_t { cpu, cuda };
+struct Device {
+  DeviceType type = DeviceType::cpu;
+  int index = 0;  // the CUDA ordinal
+
+  static Device cpu() { return {}; }
+  static Device cuda(int index = 0) { return {DeviceType::cuda, index}; }
+  bool is_cpu() const { return type == DeviceType::cpu; }
+  bool operator==(const Device&) const = default;
+  std::string str() const { return is_cpu() ? "cpu" : "cuda:" + std::to_string(index); }
+};
+
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::f32;
   int ndim = 0;
   std::array<int64_t, kMaxDims> shape{};
   std::array<int64_t, kMaxDims> strides{};
+  Device device{};
 
   TensorView() = default;
   // A view of `data` with the given shape; contiguous (row-major) strides when none are given.
@@ -50,6 +66,12 @@ struct TensorView {
   TensorView unsqueeze(int dim) const;
   // Splits dimension `dim` of size a*b into (a, b): [L, N, E] -> [L, N, H, E/H].
   TensorView split_dim(int dim, int64_t outer) const;
+  // The same view of memory on `d` (for wrapping a device pointer: TensorView(ptr, ...).on(d)).
+  TensorView on(Device d) const {
+    TensorView r = *this;
+    r.device = d;
+    return r;
+  }
 
   template <class T> T* data_as() const { return static_cast<T*>(data); }
   // The element at `index` (one entry per dimension), converted to double. For tests and tools.
@@ -63,8 +85,11 @@ struct TensorView {
 class Tensor {
  public:
   Tensor() = default;
-  static Tensor empty(const Shape& shape, DType dtype = DType::f32);
+  static Tensor empty(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
   static Tensor zeros(const Shape& shape, DType dtype = DType::f32);
+  // A contiguous copy on `device` (host <-> CUDA), same dtype. Any strides on the host side;
+  // a CUDA source must be contiguous.
+  Tensor to(Device device) const;
   // A contiguous copy of any view, converted to `dtype`.
   static Tensor copy_of(const TensorView& src, DType dtype);
   static Tensor copy_of(const TensorView& src) { return copy_of(src, src.dtype); }
@@ -75,6 +100,7 @@ class Tensor {
 
   bool defined() const { return defined_; }
   DType dtype() const { return view_.dtype; }
+  Device device() const { return view_.device; }
   int ndim() const { return view_.ndim; }
   int64_t size(int dim) const { return view_.size(dim); }
   Shape sizes() const { return view_.sizes(); }
@@ -84,13 +110,19 @@ class Tensor {
   double at(const std::vector<int64_t>& index) const { return view_.at(index); }
 
  private:
+  Tensor clone_on_device() const;  // a deep copy on the same device
+
   std::shared_ptr<std::byte> storage_;
   TensorView view_;
   bool defined_ = false;
 };
 
-// Copies `src` into `dst` element by element (shapes must match), converting the dtype.
+// Copies `src` into `dst` element by element (shapes must match), converting the dtype. Host
+// memory only.
 void copy_into(const TensorView& src, const TensorView& dst);
+
+// mha::Error naming `name` unless `t` is in host memory: for functions that read the data.
+void require_cpu(const TensorView& t, const std::string& name);
 
 // Product of `shape`, or mha::Error naming `what` if it is negative or overflows int64.
 int64_t checked_numel(const Shape& shape, const std::string& what);

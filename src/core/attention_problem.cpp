@@ -94,6 +94,16 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     }
     check_data(*inputs[i], names[i]);
   }
+  for (int i = 1; i < 3; ++i) {
+    if (inputs[i]->device != q_in.device) {
+      throw Error(std::string(names[i]) + ": expected the query's device " + q_in.device.str() + ", got " +
+                  inputs[i]->device.str());
+    }
+  }
+  if (options.attn_mask && options.attn_mask->device != q_in.device) {
+    throw Error("attn_mask: expected the query's device " + q_in.device.str() + ", got " +
+                options.attn_mask->device.str());
+  }
   if (dtypes == InputDtypes::low_precision && (k_in.dtype != q_in.dtype || v_in.dtype != q_in.dtype)) {
     throw Error("query, key, value: expected one dtype, got " + std::string(dtype_name(q_in.dtype)) + ", " +
                 std::string(dtype_name(k_in.dtype)) + ", " + std::string(dtype_name(v_in.dtype)));

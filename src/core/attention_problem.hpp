@@ -47,6 +47,7 @@ struct AttentionProblem {
   uint64_t dropout_seed = 0;
   int num_threads = 1;
 
+  bool on_cpu() const { return q.device.is_cpu(); }
   int64_t group() const { return heads_q / heads_kv; }  // query heads per key/value head
   // Keys [0, causal_end(i)) are visible to query i (all of them without causality).
   int64_t causal_end(int64_t i) const {

@@ -7,6 +7,7 @@
 #include "core/attention_problem.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cuda/cuda_attention.hpp"
 
 namespace mha {
 namespace {
@@ -59,12 +60,25 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   if (weights) copy_into(weights32, *weights);
 }
 
+// Operands in CUDA memory go to the GPU kernel, which computes no weights matrix.
+void require_no_weights_on_device(const AttentionProblem& p) {
+  if (!p.on_cpu()) {
+    throw Error("weights: the attention weights are not computed on " + p.q.device.str() +
+                " (the fused GPU kernel never forms them); call scaled_dot_product_attention, or copy the inputs "
+                "to the CPU");
+  }
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options) {
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
-  Tensor out = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
+  Tensor out = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype, q.device);
+  if (!p.on_cpu()) {
+    detail::cuda_attention_forward(p, detail::as_4d(out, "out"), nullptr);
+    return out;
+  }
   forward(p, q, k, v, options, out, nullptr);
   return out;
 }
@@ -72,6 +86,7 @@ Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
 AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  require_no_weights_on_device(p);
   AttentionWithWeights r;
   r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
   r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k), q.dtype);
@@ -84,17 +99,36 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
                                        const std::optional<TensorView>& weights) {
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
   detail::check_output_view(out, detail::output_shape(q, p.len_q, p.dim_v), q.dtype, "out");
-  if (weights) detail::check_output_view(*weights, detail::output_shape(q, p.len_q, p.len_k), q.dtype, "weights");
+  if (out.device != q.device) {
+    throw Error("out: expected the query's device " + q.device.str() + ", got " + out.device.str());
+  }
+  if (weights) {
+    require_no_weights_on_device(p);
+    require_cpu(*weights, "weights");
+    detail::check_output_view(*weights, detail::output_shape(q, p.len_q, p.len_k), q.dtype, "weights");
+  }
+  if (!p.on_cpu()) {
+    detail::cuda_attention_forward(p, detail::as_4d(out, "out"), nullptr);
+    return;
+  }
   forward(p, q, k, v, options, out, weights ? &*weights : nullptr);
 }
 
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::f32);
+  // The CPU training path is float32; the GPU kernel takes bfloat16 and float16.
+  const AttentionProblem p = detail::make_sdpa_problem(
+      q, k, v, options, q.device.is_cpu() ? detail::InputDtypes::f32 : detail::InputDtypes::low_precision);
   AttentionForTraining r;
-  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v));
   Shape lse_shape = q.sizes();
   lse_shape.pop_back();
+  if (!p.on_cpu()) {
+    r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype, q.device);
+    r.lse = Tensor::empty(lse_shape, DType::f32, q.device);
+    detail::cuda_attention_forward(p, detail::as_4d(r.output, "out"), r.lse.data<float>());
+    return r;
+  }
+  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v));
   r.lse = Tensor::empty(lse_shape);
   detail::ForwardOutputs o;
   const TensorView out4 = detail::as_4d(r.output, "out");
@@ -134,7 +168,10 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
                                                          const AttentionForTraining& saved,
                                                          const TensorView& grad_output, const SdpaOptions& options,
                                                          bool attn_mask_grad) {
+  require_cpu(q, "query");  // the GPU backward is not part of this build
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::f32);
+  require_cpu(grad_output, "grad_output");
+  require_cpu(saved.output, "saved.output");
   const Shape out_shape = detail::output_shape(q, p.len_q, p.dim_v);
   detail::check_output_view(saved.output, out_shape, DType::f32, "saved.output");
   Shape lse_shape = q.sizes();

@@ -1,5 +1,7 @@
 #include "mha/tensor.hpp"
 
+#include "core/device_memory.hpp"
+
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -238,7 +240,15 @@ void store(void* base, DType t, int64_t offset, double value) {
 
 }  // namespace
 
+void require_cpu(const TensorView& t, const std::string& name) {
+  if (!t.device.is_cpu()) {
+    throw Error(name + ": expected a tensor in host (cpu) memory, got one on " + t.device.str() +
+                " (this function runs on the CPU; copy with Tensor::to(Device::cpu()))");
+  }
+}
+
 double TensorView::at(const std::vector<int64_t>& index) const {
+  require_cpu(*this, "at");
   if (static_cast<int>(index.size()) != ndim) {
     throw Error("at: expected " + std::to_string(ndim) + " indices, got " + std::to_string(index.size()));
   }
@@ -257,6 +267,8 @@ void copy_into(const TensorView& src, const TensorView& dst) {
   if (src.sizes() != dst.sizes()) {
     throw Error("copy_into: shapes differ: source " + src.shape_str() + ", destination " + dst.shape_str());
   }
+  require_cpu(src, "copy_into: source");
+  require_cpu(dst, "copy_into: destination");
   const int64_t n = src.numel();
   if (n == 0) return;
   if (src.data == nullptr || dst.data == nullptr) throw Error("copy_into: null data pointer");
@@ -276,7 +288,7 @@ void copy_into(const TensorView& src, const TensorView& dst) {
   }
 }
 
-Tensor Tensor::empty(const Shape& shape, DType dtype) {
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   const int64_t n = checked_numel(shape, "Tensor::empty");
   int64_t bytes;
   if (__builtin_mul_overflow(n, dtype_size(dtype), &bytes)) {
@@ -290,6 +302,12 @@ Tensor Tensor::empty(const Shape& shape, DType dtype) {
   }
   Tensor t;
   const size_t alloc = static_cast<size_t>((bytes + 63) / 64 * 64);
+  if (!device.is_cpu()) {
+    if (bytes > 0) t.storage_ = detail::device_allocate(bytes, device);
+    t.view_ = TensorView(t.storage_.get(), dtype, shape).on(device);
+    t.defined_ = true;
+    return t;
+  }
   if (alloc > 0) {
     void* p = std::aligned_alloc(64, alloc);
     if (p == nullptr) {
@@ -309,7 +327,32 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype) {
   return t;
 }
 
+Tensor Tensor::to(Device device) const {
+  if (!defined_) throw Error("Tensor::to: the tensor is undefined");
+  const int64_t bytes = numel() * dtype_size(dtype());
+  if (view_.device == device) return clone_on_device();
+  if (view_.device.is_cpu()) {
+    const Tensor host = view_.is_contiguous() ? *this : clone();
+    Tensor t = empty(sizes(), dtype(), device);
+    if (bytes > 0) detail::copy_host_to_device(host.view_.data, t.view_.data, bytes, device);
+    return t;
+  }
+  if (!device.is_cpu()) {
+    throw Error("Tensor::to: copies between two devices (" + view_.device.str() + " to " + device.str() +
+                ") go through the host: .to(Device::cpu()).to(device)");
+  }
+  Tensor t = empty(sizes(), dtype());
+  if (bytes > 0) detail::copy_device_to_host(view_.data, t.view_.data, bytes, view_.device);
+  return t;
+}
+
+Tensor Tensor::clone_on_device() const {
+  if (view_.device.is_cpu()) return clone();
+  return to(Device::cpu()).to(view_.device);
+}
+
 Tensor Tensor::copy_of(const TensorView& src, DType dtype) {
+  require_cpu(src, "copy_of");
   Tensor t = empty(src.sizes(), dtype);
   copy_into(src, t.view());
   return t;

@@ -46,6 +46,7 @@ const Tensor& ModuleGradients::parameter(const std::string& name) const {
 ModuleGradients MultiheadAttention::backward(const ForwardContext& context, const TensorView& grad_output) const {
   if (context.empty()) throw Error("backward: the context is empty; pass it to forward(..., &context) first");
   const ForwardContext::State& st = *context.state_;
+  require_cpu(grad_output, "grad_output");
   if (grad_output.sizes() != st.output_shape || grad_output.dtype != DType::f32) {
     throw Error("grad_output: expected float32 of shape " + TensorView(nullptr, DType::f32, st.output_shape).shape_str() +
                 ", got " + std::string(dtype_name(grad_output.dtype)) + " " + grad_output.shape_str());

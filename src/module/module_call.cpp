@@ -49,6 +49,12 @@ Tensor pad_columns(const TensorView& mask, int64_t extra) {
 ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
                                 const TensorView& value, const ForwardOptions& options, bool any_float) {
   ModuleCall c;
+  // The module runs on the CPU (its GPU path is not part of this build).
+  require_cpu(query, "query");
+  require_cpu(key, "key");
+  require_cpu(value, "value");
+  if (options.attn_mask) require_cpu(*options.attn_mask, "attn_mask");
+  if (options.key_padding_mask) require_cpu(*options.key_padding_mask, "key_padding_mask");
   if (query.ndim != 2 && query.ndim != 3) {
     throw Error("query: expected 3 dimensions (" +
                 std::string(m.options().batch_first ? "[N, L, E]" : "[L, N, E]") +

@@ -97,6 +97,7 @@ Tensor linear(const TensorView& x, const TensorView& w, const Tensor* bias) {
 
 Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options) {
+  require_cpu(q, "query");
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
   Result r;
   r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), DType::f64);
@@ -107,6 +108,7 @@ Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
 
 Gradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                                 const TensorView& grad_output, const SdpaOptions& options) {
+  require_cpu(q, "query");
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
   const TensorView g = detail::as_4d(grad_output, "grad_output");
   Gradients r;

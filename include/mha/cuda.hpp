@@ -1,0 +1,23 @@
+// The CUDA backend: what this build and this machine offer.
+//
+// Built when CMake finds a CUDA toolkit (MHA_CUDA=AUTO, the default; ON requires it, OFF skips
+// it). With it, scaled_dot_product_attention accepts views of CUDA memory (TensorView::on,
+// Tensor::empty(shape, dtype, Device::cuda()), Tensor::to) and runs the fused GPU kernel:
+// bfloat16 or float16 inputs, head dims 64, 128 and 256, causal in both alignments, GQA,
+// Lq != Lk, bool and additive masks, the log-sum-exp for training.
+#pragma once
+
+#include <string>
+
+namespace mha::cuda {
+
+// Whether the library was built with the CUDA backend.
+bool is_built();
+// Whether a CUDA device can be used now (built, a driver, at least one device).
+bool is_available();
+// The number of CUDA devices (0 without the backend or a driver).
+int device_count();
+// "NVIDIA H100 80GB HBM3, compute capability 9.0, 132 SMs", or why there is none.
+std::string describe(int device = 0);
+
+}  // namespace mha::cuda

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one run on the GPU machine (from the repository root):
+#   1. configure with MHA_CUDA=ON and the ptxas resource report, build;
+#   2. the C++ suite, whose Cuda.* and GpuTest.* tests compare the fused GPU kernel with the
+#      float64 reference on fresh random inputs (a seed is printed per test);
+#   3. compute-sanitizer (memcheck, racecheck) on the GPU tests, where the toolkit has it.
+# Without a GPU the GPU tests skip (and say so); the script then stops with status 2.
+set -euo pipefail
+BUILD=${BUILD:-build-gpu}
+JOBS=${JOBS:-$(nproc)}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || { echo "no GPU here"; exit 2; }
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMHA_CUDA=ON -DMHA_CUDA_RESOURCE_REPORT=ON \
+  -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF > /dev/null
+cmake --build "$BUILD" -j "$JOBS" 2>&1 | grep -E "ptxas info|spill|error" || true
+"$BUILD"/tests/mha_tests --gtest_filter='Cuda.*:GpuTest.*'
+if command -v compute-sanitizer > /dev/null; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 1 "$BUILD"/tests/mha_tests \
+      --gtest_filter='GpuTest.StridedViewsOfBatchFirstStorage:GpuTest.FullyMaskedRows*'
+  done
+else
+  echo "compute-sanitizer not found: skipped"
+fi
+"$BUILD"/tests/mha_tests --gtest_filter='-Cuda.*:GpuTest.*' --gtest_brief=1

@@ -1,0 +1,178 @@
+// The CUDA backend. Without a GPU (or without the backend) the GPU tests skip and the rest
+// check that device memory is refused cleanly; on a GPU machine (tests/gpu/run.sh) they compare
+// the fused GPU kernel with the float64 reference on fresh random inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+
+#include "mha/cuda.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using mha_test::randn;
+using mha_test::rel_error;
+using mha_test::test_seed;
+
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected mha::Error mentioning '" << needle << "'";
+  } catch (const mha::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
+}
+
+// Views of device memory, whatever the build: the CPU functions refuse them by name, before
+// touching the pointer (which here is not even valid).
+TEST(Cuda, CpuFunctionsRefuseDeviceMemory) {
+  static float dummy[64];
+  const mha::TensorView host(dummy, {1, 2, 4, 8});
+  const mha::TensorView device = host.on(mha::Device::cuda());
+  expect_error([&] { mha::scaled_dot_product_attention(host, device, host); }, "key: expected the query's device");
+  expect_error([&] { mha::scaled_dot_product_attention(device, device, device, {.attn_mask = host}); },
+               "attn_mask: expected the query's device");
+  expect_error([&] { mha::reference::scaled_dot_product_attention(device, device, device); }, "host (cpu) memory");
+  expect_error([&] { (void)mha::Tensor::copy_of(device); }, "host (cpu) memory");
+  expect_error([&] { (void)device.at({0, 0, 0, 0}); }, "host (cpu) memory");
+  const mha::MultiheadAttention m(8, 2);
+  const mha::TensorView x = mha::TensorView(dummy, {4, 1, 8}).on(mha::Device::cuda());
+  expect_error([&] { m.forward(x, x, x); }, "query: expected a tensor in host (cpu) memory");
+  EXPECT_EQ(device.device.str(), "cuda:0");
+  EXPECT_TRUE(host.device.is_cpu());
+}
+
+TEST(Cuda, WithoutADeviceAllocationIsAnError) {
+  if (mha::cuda::is_available()) GTEST_SKIP() << "a CUDA device is present: " << mha::cuda::describe();
+  std::printf("%s\n", mha::cuda::describe().c_str());
+  EXPECT_EQ(mha::cuda::device_count(), 0);
+  expect_error([] { mha::Tensor::empty({4}, mha::DType::f32, mha::Device::cuda()); }, "cuda:0");
+  std::mt19937_64 rng(1);
+  const mha::Tensor t = randn({4}, rng);
+  expect_error([&] { (void)t.to(mha::Device::cuda()); }, "cuda:0");
+}
+
+// ---------------------------------------------------------------------------------------------
+// On a GPU.
+
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!mha::cuda::is_available()) GTEST_SKIP() << mha::cuda::describe() << "; the GPU tests need a CUDA device";
+    std::printf("%s\n", mha::cuda::describe().c_str());
+  }
+};
+
+// A host tensor of `shape` in `dtype` on the GPU, with its host copy for the reference.
+struct Operand {
+  mha::Tensor host, device;
+};
+Operand operand(const mha::Shape& shape, std::mt19937_64& rng, mha::DType dtype) {
+  Operand o;
+  o.host = randn(shape, rng, dtype);
+  o.device = o.host.to(mha::Device::cuda());
+  return o;
+}
+
+// An output buffer on the GPU filled with NaN, so that an element the kernel does not write fails.
+mha::Tensor poisoned(const mha::Shape& shape, mha::DType dtype) {
+  mha::Tensor h = mha::Tensor::empty(shape, mha::DType::f32);
+  for (int64_t i = 0; i < h.numel(); ++i) h.data<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+  return mha::Tensor::copy_of(h, dtype).to(mha::Device::cuda());
+}
+
+// bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3 per element, on inputs, on P
+// and on the output), fp16 11 (2^-12 ~ 2.4e-4): normwise 1e-2 and 3e-3 leave room for the sums.
+double tolerance(mha::DType dtype) { return dtype == mha::DType::bf16 ? 1e-2 : 3e-3; }
+
+TEST_F(GpuTest, ForwardMatchesFloat64ReferenceAcrossOptions) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+    for (int64_t d : {64, 128, 256}) {
+      for (int n = 0; n < 6; ++n) {
+        const int64_t B = 1 + rng() % 2, Hkv = 1 + rng() % 3, group = 1 + rng() % 2, Hq = Hkv * group;
+        const int64_t Lq = 1 + rng() % 300, Lk = n % 3 == 0 ? Lq : 1 + rng() % 300;
+        mha::SdpaOptions o;
+        o.enable_gqa = group > 1;
+        o.is_causal = n % 2 == 1;
+        o.causal_alignment = n % 4 == 1 ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+        if (n == 4) o.scale = 0.3;
+        const Operand q = operand({B, Hq, Lq, d}, rng, dtype), k = operand({B, Hkv, Lk, d}, rng, dtype),
+                      v = operand({B, Hkv, Lk, d}, rng, dtype);
+        mha::Tensor mask_host, mask_device;
+        if (n == 2) {  // bool [Lq, Lk], true attends
+          mask_host = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
+          for (int64_t i = 0; i < mask_host.numel(); ++i) mask_host.data<bool>()[i] = rng() % 5 != 0;
+        } else if (n == 5) {  // additive [B, 1, Lq, Lk] with some -inf
+          mask_host = randn({B, 1, Lq, Lk}, rng);
+          for (int64_t i = 0; i < mask_host.numel(); ++i)
+            if (rng() % 10 == 0) mask_host.data<float>()[i] = -INFINITY;
+        }
+        mha::SdpaOptions o_host = o;
+        if (mask_host.defined()) {
+          mask_device = mask_host.to(mha::Device::cuda());
+          o.attn_mask = mask_device.view();
+          o_host.attn_mask = mask_host.view();
+        }
+        SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " d=" + std::to_string(d) + " B=" + std::to_string(B) +
+                     " Hq=" + std::to_string(Hq) + " Hkv=" + std::to_string(Hkv) + " Lq=" + std::to_string(Lq) +
+                     " Lk=" + std::to_string(Lk) + " case " + std::to_string(n));
+        const mha::Tensor out = poisoned({B, Hq, Lq, d}, dtype);
+        mha::scaled_dot_product_attention_into(q.device, k.device, v.device, out, o);
+        const auto ref = mha::reference::scaled_dot_product_attention(q.host, k.host, v.host, o_host);
+        EXPECT_LT(rel_error(out.to(mha::Device::cpu()), ref.output), tolerance(dtype));
+        // The training forward: the same output and the log-sum-exp of every row.
+        const auto t = mha::scaled_dot_product_attention_for_training(q.device, k.device, v.device, o);
+        EXPECT_LT(rel_error(t.output.to(mha::Device::cpu()), ref.output), tolerance(dtype));
+        const auto cpu = mha::scaled_dot_product_attention_for_training(
+            mha::Tensor::copy_of(q.host, mha::DType::f32), mha::Tensor::copy_of(k.host, mha::DType::f32),
+            mha::Tensor::copy_of(v.host, mha::DType::f32), o_host);
+        EXPECT_LT(rel_error(t.lse.to(mha::Device::cpu()), cpu.lse), 1e-4);
+      }
+    }
+  }
+}
+
+// [B, L, H, D] storage viewed as [B, H, L, D] (a batch-first caller's layout), no copy.
+TEST_F(GpuTest, StridedViewsOfBatchFirstStorage) {
+  std::mt19937_64 rng(test_seed());
+  const mha::DType dtype = mha::DType::bf16;
+  const Operand q = operand({2, 77, 4, 64}, rng, dtype), k = operand({2, 130, 4, 64}, rng, dtype),
+                v = operand({2, 130, 4, 64}, rng, dtype);
+  const mha::SdpaOptions o{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight};
+  const mha::Tensor out = mha::scaled_dot_product_attention(q.device.view().transpose(1, 2),
+                                                            k.device.view().transpose(1, 2),
+                                                            v.device.view().transpose(1, 2), o);
+  const auto ref = mha::reference::scaled_dot_product_attention(
+      q.host.view().transpose(1, 2), k.host.view().transpose(1, 2), v.host.view().transpose(1, 2), o);
+  EXPECT_LT(rel_error(out.to(mha::Device::cpu()), ref.output), tolerance(dtype));
+}
+
+// Rows that see no key (top-left causality with Lq > Lk and a bool mask row of false) are zero.
+TEST_F(GpuTest, FullyMaskedRowsAreZeroAndWhatTheKernelCannotDoIsAnError) {
+  std::mt19937_64 rng(test_seed());
+  const mha::DType dtype = mha::DType::f16;
+  const Operand q = operand({1, 2, 40, 128}, rng, dtype), k = operand({1, 2, 25, 128}, rng, dtype),
+                v = operand({1, 2, 25, 128}, rng, dtype);
+  const mha::SdpaOptions o{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight};
+  const mha::Tensor out = mha::scaled_dot_product_attention(q.device, k.device, v.device, o).to(mha::Device::cpu());
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t i = 0; i < 15; ++i)
+      for (int64_t d = 0; d < 128; ++d) ASSERT_EQ(out.at({0, h, i, d}), 0.0);
+  const auto ref = mha::reference::scaled_dot_product_attention(q.host, k.host, v.host, o);
+  EXPECT_LT(rel_error(out, ref.output), tolerance(dtype));
+
+  const Operand odd = operand({1, 2, 8, 48}, rng, dtype);
+  expect_error([&] { mha::scaled_dot_product_attention(odd.device, odd.device, odd.device); }, "head dims 64, 128 or 256");
+  const Operand f32 = operand({1, 2, 8, 64}, rng, mha::DType::f32);
+  expect_error([&] { mha::scaled_dot_product_attention(f32.device, f32.device, f32.device); }, "bfloat16 or float16");
+  expect_error([&] { mha::scaled_dot_product_attention_with_weights(q.device, k.device, v.device); }, "weights");
+  expect_error([&] { mha::scaled_dot_product_attention(q.device, k.device, v.device, {.dropout_p = 0.1}); },
+               "dropout");
+}
+
+}  // namespace
