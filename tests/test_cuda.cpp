@@ -17,15 +17,7 @@ using mha_test::randn;
 using mha_test::rel_error;
 using mha_test::test_seed;
 
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected mha::Error mentioning '" << needle << "'";
-  } catch (const mha::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
-  }
-}
+using mha_test::expect_error;
 
 // Views of device memory, whatever the build: the CPU functions refuse them by name, before
 // touching the pointer (which here is not even valid).

@@ -8,6 +8,10 @@
 #include <cstring>
 #include <random>
 
+#include <gtest/gtest.h>
+
+#include <string>
+
 #include "mha/mha.hpp"
 
 namespace mha_test {
@@ -31,6 +35,17 @@ inline mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng, mha::DTy
   std::normal_distribution<double> normal;
   for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = normal(rng);
   return dtype == mha::DType::f64 ? t : mha::Tensor::copy_of(t, dtype);
+}
+
+// Runs `f`, expecting an mha::Error whose message contains `needle`.
+template <class F>
+inline void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected mha::Error mentioning '" << needle << "'";
+  } catch (const mha::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
 }
 
 inline double max_abs(const mha::TensorView& t) {

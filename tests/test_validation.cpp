@@ -15,16 +15,7 @@ mha::Tensor randn(const mha::Shape& shape, uint64_t seed = 1) {
   return mha_test::randn(shape, rng);
 }
 
-// Runs `f`, expecting an mha::Error whose message contains `needle`.
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected mha::Error mentioning '" << needle << "'";
-  } catch (const mha::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
-  }
-}
+using mha_test::expect_error;
 
 TEST(Errors, ModuleConstruction) {
   expect_error([] { mha::MultiheadAttention(10, 3); }, "divisible by num_heads");
