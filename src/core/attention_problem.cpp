@@ -39,8 +39,8 @@ MaskTerm make_mask_term(const TensorView& mask, const std::string& name, MaskKin
     throw Error(name + ": expected at most 4 dimensions, got shape " + mask.shape_str());
   }
   check_data(mask, name);
-  const std::string target_str = "[" + std::to_string(target[0]) + ", " + std::to_string(target[1]) + ", " +
-                                 std::to_string(target[2]) + ", " + std::to_string(target[3]) + "]";
+  std::string target_str = "[";
+  for (int d = 0; d < 4; ++d) target_str.append(std::to_string(target[d])).append(d < 3 ? ", " : "]");
   for (int d = 0; d < 4; ++d) {
     const int md = mask.ndim - 4 + d;  // right-aligned, as in PyTorch broadcasting
     if (md < 0) continue;
