@@ -11,6 +11,8 @@ namespace mha::detail::simd {
 
 struct Avx2 {
   static constexpr int kLanes = 16;
+  // Register block of the tile products (tile_kernels.hpp): 4 rows x 1 vector (2 ymm): 8 accumulators + 2 operands + 1 broadcast of 16 ymm registers.
+  static constexpr int kBlockRows = 4, kBlockVecs = 1;
   struct F {
     __m256 lo, hi;
   };

@@ -27,40 +27,68 @@ struct Tiles {
 
   static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-  // out[r][:] = sum_d rows[r][d] * panel[d][:] for kRowsPerTile rows (e.g. S^T = K Q^T).
-  static void dot_rows(float* out, const float* const* rows, const float* panel, int64_t depth) {
-    F acc[kRowsPerTile][kVecs];
-    for (int r = 0; r < kRowsPerTile; ++r)
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = S::zero();
+  // The register block of the two products: kBlockRows broadcast rows times kBlockVecs vectors of
+  // the panel, from the SIMD layer. AVX-512 (32 registers) holds a whole 8 x 48 tile, 24
+  // accumulators; AVX2 (16 ymm registers, two per 16-lane vector) a 4 x 16 block, 8 accumulators
+  // and 2 operands. A block that does not fit the register file spills every iteration.
+  static constexpr int kBlockRows = S::kBlockRows;
+  static constexpr int kBlockVecs = S::kBlockVecs;
+  static_assert(kRowsPerTile % kBlockRows == 0 && kVecs % kBlockVecs == 0);
+
+  // out[r][c..] = sum_d rows[r][d] * panel[d][c..] for one register block.
+  template <int R>
+  static void dot_rows_block(float* out, const float* const* rows, const float* panel, int64_t depth, int c0) {
+    F acc[R][kBlockVecs];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kBlockVecs; ++c) acc[r][c] = S::zero();
     for (int64_t d = 0; d < depth; ++d) {
-      F x[kVecs];
-      for (int c = 0; c < kVecs; ++c) x[c] = S::load(panel + d * kWidth + c * kLanes);
-      for (int r = 0; r < kRowsPerTile; ++r) {
+      F x[kBlockVecs];
+      for (int c = 0; c < kBlockVecs; ++c) x[c] = S::load(panel + d * kWidth + (c0 + c) * kLanes);
+      for (int r = 0; r < R; ++r) {
         const F b = S::set1(rows[r][d]);
-        for (int c = 0; c < kVecs; ++c) acc[r][c] = S::fmadd(b, x[c], acc[r][c]);
+        for (int c = 0; c < kBlockVecs; ++c) acc[r][c] = S::fmadd(b, x[c], acc[r][c]);
       }
     }
-    for (int r = 0; r < kRowsPerTile; ++r)
-      for (int c = 0; c < kVecs; ++c) S::store(out + r * kWidth + c * kLanes, acc[r][c]);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kBlockVecs; ++c) S::store(out + r * kWidth + (c0 + c) * kLanes, acc[r][c]);
+  }
+
+  // out[r][:] = sum_d rows[r][d] * panel[d][:] for kRowsPerTile rows (e.g. S^T = K Q^T).
+  static void dot_rows(float* out, const float* const* rows, const float* panel, int64_t depth) {
+    for (int r0 = 0; r0 < kRowsPerTile; r0 += kBlockRows)
+      for (int c0 = 0; c0 < kVecs; c0 += kBlockVecs)
+        dot_rows_block<kBlockRows>(out + r0 * kWidth, rows + r0, panel, depth, c0);
+  }
+
+  // acc[r][c..] += sum_j rows[j][col0 + r] * weights[j][c..] for R columns and one block of vectors.
+  template <int R>
+  static void accumulate_block(float* acc, const float* const* rows, int64_t col0, const float* weights, int64_t n,
+                               int c0) {
+    F a[R][kBlockVecs];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kBlockVecs; ++c) a[r][c] = S::load(acc + r * kWidth + (c0 + c) * kLanes);
+    for (int64_t j = 0; j < n; ++j) {
+      F w[kBlockVecs];
+      for (int c = 0; c < kBlockVecs; ++c) w[c] = S::load(weights + j * kWidth + (c0 + c) * kLanes);
+      const float* row = rows[j] + col0;
+      for (int r = 0; r < R; ++r) {
+        const F b = S::set1(row[r]);
+        for (int c = 0; c < kBlockVecs; ++c) a[r][c] = S::fmadd(b, w[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kBlockVecs; ++c) S::store(acc + r * kWidth + (c0 + c) * kLanes, a[r][c]);
   }
 
   // acc[c][:] += sum_j rows[j][c0 + c] * weights[j][:] for kCols columns (e.g. O^T += V^T P^T).
   template <int kCols>
   static void accumulate_cols(float* acc, const float* const* rows, int64_t c0, const float* weights, int64_t n) {
-    F a[kCols][kVecs];
-    for (int r = 0; r < kCols; ++r)
-      for (int c = 0; c < kVecs; ++c) a[r][c] = S::load(acc + r * kWidth + c * kLanes);
-    for (int64_t j = 0; j < n; ++j) {
-      F w[kVecs];
-      for (int c = 0; c < kVecs; ++c) w[c] = S::load(weights + j * kWidth + c * kLanes);
-      const float* row = rows[j] + c0;
-      for (int r = 0; r < kCols; ++r) {
-        const F b = S::set1(row[r]);
-        for (int c = 0; c < kVecs; ++c) a[r][c] = S::fmadd(b, w[c], a[r][c]);
-      }
+    constexpr int kFull = kCols / kBlockRows * kBlockRows, kRest = kCols % kBlockRows;
+    for (int v0 = 0; v0 < kVecs; v0 += kBlockVecs) {
+      for (int r0 = 0; r0 < kFull; r0 += kBlockRows)
+        accumulate_block<kBlockRows>(acc + r0 * kWidth, rows, c0 + r0, weights, n, v0);
+      if constexpr (kRest > 0) accumulate_block<kRest>(acc + kFull * kWidth, rows, c0 + kFull, weights, n, v0);
     }
-    for (int r = 0; r < kCols; ++r)
-      for (int c = 0; c < kVecs; ++c) S::store(acc + r * kWidth + c * kLanes, a[r][c]);
   }
 
   // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, 8 at a time.
