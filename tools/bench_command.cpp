@@ -46,27 +46,53 @@ struct Workload {
   std::string description;
 };
 
-Workload sdpa_workload(const BenchShape& s, bool weights, std::mt19937_64& rng) {
+Device parse_device(const std::string& name) {
+  if (name == "cpu") return Device::cpu();
+  if (name == "cuda") return Device::cuda(0);
+  if (name.rfind("cuda:", 0) == 0 && name.size() > 5 && name.find_first_not_of("0123456789", 5) == std::string::npos &&
+      name.size() < 10) {
+    return Device::cuda(std::stoi(name.substr(5)));
+  }
+  throw UsageError("--device: expected cpu, cuda or cuda:N, got '" + name + "'");
+}
+
+DType parse_dtype(const std::string& name) {
+  return name == "bfloat16" ? DType::bf16 : name == "float16" ? DType::f16 : DType::f32;
+}
+
+// A random normal tensor in `dtype` on `device`.
+Tensor random_input(const Shape& shape, std::mt19937_64& rng, DType dtype, Device device) {
+  const Tensor t = random_normal(shape, rng);
+  const Tensor typed = dtype == DType::f32 ? t : Tensor::copy_of(t, dtype);
+  return device.is_cpu() ? typed : typed.to(device);
+}
+
+Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_64& rng) {
   Workload w;
-  const Tensor q = random_normal({s.batch, s.heads, s.len_q, s.dim}, rng);
-  const Tensor k = random_normal({s.batch, s.kv_heads, s.len_k, s.dim}, rng);
-  const Tensor v = random_normal({s.batch, s.kv_heads, s.len_k, s.dim_v}, rng);
+  const Device device = parse_device(o.device);
+  const DType dtype = parse_dtype(o.dtype);
+  if (!device.is_cpu() && o.weights) throw UsageError("--weights: the GPU kernel never forms the weights; drop --weights");
+  const Tensor q = random_input({s.batch, s.heads, s.len_q, s.dim}, rng, dtype, device);
+  const Tensor k = random_input({s.batch, s.kv_heads, s.len_k, s.dim}, rng, dtype, device);
+  const Tensor v = random_input({s.batch, s.kv_heads, s.len_k, s.dim_v}, rng, dtype, device);
   // Outputs are allocated once so the timing is the kernel's, not the allocator's.
-  const Tensor out = Tensor::empty({s.batch, s.heads, s.len_q, s.dim_v});
+  const Tensor out = Tensor::empty({s.batch, s.heads, s.len_q, s.dim_v}, dtype, device);
   Tensor weights_buffer;
   std::optional<TensorView> weights_view;
-  if (weights) {
-    weights_buffer = Tensor::empty({s.batch, s.heads, s.len_q, s.len_k});
+  if (o.weights) {
+    weights_buffer = Tensor::empty({s.batch, s.heads, s.len_q, s.len_k}, dtype);
     weights_view = weights_buffer.view();
   }
   const SdpaOptions options{
       .is_causal = s.causal, .causal_alignment = s.alignment, .enable_gqa = s.kv_heads != s.heads};
-  // Tensors are captured by value: the call shares, and so keeps alive, their storage.
-  w.call = [q, k, v, out, weights_buffer, weights_view, options] {
+  // Tensors are captured by value: the call shares, and so keeps alive, their storage. On the GPU
+  // the call waits for the kernel, so that the time is its run, not its launch.
+  w.call = [q, k, v, out, weights_buffer, weights_view, options, device] {
     scaled_dot_product_attention_into(q, k, v, out, options, weights_view);
+    if (!device.is_cpu()) cuda::synchronize(device.index);
   };
   w.flops = attention_flops(s.batch, s.heads, s.len_q, s.len_k, s.dim, s.dim_v, s.causal, s.alignment);
-  w.description = "scaled_dot_product_attention";
+  w.description = "scaled_dot_product_attention on " + device.str() + ", " + o.dtype;
   return w;
 }
 
@@ -120,6 +146,7 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
     << ", \"len_q\": " << s.len_q << ", \"len_k\": " << s.len_k << ", \"dim\": " << s.dim << ", \"dim_v\": " << s.dim_v
     << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\"}"
     << ", \"op\": \"" << (o.module ? "module" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
+    << ", \"dtype\": \"" << o.dtype << "\", \"device\": \"" << o.device << "\""
     << ", \"threads\": " << get_num_threads() << ", \"isa\": \"" << cpu_isa() << "\", \"reps\": " << o.reps
     << ", \"ms_median\": " << t.median_ms << ", \"ms_min\": " << t.min_ms << ", \"flops\": " << std::fixed
     << std::setprecision(0) << flops << std::defaultfloat << std::setprecision(7)
@@ -157,7 +184,10 @@ int run_bench(const BenchOptions& o) {
   if (o.threads) set_num_threads(*o.threads);
   const BenchShape s = resolve(o);
   std::mt19937_64 rng(o.seed);
-  const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o.weights, rng);
+  if (o.module && (o.device != "cpu" || o.dtype != "float32")) {
+    throw UsageError("--module: the module runs on the CPU in float32; drop --device and --dtype");
+  }
+  const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {
     std::printf("shape    %s\n", shape_line(s, o.weights).c_str());
     std::printf("op       %s, ISA %s, threads: %d\n", w.description.c_str(), cpu_isa().c_str(), get_num_threads());

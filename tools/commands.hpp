@@ -41,6 +41,8 @@ struct BenchOptions {
   bool weights = false;  // also return the attention weights
   bool json = false;
   uint64_t seed = 1;
+  std::string dtype = "float32";  // or bfloat16, float16 (the GPU kernel takes these two)
+  std::string device = "cpu";     // or cuda, cuda:N
 };
 int run_bench(const BenchOptions& options);
 

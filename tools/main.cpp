@@ -66,6 +66,11 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   bench->add_flag("--weights", o.weights, "Also return the attention weights (materialises Lq x Lk per head)");
   bench->add_flag("--json", o.json, "Print one JSON object on stdout instead of text");
   bench->add_option("--seed", o.seed, "Seed of the random inputs")->capture_default_str();
+  bench->add_option("--dtype", o.dtype, "Input dtype")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
+  bench->add_option("--device", o.device, "cpu, or cuda[:N] for the GPU kernel (SDPA only; bfloat16 or float16)")
+      ->capture_default_str();
 }
 
 void add_run(CLI::App& app, mha::tools::RunOptions& o) {

@@ -19,5 +19,8 @@ bool is_available();
 int device_count();
 // "NVIDIA H100 80GB HBM3, compute capability 9.0, 132 SMs", or why there is none.
 std::string describe(int device = 0);
+// Kernels are queued on the device's default stream and return at once, as in PyTorch; this
+// waits for all of them to finish (and reports a failure of any as an mha::Error).
+void synchronize(int device = 0);
 
 }  // namespace mha::cuda

@@ -19,6 +19,7 @@ bool is_built() { return false; }
 bool is_available() { return false; }
 int device_count() { return 0; }
 std::string describe(int) { return "no CUDA backend in this build"; }
+void synchronize(int device) { no_cuda("synchronizing cuda:" + std::to_string(device)); }
 }  // namespace cuda
 
 namespace detail {

@@ -32,6 +32,15 @@ std::string describe(int device) {
          std::to_string(prop.minor) + ", " + std::to_string(prop.multiProcessorCount) + " SMs";
 }
 
+void synchronize(int device) {
+  const int n = device_count();
+  if (device < 0 || device >= n) {
+    throw Error("synchronize: no CUDA device " + std::to_string(device) + " (" + std::to_string(n) + " present)");
+  }
+  detail::DeviceGuard guard(device);
+  MHA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 }  // namespace cuda
 
 namespace detail {

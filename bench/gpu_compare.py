@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""GPU side-by-side: mha's fused CUDA forward against PyTorch's SDPA backends (flash, cudnn,
+efficient) on the same GPU, in the same run, on the same shapes.
+
+  python bench/gpu_compare.py                       # the issue's table: B*L = 16384 tokens, 2048 channels
+  python bench/gpu_compare.py --lengths 512 2048 8192 16384 --dims 64 128 --json out.json
+
+mha is timed by its command line (`build/tools/mha bench --device cuda --json`, which waits for
+the kernel after each call); PyTorch with CUDA events around each call. FLOPs: 4 * B * H * L * L * d
+forward (half when causal), 2.5x that for the backward (PyTorch's fwd+bwd column).
+Each figure is the median of --reps timed calls after warm-up calls.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def flops(B, H, L, d, causal):
+    return 4.0 * B * H * L * L * d * (0.5 if causal else 1.0)
+
+
+def time_cuda(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return statistics.median(times)
+
+
+def torch_backend(name, B, H, L, d, causal, dtype, reps):
+    q, k, v = (torch.randn(B, H, L, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(B, H, L, d, device="cuda", dtype=dtype)
+    try:
+        with sdpa_kernel(BACKENDS[name]):
+            fwd = time_cuda(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+            both = time_cuda(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad), reps)
+    except RuntimeError as e:  # a backend that does not take this shape
+        return {"error": str(e).splitlines()[0]}
+    return {"fwd_s": fwd, "fwd_bwd_s": both}
+
+
+def ours(binary, B, H, L, d, causal, dtype, reps):
+    cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "-b", str(B), "--heads", str(H), "--lq", str(L),
+           "--dim", str(d), "--reps", str(reps), "--warmup", "3", "--json"] + (["--causal"] if causal else [])
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return {"error": (r.stderr or r.stdout).strip().splitlines()[-1]}
+    return {"fwd_s": json.loads(r.stdout)["ms_median"] / 1e3}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--tokens", type=int, default=16384, help="B * L (B = tokens / L)")
+    ap.add_argument("--channels", type=int, default=2048, help="H * d (H = channels / d)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--binary", default=os.path.join(HERE, "..", "build", "tools", "mha"))
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: this comparison runs on a GPU machine")
+    dtype = getattr(torch, args.dtype)
+    print(f"# {torch.cuda.get_device_name()}, PyTorch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"{args.dtype}, B*L = {args.tokens}, H*d = {args.channels}")
+    print("| d | L | causal | mha fwd | flash fwd / fwd+bwd | cudnn fwd / fwd+bwd | efficient fwd / fwd+bwd | mha / best fwd |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
+    for d in args.dims:
+        for L in args.lengths:
+            for causal in (False, True):
+                B, H = max(1, args.tokens // L), args.channels // d
+                fl = flops(B, H, L, d, causal)
+                row = {"B": B, "H": H, "L": L, "d": d, "causal": causal, "mha": ours(args.binary, B, H, L, d, causal,
+                                                                                     args.dtype, args.reps)}
+                for name in BACKENDS:
+                    row[name] = torch_backend(name, B, H, L, d, causal, dtype, args.reps)
+                rows.append(row)
+
+                def tf(r, key, mult=1.0):
+                    return f"{mult * fl / r[key] / 1e12:.0f}" if key in r else "-"
+
+                best = max((fl / row[n]["fwd_s"] for n in BACKENDS if "fwd_s" in row[n]), default=None)
+                ratio = f"{fl / row['mha']['fwd_s'] / best:.2f}x" if best and "fwd_s" in row["mha"] else "-"
+                cells = [tf(row["mha"], "fwd_s")] + [f"{tf(row[n], 'fwd_s')} / {tf(row[n], 'fwd_bwd_s', 3.5)}"
+                                                     for n in BACKENDS]
+                print(f"| {d} | {L} | {int(causal)} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
+    print("TFLOP/s at the median; fwd+bwd counts 3.5x the forward's FLOPs.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
