@@ -108,7 +108,11 @@ def run_one(rng, c):
     assert np.all(w[dead] == 0), f"fully masked weight rows are not zero for {c}"
     live = ~dead
     if live.any():
-        err = np.abs(out[live] - ref[live]).max() / max(np.abs(ref[live]).max(), 1e-30)
+        # An output row is a convex combination of value rows, so its fp32 rounding is a few eps
+        # times the values' magnitude, not the output's: where the combination cancels (few keys,
+        # Dv = 1), the output is judged against a tenth of the largest value instead.
+        scale = max(np.abs(ref[live]).max(), 0.1 * np.abs(v).max(), 1e-30)
+        err = np.abs(out[live] - ref[live]).max() / scale
         assert err <= TOL, f"relative error {err:.3e} > {TOL} for {c}"
         sums = w.sum(-1)[live]
         assert np.allclose(sums, 1.0, atol=1e-5), f"weights do not sum to 1 for {c}"
