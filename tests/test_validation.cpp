@@ -137,6 +137,12 @@ TEST(Tensor, ViewsShareStorageAndKeepStrides) {
 }
 
 TEST(Tensor, DtypeConversionsRoundTrip) {
+  {  // a copy of a bool tensor holds exactly 0 or 1, whatever nonzero bytes the source had
+    const uint8_t bytes[4] = {0, 2, 255, 1};
+    const mha::Tensor c = mha::Tensor::copy_of(mha::TensorView(bytes, mha::DType::boolean, {4}));
+    const uint8_t* d = c.data<uint8_t>();
+    EXPECT_TRUE(d[0] == 0 && d[1] == 1 && d[2] == 1 && d[3] == 1);
+  }
   std::mt19937_64 rng(mha_test::test_seed());
   std::normal_distribution<float> normal;
   mha::Tensor t = mha::Tensor::empty({1000});

@@ -251,7 +251,7 @@ void convert_span(const void* src, void* dst, int64_t n) {
 bool copy_contiguous(const TensorView& src, const TensorView& dst, int64_t n) {
   if (!src.is_contiguous() || !dst.is_contiguous()) return false;
   const DType a = src.dtype, b = dst.dtype;
-  if (a == b) {
+  if (a == b && a != DType::boolean) {  // bool goes element-wise: any nonzero byte becomes exactly 1
     std::memmove(dst.data, src.data, static_cast<size_t>(n * dtype_size(a)));  // the two may be one
     return true;
   }

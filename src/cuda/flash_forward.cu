@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(const Params p)
 }
 
 template <class T, int D, int Bc>
-void launch(const Params& params, int batch, int device) {
+void launch(const Params& params, int batch) {
   constexpr int smem = (kRowsPerBlock + 2 * Bc) * (D + kPad) * static_cast<int>(sizeof(T));
   auto kernel = flash_forward_kernel<T, D, Bc>;
   MHA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -273,11 +273,11 @@ void launch(const Params& params, int batch, int device) {
 
 // Bc: 64 keys per tile up to D = 128; 32 at D = 256 to keep S and O within the register file.
 template <class T>
-void launch_for_dim(const Params& params, int dim, int batch, int device) {
+void launch_for_dim(const Params& params, int dim, int batch) {
   switch (dim) {
-    case 64: launch<T, 64, 64>(params, batch, device); break;
-    case 128: launch<T, 128, 64>(params, batch, device); break;
-    default: launch<T, 256, 32>(params, batch, device); break;
+    case 64: launch<T, 64, 64>(params, batch); break;
+    case 128: launch<T, 128, 64>(params, batch); break;
+    default: launch<T, 256, 32>(params, batch); break;
   }
 }
 
@@ -347,9 +347,9 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& out4, f
 
   DeviceGuard guard(p.q.device.index);
   if (dt == DType::bf16) {
-    launch_for_dim<__nv_bfloat16>(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch), p.q.device.index);
+    launch_for_dim<__nv_bfloat16>(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch));
   } else {
-    launch_for_dim<__half>(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch), p.q.device.index);
+    launch_for_dim<__half>(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch));
   }
 }
 
