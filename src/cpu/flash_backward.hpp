@@ -162,13 +162,13 @@ struct FlashBackward {
           grows[ii] = ii < ni ? grad_out_row(b, h, i0 + ii) : zero_row;
         }
         for (int64_t ii = 0; ii < nip; ii += kRows) {
-          T::dot_rows(pt + ii * kPanel, qrows + ii, kt, dk);  // scores, base 2
-          T::dot_rows(gt + ii * kPanel, grows + ii, vt, dv);  // dPd = dO V^T
+          T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt, dk);  // scores, base 2
+          T::dot_rows_call(gt + ii * kPanel, grows + ii, vt, dv);  // dPd = dO V^T
         }
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
         probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, jv);
-        T::accumulate(dvt, grows, pt, nip, dv);  // dV^T += dO^T Pd
-        T::accumulate(dkt, qrows, gt, nip, dk);  // dK^T += Q^T dS
+        T::accumulate_call(dvt, grows, pt, nip, dv);  // dV^T += dO^T Pd
+        T::accumulate_call(dkt, qrows, gt, nip, dk);  // dK^T += Q^T dS
       }
     }
     const float scale = static_cast<float>(p.scale);
@@ -233,8 +233,8 @@ struct FlashBackward {
         vrows[jj] = real ? row(p.v, b, hk, j0 + jj) : zero_row;
       }
       for (int64_t jj = 0; jj < njp; jj += kRows) {
-        T::dot_rows(st + jj * kPanel, krows + jj, qt, dk);
-        T::dot_rows(gt + jj * kPanel, vrows + jj, got, dv);
+        T::dot_rows_call(st + jj * kPanel, krows + jj, qt, dk);
+        T::dot_rows_call(gt + jj * kPanel, vrows + jj, got, dv);
       }
       for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], st, 1, kPanel, b, h, i0, ni, j0, nj);
       for (int c = 0; c < kVecs; ++c) {
@@ -259,7 +259,7 @@ struct FlashBackward {
           for (int64_t jj = 0; jj < nj; ++jj) dsr[(j0 + jj) * out.dscores_strides[3]] = st[jj * kPanel + ii];
         }
       }
-      T::accumulate(dqt, krows, st, njp, dk);  // dQ^T += K^T dS^T
+      T::accumulate_call(dqt, krows, st, njp, dk);  // dQ^T += K^T dS^T
     }
     if (out.dscores) {  // keys no query of the task sees
       for (int64_t ii = 0; ii < ni; ++ii) {
@@ -321,16 +321,16 @@ struct FlashBackward {
             grows[ii] = ii < ni ? grad_out_row(b, h, i0 + ii) : zero_row;
           }
           for (int64_t ii = 0; ii < kPanel; ii += kRows) {
-            T::dot_rows(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk);
-            T::dot_rows(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv);
+            T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk);
+            T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv);
           }
           for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
           probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, jv);
-          T::accumulate(dvt_all + kb * panel_v, grows, pt, kPanel, dv);  // dV^T += dO^T Pd
-          T::accumulate(dkt_all + kb * panel_k, qrows, gt, kPanel, dk);  // dK^T += Q^T dS
+          T::accumulate_call(dvt_all + kb * panel_v, grows, pt, kPanel, dv);  // dV^T += dO^T Pd
+          T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, kPanel, dk);  // dK^T += Q^T dS
           for (int64_t ii = 0; ii < kPanel; ++ii)                         // dS^T, for dQ
             for (int64_t jj = 0; jj < kPanel; ++jj) st[jj * kPanel + ii] = gt[ii * kPanel + jj];
-          T::accumulate(dqt_all + (i0 / kPanel) * panel_k, krows, st, kPanel, dk);  // dQ^T += K^T dS^T
+          T::accumulate_call(dqt_all + (i0 / kPanel) * panel_k, krows, st, kPanel, dk);  // dQ^T += K^T dS^T
         }
       }
       const float scale = static_cast<float>(p.scale);

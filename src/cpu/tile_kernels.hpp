@@ -60,6 +60,17 @@ struct Tiles {
         dot_rows_block<kBlockRows>(out + r0 * kWidth, rows + r0, panel, depth, c0);
   }
 
+  // The two products kept out of line, for large callers (the backward's group task): inlined
+  // there, GCC 12 kept the AVX2 accumulators (structs of two ymm) on the stack, a store and reload
+  // per FMA that halved the backward's speed. Small callers (the forward) inline them as they are.
+  [[gnu::noinline]] static void dot_rows_call(float* out, const float* const* rows, const float* panel, int64_t depth) {
+    dot_rows(out, rows, panel, depth);
+  }
+  [[gnu::noinline]] static void accumulate_call(float* acc, const float* const* rows, const float* weights, int64_t n,
+                                                int64_t cols) {
+    accumulate(acc, rows, weights, n, cols);
+  }
+
   // acc[r][c..] += sum_j rows[j][col0 + r] * weights[j][c..] for R columns and one block of vectors.
   template <int R>
   static void accumulate_block(float* acc, const float* const* rows, int64_t col0, const float* weights, int64_t n,
