@@ -38,8 +38,10 @@ struct FlashBackward {
   static constexpr int kLanes = S::kLanes;
   static constexpr int kVecs = T::kVecs;
   static constexpr int kPanel = T::kWidth;  // keys per pass-A task, queries per pass-B task
-  static constexpr int kBlock = 64;         // rows (queries in A, keys in B) per step
   static constexpr int kRows = T::kRowsPerTile;
+  // Rows (queries in A, keys in B) per step: 64, rounded up to whole dot_rows calls.
+  static constexpr int kBlock = (64 + kRows - 1) / kRows * kRows;
+  static_assert(kPanel % kRows == 0, "the group task runs dot_rows over whole 48-row panels");
 
   const AttentionProblem& p;
   const BackwardInputs& in;
@@ -135,8 +137,8 @@ struct FlashBackward {
     float* vt = kt + dk * kPanel;   // [Dv][48] V^T
     float* dkt = vt + dv * kPanel;  // [Dk][48] dK^T accumulator
     float* dvt = dkt + dk * kPanel; // [Dv][48] dV^T accumulator
-    float* pt = dvt + dv * kPanel;  // [64][48] P, then Pd
-    float* gt = pt + kBlock * kPanel;  // [64][48] dPd, then dS
+    float* pt = dvt + dv * kPanel;  // [kBlock][48] P, then Pd
+    float* gt = pt + kBlock * kPanel;  // [kBlock][48] dPd, then dS
     const float* zero_row = gt + kBlock * kPanel;
     for (int64_t jj = 0; jj < nk; ++jj) {
       const float* kr = row(p.k, b, hk, j0 + jj);
@@ -190,8 +192,8 @@ struct FlashBackward {
     float* qt = buf.data;            // [Dk][48] Q^T, scaled
     float* got = qt + dk * kPanel;   // [Dv][48] dO^T
     float* dqt = got + dv * kPanel;  // [Dk][48] dQ^T accumulator
-    float* st = dqt + dk * kPanel;   // [64][48] scores, then dS
-    float* gt = st + kBlock * kPanel;  // [64][48] dPd
+    float* st = dqt + dk * kPanel;   // [kBlock][48] scores, then dS
+    float* gt = st + kBlock * kPanel;  // [kBlock][48] dPd
     float* lse2 = gt + kBlock * kPanel;
     float* delta = lse2 + kPanel;
     uint32_t* limit = reinterpret_cast<uint32_t*>(delta + kPanel);

@@ -39,8 +39,9 @@ struct FlashForward {
   static constexpr int kLanes = S::kLanes;
   static constexpr int kVecs = T::kVecs;
   static constexpr int kBlockQ = T::kWidth;  // queries per task
-  static constexpr int kBlockK = 64;         // keys per softmax step: the S^T tile is 64 x 48
   static constexpr int kKeysPerTile = T::kRowsPerTile;
+  // Keys per softmax step (the S^T tile is kBlockK x 48): 64, rounded up to whole dot_rows calls.
+  static constexpr int kBlockK = (64 + kKeysPerTile - 1) / kKeysPerTile * kKeysPerTile;
 
   const AttentionProblem& p;
   const ForwardOutputs& o;

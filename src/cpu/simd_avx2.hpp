@@ -11,8 +11,9 @@ namespace mha::detail::simd {
 
 struct Avx2 {
   static constexpr int kLanes = 16;
-  // Register block of the tile products (tile_kernels.hpp): 4 rows x 1 vector (2 ymm): 8 accumulators + 2 operands + 1 broadcast of 16 ymm registers.
-  static constexpr int kBlockRows = 4, kBlockVecs = 1;
+  // Register block of the tile products (tile_kernels.hpp): 6 rows x 1 vector (2 ymm): 12
+  // accumulators + 2 operands + 1 broadcast of 16 ymm registers; 12 rows per dot_rows call.
+  static constexpr int kBlockRows = 6, kBlockVecs = 1, kRowsPerTile = 12;
   struct F {
     __m256 lo, hi;
   };

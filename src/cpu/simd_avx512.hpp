@@ -10,7 +10,7 @@ namespace mha::detail::simd {
 struct Avx512 {
   static constexpr int kLanes = 16;
   // Register block of the tile products (tile_kernels.hpp): 8 rows x 3 vectors: 24 accumulators + 3 operands + 1 broadcast of 32 zmm registers.
-  static constexpr int kBlockRows = 8, kBlockVecs = 3;
+  static constexpr int kBlockRows = 8, kBlockVecs = 3, kRowsPerTile = 8;
   using F = __m512;
   using U = __m512i;  // 16 x uint32
   using M = __mmask16;

@@ -10,7 +10,7 @@ namespace mha::detail::simd {
 struct Portable {
   static constexpr int kLanes = 16;
   // Register block of the tile products (tile_kernels.hpp): as AVX2: the compiler's vectors are at most that wide here.
-  static constexpr int kBlockRows = 4, kBlockVecs = 1;
+  static constexpr int kBlockRows = 4, kBlockVecs = 1, kRowsPerTile = 8;
   struct F {
     float v[kLanes];
   };

@@ -23,14 +23,16 @@ struct Tiles {
   static constexpr int kLanes = S::kLanes;
   static constexpr int kVecs = 3;                 // 24 accumulators + 3 operands fit 32 zmm registers
   static constexpr int kWidth = kLanes * kVecs;   // floats per panel row
-  static constexpr int kRowsPerTile = 8;          // broadcast rows per register tile
+  static constexpr int kRowsPerTile = S::kRowsPerTile;  // broadcast rows per dot_rows call
 
   static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
   // The register block of the two products: kBlockRows broadcast rows times kBlockVecs vectors of
   // the panel, from the SIMD layer. AVX-512 (32 registers) holds a whole 8 x 48 tile, 24
-  // accumulators; AVX2 (16 ymm registers, two per 16-lane vector) a 4 x 16 block, 8 accumulators
-  // and 2 operands. A block that does not fit the register file spills every iteration.
+  // accumulators; AVX2 (16 ymm registers, two per 16-lane vector) a 6 x 16 block, 12 accumulators,
+  // 2 operands and a broadcast, the shape of the classic AVX2 GEMM kernel: 8 loads per 12 FMAs,
+  // where a 4 x 16 block needs 6 per 8 and leaves the FMA units waiting on the loads. A block that
+  // does not fit the register file spills every iteration.
   static constexpr int kBlockRows = S::kBlockRows;
   static constexpr int kBlockVecs = S::kBlockVecs;
   static_assert(kRowsPerTile % kBlockRows == 0 && kVecs % kBlockVecs == 0);
@@ -102,11 +104,12 @@ struct Tiles {
     }
   }
 
-  // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, 8 at a time.
+  // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, a register block at a time.
+  static_assert(kBlockRows <= 8, "accumulate's remainder switch covers up to 7 columns");
   static void accumulate(float* acc, const float* const* rows, const float* weights, int64_t n, int64_t cols) {
     int64_t c0 = 0;
-    for (; c0 + kRowsPerTile <= cols; c0 += kRowsPerTile) {
-      accumulate_cols<kRowsPerTile>(acc + c0 * kWidth, rows, c0, weights, n);
+    for (; c0 + kBlockRows <= cols; c0 += kBlockRows) {
+      accumulate_cols<kBlockRows>(acc + c0 * kWidth, rows, c0, weights, n);
     }
     float* a = acc + c0 * kWidth;
     switch (cols - c0) {  // the columns left over, one instance per count
