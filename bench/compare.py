@@ -8,7 +8,8 @@ run, on the same inputs and thread count.
 
 FLOPs: forward 4 * B * H * Lq * Lk * d (only the pairs a causal mask keeps), backward 2.5x that
 (the convention of FlashAttention's papers); the module adds its four E x E projections.
-Each figure is the median of --reps timed calls after three warm-up calls.
+Each figure is the median of --reps timed calls after three warm-up calls; ours and PyTorch's
+alternate call by call, so a shared machine's load swings fall on both alike.
 """
 
 import argparse
@@ -24,15 +25,19 @@ import mha
 from mha import _mha
 
 
-def median_seconds(fn, reps):
+def paired_medians(ours, theirs, reps):
+    """Median seconds of each of two calls, timed in alternation (ours, theirs, ours, ...) so that
+    a shared machine's load swings fall on both sides alike rather than on whichever ran second."""
     for _ in range(3):  # warm-up: thread pools, scratch buffers, caches
-        fn()
-    times = []
+        ours()
+        theirs()
+    times = ([], [])
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, out in ((ours, times[0]), (theirs, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def attention_flops(B, H, L, d, causal):
@@ -46,16 +51,16 @@ def bench_sdpa(B, H, L, d, causal, reps, rows):
     flops = attention_flops(B, H, L, d, causal)
     shape = f"B={B} H={H} L={L} d={d}{' causal' if causal else ''}"
 
-    ours_fwd = median_seconds(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
-    torch_fwd = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+    ours_fwd, torch_fwd = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                         lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
     rows.append(("sdpa fwd fp32", shape, ours_fwd, torch_fwd, flops))
 
     out, lse = _mha.sdpa_train(q, k, v, None, 0.0, causal, None, False, 0, False, 0)
-    ours_bwd = median_seconds(lambda: _mha.sdpa_backward(q, k, v, out, lse, go, None, 0.0, causal, None, False, 0,
-                                                         False, 0, False), reps)
     qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-    torch_bwd = median_seconds(lambda: torch.autograd.grad(ref, (qt, kt, vt), go, retain_graph=True), reps)
+    ours_bwd, torch_bwd = paired_medians(
+        lambda: _mha.sdpa_backward(q, k, v, out, lse, go, None, 0.0, causal, None, False, 0, False, 0, False),
+        lambda: torch.autograd.grad(ref, (qt, kt, vt), go, retain_graph=True), reps)
     rows.append(("sdpa bwd fp32", shape, ours_bwd, torch_bwd, 2.5 * flops))
 
 
@@ -64,8 +69,8 @@ def bench_sdpa_bf16(B, H, L, d, causal, reps, rows):
     q, k, v = (torch.randn(B, H, L, d, generator=g).to(torch.bfloat16) for _ in range(3))
     flops = attention_flops(B, H, L, d, causal)
     shape = f"B={B} H={H} L={L} d={d}{' causal' if causal else ''}"
-    ours = median_seconds(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
-    theirs = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+    ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                  lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
     rows.append(("sdpa fwd bf16", shape, ours, theirs, flops))
 
 
@@ -76,8 +81,8 @@ def bench_module(E, H, B, L, reps, rows):
     x = torch.randn(B, L, E)
     flops = attention_flops(B, H, L, E // H, False) + 4 * 2.0 * B * L * E * E
     with torch.no_grad():
-        ours_t = median_seconds(lambda: ours(x, x, x, need_weights=False), reps)
-        torch_t = median_seconds(lambda: ref(x, x, x, need_weights=False), reps)
+        ours_t, torch_t = paired_medians(lambda: ours(x, x, x, need_weights=False),
+                                         lambda: ref(x, x, x, need_weights=False), reps)
     rows.append(("module fwd fp32", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
 
 

@@ -83,12 +83,12 @@ struct FlashBackward {
     }
   }
 
-  // Rows of queries i0.. against a 48-key panel (lanes jv), with base-2 scores in pt and
+  // Rows of queries i0.. against a 48-key panel starting at j0 (lanes jv), with base-2 scores in pt and
   // dPd = dO V^T in gt: pt becomes Pd = P Z / (1 - p) and gt becomes dS = P (dP - D), with
   // P = 2^(s - lse) where the key is visible and 0 elsewhere. Rows from `ni` to `rows` (padding)
   // become zero.
   void probabilities_and_score_gradients(float* pt, float* gt, int64_t rows, int64_t ni, int64_t b, int64_t h,
-                                         int64_t i0, const U* jv) const {
+                                         int64_t i0, int64_t j0, const U* jv) const {
     const bool dropout = p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
@@ -104,7 +104,9 @@ struct FlashBackward {
       const int64_t r = row_index(b, h, i);
       const F lse2 = S::set1(in.lse[r] * kLog2e);
       const F delta = S::set1(in.delta[r]);
-      const U limit = S::set1_u(static_cast<uint32_t>(causal_limit(i)));
+      const int64_t row_limit = causal_limit(i);
+      const U limit = S::set1_u(static_cast<uint32_t>(row_limit));
+      const bool all_visible = row_limit >= j0 + kPanel;  // the usual case: no lane to zero
       U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
       if (dropout) {
         const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
@@ -112,8 +114,8 @@ struct FlashBackward {
         key_hi = S::set1_u(key.hi);
       }
       for (int c = 0; c < kVecs; ++c) {
-        const M visible = S::lt_i(jv[c], limit);  // causality and keys past Lk
-        const F pr = S::select(visible, S::exp2(S::sub(S::load(prow + c * kLanes), lse2)), zero);
+        F pr = S::exp2(S::sub(S::load(prow + c * kLanes), lse2));
+        if (!all_visible) pr = S::select(S::lt_i(jv[c], limit), pr, zero);  // causality, keys past Lk
         F dp = S::load(grow + c * kLanes);
         F pd = pr;
         if (dropout) {
@@ -168,7 +170,7 @@ struct FlashBackward {
           T::dot_rows_call(gt + ii * kPanel, grows + ii, vt, dv);  // dPd = dO V^T
         }
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
-        probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, jv);
+        probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, j0, jv);
         T::accumulate_call(dvt, grows, pt, nip, dv);  // dV^T += dO^T Pd
         T::accumulate_call(dkt, qrows, gt, nip, dk);  // dK^T += Q^T dS
       }
@@ -327,11 +329,10 @@ struct FlashBackward {
             T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv);
           }
           for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
-          probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, jv);
+          probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, j0, jv);
           T::accumulate_call(dvt_all + kb * panel_v, grows, pt, kPanel, dv);  // dV^T += dO^T Pd
           T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, kPanel, dk);  // dK^T += Q^T dS
-          for (int64_t ii = 0; ii < kPanel; ++ii)                         // dS^T, for dQ
-            for (int64_t jj = 0; jj < kPanel; ++jj) st[jj * kPanel + ii] = gt[ii * kPanel + jj];
+          T::transpose_panel(gt, st);                                      // dS^T, for dQ
           T::accumulate_call(dqt_all + (i0 / kPanel) * panel_k, krows, st, kPanel, dk);  // dQ^T += K^T dS^T
         }
       }

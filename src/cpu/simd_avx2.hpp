@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "cpu/transpose_avx.hpp"
+
 namespace mha::detail::simd {
 
 struct Avx2 {
@@ -74,6 +76,10 @@ struct Avx2 {
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
   }
   static F exp2(F x) { return {exp2_half(x.lo), exp2_half(x.hi)}; }
+
+  static void transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+    transpose8x8_avx(src, src_stride, dst, dst_stride);
+  }
 
   static U load_u(const uint32_t* p) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "cpu/transpose_avx.hpp"
+
 namespace mha::detail::simd {
 
 struct Avx512 {
@@ -24,6 +26,9 @@ struct Avx512 {
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static void transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+    transpose8x8_avx(src, src_stride, dst, dst_stride);
+  }
   static F select(M m, F if_true, F if_false) { return _mm512_mask_blend_ps(m, if_false, if_true); }
   static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }

@@ -124,6 +124,19 @@ struct Tiles {
     }
   }
 
+  // dst[c][r] = src[r][c] for a kWidth x kWidth panel, in 8 x 8 blocks where the SIMD layer has a
+  // block transpose (the portable layer does not).
+  static void transpose_panel(const float* src, float* dst) {
+    static_assert(kWidth % 8 == 0);
+    if constexpr (requires { S::transpose8x8(src, int64_t{0}, dst, int64_t{0}); }) {
+      for (int r = 0; r < kWidth; r += 8)
+        for (int c = 0; c < kWidth; c += 8) S::transpose8x8(src + r * kWidth + c, kWidth, dst + c * kWidth + r, kWidth);
+    } else {
+      for (int r = 0; r < kWidth; ++r)
+        for (int c = 0; c < kWidth; ++c) dst[c * kWidth + r] = src[r * kWidth + c];
+    }
+  }
+
   // tile[ii * row_step + jj * col_step] += log2(e) * mask(b, h, i0 + ii, j0 + jj) for ii < rows,
   // jj < cols: walked along the mask's rows (where masks are usually contiguous), one loop per kind.
   static void add_mask(const MaskTerm& t, float* tile, int64_t row_step, int64_t col_step, int64_t b, int64_t h,
