@@ -96,15 +96,19 @@ TEST(SdpaBackward, MatchesFloat64ReferenceOnEveryIsa) {
 // With 16 or more (batch, key/value head) groups the backward runs its one-pass schedule.
 TEST(SdpaBackward, OnePassScheduleMatchesReference) {
   std::mt19937_64 rng(test_seed());
-  for (int n = 0; n < 4; ++n) {
+  const std::vector<mha::detail::Isa> isas = mha::detail::supported_isas();
+  for (int n = 0; n < 4 * static_cast<int>(isas.size()); ++n) {
+    const mha::detail::Isa isa = isas[n / 4];
+    mha::detail::force_isa(isa);
+    SCOPED_TRACE(mha::detail::isa_name(isa));
     const mha::Tensor q = randn({3, 12, 53, 20}, rng), k = randn({3, 6, 61, 20}, rng), v = randn({3, 6, 61, 9}, rng);
     const mha::Tensor g = randn({3, 12, 53, 9}, rng);
     mha::Tensor mask = mha::Tensor::empty({53, 61}, mha::DType::boolean);
     for (int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = rng() % 5 != 0;
-    mha::SdpaOptions o{.is_causal = n % 2 == 1, .causal_alignment = n == 3 ? mha::CausalAlignment::BottomRight
+    mha::SdpaOptions o{.is_causal = n % 2 == 1, .causal_alignment = n % 4 == 3 ? mha::CausalAlignment::BottomRight
                                                                          : mha::CausalAlignment::TopLeft,
-                       .enable_gqa = true, .dropout_p = n >= 2 ? 0.2 : 0.0, .dropout_seed = rng()};
-    if (n == 0) o.attn_mask = mask.view();
+                       .enable_gqa = true, .dropout_p = n % 4 >= 2 ? 0.2 : 0.0, .dropout_seed = rng()};
+    if (n % 4 == 0) o.attn_mask = mask.view();
     const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
     const auto grads = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o);
     const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, g, o);
@@ -118,6 +122,7 @@ TEST(SdpaBackward, OnePassScheduleMatchesReference) {
                   same_bits(again.value, grads.value));
     }
   }
+  mha::detail::force_isa(std::nullopt);
 }
 
 TEST(SdpaBackward, StridedInputsAndGradientViews) {
