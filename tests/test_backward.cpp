@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <vector>
 
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
