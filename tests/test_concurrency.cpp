@@ -1,14 +1,17 @@
 // Threads: one module shared by many user threads, the pool called from many threads and from a
-// forked child, and exceptions thrown inside worker tasks reaching the caller.
+// forked child, exceptions thrown inside worker tasks reaching the caller, and the pool's
+// conversion copies matching the serial one.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
+#include "core/parallel_copy.hpp"
 #include "core/thread_pool.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
@@ -32,6 +35,30 @@ TEST(Concurrency, SharedModuleGivesTheSerialResults) {
   }
   for (auto& t : threads) t.join();
   for (int t = 0; t < 8; ++t) EXPECT_TRUE(mha_test::same_bits(parallel[t], serial[t])) << t;
+}
+
+// The widening and rounding around the low-precision kernels: the serial copy's bits, for strided
+// views, conversions both ways and shapes whose leading dimensions are 1 or odd.
+TEST(Concurrency, ParallelCopyMatchesTheSerialCopy) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  for (const mha::Shape& shape : std::vector<mha::Shape>{{3, 5, 257, 70}, {1, 2, 2100, 67}, {2, 700, 190}}) {
+    const mha::Tensor src = mha_test::randn(shape, rng);
+    const mha::TensorView strided = src.view().slice(-1, 1, shape.back() - 2);  // rows with a gap
+    const mha::Tensor bf16 = mha::Tensor::copy_of(strided, mha::DType::bf16);
+    for (int threads : {1, 2, 3, 8}) {
+      const mha::Tensor serial = mha::Tensor::copy_of(strided, mha::DType::bf16);
+      const mha::Tensor parallel = mha::detail::parallel_copy_of(strided, mha::DType::bf16, threads);
+      EXPECT_EQ(std::memcmp(serial.data<uint16_t>(), parallel.data<uint16_t>(), 2 * serial.numel()), 0) << threads;
+      const mha::Tensor wide = mha::detail::parallel_copy_of(bf16.view(), mha::DType::f32, threads);
+      EXPECT_TRUE(mha_test::same_bits(wide, mha::Tensor::copy_of(bf16.view(), mha::DType::f32))) << threads;
+      mha::Tensor back = mha::Tensor::copy_of(src.view(), mha::DType::f32);  // into a strided destination
+      mha::detail::parallel_copy_into(bf16.view(), back.view().slice(-1, 1, shape.back() - 2), threads);
+      const mha::Tensor written = mha::Tensor::copy_of(back.view().slice(-1, 1, shape.back() - 2), mha::DType::f32);
+      EXPECT_TRUE(mha_test::same_bits(written, wide)) << threads;
+    }
+  }
+  const mha::Tensor a = mha::Tensor::empty({4, 300, 300}), b = mha::Tensor::empty({4, 300, 301});
+  EXPECT_THROW(mha::detail::parallel_copy_into(a.view(), b.view(), 2), mha::Error);
 }
 
 TEST(Concurrency, ExceptionsInTasksReachTheCaller) {

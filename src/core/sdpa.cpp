@@ -5,6 +5,8 @@
 #include <array>
 
 #include "core/attention_problem.hpp"
+#include "core/parallel_copy.hpp"
+#include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cuda/cuda_attention.hpp"
@@ -49,15 +51,17 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
     detail::amx_bf16_forward(p, o);
     return;
   }
-  const Tensor q32 = Tensor::copy_of(q, DType::f32), k32 = Tensor::copy_of(k, DType::f32),
-               v32 = Tensor::copy_of(v, DType::f32);
+  const int threads = detail::resolve_threads(options.num_threads);
+  const Tensor q32 = detail::parallel_copy_of(q, DType::f32, threads),
+               k32 = detail::parallel_copy_of(k, DType::f32, threads),
+               v32 = detail::parallel_copy_of(v, DType::f32, threads);
   const AttentionProblem p32 = detail::make_sdpa_problem(q32, k32, v32, options, detail::InputDtypes::f32);
   const Tensor out32 = Tensor::empty(out.sizes());
   Tensor weights32;
   if (weights) weights32 = Tensor::empty(weights->sizes());
   run(p32, out32, weights ? &weights32.view() : nullptr);
-  copy_into(out32, out);
-  if (weights) copy_into(weights32, *weights);
+  detail::parallel_copy_into(out32, out, threads);
+  if (weights) detail::parallel_copy_into(weights32, *weights, threads);
 }
 
 // Operands in CUDA memory go to the GPU kernel, which computes no weights matrix.
