@@ -4,7 +4,7 @@ SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test test-cpp test-python test-sanitize fuzz parity-long python deps configure build bench clean cuda-report
+.PHONY: demo test test-cpp test-python test-sanitize fuzz parity-long python deps configure build bench onednn-bench clean cuda-report
 PARITY_COUNT ?= 2000
 
 deps:
@@ -76,8 +76,19 @@ test-python: python
 parity-long: python
 	@$(BUILD)/venv/bin/python -m pytest -q -W ignore::UserWarning python/tests --parity-count 50000
 
-# The side-by-side comparison with PyTorch (table, plot in docs/) and the Google Benchmark suite.
-bench: build python
+# oneDNN's SDPA (its Graph API) as a third column of the comparison: the oneDNN 3.2 wheels from PyPI
+# go into the virtual environment, and bench/onednn_sdpa.cpp is built against them.
+ONEDNN_VERSION ?= 2023.2.0
+onednn-bench: python
+	@$(BUILD)/venv/bin/python -m pip show -q onednn-devel-cpu-gomp >/dev/null 2>&1 || \
+	  $(BUILD)/venv/bin/pip install -q onednn-cpu-gomp==$(ONEDNN_VERSION) onednn-devel-cpu-gomp==$(ONEDNN_VERSION)
+	@mkdir -p $(BUILD)/bench
+	@$(CXX) -std=c++17 -O2 -I$(BUILD)/venv/include bench/onednn_sdpa.cpp -L$(BUILD)/venv/lib -ldnnl \
+	  -Wl,-rpath,$(abspath $(BUILD))/venv/lib -o $(BUILD)/bench/onednn_sdpa
+
+# The side-by-side comparison with PyTorch and oneDNN (table, plot in docs/) and the Google
+# Benchmark suite.
+bench: build python onednn-bench
 	@$(BUILD)/venv/bin/python -c "import matplotlib" 2>/dev/null || $(BUILD)/venv/bin/pip install -q matplotlib
 	@$(BUILD)/venv/bin/python bench/compare.py --lengths 128 512 2048 --dims 64 128 --plot docs/attention_gflops.png --peak-memory 32768
 	@$(BUILD)/bench/mha_bench --benchmark_min_time=0.5

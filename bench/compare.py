@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark: mha's fused CPU kernels against PyTorch on the same machine, in the same
-run, on the same inputs and thread count.
+run, on the same inputs and thread count; and against oneDNN's SDPA (its Graph API) where
+`make onednn-bench` has built bench/onednn_sdpa.cpp.
 
   python bench/compare.py                      # the headline shapes (B=4, H=16, L=2048, d=64)
   python bench/compare.py --lengths 512 2048 --dims 64 128 --threads 2 --json out.json
@@ -14,8 +15,11 @@ alternate call by call, so a shared machine's load swings fall on both alike.
 
 import argparse
 import json
+import os
+import subprocess
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,6 +42,34 @@ def paired_medians(ours, theirs, reps):
             fn()
             out.append(time.perf_counter() - t0)
     return statistics.median(times[0]), statistics.median(times[1])
+
+
+ONEDNN_DEFAULT = Path(__file__).resolve().parent.parent / "build" / "bench" / "onednn_sdpa"
+
+
+def onednn_seconds(binary, B, H, L, d, causal, dtype, threads, reps):
+    """Median seconds of oneDNN's SDPA graph (bench/onednn_sdpa.cpp, built by `make onednn-bench`),
+    or None where it is not built, cannot run this case on this CPU (bf16 matmul without
+    AVX512-BF16), or would not fit in memory: oneDNN 3.2 on CPUs without AVX-512 does not fuse
+    the graph, so it materialises 3-4 score tensors of B*H*L*L floats."""
+    if binary is None or not Path(binary).exists():
+        return None
+    needed = (4 if causal else 3) * B * H * L * L * 4
+    if needed > 0.6 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        return None
+    cmd = [str(binary), "--batch", str(B), "--heads", str(H), "--len", str(L), "--dim", str(d),
+           "--dtype", dtype, "--reps", str(reps)] + (["--causal"] if causal else [])
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                         env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    try:
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return None
+    if "error" in result:
+        return None
+    if result["max_rel_error"] > (2e-2 if dtype == "bf16" else 1e-4):  # a wrong graph is not a result
+        raise RuntimeError(f"oneDNN SDPA disagrees with float64: {result} for {' '.join(cmd)}")
+    return result["ms"] / 1e3
 
 
 def attention_flops(B, H, L, d, causal):
@@ -152,6 +184,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-module", action="store_true")
+    ap.add_argument("--onednn", default=str(ONEDNN_DEFAULT),
+                    help="oneDNN SDPA benchmark binary (make onednn-bench); its column is left out if absent")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--plot", help="also draw GFLOP/s against sequence length to this PNG (needs matplotlib)")
     ap.add_argument("--peak-memory", type=int, metavar="L",
@@ -163,18 +197,32 @@ def main():
     print(f"threads={args.threads}  mha ISA={mha.cpu_isa()}  torch {torch.__version__} "
           f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
     rows = []
+    onednn = {}  # (op, shape) -> seconds of oneDNN's SDPA, where it ran
     for L in args.lengths:
         for d in args.dims:
             for causal in (False, True):
                 bench_sdpa(args.batch, args.heads, L, d, causal, args.reps, rows)
                 bench_sdpa_bf16(args.batch, args.heads, L, d, causal, args.reps, rows)
+                shape = f"B={args.batch} H={args.heads} L={L} d={d}{' causal' if causal else ''}"
+                for op, dtype in (("sdpa fwd fp32", "f32"), ("sdpa fwd bf16", "bf16")):
+                    onednn[(op, shape)] = onednn_seconds(args.onednn, args.batch, args.heads, L, d, causal, dtype,
+                                                         args.threads, args.reps)
     if not args.no_module:
         bench_module(1024, 16, 4, 512, args.reps, rows)
 
-    print(f"{'op':<16} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'torch ms':>9} {'GFLOP/s':>8} {'speedup':>8}")
+    with_onednn = any(t is not None for t in onednn.values())
+    print(f"{'op':<16} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'torch ms':>9} {'GFLOP/s':>8} {'speedup':>8}"
+          + (f" {'oneDNN ms':>10} {'GFLOP/s':>8} {'speedup':>8}" if with_onednn else ""))
     for op, shape, ours, theirs, flops in rows:
-        print(f"{op:<16} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f} {theirs * 1e3:9.1f} "
-              f"{flops / theirs / 1e9:8.1f} {theirs / ours:7.2f}x")
+        line = (f"{op:<16} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f} {theirs * 1e3:9.1f} "
+                f"{flops / theirs / 1e9:8.1f} {theirs / ours:7.2f}x")
+        if with_onednn:
+            t = onednn.get((op, shape))
+            line += f" {t * 1e3:10.1f} {flops / t / 1e9:8.1f} {t / ours:7.2f}x" if t else f" {'n/a':>10}"
+        print(line)
+    if with_onednn:
+        print("oneDNN: its Graph API SDPA (bench/onednn_sdpa.cpp), timed in its own process after ours and "
+              "PyTorch's; n/a where it cannot run the case here or would not fit in memory.")
     if args.peak_memory:
         for impl in ("mha", "torch"):
             print(f"peak resident memory added by one {impl} fp32 SDPA forward at B=1 H=16 L={args.peak_memory} "
@@ -185,7 +233,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(op=op, shape=shape, mha_ms=o * 1e3, torch_ms=t * 1e3, flops=fl,
-                            mha_gflops=fl / o / 1e9, torch_gflops=fl / t / 1e9, speedup=t / o)
+                            mha_gflops=fl / o / 1e9, torch_gflops=fl / t / 1e9, speedup=t / o,
+                            onednn_ms=(onednn.get((op, shape)) or 0) * 1e3 or None)
                        for op, shape, o, t, fl in rows], f, indent=1)
 
 
