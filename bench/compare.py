@@ -234,7 +234,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump([dict(op=op, shape=shape, mha_ms=o * 1e3, torch_ms=t * 1e3, flops=fl,
                             mha_gflops=fl / o / 1e9, torch_gflops=fl / t / 1e9, speedup=t / o,
-                            onednn_ms=(onednn.get((op, shape)) or 0) * 1e3 or None)
+                            onednn_ms=None if onednn.get((op, shape)) is None else onednn[(op, shape)] * 1e3)
                        for op, shape, o, t, fl in rows], f, indent=1)
 
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -34,10 +35,12 @@ struct SdpaCase {
 SdpaCase draw_sdpa_case(std::mt19937_64& rng) {
   auto pick = [&](int lo, int hi) { return static_cast<int64_t>(std::uniform_int_distribution<int>(lo, hi)(rng)); };
   auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
-  static const int64_t sizes[] = {1, 3, 7, 15, 16, 17, 47, 48, 49, 64, 65, 113};
+  // Around the 48-row panels and the row blocks: 64 rows (AVX-512, portable), 72 (AVX2), and 12-row calls.
+  static const int64_t sizes[] = {1, 3, 7, 12, 13, 15, 16, 17, 47, 48, 49, 64, 65, 72, 73, 113};
+  constexpr int kLast = static_cast<int>(std::size(sizes)) - 1;
   SdpaCase c;
   const int64_t B = pick(1, 2), Hkv = pick(1, 2), Hq = Hkv * pick(1, 3);
-  const int64_t Lq = sizes[pick(0, 11)], Lk = coin(0.3) ? Lq : sizes[pick(0, 11)];
+  const int64_t Lq = sizes[pick(0, kLast)], Lk = coin(0.3) ? Lq : sizes[pick(0, kLast)];
   const int64_t Dk = pick(1, 40), Dv = coin(0.5) ? Dk : pick(1, 40);
   c.q = randn({B, Hq, Lq, Dk}, rng);
   c.k = randn({B, Hkv, Lk, Dk}, rng);

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -47,8 +48,10 @@ double score_tolerance(const mha::TensorView& q, const mha::TensorView& k, doubl
   return std::max(kTolerance, 4.0 * std::ldexp(1.0, -24) * scale * max_row_norm(q) * max_row_norm(k));
 }
 
-// Sizes around the kernel's tiles (48 queries, 64 keys, 8 rows) and odd ones.
-const int64_t kLengths[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 47, 48, 49, 63, 64, 65, 113, 130};
+// Sizes around the kernel's tiles and odd ones: 48 queries per task; 64 keys per step in 8-row
+// calls (AVX-512, portable), 72 keys in 12-row calls (AVX2).
+const int64_t kLengths[] = {1, 2, 3, 7, 8, 9, 11, 12, 13, 15, 16, 17, 47, 48, 49, 63, 64, 65, 71, 72, 73, 113, 130};
+constexpr int64_t kLastLength = static_cast<int64_t>(std::size(kLengths)) - 1;
 
 struct Case {
   mha::Tensor q_store, k_store, v_store, mask;
@@ -65,7 +68,7 @@ Case draw(std::mt19937_64& rng) {
   const int64_t B = rank == 4 ? pick(1, 2) : 1;
   const int64_t Hkv = rank >= 3 ? pick(1, 3) : 1;
   const int64_t Hq = rank >= 3 && coin(0.4) ? Hkv * pick(2, 3) : Hkv;
-  const int64_t Lq = kLengths[pick(0, 16)], Lk = coin(0.3) ? Lq : kLengths[pick(0, 16)];
+  const int64_t Lq = kLengths[pick(0, kLastLength)], Lk = coin(0.3) ? Lq : kLengths[pick(0, kLastLength)];
   const int64_t Dk = coin(0.2) ? pick(65, 160) : pick(1, 64), Dv = coin(0.5) ? Dk : pick(1, 96);
   auto shape = [&](int64_t h, int64_t l, int64_t d) {
     mha::Shape full{B, h, l, d};
