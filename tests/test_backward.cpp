@@ -11,6 +11,8 @@
 #include <functional>
 #include <iterator>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/dispatch.hpp"
@@ -19,6 +21,7 @@
 
 namespace {
 
+using mha_test::expect_error;
 using mha_test::max_abs;
 using mha_test::randn;
 using mha_test::rel_error;
@@ -217,6 +220,53 @@ TEST(SdpaBackward, BitIdenticalAcrossRunsAndThreadCounts) {
     EXPECT_TRUE(same_bits(grads.value, first.value)) << threads << " threads";
     EXPECT_TRUE(same_bits(*grads.attn_mask, *first.attn_mask)) << threads << " threads";
   }
+}
+
+// bfloat16 and float16 training is the float32 path on widened copies, with the output and the
+// gradients rounded once to the inputs' dtype: checked bit for bit against exactly that, built
+// from the float32 functions (which the tests above judge against float64). The output is also
+// judged against float64 on the same rounded inputs, within a few units of the dtype's rounding
+// (bf16 2^-9, fp16 2^-12). Gradients are not: D = rowsum(dO O) uses the rounded output, as
+// PyTorch's bf16 backward does, so a gradient that cancels to ~0 (one visible key) keeps that
+// rounding, e.g. 2e-2 of the largest gradient at Lq = Lk = 1.
+TEST(SdpaBackward, LowPrecisionTrainingIsTheFloat32PathRoundedOnce) {
+  std::mt19937_64 rng(test_seed());
+  auto wide = [](const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); };
+  for (const auto& [dtype, tolerance] : {std::pair{mha::DType::bf16, 1e-2}, std::pair{mha::DType::f16, 2e-3}}) {
+    for (int n = 0; n < 6; ++n) {
+      SdpaCase c = draw_sdpa_case(rng);
+      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " " + c.describe);
+      const mha::Tensor q = mha::Tensor::copy_of(c.q, dtype), k = mha::Tensor::copy_of(c.k, dtype),
+                        v = mha::Tensor::copy_of(c.v, dtype), grad = mha::Tensor::copy_of(c.grad, dtype);
+      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, c.options);
+      const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, c.options, c.mask_grad);
+      ASSERT_EQ(saved.output.dtype(), dtype);
+      ASSERT_EQ(saved.lse.dtype(), mha::DType::f32);
+      ASSERT_EQ(g.query.dtype(), dtype);
+
+      const auto saved32 = mha::scaled_dot_product_attention_for_training(wide(q), wide(k), wide(v), c.options);
+      EXPECT_TRUE(same_bits(saved.output, mha::Tensor::copy_of(saved32.output, dtype)));
+      EXPECT_TRUE(same_bits(saved.lse, saved32.lse));
+      const mha::AttentionForTraining rounded_saved{wide(saved.output), saved32.lse};
+      const auto g32 = mha::scaled_dot_product_attention_backward(wide(q), wide(k), wide(v), rounded_saved, wide(grad),
+                                                                  c.options, c.mask_grad);
+      EXPECT_TRUE(same_bits(g.query, mha::Tensor::copy_of(g32.query, dtype)));
+      EXPECT_TRUE(same_bits(g.key, mha::Tensor::copy_of(g32.key, dtype)));
+      EXPECT_TRUE(same_bits(g.value, mha::Tensor::copy_of(g32.value, dtype)));
+      if (c.mask_grad) EXPECT_TRUE(same_bits(*g.attn_mask, *g32.attn_mask));
+
+      const auto out = mha::reference::scaled_dot_product_attention(q, k, v, c.options);
+      EXPECT_LT(rel_error(saved.output, out.output), tolerance);
+    }
+  }
+  // The saved output and the incoming gradient must have the inputs' dtype.
+  const mha::Tensor q = mha::Tensor::copy_of(randn({1, 2, 5, 8}, rng), mha::DType::bf16);
+  const auto saved = mha::scaled_dot_product_attention_for_training(q, q, q);
+  expect_error([&] { mha::scaled_dot_product_attention_backward(q, q, q, saved, randn({1, 2, 5, 8}, rng)); },
+               "grad_output");
+  mha::AttentionForTraining wrong = saved;
+  wrong.output = mha::Tensor::copy_of(saved.output, mha::DType::f32);
+  expect_error([&] { mha::scaled_dot_product_attention_backward(q, q, q, wrong, saved.output); }, "saved.output");
 }
 
 TEST(SdpaBackward, Errors) {

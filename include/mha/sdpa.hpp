@@ -39,7 +39,7 @@ struct SdpaOptions {
 
 // q, k, v are float32, bfloat16 or float16 (one dtype); the output has their dtype. bfloat16 and
 // float16 are computed in float32 (fp32 accumulation and softmax statistics) and rounded once.
-// The training functions below take float32.
+// The training functions below do the same: outputs and gradients in the inputs' dtype.
 // Returns out [.., Hq, Lq, Dv] (contiguous).
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options = {});
@@ -62,14 +62,14 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
 // matrix); the backward recomputes the probabilities from it tile by tile. Pass the same inputs
 // and options to both: dropout masks are regenerated from dropout_seed, never stored.
 struct AttentionForTraining {
-  Tensor output;  // [.., Hq, Lq, Dv]
-  Tensor lse;     // [.., Hq, Lq]: log-sum-exp of each row of scores (+inf for a fully masked row)
+  Tensor output;  // [.., Hq, Lq, Dv], in the inputs' dtype
+  Tensor lse;     // [.., Hq, Lq], float32: log-sum-exp of each row of scores (+inf for a fully masked row)
 };
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options = {});
 
 struct AttentionGradients {
-  Tensor query, key, value;       // shaped like q, k, v
+  Tensor query, key, value;       // shaped like q, k, v, in their dtype
   std::optional<Tensor> attn_mask;  // shaped like the mask, when asked for (float masks only)
 };
 // Deterministic: the same inputs give bit-identical gradients on every run and thread count.

@@ -118,11 +118,28 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
   forward(p, q, k, v, options, out, weights ? &*weights : nullptr);
 }
 
+namespace {
+
+// bfloat16 and float16 training on the CPU, as the forward does it: float32 kernels on widened
+// copies, results rounded to the inputs' dtype once. The log-sum-exp stays float32.
+Tensor widened(const TensorView& t, const SdpaOptions& options) {
+  return detail::parallel_copy_of(t, DType::f32, detail::resolve_threads(options.num_threads));
+}
+Tensor rounded(const Tensor& t, DType dtype, const SdpaOptions& options) {
+  return detail::parallel_copy_of(t.view(), dtype, detail::resolve_threads(options.num_threads));
+}
+
+}  // namespace
+
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
-  // The CPU training path is float32; the GPU kernel takes bfloat16 and float16.
-  const AttentionProblem p = detail::make_sdpa_problem(
-      q, k, v, options, q.device.is_cpu() ? detail::InputDtypes::f32 : detail::InputDtypes::low_precision);
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  if (p.on_cpu() && q.dtype != DType::f32) {
+    AttentionForTraining r = scaled_dot_product_attention_for_training(widened(q, options), widened(k, options),
+                                                                       widened(v, options), options);
+    r.output = rounded(r.output, q.dtype, options);
+    return r;
+  }
   AttentionForTraining r;
   Shape lse_shape = q.sizes();
   lse_shape.pop_back();
@@ -173,15 +190,25 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
                                                          const TensorView& grad_output, const SdpaOptions& options,
                                                          bool attn_mask_grad) {
   require_cpu(q, "query");  // the GPU backward is not part of this build
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::f32);
+  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
   require_cpu(grad_output, "grad_output");
   require_cpu(saved.output, "saved.output");
   const Shape out_shape = detail::output_shape(q, p.len_q, p.dim_v);
-  detail::check_output_view(saved.output, out_shape, DType::f32, "saved.output");
+  detail::check_output_view(saved.output, out_shape, q.dtype, "saved.output");
   Shape lse_shape = q.sizes();
   lse_shape.pop_back();
   detail::check_output_view(saved.lse, lse_shape, DType::f32, "saved.lse");
-  detail::check_output_view(grad_output, out_shape, DType::f32, "grad_output");
+  detail::check_output_view(grad_output, out_shape, q.dtype, "grad_output");
+  if (q.dtype != DType::f32) {  // bfloat16 / float16: float32 on widened copies, gradients rounded once
+    const AttentionForTraining saved32{widened(saved.output, options), saved.lse};
+    AttentionGradients g = scaled_dot_product_attention_backward(
+        widened(q, options), widened(k, options), widened(v, options), saved32, widened(grad_output, options),
+        options, attn_mask_grad);
+    g.query = rounded(g.query, q.dtype, options);
+    g.key = rounded(g.key, q.dtype, options);
+    g.value = rounded(g.value, q.dtype, options);
+    return g;  // a mask's gradient stays float32, the mask's dtype
+  }
   if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype != DType::f32)) {
     throw Error("attn_mask_grad: a gradient exists only for a float32 (additive) attn_mask");
   }
