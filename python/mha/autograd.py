@@ -12,15 +12,24 @@ def _detached(x):
     return None if x is None else x.detach()
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 class SdpaFunction(torch.autograd.Function):
-    """scaled_dot_product_attention with gradients for query, key, value and a float attn_mask."""
+    """scaled_dot_product_attention with gradients for query, key, value and a float attn_mask.
+    bfloat16 and float16 inputs run as the C++ library runs them: the float32 kernels on widened
+    copies, the output and the gradients rounded once to the inputs' dtype (the log-sum-exp and a
+    float mask's gradient stay float32)."""
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
                 bottom_right, num_threads):
+        dtype = query.dtype
+        if dtype in _LOW_PRECISION:
+            query, key, value = (t.detach().float() for t in (query, key, value))
         out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
                                    is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
-        out, lse = torch.from_numpy(out), torch.from_numpy(lse)
+        out, lse = torch.from_numpy(out).to(dtype), torch.from_numpy(lse)
         ctx.save_for_backward(query, key, value, attn_mask, out, lse)
         ctx.options = (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
         return out
@@ -30,11 +39,12 @@ class SdpaFunction(torch.autograd.Function):
         query, key, value, attn_mask, out, lse = ctx.saved_tensors
         dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = ctx.options
         mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dm = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out, lse,
-                                            grad_output.detach().contiguous(), _detached(attn_mask), dropout_p,
-                                            is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads,
-                                            mask_grad)
-        return (torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv),
+        dtype = out.dtype
+        dq, dk, dv, dm = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out.float(), lse,
+                                            grad_output.detach().float().contiguous(), _detached(attn_mask),
+                                            dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
+                                            num_threads, mask_grad)
+        return (torch.from_numpy(dq).to(dtype), torch.from_numpy(dk).to(dtype), torch.from_numpy(dv).to(dtype),
                 torch.from_numpy(dm) if mask_grad else None, None, None, None, None, None, None, None)
 
 

@@ -163,3 +163,32 @@ def test_loss_falls_with_torch_optimizer(parity_seed):
         loss.backward()
         opt.step()
     assert loss.item() < 0.5 * first
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_sdpa_gradients(dtype, parity_seed):
+    """bfloat16 / float16 tensors inside autograd: output and .grad in the inputs' dtype, against
+    float64 autograd on the same rounded inputs. The bound is a few units of the dtype's rounding
+    (bf16 2^-9, fp16 2^-12) on the output, the saved output and each gradient; at least 8 keys, so
+    no gradient is only the rounding of a cancelled sum (one visible key)."""
+    rng = np.random.default_rng([parity_seed, 7])
+    tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
+    for _ in range(20):
+        B, H, L, S, D = (int(rng.integers(1, 3)), 2, int(rng.integers(1, 40)), int(rng.integers(8, 40)),
+                         int(rng.choice([16, 32, 64])))
+        q, k, v = (torch.from_numpy(rng.standard_normal(s)).to(dtype)
+                   for s in ((B, H, L, D), (B, H, S, D), (B, H, S, D)))
+        g = torch.from_numpy(rng.standard_normal((B, H, L, D))).to(dtype)
+        causal = bool(rng.random() < 0.3) and L <= S
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = mha.scaled_dot_product_attention(*ours, is_causal=causal)
+        out.backward(g)
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*ref_leaves, is_causal=causal)
+        ref.backward(g.double())
+        assert out.dtype == dtype and all(t.grad.dtype == dtype for t in ours)
+        assert rel(out.detach().double(), ref.detach()) <= tol
+        floor = 0.05 * max(float(t.grad.abs().max()) for t in ref_leaves)
+        for mine, theirs, name in zip(ours, ref_leaves, ("query", "key", "value")):
+            err = rel(mine.grad.double(), theirs.grad, floor)
+            assert err <= tol, f"{name} gradient ({dtype}): relative error {err:.2e} (B={B} L={L} S={S} D={D})"
