@@ -31,6 +31,11 @@ struct MultiheadAttentionOptions {
   std::optional<int64_t> vdim;  // value width; default embed_dim
   bool batch_first = false;     // inputs [N, L, E] instead of [L, N, E]
   uint64_t seed = 0;            // initialisation and dropout stream
+  // The parameters' dtype, and so the inputs' and outputs' (as with torch's `dtype=` or
+  // `module.to(dtype)`): float32, bfloat16 or float16. The low-precision modules compute in
+  // float32 (projections, attention, softmax statistics) on widened copies and round the output,
+  // the weights and the gradients once to their dtype.
+  DType dtype = DType::f32;
 };
 
 struct ForwardOptions {
@@ -102,6 +107,11 @@ class MultiheadAttention {
     return forward(query, key, value, options);
   }
 
+  // Converts every parameter to `dtype` (float32, bfloat16 or float16) in place, as torch's
+  // module.to(dtype) does; inputs must then be of that dtype.
+  void to(DType dtype);
+  DType dtype() const { return options_.dtype; }
+
   // Training mode (the default, as in PyTorch) applies dropout; eval mode does not.
   void train(bool on = true) { training_ = on; }
   void eval() { training_ = false; }
@@ -128,6 +138,16 @@ class MultiheadAttention {
   const MultiheadAttentionOptions& options() const { return options_; }
 
  private:
+  // A copy with every parameter converted to `dtype`.
+  MultiheadAttention(const MultiheadAttention& other, DType dtype);
+  // bfloat16/float16 modules: the float32 module's forward and backward on widened copies.
+  ForwardResult forward_low_precision(const TensorView& query, const TensorView& key, const TensorView& value,
+                                      const ForwardOptions& options, ForwardContext* context) const;
+  ModuleGradients backward_low_precision(const ForwardContext& context, const TensorView& grad_output) const;
+  ModuleGradients backward_float32(const ForwardContext& context, const TensorView& grad_output) const;
+  // The dropout seed of the next call that brings none (the module's stream, advanced per call).
+  uint64_t next_dropout_seed() const;
+
   int64_t embed_dim_, num_heads_, kdim_, vdim_;
   MultiheadAttentionOptions options_;
   bool training_ = true;

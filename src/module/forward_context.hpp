@@ -24,6 +24,7 @@ struct ForwardContext::State {
   detail::AttentionProblem problem;  // views into the above
   bool packed_self_attention = false;
   Shape query_shape, key_shape, value_shape, output_shape;
+  DType module_dtype = DType::f32;  // the dtype of the module that ran the forward
 };
 
 }  // namespace mha

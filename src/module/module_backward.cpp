@@ -45,6 +45,15 @@ const Tensor& ModuleGradients::parameter(const std::string& name) const {
 
 ModuleGradients MultiheadAttention::backward(const ForwardContext& context, const TensorView& grad_output) const {
   if (context.empty()) throw Error("backward: the context is empty; pass it to forward(..., &context) first");
+  if (context.state_->module_dtype != options_.dtype) {
+    throw Error("backward: the context comes from a " + std::string(dtype_name(context.state_->module_dtype)) +
+                " forward, but the module's parameters are now " + std::string(dtype_name(options_.dtype)));
+  }
+  if (options_.dtype != DType::f32) return backward_low_precision(context, grad_output);
+  return backward_float32(context, grad_output);
+}
+
+ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& context, const TensorView& grad_output) const {
   const ForwardContext::State& st = *context.state_;
   require_cpu(grad_output, "grad_output");
   if (grad_output.sizes() != st.output_shape || grad_output.dtype != DType::f32) {

@@ -5,10 +5,11 @@ namespace {
 
 std::string shape_of(const Shape& s) { return TensorView(nullptr, DType::f32, s).shape_str(); }
 
-void check_input(const TensorView& t, const std::string& name, bool batched, int64_t width, bool any_float) {
-  if (any_float ? t.dtype == DType::boolean : t.dtype != DType::f32) {
-    throw Error(name + ": expected dtype float32 (bf16/fp16 kernels are not available yet), got " +
-                std::string(dtype_name(t.dtype)));
+void check_input(const TensorView& t, const std::string& name, bool batched, int64_t width, bool any_float,
+                 DType module_dtype) {
+  if (any_float ? t.dtype == DType::boolean : t.dtype != module_dtype) {
+    throw Error(name + ": expected dtype " + std::string(dtype_name(module_dtype)) +
+                " (the module's parameters' dtype), got " + std::string(dtype_name(t.dtype)));
   }
   const int want = batched ? 3 : 2;
   if (t.ndim != want) {
@@ -28,9 +29,11 @@ TensorView batch_major(const TensorView& t, bool batched, bool batch_first) {
   return batch_first ? t : t.transpose(0, 1);
 }
 
-void check_mask_dtype(const TensorView& mask, const std::string& name) {
-  if (mask.dtype != DType::boolean && mask.dtype != DType::f32) {
-    throw Error(name + ": expected dtype bool or float32, got " + std::string(dtype_name(mask.dtype)));
+// Masks are bool, float32, or (a float mask) the module's own dtype.
+void check_mask_dtype(const TensorView& mask, const std::string& name, DType module_dtype) {
+  if (mask.dtype != DType::boolean && mask.dtype != DType::f32 && mask.dtype != module_dtype) {
+    throw Error(name + ": expected dtype bool, float32 or the module's " + std::string(dtype_name(module_dtype)) +
+                ", got " + std::string(dtype_name(mask.dtype)));
   }
   if (mask.numel() > 0 && mask.data == nullptr) throw Error(name + ": data pointer is null");
 }
@@ -61,9 +64,9 @@ ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& q
                 ") or 2 for an unbatched input ([L, E]), got shape " + query.shape_str());
   }
   c.batched = query.ndim == 3;
-  check_input(query, "query", c.batched, m.embed_dim(), any_float);
-  check_input(key, "key", c.batched, m.kdim(), any_float);
-  check_input(value, "value", c.batched, m.vdim(), any_float);
+  check_input(query, "query", c.batched, m.embed_dim(), any_float, m.dtype());
+  check_input(key, "key", c.batched, m.kdim(), any_float, m.dtype());
+  check_input(value, "value", c.batched, m.vdim(), any_float, m.dtype());
   const bool bf = m.options().batch_first;
   c.query = batch_major(query, c.batched, bf);
   c.key = batch_major(key, c.batched, bf);
@@ -84,7 +87,7 @@ ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& q
 
   if (options.attn_mask) {
     const TensorView& a = *options.attn_mask;
-    check_mask_dtype(a, "attn_mask");
+    check_mask_dtype(a, "attn_mask", m.dtype());
     if (a.ndim == 2) {
       if (a.shape[0] != L || a.shape[1] != S) {
         throw Error("attn_mask: expected 2-D shape " + shape_of({L, S}) + " (L, S), got " + a.shape_str());
@@ -108,7 +111,7 @@ ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& q
   }
   if (options.key_padding_mask) {
     const TensorView& k = *options.key_padding_mask;
-    check_mask_dtype(k, "key_padding_mask");
+    check_mask_dtype(k, "key_padding_mask", m.dtype());
     if (c.batched) {
       if (k.ndim != 2 || k.shape[0] != N || k.shape[1] != S) {
         throw Error("key_padding_mask: expected shape " + shape_of({N, S}) + " (N, S), got " + k.shape_str());
@@ -135,20 +138,23 @@ MaskTerms module_mask_terms(const ModuleCall& c, int64_t num_heads) {
     if (!*mask) continue;
     TensorView view = **mask;
     std::array<int64_t, 4> st = *strides;
-    if (c.extra_keys > 0) {
-      out.storage.push_back(pad_columns(view, c.extra_keys));
+    // A copy (contiguous) takes the same broadcast pattern as validate_module_call set up.
+    auto use_copy = [&](Tensor copy) {
+      out.storage.push_back(std::move(copy));
       const TensorView& p = out.storage.back().view();
-      // The same broadcast pattern as validate_module_call set up, over the padded copy.
       if (mask == &c.key_padding_mask) {
-        st = view.ndim == 2 ? std::array<int64_t, 4>{p.strides[0], 0, 0, p.strides[1]}
-                            : std::array<int64_t, 4>{0, 0, 0, p.strides[0]};
-      } else if (view.ndim == 2) {
+        st = p.ndim == 2 ? std::array<int64_t, 4>{p.strides[0], 0, 0, p.strides[1]}
+                         : std::array<int64_t, 4>{0, 0, 0, p.strides[0]};
+      } else if (p.ndim == 2) {
         st = {0, 0, p.strides[0], p.strides[1]};
       } else {
         st = {num_heads * p.strides[0], p.strides[0], p.strides[1], p.strides[2]};
       }
       view = p;
-    }
+    };
+    // Additive terms are read as float32: a float mask in the module's bfloat16/float16 is widened.
+    if (view.dtype != DType::boolean && view.dtype != DType::f32) use_copy(Tensor::copy_of(view, DType::f32));
+    if (c.extra_keys > 0) use_copy(pad_columns(view, c.extra_keys));
     MaskTerm t;
     t.data = view.data;
     t.dtype = view.dtype;

@@ -3,6 +3,7 @@
 // Shared by the module's fused forward and the float64 reference, so both read the same call.
 #pragma once
 
+#include <algorithm>
 #include <optional>
 
 #include "core/attention_problem.hpp"
@@ -24,7 +25,13 @@ struct ModuleCall {
   int64_t total_keys() const { return len_k + extra_keys; }
 };
 
-// Inputs must be float32 unless `any_float` (the float64 reference takes any floating dtype).
+// Whether two views are the same tensor (self-attention passes one tensor three times).
+inline bool same_view(const TensorView& a, const TensorView& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.sizes() == b.sizes() &&
+         std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin());
+}
+
+// Inputs must be of the module's dtype unless `any_float` (the float64 reference takes any floating dtype).
 ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
                                 const TensorView& value, const ForwardOptions& options, bool any_float = false);
 

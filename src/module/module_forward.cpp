@@ -14,11 +14,6 @@
 namespace mha {
 namespace {
 
-bool same_view(const TensorView& a, const TensorView& b) {
-  return a.data == b.data && a.dtype == b.dtype && a.sizes() == b.sizes() &&
-         std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin());
-}
-
 // Rows [from, from + 1) of every batch entry of a [N, rows, E] view, set to `values` (or zero).
 void set_row(const TensorView& t, int64_t row, const float* values) {
   const int64_t E = t.shape[2];
@@ -30,6 +25,10 @@ void set_row(const TensorView& t, int64_t row, const float* values) {
 }
 
 }  // namespace
+
+uint64_t MultiheadAttention::next_dropout_seed() const {
+  return detail::splitmix64(options_.seed ^ (0x632be59bd9b4e019ull * ++dropout_calls_));
+}
 
 ForwardContext::ForwardContext() = default;
 ForwardContext::~ForwardContext() = default;
@@ -44,6 +43,7 @@ ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorV
 ForwardResult MultiheadAttention::forward(const TensorView& query_in, const TensorView& key_in,
                                           const TensorView& value_in, const ForwardOptions& options_in,
                                           ForwardContext* context) const {
+  if (options_.dtype != DType::f32) return forward_low_precision(query_in, key_in, value_in, options_in, context);
   detail::validate_module_call(*this, query_in, key_in, value_in, options_in);  // before any copy
   // A training forward keeps its own copies of the inputs and masks, so the backward does not
   // depend on the caller's buffers; the self-attention case stays one shared copy.
@@ -57,8 +57,8 @@ ForwardResult MultiheadAttention::forward(const TensorView& query_in, const Tens
       return st->inputs.back().view();
     };
     query = keep(query_in);
-    key = same_view(key_in, query_in) ? query : keep(key_in);
-    value = same_view(value_in, key_in) ? key : keep(value_in);
+    key = detail::same_view(key_in, query_in) ? query : keep(key_in);
+    value = detail::same_view(value_in, key_in) ? key : keep(value_in);
     if (options.attn_mask) options.attn_mask = keep(*options.attn_mask);
     if (options.key_padding_mask) options.key_padding_mask = keep(*options.key_padding_mask);
   }
@@ -71,7 +71,7 @@ ForwardResult MultiheadAttention::forward(const TensorView& query_in, const Tens
   // 1. Projections. Self-attention with the packed weight is one sgemm against [3E, E].
   detail::RowBuffer q_buf, k_buf, v_buf;
   TensorView q, k, v;  // [N, L, E], [N, St, E], [N, St, E]
-  const bool packed = qkv_same_embed_dim() && same_view(query, key) && same_view(key, value) && L == S;
+  const bool packed = qkv_same_embed_dim() && detail::same_view(query, key) && detail::same_view(key, value) && L == S;
   if (packed) {
     const Tensor w = parameter("in_proj_weight");
     q_buf = detail::rows_like(c.query, St, 3 * E);
@@ -133,8 +133,7 @@ ForwardResult MultiheadAttention::forward(const TensorView& query_in, const Tens
   p.scale = 1.0 / std::sqrt(static_cast<double>(hd));
   p.dropout_p = training_ ? options_.dropout : 0.0;
   if (p.dropout_p > 0) {
-    p.dropout_seed = options.dropout_seed ? *options.dropout_seed
-                                          : detail::splitmix64(options_.seed ^ (0x632be59bd9b4e019ull * ++dropout_calls_));
+    p.dropout_seed = options.dropout_seed ? *options.dropout_seed : next_dropout_seed();
   }
   p.num_threads = threads;
 

@@ -6,6 +6,8 @@
 #include <set>
 
 #include "core/dropout.hpp"
+#include "core/parallel_copy.hpp"
+#include "core/thread_pool.hpp"
 
 namespace mha {
 namespace {
@@ -46,6 +48,13 @@ std::pair<double, double> fans(const Tensor& t) {
   return {static_cast<double>(t.size(1)) * receptive, static_cast<double>(t.size(0)) * receptive};
 }
 
+void check_module_dtype(DType dtype) {
+  if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16) {
+    throw Error("dtype: expected float32, bfloat16 or float16 for the module's parameters, got " +
+                std::string(dtype_name(dtype)));
+  }
+}
+
 }  // namespace
 
 MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, const MultiheadAttentionOptions& options)
@@ -60,6 +69,7 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   vdim_ = options.vdim.value_or(embed_dim);
   if (kdim_ <= 0) throw Error("kdim: expected a positive size, got " + std::to_string(kdim_));
   if (vdim_ <= 0) throw Error("vdim: expected a positive size, got " + std::to_string(vdim_));
+  check_module_dtype(options.dtype);
   if (!(options.dropout >= 0.0 && options.dropout <= 1.0)) {
     throw Error("dropout: expected a probability in [0, 1], got " + std::to_string(options.dropout));
   }
@@ -67,20 +77,21 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   checked_numel({3, embed_dim, embed_dim}, "embed_dim (weights of 3 * embed_dim x embed_dim)");
   checked_numel({embed_dim, std::max(kdim_, vdim_)}, "kdim/vdim (weights of embed_dim x kdim)");
   const int64_t E = embed_dim;
+  auto add = [&](const char* name, const Shape& shape) { params_.emplace_back(name, Tensor::empty(shape, options.dtype)); };
   if (qkv_same_embed_dim()) {
-    params_.emplace_back("in_proj_weight", Tensor::empty({3 * E, E}));
+    add("in_proj_weight", {3 * E, E});
   } else {
-    params_.emplace_back("q_proj_weight", Tensor::empty({E, E}));
-    params_.emplace_back("k_proj_weight", Tensor::empty({E, kdim_}));
-    params_.emplace_back("v_proj_weight", Tensor::empty({E, vdim_}));
+    add("q_proj_weight", {E, E});
+    add("k_proj_weight", {E, kdim_});
+    add("v_proj_weight", {E, vdim_});
   }
-  if (options.bias) params_.emplace_back("in_proj_bias", Tensor::empty({3 * E}));
+  if (options.bias) add("in_proj_bias", {3 * E});
   if (options.add_bias_kv) {
-    params_.emplace_back("bias_k", Tensor::empty({1, 1, E}));
-    params_.emplace_back("bias_v", Tensor::empty({1, 1, E}));
+    add("bias_k", {1, 1, E});
+    add("bias_v", {1, 1, E});
   }
-  params_.emplace_back("out_proj.weight", Tensor::empty({E, E}));
-  if (options.bias) params_.emplace_back("out_proj.bias", Tensor::empty({E}));
+  add("out_proj.weight", {E, E});
+  if (options.bias) add("out_proj.bias", {E});
   reset_parameters(options.seed);
 }
 
@@ -93,6 +104,24 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttention& other)
       training_(other.training_),
       dropout_calls_(other.dropout_calls_.load()) {
   for (const auto& [name, t] : other.params_) params_.emplace_back(name, t.clone());
+}
+
+MultiheadAttention::MultiheadAttention(const MultiheadAttention& other, DType dtype)
+    : embed_dim_(other.embed_dim_),
+      num_heads_(other.num_heads_),
+      kdim_(other.kdim_),
+      vdim_(other.vdim_),
+      options_(other.options_),
+      training_(other.training_),
+      dropout_calls_(other.dropout_calls_.load()) {
+  check_module_dtype(dtype);
+  options_.dtype = dtype;
+  const int threads = detail::resolve_threads(0);
+  for (const auto& [name, t] : other.params_) params_.emplace_back(name, detail::parallel_copy_of(t, dtype, threads));
+}
+
+void MultiheadAttention::to(DType dtype) {
+  if (dtype != options_.dtype) *this = MultiheadAttention(*this, dtype);
 }
 
 MultiheadAttention& MultiheadAttention::operator=(const MultiheadAttention& other) {
@@ -124,7 +153,9 @@ MultiheadAttention& MultiheadAttention::operator=(MultiheadAttention&& other) no
 
 void MultiheadAttention::reset_parameters(uint64_t seed) {
   InitRng rng(seed);
-  for (auto& [name, t] : params_) {
+  for (auto& [name, param] : params_) {
+    // Drawn in float32 (the same values for every dtype), then rounded to the parameter's dtype.
+    Tensor t = param.dtype() == DType::f32 ? param : Tensor::empty(param.sizes());
     if (name == "in_proj_bias" || name == "out_proj.bias") {
       std::fill_n(t.data<float>(), t.numel(), 0.0f);
     } else if (name == "out_proj.weight") {
@@ -136,6 +167,7 @@ void MultiheadAttention::reset_parameters(uint64_t seed) {
       const auto [fan_in, fan_out] = fans(t);
       fill_uniform(t, rng, std::sqrt(6.0 / (fan_in + fan_out)));  // xavier_uniform
     }
+    if (param.dtype() != DType::f32) copy_into(t, param.view());
   }
 }
 

@@ -1,0 +1,71 @@
+// MultiheadAttention with bfloat16 or float16 parameters: the float32 module's forward and
+// backward on widened copies of the parameters, inputs and masks; the output, the weights and
+// the gradients rounded once to the module's dtype. Every product and softmax statistic is float32,
+// so the only low-precision roundings are those of the values the caller hands in and gets back
+// (PyTorch's CPU module also rounds each projection and the attention output on the way).
+//
+// On a CPU without bfloat16/float16 arithmetic this is also the fast way: a float32 GEMM on
+// widened operands is what a bf16 GEMM would do there, and the widening is a memory-bound copy
+// split over the pool (parameters: 4 E^2 values per call; E = 1024 is about 2 ms).
+#include "core/parallel_copy.hpp"
+#include "core/thread_pool.hpp"
+#include "mha/multihead_attention.hpp"
+#include "module/forward_context.hpp"
+#include "module/module_call.hpp"
+
+namespace mha {
+
+ForwardResult MultiheadAttention::forward_low_precision(const TensorView& query, const TensorView& key,
+                                                        const TensorView& value, const ForwardOptions& options,
+                                                        ForwardContext* context) const {
+  detail::validate_module_call(*this, query, key, value, options);  // dtypes against the module's
+  const int threads = detail::resolve_threads(options.num_threads);
+  const MultiheadAttention wide(*this, DType::f32);
+
+  // Self-attention passes one tensor three times; its widened copy is shared the same way, so the
+  // float32 module still sees self-attention (and projects with one packed GEMM).
+  auto widen = [&](const TensorView& t) { return detail::parallel_copy_of(t, DType::f32, threads); };
+  const Tensor q = widen(query);
+  const Tensor k = detail::same_view(key, query) ? q : widen(key);
+  const Tensor v = detail::same_view(value, key) ? k : detail::same_view(value, query) ? q : widen(value);
+  ForwardOptions o = options;
+  Tensor attn_mask, key_padding_mask;  // float masks in the module's dtype, widened
+  if (o.attn_mask && o.attn_mask->dtype == options_.dtype) {
+    attn_mask = Tensor::copy_of(*o.attn_mask, DType::f32);
+    o.attn_mask = attn_mask.view();
+  }
+  if (o.key_padding_mask && o.key_padding_mask->dtype == options_.dtype) {
+    key_padding_mask = Tensor::copy_of(*o.key_padding_mask, DType::f32);
+    o.key_padding_mask = key_padding_mask.view();
+  }
+  // This module's dropout stream, not the temporary one's.
+  if (training_ && options_.dropout > 0 && !o.dropout_seed) o.dropout_seed = next_dropout_seed();
+
+  ForwardResult r = wide.forward(q.view(), k.view(), v.view(), o, context);
+  r.output = detail::parallel_copy_of(r.output.view(), options_.dtype, threads);
+  if (r.weights) r.weights = detail::parallel_copy_of(r.weights->view(), options_.dtype, threads);
+  if (context != nullptr) context->state_->module_dtype = options_.dtype;
+  return r;
+}
+
+ModuleGradients MultiheadAttention::backward_low_precision(const ForwardContext& context,
+                                                           const TensorView& grad_output) const {
+  require_cpu(grad_output, "grad_output");
+  if (grad_output.dtype != options_.dtype) {
+    throw Error("grad_output: expected dtype " + std::string(dtype_name(options_.dtype)) +
+                " (the module's parameters' dtype), got " + std::string(dtype_name(grad_output.dtype)));
+  }
+  if (grad_output.numel() > 0 && grad_output.data == nullptr) throw Error("grad_output: data pointer is null");
+  const int threads = context.state_->problem.num_threads;
+  const MultiheadAttention wide(*this, DType::f32);
+  const Tensor grad = detail::parallel_copy_of(grad_output, DType::f32, threads);
+  ModuleGradients g = wide.backward_float32(context, grad.view());
+  auto round = [&](Tensor& t) { t = detail::parallel_copy_of(t.view(), options_.dtype, threads); };
+  round(g.query);
+  round(g.key);
+  round(g.value);
+  for (auto& [name, t] : g.parameters) round(t);
+  return g;
+}
+
+}  // namespace mha

@@ -1,0 +1,177 @@
+// MultiheadAttention in bfloat16 and float16: the forward against the float64 module reference
+// (with the module's own rounded parameters), the forward and backward bit for bit against the
+// float32 module on widened copies, conversion with to(), state dicts and the errors.
+// Fresh seed each run (printed; MHA_TEST_SEED replays).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "mha/mha.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using mha_test::expect_error;
+using mha_test::randn;
+using mha_test::rel_error;
+using mha_test::same_bits;
+using mha_test::test_seed;
+
+// Unit roundoff: half the spacing of the format's numbers in [1, 2).
+double unit_roundoff(mha::DType t) { return t == mha::DType::bf16 ? 0x1p-8 : 0x1p-11; }
+
+mha::Tensor widened(const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); }
+
+TEST(ModuleLowPrecision, ForwardAgainstFloat64Reference) {
+  std::mt19937_64 rng(test_seed());
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  for (int n = 0; n < 80; ++n) {
+    const mha::DType dtype = coin(0.5) ? mha::DType::bf16 : mha::DType::f16;
+    const int64_t H = pick(1, 4), E = H * pick(1, 12);
+    const bool cross = coin(0.5);
+    mha::MultiheadAttentionOptions o;
+    o.dropout = coin(0.3) ? 0.25 : 0.0;
+    o.bias = coin(0.7);
+    o.add_bias_kv = coin(0.3);
+    o.add_zero_attn = coin(0.3);
+    if (cross && coin(0.5)) o.kdim = pick(1, 20);
+    if (cross && coin(0.5)) o.vdim = pick(1, 20);
+    o.batch_first = coin(0.5);
+    o.seed = rng();
+    o.dtype = dtype;
+    mha::MultiheadAttention m(E, H, o);
+    const bool training = o.dropout > 0 && coin(0.5);
+    m.train(training);
+    const bool batched = coin(0.8);
+    const int64_t N = pick(1, 3), L = pick(1, 24), S = cross ? pick(1, 24) : L;
+    auto shape = [&](int64_t len, int64_t width) -> mha::Shape {
+      if (!batched) return {len, width};
+      return o.batch_first ? mha::Shape{N, len, width} : mha::Shape{len, N, width};
+    };
+    const mha::Tensor query = randn(shape(L, E), rng, dtype);
+    const mha::Tensor key = cross ? randn(shape(S, m.kdim()), rng, dtype) : query;
+    const mha::Tensor value = cross ? randn(shape(S, m.vdim()), rng, dtype) : query;
+    mha::ForwardOptions f;
+    f.need_weights = coin(0.6);
+    f.average_attn_weights = coin(0.5);
+    f.is_causal = coin(0.2);
+    if (training) f.dropout_seed = rng();
+    mha::Tensor attn_mask, kpm;
+    const int mask_kind = static_cast<int>(pick(0, 3));  // none, bool, float32, the module's dtype
+    if (mask_kind > 0) {
+      const mha::Shape ms = coin(0.5) ? mha::Shape{L, S} : mha::Shape{(batched ? N : 1) * H, L, S};
+      if (mask_kind == 1) {
+        attn_mask = mha::Tensor::empty(ms, mha::DType::boolean);
+        for (int64_t i = 0; i < attn_mask.numel(); ++i) attn_mask.data<bool>()[i] = coin(0.2);  // true: masked
+      } else {
+        attn_mask = randn(ms, rng, mask_kind == 2 ? mha::DType::f32 : dtype);
+      }
+      f.attn_mask = attn_mask.view();
+    }
+    if (coin(0.5)) {
+      kpm = randn(batched ? mha::Shape{N, S} : mha::Shape{S}, rng, coin(0.5) ? dtype : mha::DType::f32);
+      f.key_padding_mask = kpm.view();
+    }
+    SCOPED_TRACE("case " + std::to_string(n) + ": " + std::string(mha::dtype_name(dtype)) + " E=" + std::to_string(E) +
+                 " H=" + std::to_string(H) + " L=" + std::to_string(L) + " S=" + std::to_string(S) +
+                 " cross=" + std::to_string(cross) + " bias_kv=" + std::to_string(o.add_bias_kv) +
+                 " zero_attn=" + std::to_string(o.add_zero_attn) + " mask=" + std::to_string(mask_kind) +
+                 " causal=" + std::to_string(f.is_causal) + " training=" + std::to_string(training));
+    const mha::ForwardResult ours = m.forward(query, key, value, f);
+    const mha::ForwardResult ref = mha::reference::multihead_attention(m, query, key, value, f, training);
+    EXPECT_EQ(ours.output.dtype(), dtype);
+    // Everything is computed in float32 and rounded once at the end: the error is that rounding
+    // (at most u relative to each value, so to the largest) plus the float32 error (< 1e-5).
+    const double tol = unit_roundoff(dtype) + 1e-5;
+    EXPECT_LT(rel_error(ours.output, ref.output), tol);
+    ASSERT_EQ(ours.weights.has_value(), f.need_weights);
+    if (f.need_weights) {
+      EXPECT_EQ(ours.weights->dtype(), dtype);
+      EXPECT_LT(rel_error(*ours.weights, *ref.weights), tol);
+    }
+  }
+}
+
+// The low-precision module is exactly the float32 module on widened parameters and inputs, with
+// the results rounded once: forward (dropout stream included) and backward, bit for bit.
+TEST(ModuleLowPrecision, IsTheFloat32ModuleRoundedOnce) {
+  std::mt19937_64 rng(test_seed());
+  for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+    for (const bool cross : {false, true}) {
+      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (cross ? " cross-attention" : " self-attention"));
+      mha::MultiheadAttentionOptions o{.dropout = 0.2, .add_bias_kv = true, .seed = rng(), .dtype = dtype};
+      if (cross) o.kdim = 24, o.vdim = 40;
+      mha::MultiheadAttention low(64, 4, o);
+      mha::MultiheadAttention wide = low;
+      wide.to(mha::DType::f32);
+      const mha::Tensor x = randn({37, 3, 64}, rng, dtype);
+      const mha::Tensor k = cross ? randn({29, 3, 24}, rng, dtype) : x, v = cross ? randn({29, 3, 40}, rng, dtype) : x;
+      const mha::Tensor x32 = widened(x), k32 = cross ? widened(k) : x32, v32 = cross ? widened(v) : x32;
+      const mha::Tensor mask = randn({37, k.size(0)}, rng, dtype), mask32 = widened(mask);
+      for (int call = 0; call < 2; ++call) {  // two calls: the dropout stream advances alike
+        mha::ForwardContext ctx_low, ctx_wide;
+        const mha::ForwardResult a = low.forward(x, k, v, {.attn_mask = mask.view(), .is_causal = !cross}, &ctx_low);
+        const mha::ForwardResult b = wide.forward(x32, k32, v32, {.attn_mask = mask32.view(), .is_causal = !cross}, &ctx_wide);
+        EXPECT_TRUE(same_bits(a.output, mha::Tensor::copy_of(b.output, dtype))) << "output, call " << call;
+        EXPECT_TRUE(same_bits(*a.weights, mha::Tensor::copy_of(*b.weights, dtype))) << "weights, call " << call;
+        const mha::Tensor grad = randn(a.output.sizes(), rng, dtype);
+        const mha::ModuleGradients ga = low.backward(ctx_low, grad), gb = wide.backward(ctx_wide, widened(grad));
+        EXPECT_TRUE(same_bits(ga.query, mha::Tensor::copy_of(gb.query, dtype)));
+        EXPECT_TRUE(same_bits(ga.key, mha::Tensor::copy_of(gb.key, dtype)));
+        EXPECT_TRUE(same_bits(ga.value, mha::Tensor::copy_of(gb.value, dtype)));
+        ASSERT_EQ(ga.parameters.size(), gb.parameters.size());
+        for (const auto& [name, t] : ga.parameters) {
+          EXPECT_EQ(t.dtype(), dtype) << name;
+          EXPECT_TRUE(same_bits(t, mha::Tensor::copy_of(gb.parameter(name), dtype))) << name;
+        }
+      }
+    }
+  }
+}
+
+TEST(ModuleLowPrecision, ConversionStateDictsAndErrors) {
+  std::mt19937_64 rng(test_seed());
+  mha::MultiheadAttention f32(32, 4, {.add_bias_kv = true, .seed = 11});
+  mha::MultiheadAttention bf16 = f32;
+  bf16.to(mha::DType::bf16);
+  EXPECT_EQ(bf16.dtype(), mha::DType::bf16);
+  for (const auto& [name, t] : bf16.named_parameters()) {
+    EXPECT_EQ(t.dtype(), mha::DType::bf16) << name;
+    EXPECT_TRUE(same_bits(t, mha::Tensor::copy_of(f32.parameter(name), mha::DType::bf16))) << name;
+  }
+  // Built in bfloat16, the initialisation is the float32 one rounded.
+  const mha::MultiheadAttention built(32, 4, {.add_bias_kv = true, .seed = 11, .dtype = mha::DType::bf16});
+  for (const auto& [name, t] : built.named_parameters()) EXPECT_TRUE(same_bits(t, bf16.parameter(name))) << name;
+  // load_state_dict converts, as torch's does.
+  mha::MultiheadAttention other(32, 4, {.add_bias_kv = true, .seed = 12, .dtype = mha::DType::f16});
+  std::unordered_map<std::string, mha::TensorView> state;
+  for (const auto& [name, t] : f32.named_parameters()) state[name] = t.view();
+  other.load_state_dict(state);
+  for (const auto& [name, t] : other.named_parameters()) {
+    EXPECT_TRUE(same_bits(t, mha::Tensor::copy_of(f32.parameter(name), mha::DType::f16))) << name;
+  }
+  // A bfloat16 checkpoint makes a bfloat16 module.
+  mha::TensorMap checkpoint;
+  for (const auto& [name, t] : bf16.named_parameters()) checkpoint.emplace(name, t);
+  EXPECT_EQ(mha::module_from_state_dict(checkpoint, 4).dtype(), mha::DType::bf16);
+
+  expect_error([] { mha::MultiheadAttention(8, 2, {.dtype = mha::DType::f64}); }, "dtype: expected float32, bfloat16 or float16");
+  expect_error([&] { bf16.to(mha::DType::boolean); }, "dtype: expected float32, bfloat16 or float16");
+  const mha::Tensor x = randn({5, 2, 32}, rng, mha::DType::bf16), x32 = widened(x);
+  expect_error([&] { bf16.forward(x32, x32, x32); }, "query: expected dtype bfloat16");
+  expect_error([&] { bf16.forward(x, x, x32); }, "value: expected dtype bfloat16");
+  expect_error([&] { f32.forward(x, x, x); }, "query: expected dtype float32");
+  const mha::Tensor half_mask = randn({5, 5}, rng, mha::DType::f16);
+  expect_error([&] { bf16.forward(x, x, x, {.attn_mask = half_mask.view()}); }, "attn_mask: expected dtype bool, float32");
+  mha::ForwardContext ctx;
+  const mha::ForwardResult r = bf16.forward(x, x, x, {}, &ctx);
+  expect_error([&] { bf16.backward(ctx, widened(r.output)); }, "grad_output: expected dtype bfloat16");
+  mha::MultiheadAttention converted = bf16;
+  converted.to(mha::DType::f32);
+  expect_error([&] { converted.backward(ctx, widened(r.output)); }, "context comes from a bfloat16 forward");
+}
+
+}  // namespace
