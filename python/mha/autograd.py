@@ -15,6 +15,13 @@ def _detached(x):
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _tensor(array):
+    """A torch tensor sharing the returned numpy array's memory. numpy has no bfloat16: the
+    extension hands bfloat16 over as its uint16 bits, viewed back here without a copy."""
+    t = torch.from_numpy(array)
+    return t.view(torch.bfloat16) if t.dtype == torch.uint16 else t
+
+
 class SdpaFunction(torch.autograd.Function):
     """scaled_dot_product_attention with gradients for query, key, value and a float attn_mask.
     bfloat16 and float16 inputs run as the C++ library runs them: the float32 kernels on widened
@@ -50,7 +57,8 @@ class SdpaFunction(torch.autograd.Function):
 
 class ModuleFunction(torch.autograd.Function):
     """MultiheadAttention.forward with gradients for the inputs and every parameter. The module's
-    parameters enter as tensors (after the flags) so that autograd hands their gradients back."""
+    parameters enter as tensors (after the flags) so that autograd hands their gradients back.
+    A bfloat16/float16 module returns its output and gradients in its dtype (computed in float32)."""
 
     @staticmethod
     def forward(ctx, module, names, flags, query, key, value, key_padding_mask, attn_mask, *params):
@@ -61,15 +69,14 @@ class ModuleFunction(torch.autograd.Function):
                                                      num_threads)
         ctx.module, ctx.names, ctx.context = module, names, context
         ctx.n_params = len(params)
-        weights = None if weights is None else torch.from_numpy(weights)
+        weights = None if weights is None else _tensor(weights)
         if weights is not None:
             ctx.mark_non_differentiable(weights)
-        return torch.from_numpy(out), weights
+        return _tensor(out), weights
 
     @staticmethod
     def backward(ctx, grad_output, grad_weights):
         dq, dk, dv, dparams = ctx.module.backward(ctx.context, grad_output.detach().contiguous())
         ctx.context = None  # free the saved activations
-        param_grads = [torch.from_numpy(dparams[name]) for name in ctx.names]
-        return (None, None, None, torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None,
-                *param_grads)
+        param_grads = [_tensor(dparams[name]) for name in ctx.names]
+        return (None, None, None, _tensor(dq), _tensor(dk), _tensor(dv), None, None, *param_grads)

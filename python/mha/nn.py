@@ -6,6 +6,10 @@ backward. A drop-in replacement inside a PyTorch model on the CPU:
     attn.load_state_dict(torch_attn.state_dict())
     out, w = attn(x, x, x)
     out.sum().backward()          # fills attn.in_proj_weight.grad, ..., and x.grad
+
+Parameters may be float32, bfloat16 or float16 (`dtype=` or `.to(dtype)`, as in PyTorch); the
+inputs must then be of that dtype. bfloat16/float16 compute in float32 and round the output, the
+weights and the gradients once to the module's dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch
 from torch import nn
 
 from . import _mha
-from .autograd import ModuleFunction
+from .autograd import ModuleFunction, _tensor
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class MultiheadAttention(nn.Module):
@@ -26,8 +32,9 @@ class MultiheadAttention(nn.Module):
         super().__init__()
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device: only 'cpu' is supported, got {device!r}")
-        if dtype is not None and dtype != torch.float32:
-            raise ValueError(f"dtype: only torch.float32 is supported, got {dtype}")
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        dtype = dtype or torch.float32
         # The C++ module validates the options and holds the kernels' copy of the weights.
         self._impl = _mha._Module(int(embed_dim), int(num_heads), float(dropout), bool(bias), bool(add_bias_kv),
                                   bool(add_zero_attn), kdim, vdim, bool(batch_first), 0)
@@ -38,23 +45,23 @@ class MultiheadAttention(nn.Module):
         self.head_dim = self.embed_dim // self.num_heads
         E = self.embed_dim
         if self._qkv_same_embed_dim:
-            self.in_proj_weight = nn.Parameter(torch.empty(3 * E, E))
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * E, E, dtype=dtype))
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
             self.register_parameter("v_proj_weight", None)
         else:
-            self.q_proj_weight = nn.Parameter(torch.empty(E, E))
-            self.k_proj_weight = nn.Parameter(torch.empty(E, self.kdim))
-            self.v_proj_weight = nn.Parameter(torch.empty(E, self.vdim))
+            self.q_proj_weight = nn.Parameter(torch.empty(E, E, dtype=dtype))
+            self.k_proj_weight = nn.Parameter(torch.empty(E, self.kdim, dtype=dtype))
+            self.v_proj_weight = nn.Parameter(torch.empty(E, self.vdim, dtype=dtype))
             self.register_parameter("in_proj_weight", None)
         if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * E))
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * E, dtype=dtype))
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(E, E, bias=bias)
+        self.out_proj = nn.Linear(E, E, bias=bias, dtype=dtype)
         if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty(1, 1, E))
-            self.bias_v = nn.Parameter(torch.empty(1, 1, E))
+            self.bias_k = nn.Parameter(torch.empty(1, 1, E, dtype=dtype))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, E, dtype=dtype))
         else:
             self.bias_k = self.bias_v = None  # plain attributes, as in PyTorch
         self._reset_parameters()
@@ -75,9 +82,18 @@ class MultiheadAttention(nn.Module):
             nn.init.xavier_normal_(self.bias_v)
 
     def _sync(self):
-        """Copies the current parameter values into the C++ module before each call."""
+        """Copies the current parameter values (and dtype, after a .to(dtype)) into the C++ module
+        before each call."""
+        params = dict(self.named_parameters())
+        dtypes = {p.dtype for p in params.values()}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+            raise ValueError("parameters: expected one dtype among torch.float32, torch.bfloat16 and torch.float16, "
+                             f"got {sorted(str(d) for d in dtypes)}")
+        dtype = _DTYPES[next(iter(dtypes))]
+        if self._impl.dtype != dtype:
+            self._impl.to(dtype)
         self._impl.train(self.training)
-        self._impl.load_state_dict({name: p.detach() for name, p in self.named_parameters()}, True)
+        self._impl.load_state_dict({name: p.detach() for name, p in params.items()}, True)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -93,6 +109,6 @@ class MultiheadAttention(nn.Module):
                                               None if key_padding_mask is None else key_padding_mask.detach(),
                                               flags[0], None if attn_mask is None else attn_mask.detach(),
                                               flags[1], flags[2], seed, 0)
-            return torch.from_numpy(out), None if weights is None else torch.from_numpy(weights)
+            return _tensor(out), None if weights is None else _tensor(weights)
         return ModuleFunction.apply(self._impl, names, flags, query, key, value, key_padding_mask, attn_mask,
                                     *[p for _, p in self.named_parameters()])

@@ -276,7 +276,18 @@ NB_MODULE(_mha, m) {
             self.load_state_dict(views, strict);
           },
           nb::arg("state"), nb::arg("strict"))
-      .def("reset_parameters", &mha::MultiheadAttention::reset_parameters, nb::arg("seed"));
+      .def("reset_parameters", &mha::MultiheadAttention::reset_parameters, nb::arg("seed"))
+      .def(
+          "to",
+          [](mha::MultiheadAttention& self, const std::string& dtype) {
+            for (const mha::DType t : {mha::DType::f32, mha::DType::bf16, mha::DType::f16}) {
+              if (dtype == mha::dtype_name(t)) return self.to(t);
+            }
+            throw nb::value_error(("dtype: expected float32, bfloat16 or float16 for the module's parameters, got " +
+                                   dtype).c_str());
+          },
+          nb::arg("dtype"))
+      .def_prop_ro("dtype", [](const mha::MultiheadAttention& self) { return std::string(mha::dtype_name(self.dtype())); });
 
   m.def("sdpa", &sdpa, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
