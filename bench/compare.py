@@ -9,6 +9,8 @@ run, on the same inputs and thread count; and against oneDNN's SDPA (its Graph A
 
 FLOPs: forward 4 * B * H * Lq * Lk * d (only the pairs a causal mask keeps), backward 2.5x that
 (the convention of FlashAttention's papers); the module adds its four E x E projections.
+Each GFLOP/s is also given as a fraction of the machine's fp32 FMA ceiling, measured in the same
+run by bench/fma_peak.cpp (built with the benchmarks).
 Each figure is the median of --reps timed calls after three warm-up calls; ours and PyTorch's
 alternate call by call, so a shared machine's load swings fall on both alike.
 """
@@ -106,16 +108,34 @@ def bench_sdpa_bf16(B, H, L, d, causal, reps, rows):
     rows.append(("sdpa fwd bf16", shape, ours, theirs, flops))
 
 
-def bench_module(E, H, B, L, reps, rows):
+def bench_module(E, H, B, L, dtype, reps, rows):
+    """mha.nn.MultiheadAttention (the drop-in torch.nn.Module, its per-call copy of the parameters
+    into the kernels included) against torch.nn.MultiheadAttention, both in `dtype`."""
+    import mha.nn
     torch.manual_seed(0)
-    ref = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
-    ours = mha.MultiheadAttention.from_torch(ref).eval()
-    x = torch.randn(B, L, E)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=dtype).eval()
+    ours = mha.nn.MultiheadAttention(E, H, batch_first=True, dtype=dtype).eval()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(B, L, E).to(dtype)
     flops = attention_flops(B, H, L, E // H, False) + 4 * 2.0 * B * L * E * E
     with torch.no_grad():
         ours_t, torch_t = paired_medians(lambda: ours(x, x, x, need_weights=False),
                                          lambda: ref(x, x, x, need_weights=False), reps)
-    rows.append(("module fwd fp32", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    rows.append((f"module fwd {name}", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
+
+
+FMA_PEAK_DEFAULT = Path(__file__).resolve().parent.parent / "build" / "bench" / "fma_peak"
+
+
+def fma_ceiling(binary, threads):
+    """The float32 FMA ceiling of `threads` cores in GFLOP/s, measured by bench/fma_peak.cpp; None
+    where it is not built."""
+    if not Path(binary).exists():
+        return None
+    out = subprocess.run([binary, "--threads", str(threads)], capture_output=True, text=True, check=True).stdout
+    fields = out.split()
+    return float(fields[fields.index("fma_peak_gflops") + 1])
 
 
 def peak_memory_mib(impl, L):
@@ -186,6 +206,8 @@ def main():
     ap.add_argument("--no-module", action="store_true")
     ap.add_argument("--onednn", default=str(ONEDNN_DEFAULT),
                     help="oneDNN SDPA benchmark binary (make onednn-bench); its column is left out if absent")
+    ap.add_argument("--fma-peak", default=str(FMA_PEAK_DEFAULT),
+                    help="FMA ceiling benchmark binary (built with the benchmarks); its column is left out if absent")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--plot", help="also draw GFLOP/s against sequence length to this PNG (needs matplotlib)")
     ap.add_argument("--peak-memory", type=int, metavar="L",
@@ -208,14 +230,26 @@ def main():
                     onednn[(op, shape)] = onednn_seconds(args.onednn, args.batch, args.heads, L, d, causal, dtype,
                                                          args.threads, args.reps)
     if not args.no_module:
-        bench_module(1024, 16, 4, 512, args.reps, rows)
+        bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
+        bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
+    ceiling = fma_ceiling(args.fma_peak, args.threads)
+    # bf16 runs on AMX where the CPU has it; elsewhere it is float32 arithmetic on widened copies.
+    amx = "amx" in mha.cpu_isa()
+
+    def of_ceiling(op, gflops):
+        if ceiling is None or (amx and "bf16" in op):
+            return f" {'':>6}"
+        return f" {100 * gflops / ceiling:5.0f}%"
 
     with_onednn = any(t is not None for t in onednn.values())
-    print(f"{'op':<16} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'torch ms':>9} {'GFLOP/s':>8} {'speedup':>8}"
-          + (f" {'oneDNN ms':>10} {'GFLOP/s':>8} {'speedup':>8}" if with_onednn else ""))
+    if ceiling is not None:
+        print(f"fp32 FMA ceiling of {args.threads} threads: {ceiling:.0f} GFLOP/s (bench/fma_peak.cpp); "
+              "'of FMA' is mha's GFLOP/s as a fraction of it" + (" (bf16 rows run on AMX: left blank)" if amx else ""))
+    print(f"{'op':<16} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'of FMA':>6} {'torch ms':>9} {'GFLOP/s':>8} "
+          f"{'speedup':>8}" + (f" {'oneDNN ms':>10} {'GFLOP/s':>8} {'speedup':>8}" if with_onednn else ""))
     for op, shape, ours, theirs, flops in rows:
-        line = (f"{op:<16} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f} {theirs * 1e3:9.1f} "
-                f"{flops / theirs / 1e9:8.1f} {theirs / ours:7.2f}x")
+        line = (f"{op:<16} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f}{of_ceiling(op, flops / ours / 1e9)} "
+                f"{theirs * 1e3:9.1f} {flops / theirs / 1e9:8.1f} {theirs / ours:7.2f}x")
         if with_onednn:
             t = onednn.get((op, shape))
             line += f" {t * 1e3:10.1f} {flops / t / 1e9:8.1f} {t / ours:7.2f}x" if t else f" {'n/a':>10}"
@@ -234,6 +268,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump([dict(op=op, shape=shape, mha_ms=o * 1e3, torch_ms=t * 1e3, flops=fl,
                             mha_gflops=fl / o / 1e9, torch_gflops=fl / t / 1e9, speedup=t / o,
+                            fma_ceiling_gflops=ceiling,
                             onednn_ms=None if onednn.get((op, shape)) is None else onednn[(op, shape)] * 1e3)
                        for op, shape, o, t, fl in rows], f, indent=1)
 
