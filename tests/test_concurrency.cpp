@@ -102,4 +102,59 @@ TEST(Concurrency, ForkedChildComputesWithItsOwnPool) {
   EXPECT_TRUE(mha_test::same_bits(mha::scaled_dot_product_attention(q, q, q, {.num_threads = 3}), expected));
 }
 
+// The OpenMP home for the parallel work (mha::set_threading): the pool's bits, forward and
+// backward, at several thread counts; exceptions, nesting and fork behave as with the pool.
+// (Skipped under ThreadSanitizer, which cannot see libgomp's synchronisation.)
+TEST(Concurrency, OpenMpThreadingGivesThePoolsBits) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "libgomp is not instrumented for ThreadSanitizer";
+#endif
+  if (!mha::openmp_available()) {
+    EXPECT_THROW(mha::set_threading(mha::Threading::openmp), mha::Error);
+    GTEST_SKIP() << "built without OpenMP";
+  }
+  std::mt19937_64 rng(mha_test::test_seed());
+  const mha::Threading before = mha::get_threading();
+  const mha::Tensor q = mha_test::randn({2, 4, 150, 32}, rng), g = mha_test::randn({2, 4, 150, 32}, rng);
+  mha::MultiheadAttention m(32, 4, {.seed = 5});
+  const mha::Tensor x = mha_test::randn({40, 3, 32}, rng);
+  auto run = [&](int threads) {
+    std::vector<mha::Tensor> out;
+    const mha::AttentionForTraining f = mha::scaled_dot_product_attention_for_training(q, q, q, {.is_causal = true, .num_threads = threads});
+    out.push_back(f.output);
+    const mha::AttentionGradients d = mha::scaled_dot_product_attention_backward(q, q, q, f, g, {.is_causal = true, .num_threads = threads});
+    out.push_back(d.query);
+    out.push_back(d.key);
+    out.push_back(m(x, x, x, {.num_threads = threads}).output);
+    return out;
+  };
+  mha::set_threading(mha::Threading::pool);
+  const std::vector<mha::Tensor> expected = run(3);
+  mha::set_threading(mha::Threading::openmp);
+  EXPECT_EQ(mha::get_threading(), mha::Threading::openmp);
+  for (int threads : {2, 3}) {
+    const std::vector<mha::Tensor> got = run(threads);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(mha_test::same_bits(got[i], expected[i])) << i << " " << threads;
+  }
+  EXPECT_THROW(mha::detail::parallel_for(100, 3, [](int64_t i, int) { if (i == 5) throw std::runtime_error("5"); }),
+               std::runtime_error);
+  std::atomic<int64_t> count{0};
+  std::atomic<int> largest_worker{0};
+  mha::detail::parallel_for(8, 3, [&](int64_t, int worker) {
+    largest_worker = std::max(largest_worker.load(), worker);
+    mha::detail::parallel_for(10, 3, [&](int64_t, int) { ++count; });
+  });
+  EXPECT_EQ(count.load(), 80);
+  EXPECT_LT(largest_worker.load(), 3);
+  // A forked child cannot use the parent's OpenMP team: it computes on a pool of its own.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(mha_test::same_bits(run(3)[0], expected[0]) ? 0 : 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  mha::set_threading(before);
+}
+
 }  // namespace

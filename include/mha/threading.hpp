@@ -11,6 +11,19 @@ namespace mha {
 void set_num_threads(int n);
 int get_num_threads();
 
+// Where the parallel work runs. `pool`: the library's own worker threads (created once, asleep
+// when idle); the default. `openmp`: the OpenMP runtime's thread team. A library that also uses
+// OpenMP (PyTorch's CPU operators) leaves its threads spinning for a while after each of its
+// calls; on a machine without spare cores those spinning threads take cores from our pool and can
+// double the time of a short call made right after one of theirs. With `openmp`, both libraries
+// use the same team (one OpenMP runtime per process), so its threads pick our work up at once.
+// The environment variable MHA_THREADING=pool|openmp sets the default. Results are bit-identical
+// either way. Choosing `openmp` in a build without OpenMP is an mha::Error.
+enum class Threading { pool, openmp };
+void set_threading(Threading threading);
+Threading get_threading();
+bool openmp_available();
+
 // The instruction set the CPU kernels run with: "amx", "avx512", "avx2" or "portable". Chosen once
 // by CPUID; the environment variable MHA_ISA names a lower one to force it (MHA_ISA=avx2); a name
 // this CPU cannot run is an mha::Error.

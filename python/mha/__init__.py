@@ -14,7 +14,10 @@ the kind of the query: numpy in, numpy out; torch in, torch out.
 
 from __future__ import annotations
 
+import os as _os
 import random as _random
+import re as _re
+import sys as _sys
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as _np
@@ -27,6 +30,8 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "cpu_isa",
+    "set_threading",
+    "get_threading",
     "load_safetensors",
     "save_safetensors",
 ]
@@ -34,6 +39,43 @@ __all__ = [
 set_num_threads = _mha.set_num_threads
 get_num_threads = _mha.get_num_threads
 cpu_isa = _mha.cpu_isa
+get_threading = _mha.get_threading
+
+_threading_decided = False
+
+
+def set_threading(threading: str) -> None:
+    """Where the parallel work runs: "pool" (the library's own threads) or "openmp" (the OpenMP
+    runtime's team, shared with PyTorch's CPU operators). By default the first call made once torch
+    is imported picks "openmp" when the process holds a single OpenMP runtime (so both libraries
+    share one team), unless MHA_THREADING is set; calling this fixes the choice."""
+    global _threading_decided
+    _mha.set_threading(threading)
+    _threading_decided = True
+
+
+def _openmp_runtimes() -> set:
+    """The OpenMP runtime libraries mapped into this process (libgomp, libiomp, libomp)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+    except OSError:
+        return set()
+    return {p for p in paths if _re.search(r"/lib(g|i)?omp[^/]*\.so", p)}
+
+
+def _auto_threading() -> None:
+    """PyTorch's OpenMP threads spin for a while after each of its operators; on a machine without
+    spare cores they would take cores from our pool during a short call that follows one of theirs
+    (measured: twice the time of an L=128 SDPA). Sharing the one OpenMP runtime avoids that."""
+    global _threading_decided
+    if _threading_decided or "torch" not in _sys.modules:
+        return
+    _threading_decided = True
+    if _os.environ.get("MHA_THREADING") or not _mha.openmp_available():
+        return
+    if len(_openmp_runtimes()) == 1:
+        _mha.set_threading("openmp")
 
 
 def load_safetensors(path: str) -> Dict[str, _np.ndarray]:
@@ -115,6 +157,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     give zeros. dropout_seed fixes the dropout mask (a fresh one is drawn when None).
     With need_weights=True, returns (output, weights) instead of the output.
     """
+    _auto_threading()
     q = _as_array(query, "query")
     k = _as_array(key, "key")
     v = _as_array(value, "value")
@@ -191,6 +234,7 @@ class MultiheadAttention:
         loss.backward() fills the inputs' .grad, and this module's parameter gradients are left in
         `self.grad` (a dict of numpy arrays by parameter name). For a torch.nn.Module whose
         parameters receive .grad, use mha.nn.MultiheadAttention."""
+        _auto_threading()
         if _needs_grad(query, key, value):
             return self._forward_autograd(query, key, value, key_padding_mask, need_weights, attn_mask,
                                           average_attn_weights, is_causal, dropout_seed, num_threads)

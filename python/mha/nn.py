@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from . import _mha
+from . import _mha, _auto_threading
 from .autograd import ModuleFunction, _tensor
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -100,6 +100,7 @@ class MultiheadAttention(nn.Module):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        _auto_threading()
         self._sync()
         names = [name for name, _ in self.named_parameters()]
         seed = int(torch.randint(0, 2**62, (1,)).item()) if self.training and self.dropout > 0 else None

@@ -325,4 +325,14 @@ NB_MODULE(_mha, m) {
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
   m.def("cpu_isa", &mha::cpu_isa);
+  m.def("openmp_available", &mha::openmp_available);
+  m.def(
+      "set_threading",
+      [](const std::string& name) {
+        if (name == "pool") return mha::set_threading(mha::Threading::pool);
+        if (name == "openmp") return mha::set_threading(mha::Threading::openmp);
+        throw nb::value_error(("threading: expected 'pool' or 'openmp', got '" + name + "'").c_str());
+      },
+      nb::arg("threading"));
+  m.def("get_threading", [] { return mha::get_threading() == mha::Threading::openmp ? "openmp" : "pool"; });
 }

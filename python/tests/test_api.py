@@ -141,3 +141,43 @@ def test_low_precision_inputs_keep_their_dtype(rng):
     half = q.numpy().astype(np.float16)
     out = mha.scaled_dot_product_attention(half, half, half)
     assert out.dtype == np.float16
+
+
+def test_threading_choices_give_the_same_bits(rng):
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, 4, 70, 32)).astype(np.float32)) for _ in range(3))
+    m = mha.MultiheadAttention(32, 4, seed=2).eval()
+    x = torch.from_numpy(rng.standard_normal((30, 2, 32)).astype(np.float32))
+    before = mha.get_threading()
+    try:
+        results = {}
+        for choice in ("pool", "openmp") if mha._mha.openmp_available() else ("pool",):
+            mha.set_threading(choice)
+            assert mha.get_threading() == choice
+            results[choice] = (mha.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=3),
+                               m(x, x, x, num_threads=3)[0])
+        for a, b in zip(results["pool"], results.get("openmp", results["pool"])):
+            assert torch.equal(a, b)
+        with pytest.raises(ValueError, match="threading: expected 'pool' or 'openmp'"):
+            mha.set_threading("threads")
+    finally:
+        mha.set_threading(before)
+
+
+def test_threading_shares_torchs_openmp_runtime():
+    """With torch imported and one OpenMP runtime in the process, the first call moves the parallel
+    work onto the OpenMP team; MHA_THREADING overrides that, and an invalid value is an error."""
+    import subprocess
+    import sys
+    code = ("import torch, mha; q = torch.randn(1, 2, 8, 16); mha.scaled_dot_product_attention(q, q, q); "
+            "print(mha.get_threading(), len(mha._openmp_runtimes()))")
+    env = {k: v for k, v in os.environ.items() if k != "MHA_THREADING"}
+    choice, runtimes = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                      check=True).stdout.split()
+    expected = "openmp" if mha._mha.openmp_available() and runtimes == "1" else "pool"
+    assert choice == expected
+    forced = subprocess.run([sys.executable, "-c", code], env={**env, "MHA_THREADING": "pool"}, capture_output=True,
+                            text=True, check=True).stdout.split()[0]
+    assert forced == "pool"
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "MHA_THREADING": "many"}, capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "MHA_THREADING: expected 'pool' or 'openmp'" in bad.stderr

@@ -11,6 +11,9 @@
 #include <vector>
 
 #include "mha/error.hpp"
+#if defined(MHA_HAVE_OPENMP)
+#include <omp.h>
+#endif
 #include "mha/threading.hpp"
 
 namespace mha::detail {
@@ -109,9 +112,22 @@ class ThreadPool {
 // inherited pool (left as it was, never touched again) and builds its own on first use.
 std::atomic<ThreadPool*> g_pool{nullptr};
 std::once_flag g_atfork_once;
+// Whether this process has run an OpenMP job, and whether it is a fork() child of one that had:
+// libgomp's team does not survive fork (a child that enters a parallel region hangs), so such a
+// child runs its jobs on its own pool instead.
+std::atomic<bool> g_openmp_started{false}, g_openmp_inherited{false};
+
+void watch_fork() {
+  std::call_once(g_atfork_once, [] {
+    pthread_atfork(nullptr, nullptr, [] {
+      g_pool.store(nullptr);
+      if (g_openmp_started.load()) g_openmp_inherited.store(true);
+    });
+  });
+}
 
 ThreadPool& pool() {
-  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); }); });
+  watch_fork();
   ThreadPool* p = g_pool.load(std::memory_order_acquire);
   if (p == nullptr) {
     static std::mutex create;
@@ -140,6 +156,54 @@ int default_threads() {
 
 std::atomic<int> g_num_threads{0};  // 0: not yet decided
 
+// The same job on the OpenMP team: indices handed out one at a time as in the pool, the worker
+// index being the thread's number in the team (< threads). One job at a time, as in the pool; a
+// call from inside a parallel region (ours or the caller's) returns false and runs inline.
+bool try_run_openmp(int64_t n, int threads, const std::function<void(int64_t, int)>& task) {
+#if defined(MHA_HAVE_OPENMP)
+  static std::mutex busy_mutex;
+  std::unique_lock<std::mutex> busy(busy_mutex, std::try_to_lock);
+  if (!busy.owns_lock() || omp_in_parallel()) return false;
+  watch_fork();
+  g_openmp_started.store(true);
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+#pragma omp parallel num_threads(threads)
+  {
+    const int worker = omp_get_thread_num();
+    for (;;) {
+      const int64_t i = next.fetch_add(1);
+      if (i >= n) break;
+      try {
+        task(i, worker);
+      } catch (...) {  // an exception must not leave the parallel region
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+        next.store(n);
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  return true;
+#else
+  (void)n, (void)threads, (void)task;
+  return false;
+#endif
+}
+
+Threading default_threading() {
+  const char* env = std::getenv("MHA_THREADING");
+  if (env == nullptr || *env == '\0' || std::string(env) == "pool") return Threading::pool;
+  if (std::string(env) == "openmp") {
+    if (!openmp_available()) throw Error("MHA_THREADING=openmp: this build of mha has no OpenMP");
+    return Threading::openmp;
+  }
+  throw Error(std::string("MHA_THREADING: expected 'pool' or 'openmp', got '") + env + "'");
+}
+
+std::atomic<int> g_threading{-1};  // -1: not yet decided
+
 }  // namespace
 
 int resolve_threads(int requested) {
@@ -151,7 +215,13 @@ int resolve_threads(int requested) {
 void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int)>& task) {
   if (n <= 0) return;
   threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), n));
-  if (threads == 1 || !pool().try_run(n, threads, task)) {
+  if (threads == 1) {
+    for (int64_t i = 0; i < n; ++i) task(i, 0);
+    return;
+  }
+  const bool openmp = get_threading() == Threading::openmp && !g_openmp_inherited.load();
+  const bool ran = openmp ? try_run_openmp(n, threads, task) : pool().try_run(n, threads, task);
+  if (!ran) {
     for (int64_t i = 0; i < n; ++i) task(i, 0);
   }
 }
@@ -159,6 +229,31 @@ void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int)
 }  // namespace mha::detail
 
 namespace mha {
+
+bool openmp_available() {
+#if defined(MHA_HAVE_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void set_threading(Threading threading) {
+  if (threading == Threading::openmp && !openmp_available()) {
+    throw Error("set_threading: this build of mha has no OpenMP (threading 'openmp' is unavailable)");
+  }
+  detail::g_threading.store(static_cast<int>(threading));
+}
+
+Threading get_threading() {
+  int t = detail::g_threading.load();
+  if (t < 0) {
+    int expected = -1;
+    detail::g_threading.compare_exchange_strong(expected, static_cast<int>(detail::default_threading()));
+    t = detail::g_threading.load();
+  }
+  return static_cast<Threading>(t);
+}
 
 void set_num_threads(int n) {
   if (n < 1) throw Error("set_num_threads: expected a thread count >= 1, got " + std::to_string(n));
