@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -123,6 +124,12 @@ void copy_into(const TensorView& src, const TensorView& dst);
 
 // mha::Error naming `name` unless `t` is in host memory: for functions that read the data.
 void require_cpu(const TensorView& t, const std::string& name);
+
+// Host blocks of 1 MiB and more are kept for reuse when their tensors go, so that repeated calls
+// of one shape do not map (and fault in, and zero) fresh pages every time. The cache holds at most
+// MHA_HOST_CACHE_MB MiB (default 1024; 0 turns it off), evicting the oldest blocks first.
+size_t host_cache_bytes();  // bytes held now
+void release_host_cache();  // returns them all to the system
 
 // Product of `shape`, or mha::Error naming `what` if it is negative or overflows int64.
 int64_t checked_numel(const Shape& shape, const std::string& what);

@@ -1,6 +1,7 @@
 #include "mha/tensor.hpp"
 
 #include "core/device_memory.hpp"
+#include "core/host_memory.hpp"
 
 #include <cstdlib>
 #include <cstring>
@@ -335,12 +336,11 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
     return t;
   }
   if (alloc > 0) {
-    void* p = std::aligned_alloc(64, alloc);
-    if (p == nullptr) {
+    t.storage_ = detail::host_allocate(alloc);
+    if (t.storage_ == nullptr) {
       throw Error("Tensor::empty: cannot allocate " + std::to_string(bytes) + " bytes for shape " +
                   TensorView(nullptr, dtype, shape).shape_str());
     }
-    t.storage_ = std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); });
   }
   t.view_ = TensorView(t.storage_.get(), dtype, shape);
   t.defined_ = true;

@@ -1,0 +1,118 @@
+#include "core/host_memory.hpp"
+
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mha/error.hpp"
+#include "mha/tensor.hpp"
+
+namespace mha::detail {
+namespace {
+
+constexpr size_t kSmallest = size_t{1} << 20;  // smaller blocks come from malloc's own free lists
+constexpr size_t kGranule = size_t{1} << 16;   // sizes are rounded up to 64 KiB, so near sizes share
+
+// AddressSanitizer should see every free: a cached block would hide a use after free.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kCacheEnabled = false;
+#else
+constexpr bool kCacheEnabled = true;
+#endif
+
+size_t cap_from_environment() {
+  const char* env = std::getenv("MHA_HOST_CACHE_MB");
+  if (env == nullptr || *env == '\0') return size_t{1} << 30;  // 1 GiB
+  char* end = nullptr;
+  const long long mb = std::strtoll(env, &end, 10);
+  if (*end != '\0' || mb < 0 || mb > (1ll << 30)) {
+    throw Error(std::string("MHA_HOST_CACHE_MB: expected a whole number of MiB >= 0, got '") + env + "'");
+  }
+  return static_cast<size_t>(mb) << 20;
+}
+
+class BlockCache {
+ public:
+  void* take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = blocks_.size(); i-- > 0;) {  // newest first: its pages are the likeliest in cache
+      if (blocks_[i].bytes == bytes) {
+        void* p = blocks_[i].data;
+        cached_ -= bytes;
+        blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(i));
+        return p;
+      }
+    }
+    return nullptr;
+  }
+  // Keeps the block, evicting the oldest ones to stay under `cap`.
+  void give(void* p, size_t bytes, size_t cap) {
+    std::vector<void*> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (!blocks_.empty() && cached_ + bytes > cap) {
+        evicted.push_back(blocks_.front().data);
+        cached_ -= blocks_.front().bytes;
+        blocks_.erase(blocks_.begin());
+      }
+      blocks_.push_back({p, bytes});
+      cached_ += bytes;
+    }
+    for (void* e : evicted) std::free(e);
+  }
+  void release_all() {
+    std::vector<Block> blocks;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks.swap(blocks_);
+      cached_ = 0;
+    }
+    for (const Block& b : blocks) std::free(b.data);
+  }
+  size_t cached_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cached_;
+  }
+
+ private:
+  struct Block {
+    void* data;
+    size_t bytes;
+  };
+  std::mutex mutex_;
+  std::vector<Block> blocks_;  // oldest first
+  size_t cached_ = 0;
+};
+
+// Never destroyed: blocks freed by tensors that outlive static destruction still find it.
+BlockCache& cache() {
+  static BlockCache* c = new BlockCache();
+  return *c;
+}
+
+}  // namespace
+
+std::shared_ptr<std::byte> host_allocate(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  // Read once; a bad MHA_HOST_CACHE_MB is an Error on every allocation until it is fixed.
+  static const size_t cap = kCacheEnabled ? cap_from_environment() : 0;
+  const size_t rounded = (bytes + kGranule - 1) / kGranule * kGranule;
+  const bool cached = bytes >= kSmallest && rounded <= cap;
+  bytes = cached ? rounded : (bytes + 63) / 64 * 64;  // aligned_alloc wants a multiple of the alignment
+  void* p = cached ? cache().take(bytes) : nullptr;
+  if (p == nullptr) p = std::aligned_alloc(64, bytes);
+  if (p == nullptr) return nullptr;
+  auto* base = static_cast<std::byte*>(p);
+  if (!cached) return std::shared_ptr<std::byte>(base, [](std::byte* q) { std::free(q); });
+  return std::shared_ptr<std::byte>(base, [bytes](std::byte* q) { cache().give(q, bytes, cap); });
+}
+
+}  // namespace mha::detail
+
+namespace mha {
+
+size_t host_cache_bytes() { return detail::cache().cached_bytes(); }
+void release_host_cache() { detail::cache().release_all(); }
+
+}  // namespace mha
