@@ -13,8 +13,18 @@
 namespace mha {
 namespace {
 
-// [N, L, C] view in batch-major contiguous storage.
-Tensor contiguous_nlc(const TensorView& t) { return Tensor::copy_of(t, DType::f32); }
+// An [N, L, C] view as batch-major contiguous rows: the view's own memory when it already is
+// (batch_first inputs, the unpadded key rows), else a copy.
+struct Rows {
+  Tensor copy;
+  const float* data;
+};
+Rows batch_major_rows(const TensorView& t) {
+  if (t.is_contiguous()) return {Tensor(), t.data_as<const float>()};
+  Rows r{Tensor::copy_of(t, DType::f32), nullptr};
+  r.data = r.copy.data<float>();
+  return r;
+}
 
 // Column sums of a [rows, cols] matrix added into `out`.
 void add_column_sums(const float* m, int64_t rows, int64_t cols, float* out) {
@@ -80,10 +90,10 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
   };
 
   // 1. Output projection.
-  const Tensor dy = contiguous_nlc(as_nle(grad_output));  // [N, L, E]
-  const Tensor a = contiguous_nlc(as_nle(st.attn.view()));
+  const Rows dy = batch_major_rows(as_nle(grad_output));  // [N, L, E]
+  const Rows a = batch_major_rows(as_nle(st.attn.view()));
   Tensor da = Tensor::empty({N, L, E});
-  linear_backward(a.data<float>(), dy.data<float>(), parameter("out_proj.weight").data<float>(), N * L, E, E,
+  linear_backward(a.data, dy.data, parameter("out_proj.weight").data<float>(), N * L, E, E,
                   da.data<float>(), grad_of("out_proj.weight"), grad_of("out_proj.bias"), threads);
 
   // 2. Attention, through the fused backward.
@@ -121,24 +131,24 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
   }
 
   // 4. Input projections. The inputs are the forward's own copies, viewed [N, L, C].
-  const Tensor xq = contiguous_nlc(c.query), xk = contiguous_nlc(c.key), xv = contiguous_nlc(c.value);
-  const Tensor dk_rows = contiguous_nlc(dk.view().slice(1, 0, S)), dv_rows = contiguous_nlc(dv.view().slice(1, 0, S));
+  const Rows xq = batch_major_rows(c.query), xk = batch_major_rows(c.key), xv = batch_major_rows(c.value);
+  const Rows dk_rows = batch_major_rows(dk.view().slice(1, 0, S)), dv_rows = batch_major_rows(dv.view().slice(1, 0, S));
   Tensor dxq = Tensor::empty({N, L, E}), dxk = Tensor::empty({N, S, kdim_}), dxv = Tensor::empty({N, S, vdim_});
   float* din_bias = grad_of("in_proj_bias");
   if (qkv_same_embed_dim()) {
     const float* w = parameter("in_proj_weight").data<float>();
     float* dw = grad_of("in_proj_weight");
-    linear_backward(xq.data<float>(), dq.data<float>(), w, N * L, E, E, dxq.data<float>(), dw, din_bias, threads);
-    linear_backward(xk.data<float>(), dk_rows.data<float>(), w + E * E, N * S, E, E, dxk.data<float>(), dw + E * E,
+    linear_backward(xq.data, dq.data<float>(), w, N * L, E, E, dxq.data<float>(), dw, din_bias, threads);
+    linear_backward(xk.data, dk_rows.data, w + E * E, N * S, E, E, dxk.data<float>(), dw + E * E,
                     din_bias ? din_bias + E : nullptr, threads);
-    linear_backward(xv.data<float>(), dv_rows.data<float>(), w + 2 * E * E, N * S, E, E, dxv.data<float>(),
+    linear_backward(xv.data, dv_rows.data, w + 2 * E * E, N * S, E, E, dxv.data<float>(),
                     dw + 2 * E * E, din_bias ? din_bias + 2 * E : nullptr, threads);
   } else {
-    linear_backward(xq.data<float>(), dq.data<float>(), parameter("q_proj_weight").data<float>(), N * L, E, E,
+    linear_backward(xq.data, dq.data<float>(), parameter("q_proj_weight").data<float>(), N * L, E, E,
                     dxq.data<float>(), grad_of("q_proj_weight"), din_bias, threads);
-    linear_backward(xk.data<float>(), dk_rows.data<float>(), parameter("k_proj_weight").data<float>(), N * S, kdim_, E,
+    linear_backward(xk.data, dk_rows.data, parameter("k_proj_weight").data<float>(), N * S, kdim_, E,
                     dxk.data<float>(), grad_of("k_proj_weight"), din_bias ? din_bias + E : nullptr, threads);
-    linear_backward(xv.data<float>(), dv_rows.data<float>(), parameter("v_proj_weight").data<float>(), N * S, vdim_, E,
+    linear_backward(xv.data, dv_rows.data, parameter("v_proj_weight").data<float>(), N * S, vdim_, E,
                     dxv.data<float>(), grad_of("v_proj_weight"), din_bias ? din_bias + 2 * E : nullptr, threads);
   }
 
