@@ -32,6 +32,7 @@ __all__ = [
     "cpu_isa",
     "set_threading",
     "get_threading",
+    "release_host_cache",
     "load_safetensors",
     "save_safetensors",
 ]
@@ -40,6 +41,7 @@ set_num_threads = _mha.set_num_threads
 get_num_threads = _mha.get_num_threads
 cpu_isa = _mha.cpu_isa
 get_threading = _mha.get_threading
+release_host_cache = _mha.release_host_cache  # frees the large blocks kept for reuse (MHA_HOST_CACHE_MB)
 
 _threading_decided = False
 

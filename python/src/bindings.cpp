@@ -326,6 +326,8 @@ NB_MODULE(_mha, m) {
   m.def("get_num_threads", &mha::get_num_threads);
   m.def("cpu_isa", &mha::cpu_isa);
   m.def("openmp_available", &mha::openmp_available);
+  m.def("host_cache_bytes", &mha::host_cache_bytes);
+  m.def("release_host_cache", &mha::release_host_cache);
   m.def(
       "set_threading",
       [](const std::string& name) {

@@ -181,3 +181,12 @@ def test_threading_shares_torchs_openmp_runtime():
     bad = subprocess.run([sys.executable, "-c", code], env={**env, "MHA_THREADING": "many"}, capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "MHA_THREADING: expected 'pool' or 'openmp'" in bad.stderr
+
+
+def test_release_host_cache():
+    out = mha.scaled_dot_product_attention(*(torch.randn(1, 4, 512, 128) for _ in range(3)))  # a 1 MiB output
+    del out  # its block goes to the cache
+    if os.environ.get("MHA_HOST_CACHE_MB") != "0":
+        assert mha._mha.host_cache_bytes() >= 1 << 20
+    mha.release_host_cache()
+    assert mha._mha.host_cache_bytes() == 0
