@@ -8,7 +8,8 @@ run, on the same inputs and thread count; and against oneDNN's SDPA (its Graph A
   python bench/compare.py --lengths 128 512 2048 8192 --dims 64 128 --plot docs/attention_gflops.png
 
 FLOPs: forward 4 * B * H * Lq * Lk * d (only the pairs a causal mask keeps), backward 2.5x that
-(the convention of FlashAttention's papers); the module adds its four E x E projections.
+(the convention of FlashAttention's papers); the module adds its four E x E projections (twice
+that again in a training step's backward).
 Each GFLOP/s is also given as a fraction of the machine's fp32 FMA ceiling, measured in the same
 run by bench/fma_peak.cpp (built with the benchmarks).
 Each figure is the median of --reps timed calls after three warm-up calls; ours and PyTorch's
@@ -125,6 +126,26 @@ def bench_module(E, H, B, L, dtype, reps, rows):
     rows.append((f"module fwd {name}", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
 
 
+def bench_module_training(E, H, B, L, reps, rows):
+    """One training step of the module in fp32: forward, then backward into the input and every
+    parameter. FLOPs: the forward's, plus 2.5x its attention and 2x its projections."""
+    import mha.nn
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True)
+    ours = mha.nn.MultiheadAttention(E, H, batch_first=True)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(B, L, E, requires_grad=True)
+    g = torch.randn(B, L, E)
+
+    def step(module):
+        out, _ = module(x, x, x, need_weights=False)
+        out.backward(g)
+
+    flops = 3.5 * attention_flops(B, H, L, E // H, False) + 3 * 4 * 2.0 * B * L * E * E
+    ours_t, torch_t = paired_medians(lambda: step(ours), lambda: step(ref), reps)
+    rows.append(("module train fp32", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
+
+
 FMA_PEAK_DEFAULT = Path(__file__).resolve().parent.parent / "build" / "bench" / "fma_peak"
 
 
@@ -232,6 +253,7 @@ def main():
     if not args.no_module:
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
+        bench_module_training(1024, 16, 4, 512, args.reps, rows)
     ceiling = fma_ceiling(args.fma_peak, args.threads)
     # bf16 runs on AMX where the CPU has it; elsewhere it is float32 arithmetic on widened copies.
     amx = "amx" in mha.cpu_isa()
@@ -245,10 +267,10 @@ def main():
     if ceiling is not None:
         print(f"fp32 FMA ceiling of {args.threads} threads: {ceiling:.0f} GFLOP/s (bench/fma_peak.cpp); "
               "'of FMA' is mha's GFLOP/s as a fraction of it" + (" (bf16 rows run on AMX: left blank)" if amx else ""))
-    print(f"{'op':<16} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'of FMA':>6} {'torch ms':>9} {'GFLOP/s':>8} "
+    print(f"{'op':<18} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'of FMA':>6} {'torch ms':>9} {'GFLOP/s':>8} "
           f"{'speedup':>8}" + (f" {'oneDNN ms':>10} {'GFLOP/s':>8} {'speedup':>8}" if with_onednn else ""))
     for op, shape, ours, theirs, flops in rows:
-        line = (f"{op:<16} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f}{of_ceiling(op, flops / ours / 1e9)} "
+        line = (f"{op:<18} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f}{of_ceiling(op, flops / ours / 1e9)} "
                 f"{theirs * 1e3:9.1f} {flops / theirs / 1e9:8.1f} {theirs / ours:7.2f}x")
         if with_onednn:
             t = onednn.get((op, shape))

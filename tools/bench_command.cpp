@@ -108,20 +108,23 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
     throw UsageError("--align bottom-right: MultiheadAttention's is_causal is top-left only; drop --module or --align");
   }
   const int64_t embed_dim = s.heads * s.dim;
-  auto attn = std::make_shared<MultiheadAttention>(embed_dim, s.heads, MultiheadAttentionOptions{.seed = o.seed});
+  const DType dtype = parse_dtype(o.dtype);
+  auto attn = std::make_shared<MultiheadAttention>(embed_dim, s.heads,
+                                                   MultiheadAttentionOptions{.seed = o.seed, .dtype = dtype});
   attn->eval();
   Workload w;
-  const Tensor query = random_normal({s.len_q, s.batch, embed_dim}, rng);
+  const Tensor query = random_input({s.len_q, s.batch, embed_dim}, rng, dtype, Device::cpu());
   // Equal lengths: self-attention on one tensor, the module's common case. Otherwise the keys and
   // values come from another sequence (cross-attention).
-  const Tensor memory = s.len_k == s.len_q ? query : random_normal({s.len_k, s.batch, embed_dim}, rng);
+  const Tensor memory =
+      s.len_k == s.len_q ? query : random_input({s.len_k, s.batch, embed_dim}, rng, dtype, Device::cpu());
   const ForwardOptions options{.need_weights = o.weights, .is_causal = s.causal};
   w.call = [=] { (void)attn->forward(query, memory, memory, options); };
   // Projections: q (Lq rows), k and v (Lk rows each), the output (Lq rows), each E x E.
   const double projection_flops =
       2.0 * s.batch * (2.0 * s.len_q + 2.0 * s.len_k) * static_cast<double>(embed_dim) * embed_dim;
   w.flops = projection_flops + attention_flops(s.batch, s.heads, s.len_q, s.len_k, s.dim, s.dim, s.causal);
-  w.description = "MultiheadAttention.forward (E=" + std::to_string(embed_dim) + ", projections included)";
+  w.description = "MultiheadAttention.forward (E=" + std::to_string(embed_dim) + ", " + o.dtype + ", projections included)";
   return w;
 }
 
@@ -184,8 +187,8 @@ int run_bench(const BenchOptions& o) {
   if (o.threads) set_num_threads(*o.threads);
   const BenchShape s = resolve(o);
   std::mt19937_64 rng(o.seed);
-  if (o.module && (o.device != "cpu" || o.dtype != "float32")) {
-    throw UsageError("--module: the module runs on the CPU in float32; drop --device and --dtype");
+  if (o.module && o.device != "cpu") {
+    throw UsageError("--module: the module runs on the CPU; drop --device");
   }
   const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {
