@@ -95,16 +95,7 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   reset_parameters(options.seed);
 }
 
-MultiheadAttention::MultiheadAttention(const MultiheadAttention& other)
-    : embed_dim_(other.embed_dim_),
-      num_heads_(other.num_heads_),
-      kdim_(other.kdim_),
-      vdim_(other.vdim_),
-      options_(other.options_),
-      training_(other.training_),
-      dropout_calls_(other.dropout_calls_.load()) {
-  for (const auto& [name, t] : other.params_) params_.emplace_back(name, t.clone());
-}
+MultiheadAttention::MultiheadAttention(const MultiheadAttention& other) : MultiheadAttention(other, other.dtype()) {}
 
 MultiheadAttention::MultiheadAttention(const MultiheadAttention& other, DType dtype)
     : embed_dim_(other.embed_dim_),
