@@ -96,7 +96,8 @@ BlockCache& cache() {
 std::shared_ptr<std::byte> host_allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
   // Read once; a bad MHA_HOST_CACHE_MB is an Error on every allocation until it is fixed.
-  static const size_t cap = kCacheEnabled ? cap_from_environment() : 0;
+  static const size_t configured = cap_from_environment();
+  const size_t cap = kCacheEnabled ? configured : 0;
   const size_t rounded = (bytes + kGranule - 1) / kGranule * kGranule;
   const bool cached = bytes >= kSmallest && rounded <= cap;
   bytes = cached ? rounded : (bytes + 63) / 64 * 64;  // aligned_alloc wants a multiple of the alignment
@@ -105,7 +106,7 @@ std::shared_ptr<std::byte> host_allocate(size_t bytes) {
   if (p == nullptr) return nullptr;
   auto* base = static_cast<std::byte*>(p);
   if (!cached) return std::shared_ptr<std::byte>(base, [](std::byte* q) { std::free(q); });
-  return std::shared_ptr<std::byte>(base, [bytes](std::byte* q) { cache().give(q, bytes, cap); });
+  return std::shared_ptr<std::byte>(base, [bytes, cap](std::byte* q) { cache().give(q, bytes, cap); });
 }
 
 }  // namespace mha::detail
