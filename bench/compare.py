@@ -179,6 +179,17 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
     return int(out.stdout.strip().splitlines()[-1]) / 1024
 
 
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "this CPU"
+
+
 def plot(rows, path):
     """One panel per operation; one colour per (d, causal); mha solid, PyTorch dashed."""
     import matplotlib
@@ -210,7 +221,8 @@ def plot(rows, path):
         ax.set_title(op)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Attention on {mha.get_num_threads()} CPU threads: mha (solid) and PyTorch {torch.__version__} (dashed)")
+    fig.suptitle(f"Attention on {mha.get_num_threads()} threads of {cpu_model()} ({mha.cpu_isa()} kernels): "
+                 f"mha (solid) and PyTorch {torch.__version__} (dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
