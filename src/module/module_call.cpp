@@ -134,7 +134,9 @@ MaskTerms module_mask_terms(const ModuleCall& c, int64_t num_heads) {
   MaskTerms out;
   const std::pair<const std::optional<TensorView>*, const std::array<int64_t, 4>*> masks[] = {
       {&c.attn_mask, &c.attn_mask_strides}, {&c.key_padding_mask, &c.key_padding_strides}};
-  for (const auto& [mask, strides] : masks) {
+  for (const auto& entry : masks) {
+    const std::optional<TensorView>* mask = entry.first;
+    const std::array<int64_t, 4>* strides = entry.second;
     if (!*mask) continue;
     TensorView view = **mask;
     std::array<int64_t, 4> st = *strides;
