@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -166,14 +167,19 @@ def peak_memory_mib(impl, L):
     import sys
     call = ("mha.scaled_dot_product_attention(q, q, q)" if impl == "mha"
             else "torch.nn.functional.scaled_dot_product_attention(q, q, q)")
+    # VmHWM is the peak of this process's own address space; ru_maxrss is not: Linux carries the
+    # parent's peak across fork and exec, and this script's own peak is far above the child's.
     code = f"""
-import resource, torch, mha
+import torch, mha
+def peak_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 torch.set_num_threads(2); mha.set_num_threads(2)
 q = torch.randn(1, 16, {L}, 64)
 q.add_(0)  # touch every page
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kib()
 out = {call}
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+print(peak_kib() - before)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) / 1024
@@ -192,7 +198,10 @@ def cpu_model():
 
 def plot(rows, path):
     """One panel per operation; one colour per (d, causal); mha solid, PyTorch dashed."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit(f"--plot needs matplotlib ({sys.executable} -m pip install matplotlib; make bench installs it)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     ops = sorted({op for op, *_ in rows if op.startswith("sdpa")})
@@ -296,8 +305,6 @@ def main():
             print(f"peak resident memory added by one {impl} fp32 SDPA forward at B=1 H=16 L={args.peak_memory} "
                   f"d=64: {peak_memory_mib(impl, args.peak_memory):.0f} MiB (its output alone: "
                   f"{16 * args.peak_memory * 64 * 4 / 2**20:.0f} MiB)")
-    if args.plot:
-        plot(rows, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(op=op, shape=shape, mha_ms=o * 1e3, torch_ms=t * 1e3, flops=fl,
@@ -305,6 +312,8 @@ def main():
                             fma_ceiling_gflops=ceiling,
                             onednn_ms=None if onednn.get((op, shape)) is None else onednn[(op, shape)] * 1e3)
                        for op, shape, o, t, fl in rows], f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":
