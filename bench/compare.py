@@ -163,8 +163,6 @@ def fma_ceiling(binary, threads):
 def peak_memory_mib(impl, L):
     """How much one forward raises the peak resident memory of a fresh process, over what the
     process already held with its inputs allocated (libraries, q/k/v)."""
-    import subprocess
-    import sys
     call = ("mha.scaled_dot_product_attention(q, q, q)" if impl == "mha"
             else "torch.nn.functional.scaled_dot_product_attention(q, q, q)")
     # VmHWM is the peak of this process's own address space; ru_maxrss is not: Linux carries the
