@@ -94,7 +94,9 @@ void register_benchmarks() {
 
   auto* backward = benchmark::RegisterBenchmark("SDPA_backward", sdpa_backward);
   backward->ArgNames({"B", "H", "L", "d", "causal"})->UseRealTime()->Unit(benchmark::kMillisecond);
-  for (const int64_t causal : {0, 1}) backward->Args({4, 16, 2048, 64, causal});
+  for (const int64_t len : {512, 2048})
+    for (const int64_t dim : {64, 128})
+      for (const int64_t causal : {0, 1}) backward->Args({4, 16, len, dim, causal});
 
   auto* module = benchmark::RegisterBenchmark("MHA_module_forward", module_forward);
   module->ArgNames({"E", "H", "B", "L"})->UseRealTime()->Unit(benchmark::kMillisecond);
