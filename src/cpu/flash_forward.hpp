@@ -93,6 +93,9 @@ struct FlashForward {
   template <bool kStatsOnly, bool kFinalStats>
   void key_pass(Scratch& s, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t rows, int64_t key_end,
                 int64_t clean_end) const {
+    // Vectors of the panel that hold a query: the last task of a short sequence (L=128 is 2 2/3
+    // panels) skips the empty ones where the register block is one vector wide.
+    const int vecs = static_cast<int>(round_up((rows + kLanes - 1) / kLanes, T::kBlockVecs));
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const float* kbase = p.k.data_as<float>() + b * p.k.strides[0] + hk * p.k.strides[1];
     const float* vbase = p.v.data_as<float>() + b * p.v.strides[0] + hk * p.v.strides[1];
@@ -108,14 +111,14 @@ struct FlashForward {
         s.kp[jj] = j < p.len_k ? kbase + j * p.k.strides[2] : s.zero_row;
         s.vp[jj] = j < p.len_k ? vbase + j * p.v.strides[2] : s.zero_row;
       }
-      for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk);
+      for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
 
       for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], s.st, 1, kBlockQ, b, h, i0, rows, j0, nb);
       if (j0 + nbp > clean_end) {  // some (query, key) pairs are past causality or Lk
         const F minus_inf = S::set1(neg_inf);
         for (int64_t jj = 0; jj < nbp; ++jj) {
           const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
-          for (int c = 0; c < kVecs; ++c) {
+          for (int c = 0; c < vecs; ++c) {
             float* row = s.st + jj * kBlockQ + c * kLanes;
             const M visible = S::lt_i(jv, S::load_u(s.lim + c * kLanes));
             S::store(row, S::select(visible, S::load(row), minus_inf));
@@ -123,7 +126,7 @@ struct FlashForward {
         }
       }
 
-      for (int c = 0; c < kVecs; ++c) {
+      for (int c = 0; c < vecs; ++c) {
         F m_old = S::load(s.m + c * kLanes);
         F m_new = m_old;
         if (!kFinalStats) {
@@ -169,7 +172,7 @@ struct FlashForward {
           for (int64_t jj = 0; jj < nb; ++jj)
             w[ii * o.weights_strides[2] + (j0 + jj) * o.weights_strides[3]] = s.st[jj * kBlockQ + ii];
       }
-      if (!kStatsOnly) T::accumulate(s.ot, s.vp, s.st, nbp, p.dim_v);
+      if (!kStatsOnly) T::accumulate(s.ot, s.vp, s.st, nbp, p.dim_v, vecs);
     }
   }
 

@@ -55,10 +55,11 @@ struct Tiles {
       for (int c = 0; c < kBlockVecs; ++c) S::store(out + r * kWidth + (c0 + c) * kLanes, acc[r][c]);
   }
 
-  // out[r][:] = sum_d rows[r][d] * panel[d][:] for kRowsPerTile rows (e.g. S^T = K Q^T).
-  static void dot_rows(float* out, const float* const* rows, const float* panel, int64_t depth) {
+  // out[r][:] = sum_d rows[r][d] * panel[d][:] for kRowsPerTile rows (e.g. S^T = K Q^T), over the
+  // first `vecs` vectors of the panel (a multiple of kBlockVecs): a partly filled panel skips the rest.
+  static void dot_rows(float* out, const float* const* rows, const float* panel, int64_t depth, int vecs = kVecs) {
     for (int r0 = 0; r0 < kRowsPerTile; r0 += kBlockRows)
-      for (int c0 = 0; c0 < kVecs; c0 += kBlockVecs)
+      for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
         dot_rows_block<kBlockRows>(out + r0 * kWidth, rows + r0, panel, depth, c0);
   }
 
@@ -95,31 +96,34 @@ struct Tiles {
 
   // acc[c][:] += sum_j rows[j][c0 + c] * weights[j][:] for kCols columns (e.g. O^T += V^T P^T).
   template <int kCols>
-  static void accumulate_cols(float* acc, const float* const* rows, int64_t c0, const float* weights, int64_t n) {
+  static void accumulate_cols(float* acc, const float* const* rows, int64_t c0, const float* weights, int64_t n,
+                              int vecs) {
     constexpr int kFull = kCols / kBlockRows * kBlockRows, kRest = kCols % kBlockRows;
-    for (int v0 = 0; v0 < kVecs; v0 += kBlockVecs) {
+    for (int v0 = 0; v0 < vecs; v0 += kBlockVecs) {
       for (int r0 = 0; r0 < kFull; r0 += kBlockRows)
         accumulate_block<kBlockRows>(acc + r0 * kWidth, rows, c0 + r0, weights, n, v0);
       if constexpr (kRest > 0) accumulate_block<kRest>(acc + kFull * kWidth, rows, c0 + kFull, weights, n, v0);
     }
   }
 
-  // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, a register block at a time.
+  // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, a register block at a
+  // time, over the first `vecs` vectors of the panel (as in dot_rows).
   static_assert(kBlockRows <= 8, "accumulate's remainder switch covers up to 7 columns");
-  static void accumulate(float* acc, const float* const* rows, const float* weights, int64_t n, int64_t cols) {
+  static void accumulate(float* acc, const float* const* rows, const float* weights, int64_t n, int64_t cols,
+                         int vecs = kVecs) {
     int64_t c0 = 0;
     for (; c0 + kBlockRows <= cols; c0 += kBlockRows) {
-      accumulate_cols<kBlockRows>(acc + c0 * kWidth, rows, c0, weights, n);
+      accumulate_cols<kBlockRows>(acc + c0 * kWidth, rows, c0, weights, n, vecs);
     }
     float* a = acc + c0 * kWidth;
     switch (cols - c0) {  // the columns left over, one instance per count
-      case 1: accumulate_cols<1>(a, rows, c0, weights, n); break;
-      case 2: accumulate_cols<2>(a, rows, c0, weights, n); break;
-      case 3: accumulate_cols<3>(a, rows, c0, weights, n); break;
-      case 4: accumulate_cols<4>(a, rows, c0, weights, n); break;
-      case 5: accumulate_cols<5>(a, rows, c0, weights, n); break;
-      case 6: accumulate_cols<6>(a, rows, c0, weights, n); break;
-      case 7: accumulate_cols<7>(a, rows, c0, weights, n); break;
+      case 1: accumulate_cols<1>(a, rows, c0, weights, n, vecs); break;
+      case 2: accumulate_cols<2>(a, rows, c0, weights, n, vecs); break;
+      case 3: accumulate_cols<3>(a, rows, c0, weights, n, vecs); break;
+      case 4: accumulate_cols<4>(a, rows, c0, weights, n, vecs); break;
+      case 5: accumulate_cols<5>(a, rows, c0, weights, n, vecs); break;
+      case 6: accumulate_cols<6>(a, rows, c0, weights, n, vecs); break;
+      case 7: accumulate_cols<7>(a, rows, c0, weights, n, vecs); break;
       default: break;
     }
   }
