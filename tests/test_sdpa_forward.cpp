@@ -305,6 +305,51 @@ TEST_P(EveryIsa, LowPrecisionInputs) {
   }
 }
 
+// Without the AMX kernel (head dims that are not multiples of 32, or float16), bfloat16 and
+// float16 inputs run the float32 kernel, widened inside it block by block (up to 512 queries) or
+// into float32 copies first (longer): either way exactly the float32 kernel on widened copies
+// with its output rounded once, bit for bit, whatever the views' strides (rows without unit
+// stride are copied in their own dtype first), masks, causality, dropout and grouped heads, and
+// with the weights too.
+TEST_P(EveryIsa, LowPrecisionIsTheFloat32KernelOnWidenedInputs) {
+  std::mt19937_64 rng(test_seed());
+  for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+    for (int variant = 0; variant < 5; ++variant) {
+      const int64_t lq = variant == 4 ? 530 : 37 + 59 * variant, lk = variant == 3 ? 7 : 150 - 31 * variant;
+      const int64_t dk = variant % 2 ? 40 : 24, dv = variant % 2 ? 8 : 72;
+      // [B, L, H, D] storage seen as [B, H, L, D]; variant 1 also reads every other feature.
+      const int64_t step = variant == 1 ? 2 : 1;
+      const mha::Tensor qs = randn({2, lq, 4, dk * step}, rng, dtype), ks = randn({2, lk, 2, dk * step}, rng, dtype),
+                        vs = randn({2, lk, 2, dv * step}, rng, dtype);
+      auto heads_view = [&](const mha::Tensor& t, int64_t d) {
+        mha::TensorView v = t.view().transpose(1, 2);
+        if (step > 1) v = mha::TensorView(v.data, v.dtype, {v.shape[0], v.shape[1], v.shape[2], d},
+                                          {v.strides[0], v.strides[1], v.strides[2], step});
+        return v;
+      };
+      const mha::TensorView q = heads_view(qs, dk), k = heads_view(ks, dk), v = heads_view(vs, dv);
+      const mha::Tensor mask = randn({lq, lk}, rng);
+      mha::SdpaOptions o{.is_causal = variant != 1, .enable_gqa = true};
+      if (variant == 0) o.attn_mask = mask.view();
+      if (variant == 1) o.dropout_p = 0.3, o.dropout_seed = rng();
+      if (variant == 3) o.causal_alignment = mha::CausalAlignment::BottomRight;
+      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " variant " + std::to_string(variant));
+      const mha::Tensor q32 = mha::Tensor::copy_of(q, mha::DType::f32), k32 = mha::Tensor::copy_of(k, mha::DType::f32),
+                        v32 = mha::Tensor::copy_of(v, mha::DType::f32);
+      const auto wide = mha::scaled_dot_product_attention_with_weights(q32, k32, v32, o);
+      const auto narrow = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+      EXPECT_TRUE(mha_test::same_bits(narrow.output, mha::Tensor::copy_of(wide.output, dtype)));
+      EXPECT_TRUE(mha_test::same_bits(narrow.weights, mha::Tensor::copy_of(wide.weights, dtype)));
+      // Without weights the kernel runs its one-pass online softmax: compared with its own float32 run.
+      const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, o);
+      const mha::Tensor plain32 = mha::scaled_dot_product_attention(q32, k32, v32, o);
+      EXPECT_TRUE(mha_test::same_bits(plain, mha::Tensor::copy_of(plain32, dtype)));
+      const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+      EXPECT_LT(rel_error(plain, ref.output), dtype == mha::DType::bf16 ? 1e-2 : 2e-3);
+    }
+  }
+}
+
 TEST(Sdpa, FlopCount) {
   EXPECT_DOUBLE_EQ(mha::attention_flops(4, 16, 2048, 2048, 64, 64, false), 4.0 * 4 * 16 * 2048.0 * 2048 * 64);
   // Causal top-left on a square problem keeps L(L+1)/2 pairs.

@@ -1,6 +1,5 @@
-// Element types. float32 has kernels today; bf16 and fp16 are carried by the type system so that
-// views and files can hold them (their kernels come later); bool is for masks; float64 is for the
-// reference implementation.
+// Element types: float32, bfloat16 and float16 for the kernels (fp32 accumulation throughout);
+// bool for masks; float64 for the reference implementation.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +38,11 @@ constexpr bool is_floating(DType t) { return t != DType::boolean; }
 struct bfloat16 {
   uint16_t bits = 0;
   bfloat16() = default;
+  static bfloat16 from_bits(uint16_t b) {
+    bfloat16 r;
+    r.bits = b;
+    return r;
+  }
   explicit bfloat16(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);
@@ -60,6 +64,11 @@ struct bfloat16 {
 struct float16 {
   uint16_t bits = 0;
   float16() = default;
+  static float16 from_bits(uint16_t b) {
+    float16 r;
+    r.bits = b;
+    return r;
+  }
   explicit float16(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);

@@ -19,12 +19,13 @@ void fill_zero(float* base, const int64_t* shape, const int64_t* strides) {
           base[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]] = 0.0f;
 }
 
-// The kernels read rows with unit stride; an input without it is copied once (into `copies`).
+// The kernels read rows with unit stride; an input without it is copied once (into `copies`), in
+// its own dtype (the forward takes q, k and v in one dtype).
 AttentionProblem with_unit_row_strides(const AttentionProblem& problem, std::vector<Tensor>& copies) {
   AttentionProblem p = problem;
   for (TensorView* t : {&p.q, &p.k, &p.v}) {
     if (t->strides[3] != 1 && t->shape[3] > 1) {
-      copies.push_back(Tensor::copy_of(*t, DType::f32));
+      copies.push_back(Tensor::copy_of(*t, t->dtype));
       *t = copies.back().view();
     }
   }

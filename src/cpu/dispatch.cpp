@@ -39,8 +39,9 @@ bool cpu_has_avx2_fma() {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
-  const bool osxsave = ecx & (1u << 27), fma = ecx & (1u << 12);
-  if (!osxsave || !fma) return false;
+  // F16C (half-precision conversions) came with AVX2 on every x86 CPU that has both; checked anyway.
+  const bool osxsave = ecx & (1u << 27), fma = ecx & (1u << 12), f16c = ecx & (1u << 29);
+  if (!osxsave || !fma || !f16c) return false;
   unsigned xcr0_lo, xcr0_hi;
   __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
   if ((xcr0_lo & 0x6u) != 0x6u) return false;  // the OS saves XMM and YMM state

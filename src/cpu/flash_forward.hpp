@@ -9,6 +9,8 @@
 //     vertical operations, with no horizontal reductions;
 //   - the output accumulates transposed too, O^T += V^T P^T, and is transposed once at the end.
 // Work is split into tasks of (batch, head, 48 queries), handed out dynamically.
+// bfloat16 / float16 inputs are widened inside the kernel, exactly: Q when it is transposed, K and V
+// one key block at a time into the task's scratch; the arithmetic is then the float32 kernel's.
 #pragma once
 
 #include <algorithm>
@@ -58,6 +60,8 @@ struct FlashForward {
     uint32_t* lim;    // [kBlockQ] keys [0, lim) visible to each query (causality, Lk)
     uint32_t* key_lo; // [kBlockQ] dropout row keys
     uint32_t* key_hi;
+    float* kconv;     // [kBlockK][Dk] the key block widened to float32 (bf16/fp16 inputs only)
+    float* vconv;     // [kBlockK][Dv] the value block, likewise
     const float* kp[kBlockK];
     const float* vp[kBlockK];
     void* memory;  // the thread's scratch buffer (core/scratch.hpp)
@@ -65,8 +69,17 @@ struct FlashForward {
 
   static int64_t round_up(int64_t x, int64_t m) { return T::round_up(x, m); }
 
+  // One row of a bfloat16 / float16 operand (unit stride, as run_attention guarantees) to float32.
+  void widen_row(const uint16_t* src, float* dst, int64_t n) const {
+    if (p.k.dtype == DType::bf16) S::widen_bf16(src, dst, n);
+    else S::widen_f16(src, dst, n);
+  }
+
+  bool widens() const { return p.k.dtype != DType::f32; }
+
   Scratch allocate() const {
-    const int64_t floats = (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes;
+    const int64_t conv = widens() ? kBlockK * (p.dim_qk + p.dim_v) : 0;
+    const int64_t floats = (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes + conv;
     const int64_t words = 3 * kBlockQ;
     void* mem = thread_scratch(static_cast<size_t>(round_up((floats + words) * 4, 64)));
     Scratch s;
@@ -78,6 +91,8 @@ struct FlashForward {
     s.m = f, f += kBlockQ;
     s.l = f, f += kBlockQ;
     s.zero_row = f, f += std::max(p.dim_qk, p.dim_v) + kLanes;
+    s.kconv = f, f += widens() ? kBlockK * p.dim_qk : 0;
+    s.vconv = f, f += widens() ? kBlockK * p.dim_v : 0;
     std::memset(s.zero_row, 0, sizeof(float) * (std::max(p.dim_qk, p.dim_v) + kLanes));
     uint32_t* u = reinterpret_cast<uint32_t*>(f);
     s.lim = u, u += kBlockQ;
@@ -99,6 +114,9 @@ struct FlashForward {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const float* kbase = p.k.data_as<float>() + b * p.k.strides[0] + hk * p.k.strides[1];
     const float* vbase = p.v.data_as<float>() + b * p.v.strides[0] + hk * p.v.strides[1];
+    const uint16_t* kbase16 = p.k.data_as<uint16_t>() + b * p.k.strides[0] + hk * p.k.strides[1];
+    const uint16_t* vbase16 = p.v.data_as<uint16_t>() + b * p.v.strides[0] + hk * p.v.strides[1];
+    const bool widen = widens();
     const bool dropout = !kStatsOnly && p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
@@ -108,8 +126,18 @@ struct FlashForward {
       const int64_t nbp = round_up(nb, kKeysPerTile);
       for (int64_t jj = 0; jj < nbp; ++jj) {
         const int64_t j = j0 + jj;
-        s.kp[jj] = j < p.len_k ? kbase + j * p.k.strides[2] : s.zero_row;
-        s.vp[jj] = j < p.len_k ? vbase + j * p.v.strides[2] : s.zero_row;
+        if (j >= p.len_k) {
+          s.kp[jj] = s.vp[jj] = s.zero_row;
+        } else if (widen) {
+          float* kc = s.kconv + jj * p.dim_qk;
+          float* vc = s.vconv + jj * p.dim_v;
+          widen_row(kbase16 + j * p.k.strides[2], kc, p.dim_qk);
+          widen_row(vbase16 + j * p.v.strides[2], vc, p.dim_v);
+          s.kp[jj] = kc, s.vp[jj] = vc;
+        } else {
+          s.kp[jj] = kbase + j * p.k.strides[2];
+          s.vp[jj] = vbase + j * p.v.strides[2];
+        }
       }
       for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
 
@@ -190,11 +218,22 @@ struct FlashForward {
     const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
     const float qscale = static_cast<float>(p.scale) * kLog2e;
 
-    // Q^T, pre-scaled; lanes past the last query stay zero.
-    const float* qb = p.q.data_as<float>() + b * p.q.strides[0] + h * p.q.strides[1] + i0 * p.q.strides[2];
-    for (int64_t d = 0; d < p.dim_qk; ++d)
-      for (int64_t ii = 0; ii < kBlockQ; ++ii)
-        s.qt[d * kBlockQ + ii] = ii < rows ? qb[ii * p.q.strides[2] + d] * qscale : 0.0f;
+    // Q^T, pre-scaled; lanes past the last query stay zero. Low-precision rows are widened first
+    // (into the key block's buffer, free until the first key block).
+    const int64_t q_offset = b * p.q.strides[0] + h * p.q.strides[1] + i0 * p.q.strides[2];
+    if (widens()) {
+      for (int64_t ii = 0; ii < rows; ++ii) {
+        widen_row(p.q.data_as<uint16_t>() + q_offset + ii * p.q.strides[2], s.kconv, p.dim_qk);
+        for (int64_t d = 0; d < p.dim_qk; ++d) s.qt[d * kBlockQ + ii] = s.kconv[d] * qscale;
+      }
+      for (int64_t d = 0; d < p.dim_qk; ++d)
+        for (int64_t ii = rows; ii < kBlockQ; ++ii) s.qt[d * kBlockQ + ii] = 0.0f;
+    } else {
+      const float* qb = p.q.data_as<float>() + q_offset;
+      for (int64_t d = 0; d < p.dim_qk; ++d)
+        for (int64_t ii = 0; ii < kBlockQ; ++ii)
+          s.qt[d * kBlockQ + ii] = ii < rows ? qb[ii * p.q.strides[2] + d] * qscale : 0.0f;
+    }
     std::memset(s.ot, 0, sizeof(float) * p.dim_v * kBlockQ);
     for (int64_t ii = 0; ii < kBlockQ; ++ii) {
       const int64_t i = i0 + ii;

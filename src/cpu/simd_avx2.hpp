@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cpu/transpose_avx.hpp"
+#include "mha/dtype.hpp"
 
 namespace mha::detail::simd {
 
@@ -97,6 +98,21 @@ struct Avx2 {
   }
   static M lt_i(U a, U b) {
     return bits_of(_mm256_castsi256_ps(_mm256_cmpgt_epi32(b.lo, a.lo)), _mm256_castsi256_ps(_mm256_cmpgt_epi32(b.hi, a.hi)));
+  }
+
+  // n bfloat16 / float16 values (as bits) to float32, exactly (F16C for the halves).
+  static void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(bfloat16::from_bits(src[i]));
+  }
+  static void widen_f16(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i < n; ++i) dst[i] = static_cast<float>(float16::from_bits(src[i]));
   }
 };
 

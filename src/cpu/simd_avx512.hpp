@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cpu/transpose_avx.hpp"
+#include "mha/dtype.hpp"
 
 namespace mha::detail::simd {
 
@@ -67,6 +68,21 @@ struct Avx512 {
   template <int n> static U shr_u(U a) { return _mm512_srli_epi32(a, n); }
   static M ge_u(U a, U b) { return _mm512_cmp_epu32_mask(a, b, _MM_CMPINT_NLT); }
   static M lt_i(U a, U b) { return _mm512_cmp_epi32_mask(a, b, _MM_CMPINT_LT); }
+
+  // n bfloat16 / float16 values (as bits) to float32, exactly.
+  static void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(bfloat16::from_bits(src[i]));
+  }
+  static void widen_f16(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    for (; i < n; ++i) dst[i] = static_cast<float>(float16::from_bits(src[i]));
+  }
 };
 
 }  // namespace mha::detail::simd

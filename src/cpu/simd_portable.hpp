@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "mha/dtype.hpp"
+
 namespace mha::detail::simd {
 
 struct Portable {
@@ -50,6 +52,14 @@ struct Portable {
     return m;
   }
 #undef MHA_LANES
+
+  // n bfloat16 / float16 values (as bits) to float32, exactly.
+  static void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(bfloat16::from_bits(src[i]));
+  }
+  static void widen_f16(const uint16_t* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(float16::from_bits(src[i]));
+  }
 };
 
 }  // namespace mha::detail::simd
