@@ -134,6 +134,28 @@ def _like(template: Any, array: Optional[_np.ndarray]):
     return out
 
 
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'float32', 'bfloat16' or 'float16' from that name, a numpy dtype or a torch dtype."""
+    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    if not isinstance(dtype, str):
+        try:
+            name = _np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype: expected float32, bfloat16 or float16 for the module's parameters, got {dtype!r}")
+    return name
+
+
+def _tensor_of(array: _np.ndarray):
+    """A torch tensor sharing a parameter array's memory; bfloat16 arrives as its uint16 bits."""
+    t = _torch().from_numpy(array)
+    return t.view(_torch().bfloat16) if t.dtype == _torch().uint16 else t
+
+
 def _needs_grad(*xs) -> bool:
     """Whether PyTorch autograd must see this call: a torch input requires grad, grad mode is on."""
     torch = _torch()
@@ -195,11 +217,17 @@ class MultiheadAttention:
 
     `seed` sets the initialisation (PyTorch's scheme: xavier-uniform projections, zero biases) and
     the dropout stream. Like a PyTorch module it starts in training mode; call eval() for inference.
+
+    `dtype` ("float32", "bfloat16" or "float16", or the numpy/torch dtype) is the parameters' dtype
+    and so the inputs' and outputs'; `.to(dtype)` converts in place. bfloat16 and float16 compute in
+    float32 and round the output and weights once. numpy has no bfloat16: bfloat16 modules take and
+    return torch tensors, and their state_dict() is widened to float32.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
-                 vdim: Optional[int] = None, batch_first: bool = False, *, seed: Optional[int] = None):
+                 vdim: Optional[int] = None, batch_first: bool = False, *, seed: Optional[int] = None,
+                 dtype: Any = None):
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
             if not isinstance(value, (int, _np.integer)) or isinstance(value, bool):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
@@ -212,6 +240,8 @@ class MultiheadAttention:
         self.add_bias_kv = bool(add_bias_kv)
         self.add_zero_attn = bool(add_zero_attn)
         self.batch_first = bool(batch_first)
+        if dtype is not None:
+            self.to(dtype)
 
     embed_dim = property(lambda self: self._m.embed_dim)
     num_heads = property(lambda self: self._m.num_heads)
@@ -219,6 +249,13 @@ class MultiheadAttention:
     kdim = property(lambda self: self._m.kdim)
     vdim = property(lambda self: self._m.vdim)
     training = property(lambda self: self._m.training)
+    dtype = property(lambda self: self._m.dtype, doc="The parameters' dtype: 'float32', 'bfloat16' or 'float16'.")
+
+    def to(self, dtype: Any) -> "MultiheadAttention":
+        """Converts every parameter to `dtype` in place (rounding to nearest even), as torch's
+        module.to(dtype) does; returns the module."""
+        self._m.to(_dtype_name(dtype))
+        return self
 
     def train(self, mode: bool = True) -> "MultiheadAttention":
         self._m.train(bool(mode))
@@ -254,7 +291,7 @@ class MultiheadAttention:
         from .autograd import ModuleFunction
         torch = _torch()
         # The parameters enter autograd as leaf tensors (copies): their .grad is this call's gradient.
-        params = [(name, torch.from_numpy(value).requires_grad_()) for name, value in self._m.parameters()]
+        params = [(name, _tensor_of(value).requires_grad_()) for name, value in self._m.parameters()]
         flags = (bool(need_weights), bool(average), bool(is_causal), dropout_seed, int(num_threads))
         out, weights = ModuleFunction.apply(
             self._m, [name for name, _ in params], flags, query, key, value,
@@ -265,13 +302,19 @@ class MultiheadAttention:
 
     @property
     def grad(self) -> Dict[str, _np.ndarray]:
-        """Parameter gradients accumulated by backward passes through autograd calls."""
+        """Parameter gradients accumulated by backward passes through autograd calls (bfloat16 ones
+        widened to float32, as numpy has no bfloat16)."""
         holders = getattr(self, "_grad_holders", {})
-        return {name: t.grad.numpy() for name, t in holders.items() if t.grad is not None}
+        bf16 = _torch().bfloat16 if holders else None
+        return {name: (t.grad.float() if t.grad.dtype == bf16 else t.grad).numpy()
+                for name, t in holders.items() if t.grad is not None}
 
     def state_dict(self) -> Dict[str, _np.ndarray]:
-        """Parameters by PyTorch's names, as numpy arrays (copies)."""
-        return dict(self._m.parameters())
+        """Parameters by PyTorch's names, as numpy arrays (copies); bfloat16 ones widened to float32."""
+        state = dict(self._m.parameters())
+        if self.dtype == "bfloat16":  # they came back as their bits
+            state = {name: (a.astype(_np.uint32) << 16).view(_np.float32) for name, a in state.items()}
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Copies values in from numpy arrays or torch tensors, checking names and shapes."""
@@ -279,7 +322,7 @@ class MultiheadAttention:
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
         arrays = {}
         for name, value in state_dict.items():
-            if _is_torch(value):
+            if _is_torch(value):  # float32 holds every bfloat16/float16 value: converted back exactly
                 value = value.detach().cpu().to(_torch().float32).contiguous()
             arrays[name] = _as_array(value, f"state_dict['{name}']")
         self._m.load_state_dict(arrays, bool(strict))
@@ -290,9 +333,10 @@ class MultiheadAttention:
         torch = _torch()
         if torch is None or not isinstance(module, torch.nn.MultiheadAttention):
             raise TypeError(f"module: expected a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        weight = module.in_proj_weight if module.in_proj_weight is not None else module.q_proj_weight
         m = cls(module.embed_dim, module.num_heads, dropout=module.dropout, bias=module.in_proj_bias is not None,
                 add_bias_kv=module.bias_k is not None, add_zero_attn=module.add_zero_attn, kdim=module.kdim,
-                vdim=module.vdim, batch_first=module.batch_first)
+                vdim=module.vdim, batch_first=module.batch_first, dtype=weight.dtype)
         m.load_state_dict(module.state_dict())
         m.train(module.training)
         return m
@@ -301,7 +345,7 @@ class MultiheadAttention:
         return (f"mha.MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"dropout={self.dropout}, bias={self.bias}, add_bias_kv={self.add_bias_kv}, "
                 f"add_zero_attn={self.add_zero_attn}, kdim={self.kdim}, vdim={self.vdim}, "
-                f"batch_first={self.batch_first})")
+                f"batch_first={self.batch_first}" + ("" if self.dtype == "float32" else f", dtype={self.dtype}") + ")")
 
 
 def __getattr__(name: str):

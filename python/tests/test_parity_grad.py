@@ -253,3 +253,63 @@ def test_low_precision_module(dtype, parity_seed):
             assert a.grad.dtype == dtype, name
             err = rel(a.grad.double(), b.grad, floor)
             assert err <= 4 * u, f"{name} gradient ({dtype}): relative error {err:.2e} for {c}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_numpy_level_module(dtype, parity_seed):
+    """mha.MultiheadAttention (the numpy-level module) keeps a bfloat16/float16 torch module's dtype
+    in from_torch, computes as mha.nn does (float32, rounded once: within the unit roundoff u of
+    the largest value against torch's module in float64 on the same parameters), hands back its
+    state_dict exactly (bfloat16 widened to float32, as numpy has none), and its parameter
+    gradients within a few u. Built with dtype= it takes numpy float16 too."""
+    rng = np.random.default_rng([parity_seed, 9])
+    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    for _ in range(8):
+        c = module_case(rng)
+        E, H, N, L = c["E"] * 4, c["H"], c["N"], c["L"] + 8
+        S = c["S"] + 8 if c["cross"] else L
+        options = dict(bias=c["bias"], add_bias_kv=c["add_bias_kv"], add_zero_attn=c["add_zero_attn"],
+                       kdim=c["kdim"], vdim=c["vdim"], batch_first=c["batch_first"])
+        torch.manual_seed(int(rng.integers(2**31)))
+        theirs = torch.nn.MultiheadAttention(E, H, **options).to(dtype)
+        ours = mha.MultiheadAttention.from_torch(theirs)
+        assert ours.dtype == str(dtype).replace("torch.", "")
+        state = ours.state_dict()
+        for name, value in theirs.state_dict().items():
+            assert torch.equal(torch.from_numpy(np.asarray(state[name])).to(dtype), value), name
+        ref = torch.nn.MultiheadAttention(E, H, **options).double()
+        ref.load_state_dict(theirs.state_dict())
+
+        def seq(length, width):
+            shape = (N, length, width) if c["batch_first"] else (length, N, width)
+            return torch.from_numpy(rng.standard_normal(shape if c["batched"] else (length, width))).to(dtype)
+
+        query = seq(L, E).requires_grad_()
+        key = seq(S, c["kdim"] or E) if c["cross"] else query
+        value = seq(S, c["vdim"] or E) if c["cross"] else query
+        out, weights = ours(query, key, value)
+        assert out.dtype == dtype and weights.dtype == dtype
+        g = torch.from_numpy(rng.standard_normal(tuple(out.shape))).to(dtype)
+        out.backward(g)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref_q = query.detach().double().requires_grad_()
+            ref_k, ref_v = (key.detach().double(), value.detach().double()) if c["cross"] else (ref_q, ref_q)
+            ref_out, ref_weights = ref(ref_q, ref_k, ref_v)
+        ref_out.backward(g.double())
+        assert rel(out.detach().double(), ref_out.detach()) <= 1.1 * u, c
+        assert rel(weights.double(), ref_weights.detach()) <= 1.1 * u, c
+        grads = ours.grad
+        floor = 0.05 * max(float(p.grad.abs().max()) for p in ref.parameters())
+        for name, p in ref.named_parameters():
+            err = rel(torch.from_numpy(np.asarray(grads[name])).double(), p.grad, floor)
+            assert err <= 4 * u, f"{name} gradient ({dtype}): relative error {err:.2e} for {c}"
+
+    m = mha.MultiheadAttention(16, 2, seed=int(rng.integers(2**31)), dtype=np.float16)
+    x = rng.standard_normal((3, 2, 16)).astype(np.float16)
+    assert m.dtype == "float16" and m(x, x, x)[0].dtype == np.float16
+    with pytest.raises(ValueError, match="expected dtype float16"):
+        m(x.astype(np.float32), x.astype(np.float32), x.astype(np.float32))
+    assert m.to(torch.float32).dtype == "float32" and "dtype=" not in repr(m)
+    with pytest.raises(ValueError, match="dtype: expected float32, bfloat16 or float16"):
+        m.to("int8")
