@@ -4,7 +4,8 @@
 safetensors/ and npy/: small valid files in the formats' own layouts (what the `safetensors`
 package and numpy.save write), one per dtype and layout the readers accept, plus metadata and
 header versions. validation/ and differential/: fixed pseudo-random bytes (the targets read them
-as a stream of decisions). The fuzzer's own findings go to build-fuzz/corpus/, not here.
+as a stream of decisions). The fuzzer's own findings go to build-fuzz/corpus/, not here; a
+finding that was a bug is kept beside the seeds as regression-* (this script leaves those alone).
 """
 import json
 import os

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <vector>
 
 #include "core/dropout.hpp"
 #include "core/parallel_copy.hpp"
@@ -77,7 +78,8 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   checked_numel({3, embed_dim, embed_dim}, "embed_dim (weights of 3 * embed_dim x embed_dim)");
   checked_numel({embed_dim, std::max(kdim_, vdim_)}, "kdim/vdim (weights of embed_dim x kdim)");
   const int64_t E = embed_dim;
-  auto add = [&](const char* name, const Shape& shape) { params_.emplace_back(name, Tensor::empty(shape, options.dtype)); };
+  std::vector<std::pair<const char*, Shape>> shapes;  // in named_parameters() order
+  auto add = [&](const char* name, const Shape& shape) { shapes.emplace_back(name, shape); };
   if (qkv_same_embed_dim()) {
     add("in_proj_weight", {3 * E, E});
   } else {
@@ -92,6 +94,18 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   }
   add("out_proj.weight", {E, E});
   if (options.bias) add("out_proj.bias", {E});
+  // The largest first: a module too large for memory fails (mha::Error) before the others take any.
+  std::vector<size_t> order(shapes.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  auto numel = [&](size_t i) {
+    int64_t n = 1;
+    for (const int64_t d : shapes[i].second) n *= d;  // counted without overflow above
+    return n;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return numel(a) > numel(b); });
+  std::vector<Tensor> tensors(shapes.size());
+  for (const size_t i : order) tensors[i] = Tensor::empty(shapes[i].second, options.dtype);
+  for (size_t i = 0; i < shapes.size(); ++i) params_.emplace_back(shapes[i].first, std::move(tensors[i]));
   reset_parameters(options.seed);
 }
 
