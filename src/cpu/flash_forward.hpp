@@ -112,11 +112,13 @@ struct FlashForward {
     // panels) skips the empty ones where the register block is one vector wide.
     const int vecs = static_cast<int>(round_up((rows + kLanes - 1) / kLanes, T::kBlockVecs));
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const float* kbase = p.k.data_as<float>() + b * p.k.strides[0] + hk * p.k.strides[1];
-    const float* vbase = p.v.data_as<float>() + b * p.v.strides[0] + hk * p.v.strides[1];
-    const uint16_t* kbase16 = p.k.data_as<uint16_t>() + b * p.k.strides[0] + hk * p.k.strides[1];
-    const uint16_t* vbase16 = p.v.data_as<uint16_t>() + b * p.v.strides[0] + hk * p.v.strides[1];
+    // Offsets are in elements: each base is formed only in its own element type.
     const bool widen = widens();
+    const int64_t k_offset = b * p.k.strides[0] + hk * p.k.strides[1], v_offset = b * p.v.strides[0] + hk * p.v.strides[1];
+    const float* kbase = widen ? nullptr : p.k.data_as<float>() + k_offset;
+    const float* vbase = widen ? nullptr : p.v.data_as<float>() + v_offset;
+    const uint16_t* kbase16 = widen ? p.k.data_as<uint16_t>() + k_offset : nullptr;
+    const uint16_t* vbase16 = widen ? p.v.data_as<uint16_t>() + v_offset : nullptr;
     const bool dropout = !kStatsOnly && p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
