@@ -26,6 +26,11 @@ TEST_P(EdgeIsa, NanAndInfPropagate) {
               v = mha_test::randn({1, 2, 90, 16}, rng);
   v.data<float>()[(0 * 90 + 40) * 16 + 3] = NAN;  // head 0, key 40, column 3
   q.data<float>()[(1 * 70 + 5) * 16 + 0] = INFINITY;  // head 1, query 5
+  // ...and key 0, which it sees, has a positive column 0: its score is +inf, so the row is NaN.
+  // (Were every visible key's column 0 negative, all its scores would be -inf: a fully masked row,
+  // zero, as one seed in 64 drew.)
+  float& k0 = k.data<float>()[(1 * 90 + 0) * 16 + 0];
+  k0 = std::fabs(k0) + 0.5f;
   const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, {.is_causal = true});
   const auto at = [&](int64_t h, int64_t i, int64_t d) { return out.data<float>()[(h * 70 + i) * 16 + d]; };
   // Head 0: queries that see key 40 (i >= 40 under top-left causality) have NaN in column 3, and
