@@ -75,11 +75,22 @@ def test_sdpa_gradients_match_torch(chunk, parity_seed, parity_count):
         assert rel(out.detach(), ref.detach()) <= 1e-5
         out.backward(g.float())
         floor = case_floor((q, k, v, mask))
+        # dS = P (dP - D) cancels where P V is nearly dO's own direction (exactly, with one key:
+        # the query and key gradients are then zero): float32 leaves each dS_ij an absolute error
+        # of about 2 Dv u max|dO| max|V| P_ij, which dQ sums over keys (weights summing to 1) and
+        # dK over up to Lq queries. That bound (of maxima, so well above the typical error) is allowed
+        # on top of the relative tolerance.
+        s = scale if scale is not None else 1.0 / np.sqrt(q.shape[-1])
+        ds_noise = 2 * v.shape[-1] * 2.0**-24 * g.abs().max().item() * v.abs().max().item()
+        noise = {"query": s * k.abs().max().item() * ds_noise,
+                 "key": s * q.abs().max().item() * q.shape[-2] * ds_noise, "attn_mask": ds_noise}
         for ours, theirs, name in zip(leaves, (q, k, v, mask), ("query", "key", "value", "attn_mask")):
             if theirs is None or not theirs.requires_grad:
                 continue
-            err = rel(ours.grad, theirs.grad, floor)
-            assert err <= TOL, f"{name} gradient: relative error {err:.2e} (shapes {tuple(q.shape)}, {tuple(k.shape)})"
+            denom = max(theirs.grad.abs().max().item(), floor)
+            err = (ours.grad.double() - theirs.grad).abs().max().item()
+            assert err <= TOL * denom + noise.get(name, 0.0), (
+                f"{name} gradient: relative error {err / denom:.2e} (shapes {tuple(q.shape)}, {tuple(k.shape)})")
 
 
 def module_case(rng):
