@@ -107,10 +107,13 @@ TEST(SdpaBackward, OnePassScheduleMatchesReference) {
   for (int n = 0; n < 4 * static_cast<int>(isas.size()); ++n) {
     const mha::detail::Isa isa = isas[n / 4];
     mha::detail::force_isa(isa);
-    SCOPED_TRACE(mha::detail::isa_name(isa));
-    const mha::Tensor q = randn({3, 12, 53, 20}, rng), k = randn({3, 6, 61, 20}, rng), v = randn({3, 6, 61, 9}, rng);
-    const mha::Tensor g = randn({3, 12, 53, 9}, rng);
-    mha::Tensor mask = mha::Tensor::empty({53, 61}, mha::DType::boolean);
+    // The last 48-row panel holds 1, 2 or 3 vectors of 16 (or is full), for queries and keys alike.
+    static const int64_t last_panel[] = {5, 29, 41, 48};
+    const int64_t Lq = 48 + last_panel[rng() % 4], Lk = 48 + last_panel[rng() % 4];
+    SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk));
+    const mha::Tensor q = randn({3, 12, Lq, 20}, rng), k = randn({3, 6, Lk, 20}, rng), v = randn({3, 6, Lk, 9}, rng);
+    const mha::Tensor g = randn({3, 12, Lq, 9}, rng);
+    mha::Tensor mask = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
     for (int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = rng() % 5 != 0;
     mha::SdpaOptions o{.is_causal = n % 2 == 1, .causal_alignment = n % 4 == 3 ? mha::CausalAlignment::BottomRight
                                                                          : mha::CausalAlignment::TopLeft,

@@ -86,9 +86,10 @@ struct FlashBackward {
   // Rows of queries i0.. against a 48-key panel starting at j0 (lanes jv), with base-2 scores in pt and
   // dPd = dO V^T in gt: pt becomes Pd = P Z / (1 - p) and gt becomes dS = P (dP - D), with
   // P = 2^(s - lse) where the key is visible and 0 elsewhere. Rows from `ni` to `rows` (padding)
-  // become zero.
+  // become zero. Only the first `vecs` vectors of each row are read and written (a partly filled
+  // key panel computes no more).
   void probabilities_and_score_gradients(float* pt, float* gt, int64_t rows, int64_t ni, int64_t b, int64_t h,
-                                         int64_t i0, int64_t j0, const U* jv) const {
+                                         int64_t i0, int64_t j0, const U* jv, int vecs) const {
     const bool dropout = p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
@@ -97,7 +98,7 @@ struct FlashBackward {
       float* prow = pt + ii * kPanel;
       float* grow = gt + ii * kPanel;
       if (ii >= ni) {
-        for (int c = 0; c < kVecs; ++c) S::store(prow + c * kLanes, zero), S::store(grow + c * kLanes, zero);
+        for (int c = 0; c < vecs; ++c) S::store(prow + c * kLanes, zero), S::store(grow + c * kLanes, zero);
         continue;
       }
       const int64_t i = i0 + ii;
@@ -113,7 +114,7 @@ struct FlashBackward {
         key_lo = S::set1_u(key.lo);
         key_hi = S::set1_u(key.hi);
       }
-      for (int c = 0; c < kVecs; ++c) {
+      for (int c = 0; c < vecs; ++c) {
         F pr = S::exp2(S::sub(S::load(prow + c * kLanes), lse2));
         if (!all_visible) pr = S::select(S::lt_i(jv[c], limit), pr, zero);  // causality, keys past Lk
         F dp = S::load(grow + c * kLanes);
@@ -150,6 +151,7 @@ struct FlashBackward {
     }
     U jv[kVecs];
     key_lanes(j0, jv);
+    const int vecs = T::vecs_for(nk);  // the last block of a short sequence skips its empty vectors
     const float* qrows[kBlock];
     const float* grows[kBlock];
 
@@ -166,13 +168,13 @@ struct FlashBackward {
           grows[ii] = ii < ni ? grad_out_row(b, h, i0 + ii) : zero_row;
         }
         for (int64_t ii = 0; ii < nip; ii += kRows) {
-          T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt, dk);  // scores, base 2
-          T::dot_rows_call(gt + ii * kPanel, grows + ii, vt, dv);  // dPd = dO V^T
+          T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt, dk, vecs);  // scores, base 2
+          T::dot_rows_call(gt + ii * kPanel, grows + ii, vt, dv, vecs);  // dPd = dO V^T
         }
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
-        probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, j0, jv);
-        T::accumulate_call(dvt, grows, pt, nip, dv);  // dV^T += dO^T Pd
-        T::accumulate_call(dkt, qrows, gt, nip, dk);  // dK^T += Q^T dS
+        probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, j0, jv, vecs);
+        T::accumulate_call(dvt, grows, pt, ni, dv, vecs);  // dV^T += dO^T Pd
+        T::accumulate_call(dkt, qrows, gt, ni, dk, vecs);  // dK^T += Q^T dS
       }
     }
     const float scale = static_cast<float>(p.scale);
@@ -227,6 +229,7 @@ struct FlashBackward {
     const F zero = S::zero();
     const float* krows[kBlock];
     const float* vrows[kBlock];
+    const int vecs = T::vecs_for(ni);  // the last block of a short sequence skips its empty vectors
     const int64_t key_end = limit[ni - 1];  // limits grow with the query: later keys are unseen
     for (int64_t j0 = 0; j0 < key_end; j0 += kBlock) {
       const int64_t nj = std::min<int64_t>(kBlock, key_end - j0);
@@ -237,11 +240,11 @@ struct FlashBackward {
         vrows[jj] = real ? row(p.v, b, hk, j0 + jj) : zero_row;
       }
       for (int64_t jj = 0; jj < njp; jj += kRows) {
-        T::dot_rows_call(st + jj * kPanel, krows + jj, qt, dk);
-        T::dot_rows_call(gt + jj * kPanel, vrows + jj, got, dv);
+        T::dot_rows_call(st + jj * kPanel, krows + jj, qt, dk, vecs);
+        T::dot_rows_call(gt + jj * kPanel, vrows + jj, got, dv, vecs);
       }
       for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], st, 1, kPanel, b, h, i0, ni, j0, nj);
-      for (int c = 0; c < kVecs; ++c) {
+      for (int c = 0; c < vecs; ++c) {
         const F l2 = S::load(lse2 + c * kLanes);
         const F dl = S::load(delta + c * kLanes);
         const U lim = S::load_u(limit + c * kLanes);
@@ -263,7 +266,7 @@ struct FlashBackward {
           for (int64_t jj = 0; jj < nj; ++jj) dsr[(j0 + jj) * out.dscores_strides[3]] = st[jj * kPanel + ii];
         }
       }
-      T::accumulate_call(dqt, krows, st, njp, dk);  // dQ^T += K^T dS^T
+      T::accumulate_call(dqt, krows, st, nj, dk, vecs);  // dQ^T += K^T dS^T
     }
     if (out.dscores) {  // keys no query of the task sees
       for (int64_t ii = 0; ii < ni; ++ii) {
@@ -316,24 +319,29 @@ struct FlashBackward {
         for (int64_t jj = 0; jj < kPanel; ++jj) krows[jj] = jj < nk ? row(p.k, b, hk, j0 + jj) : zero_row;
         U jv[kVecs];
         key_lanes(j0, jv);
+        const int key_vecs = T::vecs_for(nk);  // a partly filled block (the last) skips its empty
+                                               // vectors, and a partly filled query panel its rows
         int64_t i_start = 0;  // queries before it see no key of the block: skipped
         if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q) / kPanel * kPanel;
         for (int64_t i0 = i_start; i0 < p.len_q; i0 += kPanel) {
           const int64_t ni = std::min<int64_t>(kPanel, p.len_q - i0);
-          for (int64_t ii = 0; ii < kPanel; ++ii) {
+          const int64_t nip = T::round_up(ni, kRows);
+          const int query_vecs = T::vecs_for(ni);
+          for (int64_t ii = 0; ii < nip; ++ii) {
             qrows[ii] = ii < ni ? row(p.q, b, h, i0 + ii) : zero_row;
             grows[ii] = ii < ni ? grad_out_row(b, h, i0 + ii) : zero_row;
           }
-          for (int64_t ii = 0; ii < kPanel; ii += kRows) {
-            T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk);
-            T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv);
+          for (int64_t ii = 0; ii < nip; ii += kRows) {
+            T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk, key_vecs);
+            T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv, key_vecs);
           }
           for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
-          probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, j0, jv);
-          T::accumulate_call(dvt_all + kb * panel_v, grows, pt, kPanel, dv);  // dV^T += dO^T Pd
-          T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, kPanel, dk);  // dK^T += Q^T dS
-          T::transpose_panel(gt, st);                                      // dS^T, for dQ
-          T::accumulate_call(dqt_all + (i0 / kPanel) * panel_k, krows, st, kPanel, dk);  // dQ^T += K^T dS^T
+          // Every row past ni is zeroed (over key_vecs), so the transpose below holds no stale dS.
+          probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, j0, jv, key_vecs);
+          T::accumulate_call(dvt_all + kb * panel_v, grows, pt, ni, dv, key_vecs);  // dV^T += dO^T Pd
+          T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, ni, dk, key_vecs);  // dK^T += Q^T dS
+          T::transpose_panel(gt, st);                                               // dS^T, for dQ
+          T::accumulate_call(dqt_all + (i0 / kPanel) * panel_k, krows, st, nk, dk, query_vecs);  // dQ^T += K^T dS^T
         }
       }
       const float scale = static_cast<float>(p.scale);

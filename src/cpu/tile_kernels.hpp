@@ -66,13 +66,17 @@ struct Tiles {
   // The two products kept out of line, for large callers (the backward's group task): inlined
   // there, GCC 12 kept the AVX2 accumulators (structs of two ymm) on the stack, a store and reload
   // per FMA that halved the backward's speed. Small callers (the forward) inline them as they are.
-  [[gnu::noinline]] static void dot_rows_call(float* out, const float* const* rows, const float* panel, int64_t depth) {
-    dot_rows(out, rows, panel, depth);
+  [[gnu::noinline]] static void dot_rows_call(float* out, const float* const* rows, const float* panel, int64_t depth,
+                                              int vecs = kVecs) {
+    dot_rows(out, rows, panel, depth, vecs);
   }
   [[gnu::noinline]] static void accumulate_call(float* acc, const float* const* rows, const float* weights, int64_t n,
-                                                int64_t cols) {
-    accumulate(acc, rows, weights, n, cols);
+                                                int64_t cols, int vecs = kVecs) {
+    accumulate(acc, rows, weights, n, cols, vecs);
   }
+
+  // The vectors of a panel that hold its first `n` lanes, rounded up to whole register blocks.
+  static int vecs_for(int64_t n) { return static_cast<int>(round_up((n + kLanes - 1) / kLanes, kBlockVecs)); }
 
   // acc[r][c..] += sum_j rows[j][col0 + r] * weights[j][c..] for R columns and one block of vectors.
   template <int R>
