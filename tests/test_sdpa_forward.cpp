@@ -344,6 +344,10 @@ TEST_P(EveryIsa, LowPrecisionIsTheFloat32KernelOnWidenedInputs) {
       const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, o);
       const mha::Tensor plain32 = mha::scaled_dot_product_attention(q32, k32, v32, o);
       EXPECT_TRUE(mha_test::same_bits(plain, mha::Tensor::copy_of(plain32, dtype)));
+      // Into a strided view ([B, L, H, Dv] storage), each row rounded as the kernel stores it.
+      const mha::Tensor into = mha::Tensor::empty({2, lq, 4, dv}, dtype);
+      mha::scaled_dot_product_attention_into(q, k, v, into.view().transpose(1, 2), o);
+      EXPECT_TRUE(mha_test::same_bits(mha::Tensor::copy_of(into.view().transpose(1, 2), dtype), plain));
       const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
       EXPECT_LT(rel_error(plain, ref.output), dtype == mha::DType::bf16 ? 1e-2 : 2e-3);
     }

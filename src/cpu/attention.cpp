@@ -11,12 +11,18 @@
 namespace mha::detail {
 namespace {
 
-void fill_zero(float* base, const int64_t* shape, const int64_t* strides) {
+template <class E>
+void fill_zero(E* base, const int64_t* shape, const int64_t* strides) {
   for (int64_t a = 0; a < shape[0]; ++a)
     for (int64_t b = 0; b < shape[1]; ++b)
       for (int64_t c = 0; c < shape[2]; ++c)
         for (int64_t d = 0; d < shape[3]; ++d)
-          base[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]] = 0.0f;
+          base[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]] = E{0};
+}
+// The forward's output, float32 or 16-bit (all-zero bits are +0 in bfloat16 and float16 alike).
+void fill_zero_output(const ForwardOutputs& o, const int64_t* shape) {
+  if (o.out_dtype == DType::f32) fill_zero(static_cast<float*>(o.out), shape, o.out_strides);
+  else fill_zero(static_cast<uint16_t*>(o.out), shape, o.out_strides);
 }
 
 // The kernels read rows with unit stride; an input without it is copied once (into `copies`), in
@@ -41,7 +47,8 @@ void stand_in_if_empty(TensorView& t) {
     t.strides = {};
   }
 }
-void stand_in_if_null(float*& data, int64_t* strides) {
+template <class E>
+void stand_in_if_null(E*& data, int64_t* strides) {
   if (data == nullptr) {
     data = g_stand_in;
     for (int d = 0; d < 4; ++d) strides[d] = 0;
@@ -60,7 +67,7 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
 
   if (problem.dropout_p >= 1.0) {  // every weight dropped: the output and the weights are zero
     const int64_t out_shape[4] = {problem.batch, problem.heads_q, problem.len_q, problem.dim_v};
-    fill_zero(o.out, out_shape, o.out_strides);
+    fill_zero_output(o, out_shape);
     if (o.weights) {
       const int64_t w_shape[4] = {problem.batch, problem.heads_q, problem.len_q, problem.len_k};
       fill_zero(o.weights, w_shape, o.weights_strides);
@@ -75,7 +82,7 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   AttentionProblem p = with_unit_row_strides(problem, copies);
   if (p.len_k == 0) {  // no key: every row is fully masked
     const int64_t out_shape[4] = {p.batch, p.heads_q, p.len_q, p.dim_v};
-    fill_zero(o.out, out_shape, o.out_strides);
+    fill_zero_output(o, out_shape);
     if (o.lse) std::fill_n(o.lse, p.batch * p.heads_q * p.len_q, std::numeric_limits<float>::infinity());
     return;
   }

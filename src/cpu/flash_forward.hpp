@@ -110,7 +110,7 @@ struct FlashForward {
                 int64_t clean_end) const {
     // Vectors of the panel that hold a query: the last task of a short sequence (L=128 is 2 2/3
     // panels) skips the empty ones where the register block is one vector wide.
-    const int vecs = static_cast<int>(round_up((rows + kLanes - 1) / kLanes, T::kBlockVecs));
+    const int vecs = T::vecs_for(rows);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     // Offsets are in elements: each base is formed only in its own element type.
     const bool widen = widens();
@@ -270,10 +270,28 @@ struct FlashForward {
       for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = 1.0f;  // P was already normalised
     }
 
-    float* out = o.out + b * o.out_strides[0] + h * o.out_strides[1] + i0 * o.out_strides[2];
+    store_output(s, b, h, i0, rows);
+  }
+
+  // O = O^T / l for the task's rows, in the output's dtype: bfloat16 and float16 are rounded here,
+  // once, as a float32 output copied into them afterwards would be.
+  template <class E, class Round>
+  void store_output_as(const Scratch& s, E* out, int64_t rows, Round round) const {
     for (int64_t ii = 0; ii < rows; ++ii)
       for (int64_t d = 0; d < p.dim_v; ++d)
-        out[ii * o.out_strides[2] + d * o.out_strides[3]] = s.ot[d * kBlockQ + ii] * s.l[ii];
+        out[ii * o.out_strides[2] + d * o.out_strides[3]] = round(s.ot[d * kBlockQ + ii] * s.l[ii]);
+  }
+  void store_output(const Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows) const {
+    const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i0 * o.out_strides[2];
+    switch (o.out_dtype) {
+      case DType::bf16:
+        store_output_as(s, static_cast<uint16_t*>(o.out) + offset, rows, [](float x) { return bfloat16(x).bits; });
+        break;
+      case DType::f16:
+        store_output_as(s, static_cast<uint16_t*>(o.out) + offset, rows, [](float x) { return float16(x).bits; });
+        break;
+      default: store_output_as(s, static_cast<float*>(o.out) + offset, rows, [](float x) { return x; });
+    }
   }
 
   void run() const {
