@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/attention_kernel.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
@@ -315,7 +317,9 @@ TEST_P(EveryIsa, LowPrecisionIsTheFloat32KernelOnWidenedInputs) {
   std::mt19937_64 rng(test_seed());
   for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
     for (int variant = 0; variant < 5; ++variant) {
-      const int64_t lq = variant == 4 ? 530 : 37 + 59 * variant, lk = variant == 3 ? 7 : 150 - 31 * variant;
+      // Variant 4 is long (keys and values widened per chunk of heads, in several row tasks).
+      const int64_t lq = variant == 4 ? 530 : 37 + 59 * variant;
+      const int64_t lk = variant == 3 ? 7 : variant == 4 ? 300 : 150 - 31 * variant;
       const int64_t dk = variant % 2 ? 40 : 24, dv = variant % 2 ? 8 : 72;
       // [B, L, H, D] storage seen as [B, H, L, D]; variant 1 also reads every other feature.
       const int64_t step = variant == 1 ? 2 : 1;
@@ -348,6 +352,13 @@ TEST_P(EveryIsa, LowPrecisionIsTheFloat32KernelOnWidenedInputs) {
       const mha::Tensor into = mha::Tensor::empty({2, lq, 4, dv}, dtype);
       mha::scaled_dot_product_attention_into(q, k, v, into.view().transpose(1, 2), o);
       EXPECT_TRUE(mha_test::same_bits(mha::Tensor::copy_of(into.view().transpose(1, 2), dtype), plain));
+      if (lq > 512) {  // long: keys and values widened per chunk of heads; here one head per chunk
+        std::atomic<int64_t>& chunk = mha::detail::widened_chunk_floats();
+        const int64_t saved = chunk.exchange(1);
+        const mha::Tensor chunked = mha::scaled_dot_product_attention(q, k, v, o);
+        chunk = saved;
+        EXPECT_TRUE(mha_test::same_bits(chunked, plain));
+      }
       const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
       EXPECT_LT(rel_error(plain, ref.output), dtype == mha::DType::bf16 ? 1e-2 : 2e-3);
     }

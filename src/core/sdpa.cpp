@@ -38,13 +38,10 @@ void run(const AttentionProblem& p, const TensorView& out, const TensorView* wei
 // The forward for inputs of any supported dtype, into outputs of the inputs' dtype. float32 goes
 // straight to the fused kernel; bfloat16 to the AMX kernel where the CPU has one and the problem
 // fits it (no weights, head dims multiples of 32); otherwise bfloat16 and float16 run the float32
-// kernel, which rounds each output row once as it stores it. Short query sequences hand the kernel
-// the inputs as they are, to be widened block by block as it reads them (each of a head's query
-// tasks widens its keys and values again, cheap while they are few); longer ones widen q, k and v
-// into float32 copies first, once. Both give the same bits.
-void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-             const SdpaOptions& options, const TensorView& out, const TensorView* weights) {
-  if (q.dtype == DType::f32) {
+// kernel, which widens the inputs as it reads them and rounds each output row once as it stores
+// it: the bits of the float32 kernel on widened copies, without the copies.
+void forward(const AttentionProblem& p, const SdpaOptions& options, const TensorView& out, const TensorView* weights) {
+  if (p.q.dtype == DType::f32) {
     run(p, out, weights);
     return;
   }
@@ -59,18 +56,7 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   const int threads = detail::resolve_threads(options.num_threads);
   Tensor weights32;
   if (weights) weights32 = Tensor::empty(weights->sizes());
-  // Measured on AVX2 (B=4, H=16, d=64 and 128, bf16): widening in the kernel is 25% faster at
-  // Lq = 128, level at 512, 2% slower at 1024 and 5% at 2048.
-  constexpr int64_t kMaxQueriesWidenedInKernel = 512;
-  if (p.len_q <= kMaxQueriesWidenedInKernel) {
-    run(p, out, weights ? &weights32.view() : nullptr);
-  } else {
-    const Tensor q32 = detail::parallel_copy_of(q, DType::f32, threads),
-                 k32 = detail::parallel_copy_of(k, DType::f32, threads),
-                 v32 = detail::parallel_copy_of(v, DType::f32, threads);
-    run(detail::make_sdpa_problem(q32, k32, v32, options, detail::InputDtypes::f32), out,
-        weights ? &weights32.view() : nullptr);
-  }
+  run(p, out, weights ? &weights32.view() : nullptr);
   if (weights) detail::parallel_copy_into(weights32, *weights, threads);
 }
 
@@ -93,7 +79,7 @@ Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
     detail::cuda_attention_forward(p, detail::as_4d(out, "out"), nullptr);
     return out;
   }
-  forward(p, q, k, v, options, out, nullptr);
+  forward(p, options, out, nullptr);
   return out;
 }
 
@@ -104,7 +90,7 @@ AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView&
   AttentionWithWeights r;
   r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
   r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k), q.dtype);
-  forward(p, q, k, v, options, r.output, &r.weights.view());
+  forward(p, options, r.output, &r.weights.view());
   return r;
 }
 
@@ -125,7 +111,7 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
     detail::cuda_attention_forward(p, detail::as_4d(out, "out"), nullptr);
     return;
   }
-  forward(p, q, k, v, options, out, weights ? &*weights : nullptr);
+  forward(p, options, out, weights ? &*weights : nullptr);
 }
 
 namespace {

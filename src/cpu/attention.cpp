@@ -57,6 +57,11 @@ void stand_in_if_null(E*& data, int64_t* strides) {
 
 }  // namespace
 
+std::atomic<int64_t>& widened_chunk_floats() {
+  static std::atomic<int64_t> floats{int64_t{2} << 20};  // 8 MiB, beside 3 float32 copies of the inputs
+  return floats;
+}
+
 void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max();
   if (problem.len_q > kMaxLen || problem.len_k > kMaxLen) {

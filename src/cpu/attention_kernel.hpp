@@ -1,6 +1,7 @@
 // Entry points of the fused CPU attention kernels, one per ISA, and the plain struct they share.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "core/attention_problem.hpp"
@@ -44,8 +45,8 @@ struct BackwardOutputs {
   int64_t dscores_strides[4] = {};
 };
 
-// Preconditions (checked by run_attention): float32 q, k, v with unit stride in the last
-// dimension; Lq, Lk < 2^31; 0 <= dropout_p < 1; Lk > 0.
+// Preconditions (checked by run_attention): q, k, v of one dtype (float32, bfloat16 or float16)
+// with unit stride in the last dimension; Lq, Lk < 2^31; 0 <= dropout_p < 1; Lk > 0.
 void flash_forward_portable(const AttentionProblem& p, const ForwardOutputs& o);
 void flash_forward_avx2(const AttentionProblem& p, const ForwardOutputs& o);
 void flash_forward_avx512(const AttentionProblem& p, const ForwardOutputs& o);
@@ -56,6 +57,10 @@ void flash_backward_portable(const AttentionProblem& p, const BackwardInputs& in
 void flash_backward_avx2(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 void flash_backward_avx512(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 void run_attention_backward(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
+
+// Long bfloat16 / float16 forwards widen the keys and values of a chunk of heads at a time into a
+// shared float32 buffer of at most this many floats (at least one head); settable for tests.
+std::atomic<int64_t>& widened_chunk_floats();
 
 // Validates kernel preconditions, copies inputs whose last stride is not 1, handles the cases
 // with nothing to compute (Lk == 0, dropout_p == 1, empty tensors) and runs the ISA's kernel.

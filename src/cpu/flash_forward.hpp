@@ -9,8 +9,10 @@
 //     vertical operations, with no horizontal reductions;
 //   - the output accumulates transposed too, O^T += V^T P^T, and is transposed once at the end.
 // Work is split into tasks of (batch, head, 48 queries), handed out dynamically.
-// bfloat16 / float16 inputs are widened inside the kernel, exactly: Q when it is transposed, K and V
-// one key block at a time into the task's scratch; the arithmetic is then the float32 kernel's.
+// bfloat16 / float16 inputs are widened inside the kernel, exactly: Q when it is transposed; K and V
+// one key block at a time into the task's scratch while a head has few query tasks, and for long
+// sequences once per head, a chunk of heads at a time, into a buffer the chunk's tasks share. The
+// arithmetic is then the float32 kernel's, and so are the bits.
 #pragma once
 
 #include <algorithm>
@@ -69,6 +71,33 @@ struct FlashForward {
 
   static int64_t round_up(int64_t x, int64_t m) { return T::round_up(x, m); }
 
+  // Where a task reads the rows of its key/value head: float32 rows (the inputs, or their widened
+  // copy in a chunk buffer), or 16-bit rows (k16, v16) to widen a key block at a time.
+  struct KeyValueRows {
+    const float* k = nullptr;
+    const float* v = nullptr;
+    const uint16_t* k16 = nullptr;
+    const uint16_t* v16 = nullptr;
+    int64_t k_stride = 0, v_stride = 0;  // between rows, in elements
+  };
+
+  // The inputs' own rows of key/value head hk of batch b. Offsets are in elements: each base is
+  // formed only in its own element type.
+  KeyValueRows input_rows(int64_t b, int64_t hk) const {
+    KeyValueRows kv;
+    const int64_t k_offset = b * p.k.strides[0] + hk * p.k.strides[1], v_offset = b * p.v.strides[0] + hk * p.v.strides[1];
+    if (widens()) {
+      kv.k16 = p.k.data_as<uint16_t>() + k_offset;
+      kv.v16 = p.v.data_as<uint16_t>() + v_offset;
+    } else {
+      kv.k = p.k.data_as<float>() + k_offset;
+      kv.v = p.v.data_as<float>() + v_offset;
+    }
+    kv.k_stride = p.k.strides[2];
+    kv.v_stride = p.v.strides[2];
+    return kv;
+  }
+
   // One row of a bfloat16 / float16 operand (unit stride, as run_attention guarantees) to float32.
   void widen_row(const uint16_t* src, float* dst, int64_t n) const {
     if (p.k.dtype == DType::bf16) S::widen_bf16(src, dst, n);
@@ -106,19 +135,13 @@ struct FlashForward {
   //   kFinalStats: m and l are final; P = 2^(s - m) / l is written to the weights and used for O
   //   neither:     the usual online softmax with rescaling of O
   template <bool kStatsOnly, bool kFinalStats>
-  void key_pass(Scratch& s, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t rows, int64_t key_end,
+  void key_pass(Scratch& s, const KeyValueRows& kv, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t key_end,
                 int64_t clean_end) const {
     // Vectors of the panel that hold a query: the last task of a short sequence (L=128 is 2 2/3
     // panels) skips the empty ones where the register block is one vector wide.
     const int vecs = T::vecs_for(rows);
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    // Offsets are in elements: each base is formed only in its own element type.
-    const bool widen = widens();
-    const int64_t k_offset = b * p.k.strides[0] + hk * p.k.strides[1], v_offset = b * p.v.strides[0] + hk * p.v.strides[1];
-    const float* kbase = widen ? nullptr : p.k.data_as<float>() + k_offset;
-    const float* vbase = widen ? nullptr : p.v.data_as<float>() + v_offset;
-    const uint16_t* kbase16 = widen ? p.k.data_as<uint16_t>() + k_offset : nullptr;
-    const uint16_t* vbase16 = widen ? p.v.data_as<uint16_t>() + v_offset : nullptr;
+    const bool widen = kv.k16 != nullptr;
     const bool dropout = !kStatsOnly && p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
@@ -133,12 +156,12 @@ struct FlashForward {
         } else if (widen) {
           float* kc = s.kconv + jj * p.dim_qk;
           float* vc = s.vconv + jj * p.dim_v;
-          widen_row(kbase16 + j * p.k.strides[2], kc, p.dim_qk);
-          widen_row(vbase16 + j * p.v.strides[2], vc, p.dim_v);
+          widen_row(kv.k16 + j * kv.k_stride, kc, p.dim_qk);
+          widen_row(kv.v16 + j * kv.v_stride, vc, p.dim_v);
           s.kp[jj] = kc, s.vp[jj] = vc;
         } else {
-          s.kp[jj] = kbase + j * p.k.strides[2];
-          s.vp[jj] = vbase + j * p.v.strides[2];
+          s.kp[jj] = kv.k + j * kv.k_stride;
+          s.vp[jj] = kv.v + j * kv.v_stride;
         }
       }
       for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
@@ -215,8 +238,7 @@ struct FlashForward {
     }
   }
 
-  void task(Scratch& s, int64_t b, int64_t h, int64_t i0) const {
-    const int64_t hk = h / (p.heads_q / p.heads_kv);
+  void task(Scratch& s, const KeyValueRows& kv, int64_t b, int64_t h, int64_t i0) const {
     const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
     const float qscale = static_cast<float>(p.scale) * kLog2e;
 
@@ -256,17 +278,17 @@ struct FlashForward {
     const int64_t clean_end = s.lim[0];
 
     if (o.weights == nullptr) {
-      key_pass<false, false>(s, b, h, hk, i0, rows, key_end, clean_end);
+      key_pass<false, false>(s, kv, b, h, i0, rows, key_end, clean_end);
       write_lse(s, b, h, i0, rows);
       for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
     } else {
-      key_pass<true, false>(s, b, h, hk, i0, rows, key_end, clean_end);
+      key_pass<true, false>(s, kv, b, h, i0, rows, key_end, clean_end);
       write_lse(s, b, h, i0, rows);
       for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
       float* w = o.weights + b * o.weights_strides[0] + h * o.weights_strides[1] + i0 * o.weights_strides[2];
       for (int64_t ii = 0; ii < rows; ++ii)  // keys no row of the task can see
         for (int64_t j = key_end; j < p.len_k; ++j) w[ii * o.weights_strides[2] + j * o.weights_strides[3]] = 0.0f;
-      key_pass<false, true>(s, b, h, hk, i0, rows, key_end, clean_end);
+      key_pass<false, true>(s, kv, b, h, i0, rows, key_end, clean_end);
       for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = 1.0f;  // P was already normalised
     }
 
@@ -294,17 +316,64 @@ struct FlashForward {
     }
   }
 
-  void run() const {
+  // The query tasks of key/value head groups [g0, g1) (a group: one batch, one key/value head, the
+  // query heads that share it), each reading its group's rows from rows_of(group).
+  template <class RowsOf>
+  void run_groups(int64_t g0, int64_t g1, int threads, const RowsOf& rows_of) const {
     const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
-    const int64_t tasks = p.batch * p.heads_q * q_blocks;
-    const int threads = resolve_threads(p.num_threads);
-    parallel_for(tasks, threads, [&](int64_t t, int) {
+    const int64_t group = p.heads_q / p.heads_kv;
+    parallel_for((g1 - g0) * group * q_blocks, threads, [&](int64_t t, int) {
       // Last query blocks first: under a top-left causal mask they are the longest.
       const int64_t qb = q_blocks - 1 - t % q_blocks;
-      const int64_t bh = t / q_blocks;
+      const int64_t g = g0 + t / q_blocks / group;
+      const int64_t b = g / p.heads_kv, hk = g % p.heads_kv, h = hk * group + t / q_blocks % group;
       Scratch s = allocate();
-      task(s, bh / p.heads_q, bh % p.heads_q, qb * kBlockQ);
+      task(s, rows_of(g), b, h, qb * kBlockQ);
     });
+  }
+
+  // Widening per key block costs each of a head's query tasks a pass over all its keys: cheap for
+  // a few tasks, 5% of the call at 2048 queries (43 tasks per head; measured on AVX2, d=64 and 128).
+  static constexpr int64_t kMaxQueriesWidenedPerTask = 512;
+
+  void run() const {
+    const int threads = resolve_threads(p.num_threads);
+    const int64_t groups = p.batch * p.heads_kv;
+    if (!widens() || p.len_q <= kMaxQueriesWidenedPerTask) {
+      run_groups(0, groups, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });
+      return;
+    }
+    // Long low-precision sequences: a chunk of groups at a time, widen their keys and values once
+    // into a shared buffer (the work split by rows, so that one long head still uses every thread),
+    // then run the chunk's tasks on it.
+    const int64_t per_group = p.len_k * (p.dim_qk + p.dim_v);  // floats
+    const int64_t chunk = std::clamp<int64_t>(widened_chunk_floats().load() / std::max<int64_t>(per_group, 1), 1, groups);
+    const Tensor buffer = Tensor::empty({chunk * per_group});
+    float* widened = buffer.data<float>();
+    constexpr int64_t kRowsPerWidenTask = 256;
+    const int64_t row_tasks = (p.len_k + kRowsPerWidenTask - 1) / kRowsPerWidenTask;
+    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+      const int64_t g1 = std::min(groups, g0 + chunk);
+      parallel_for((g1 - g0) * row_tasks, threads, [&](int64_t t, int) {
+        const int64_t g = g0 + t / row_tasks, j0 = t % row_tasks * kRowsPerWidenTask;
+        const int64_t j1 = std::min(p.len_k, j0 + kRowsPerWidenTask);
+        const KeyValueRows in = input_rows(g / p.heads_kv, g % p.heads_kv);
+        float* k = widened + (g - g0) * per_group;
+        float* v = k + p.len_k * p.dim_qk;
+        for (int64_t j = j0; j < j1; ++j) {
+          widen_row(in.k16 + j * in.k_stride, k + j * p.dim_qk, p.dim_qk);
+          widen_row(in.v16 + j * in.v_stride, v + j * p.dim_v, p.dim_v);
+        }
+      });
+      run_groups(g0, g1, threads, [&](int64_t g) {
+        KeyValueRows kv;
+        kv.k = widened + (g - g0) * per_group;
+        kv.v = kv.k + p.len_k * p.dim_qk;
+        kv.k_stride = p.dim_qk;
+        kv.v_stride = p.dim_v;
+        return kv;
+      });
+    }
   }
 };
 
