@@ -116,8 +116,9 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
 
 namespace {
 
-// bfloat16 and float16 training on the CPU, as the forward does it: float32 kernels on widened
-// copies, results rounded to the inputs' dtype once. The log-sum-exp stays float32.
+// The bfloat16 and float16 backward on the CPU: the float32 kernel on widened copies, gradients
+// rounded to the inputs' dtype once. (The training forward widens inside its kernel, as the
+// plain forward does.)
 Tensor widened(const TensorView& t, const SdpaOptions& options) {
   return detail::parallel_copy_of(t, DType::f32, detail::resolve_threads(options.num_threads));
 }
@@ -130,12 +131,6 @@ Tensor rounded(const Tensor& t, DType dtype, const SdpaOptions& options) {
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
-  if (p.on_cpu() && q.dtype != DType::f32) {
-    AttentionForTraining r = scaled_dot_product_attention_for_training(widened(q, options), widened(k, options),
-                                                                       widened(v, options), options);
-    r.output = rounded(r.output, q.dtype, options);
-    return r;
-  }
   AttentionForTraining r;
   Shape lse_shape = q.sizes();
   lse_shape.pop_back();
@@ -145,11 +140,14 @@ AttentionForTraining scaled_dot_product_attention_for_training(const TensorView&
     detail::cuda_attention_forward(p, detail::as_4d(r.output, "out"), r.lse.data<float>());
     return r;
   }
-  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v));
+  // bfloat16 / float16: the float32 kernel widens the inputs as it reads them and rounds the
+  // output once (the bits of the float32 path on widened copies); the log-sum-exp stays float32.
+  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
   r.lse = Tensor::empty(lse_shape);
   detail::ForwardOutputs o;
   const TensorView out4 = detail::as_4d(r.output, "out");
-  o.out = out4.data_as<float>();
+  o.out = out4.data;
+  o.out_dtype = out4.dtype;
   set_strides(out4, o.out_strides);
   o.lse = r.lse.data<float>();
   detail::run_attention(p, o);
