@@ -45,21 +45,21 @@ void sdpa_forward(benchmark::State& state) {
   state.counters["FLOPS"] = flops_counter(mha::attention_flops(batch, heads, len, len, dim, dim, causal));
 }
 
-// Args: B, H, L, d, causal. The backward alone (the forward's output and log-sum-exp are computed
-// once, outside the loop); FLOPs are 2.5x the forward's, the usual convention.
+// Args: B, H, L, d, causal, bf16 (0: float32 inputs). The backward alone (the forward's output
+// and log-sum-exp are computed once, outside the loop); FLOPs are 2.5x the forward's, the usual
+// convention.
 void sdpa_backward(benchmark::State& state) {
   const int64_t batch = state.range(0), heads = state.range(1), len = state.range(2), dim = state.range(3);
   const bool causal = state.range(4) != 0;
+  const mha::DType dtype = state.range(5) != 0 ? mha::DType::bf16 : mha::DType::f32;
   std::mt19937_64 rng(44);
-  const mha::Tensor q = random_normal({batch, heads, len, dim}, rng);
-  const mha::Tensor k = random_normal({batch, heads, len, dim}, rng);
-  const mha::Tensor v = random_normal({batch, heads, len, dim}, rng);
-  const mha::Tensor grad = random_normal({batch, heads, len, dim}, rng);
+  auto input = [&] { return mha::Tensor::copy_of(random_normal({batch, heads, len, dim}, rng), dtype); };
+  const mha::Tensor q = input(), k = input(), v = input(), grad = input();
   const mha::SdpaOptions options{.is_causal = causal};
   const mha::AttentionForTraining saved = mha::scaled_dot_product_attention_for_training(q, k, v, options);
   for (auto _ : state) {
     mha::AttentionGradients g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, options);
-    benchmark::DoNotOptimize(g.query.data<float>());
+    benchmark::DoNotOptimize(g.query.view().data);
   }
   state.counters["FLOPS"] = flops_counter(2.5 * mha::attention_flops(batch, heads, len, len, dim, dim, causal));
 }
@@ -93,10 +93,11 @@ void register_benchmarks() {
   for (const int64_t causal : {0, 1}) sdpa->Args({1, 8, 128, 64, causal});
 
   auto* backward = benchmark::RegisterBenchmark("SDPA_backward", sdpa_backward);
-  backward->ArgNames({"B", "H", "L", "d", "causal"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  backward->ArgNames({"B", "H", "L", "d", "causal", "bf16"})->UseRealTime()->Unit(benchmark::kMillisecond);
   for (const int64_t len : {128, 512, 2048})  // 128: 2 2/3 panels of 48, where padding shows
     for (const int64_t dim : {64, 128})
-      for (const int64_t causal : {0, 1}) backward->Args({4, 16, len, dim, causal});
+      for (const int64_t causal : {0, 1}) backward->Args({4, 16, len, dim, causal, 0});
+  for (const int64_t len : {128, 2048}) backward->Args({4, 16, len, 64, 0, 1});  // bf16 training
 
   auto* module = benchmark::RegisterBenchmark("MHA_module_forward", module_forward);
   module->ArgNames({"E", "H", "B", "L"})->UseRealTime()->Unit(benchmark::kMillisecond);

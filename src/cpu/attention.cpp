@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cpu/dispatch.hpp"
 
@@ -145,21 +146,26 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     inputs.out = g_stand_in, inputs.grad_out = g_stand_in;
     for (int d = 0; d < 4; ++d) inputs.out_strides[d] = inputs.grad_out_strides[d] = 0;
   }
-  // delta = rowsum(dO * O), the softmax's correction term, once per row.
+  // delta = rowsum(dO * O), the softmax's correction term, once per row; rows split over the
+  // threads in blocks (serial, it took 3% of the samples of a backward at L=128, on one thread).
   Tensor delta = Tensor::empty({p.batch * p.heads_q * p.len_q});
   float* dl = delta.data<float>();
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads_q; ++h)
-      for (int64_t i = 0; i < p.len_q; ++i) {
-        const float* g = inputs.grad_out + b * inputs.grad_out_strides[0] + h * inputs.grad_out_strides[1] +
-                         i * inputs.grad_out_strides[2];
-        const float* o = inputs.out + b * inputs.out_strides[0] + h * inputs.out_strides[1] + i * inputs.out_strides[2];
-        double acc = 0;
-        for (int64_t d = 0; d < p.dim_v; ++d) {
-          acc += static_cast<double>(g[d * inputs.grad_out_strides[3]]) * o[d * inputs.out_strides[3]];
-        }
-        dl[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(acc);
+  constexpr int64_t kRowsPerTask = 512;
+  const int64_t row_blocks = (p.len_q + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_for(p.batch * p.heads_q * row_blocks, resolve_threads(p.num_threads), [&](int64_t t, int) {
+    const int64_t bh = t / row_blocks, b = bh / p.heads_q, h = bh % p.heads_q;
+    const int64_t i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* g = inputs.grad_out + b * inputs.grad_out_strides[0] + h * inputs.grad_out_strides[1] +
+                       i * inputs.grad_out_strides[2];
+      const float* o = inputs.out + b * inputs.out_strides[0] + h * inputs.out_strides[1] + i * inputs.out_strides[2];
+      double acc = 0;
+      for (int64_t d = 0; d < p.dim_v; ++d) {
+        acc += static_cast<double>(g[d * inputs.grad_out_strides[3]]) * o[d * inputs.out_strides[3]];
       }
+      dl[bh * p.len_q + i] = static_cast<float>(acc);
+    }
+  });
   inputs.delta = dl;
   switch (active_isa()) {
     case Isa::amx:
