@@ -116,14 +116,9 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
 
 namespace {
 
-// The bfloat16 and float16 backward on the CPU: the float32 kernel on widened copies, gradients
-// rounded to the inputs' dtype once. (The training forward widens inside its kernel, as the
-// plain forward does.)
+// The bfloat16 and float16 backward reads q, k, v and the output's gradient from float32 copies.
 Tensor widened(const TensorView& t, const SdpaOptions& options) {
   return detail::parallel_copy_of(t, DType::f32, detail::resolve_threads(options.num_threads));
-}
-Tensor rounded(const Tensor& t, DType dtype, const SdpaOptions& options) {
-  return detail::parallel_copy_of(t.view(), dtype, detail::resolve_threads(options.num_threads));
 }
 
 }  // namespace
@@ -193,39 +188,43 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   lse_shape.pop_back();
   detail::check_output_view(saved.lse, lse_shape, DType::f32, "saved.lse");
   detail::check_output_view(grad_output, out_shape, q.dtype, "grad_output");
-  if (q.dtype != DType::f32) {  // bfloat16 / float16: float32 on widened copies, gradients rounded once
-    const AttentionForTraining saved32{widened(saved.output, options), saved.lse};
-    AttentionGradients g = scaled_dot_product_attention_backward(
-        widened(q, options), widened(k, options), widened(v, options), saved32, widened(grad_output, options),
-        options, attn_mask_grad);
-    g.query = rounded(g.query, q.dtype, options);
-    g.key = rounded(g.key, q.dtype, options);
-    g.value = rounded(g.value, q.dtype, options);
-    return g;  // a mask's gradient stays float32, the mask's dtype
-  }
   if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype != DType::f32)) {
     throw Error("attn_mask_grad: a gradient exists only for a float32 (additive) attn_mask");
   }
+  // bfloat16 / float16: the float32 kernel on widened copies of q, k, v and the output's gradient;
+  // it reads the saved output as it is (for D = rowsum(dO O)) and rounds each gradient row once,
+  // as it stores it. A mask's gradient stays float32, the mask's dtype.
+  AttentionProblem kernel_problem = p;
+  Tensor q32, k32, v32, grad32;
+  TensorView grad = grad_output;
+  if (q.dtype != DType::f32) {
+    q32 = widened(q, options), k32 = widened(k, options), v32 = widened(v, options);
+    grad32 = widened(grad_output, options);
+    kernel_problem = detail::make_sdpa_problem(q32, k32, v32, options, detail::InputDtypes::f32);
+    grad = grad32.view();
+  }
   AttentionGradients g;
-  g.query = Tensor::empty(q.sizes());
-  g.key = Tensor::empty(k.sizes());
-  g.value = Tensor::empty(v.sizes());
+  g.query = Tensor::empty(q.sizes(), q.dtype);
+  g.key = Tensor::empty(k.sizes(), q.dtype);
+  g.value = Tensor::empty(v.sizes(), q.dtype);
   detail::BackwardInputs in;
   const TensorView o4 = detail::as_4d(saved.output, "saved.output");
-  in.out = o4.data_as<float>();
+  in.out = o4.data;
+  in.out_dtype = o4.dtype;
   set_strides(o4, in.out_strides);
-  const TensorView g4 = detail::as_4d(grad_output, "grad_output");
+  const TensorView g4 = detail::as_4d(grad, "grad_output");
   in.grad_out = g4.data_as<float>();
   set_strides(g4, in.grad_out_strides);
   in.lse = saved.lse.data<float>();
   detail::BackwardOutputs out;
   const TensorView dq = detail::as_4d(g.query, "query"), dk = detail::as_4d(g.key, "key"),
                    dv = detail::as_4d(g.value, "value");
-  out.dq = dq.data_as<float>();
+  out.grad_dtype = q.dtype;
+  out.dq = dq.data;
   set_strides(dq, out.dq_strides);
-  out.dk = dk.data_as<float>();
+  out.dk = dk.data;
   set_strides(dk, out.dk_strides);
-  out.dv = dv.data_as<float>();
+  out.dv = dv.data;
   set_strides(dv, out.dv_strides);
   Tensor dscores;
   if (attn_mask_grad) {
@@ -233,7 +232,7 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
     out.dscores = dscores.data<float>();
     set_strides(dscores.view(), out.dscores_strides);
   }
-  detail::run_attention_backward(p, in, out);
+  detail::run_attention_backward(kernel_problem, in, out);
   if (attn_mask_grad) g.attn_mask = reduce_to_mask_shape(dscores, *options.attn_mask);
   return g;
 }

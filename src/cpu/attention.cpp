@@ -20,10 +20,27 @@ void fill_zero(E* base, const int64_t* shape, const int64_t* strides) {
         for (int64_t d = 0; d < shape[3]; ++d)
           base[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]] = E{0};
 }
-// The forward's output, float32 or 16-bit (all-zero bits are +0 in bfloat16 and float16 alike).
-void fill_zero_output(const ForwardOutputs& o, const int64_t* shape) {
-  if (o.out_dtype == DType::f32) fill_zero(static_cast<float*>(o.out), shape, o.out_strides);
-  else fill_zero(static_cast<uint16_t*>(o.out), shape, o.out_strides);
+// An output of float32 or a 16-bit dtype (all-zero bits are +0 in bfloat16 and float16 alike).
+void fill_zero(void* base, DType dtype, const int64_t* shape, const int64_t* strides) {
+  if (dtype == DType::f32) fill_zero(static_cast<float*>(base), shape, strides);
+  else fill_zero(static_cast<uint16_t*>(base), shape, strides);
+}
+void fill_zero_output(const ForwardOutputs& o, const int64_t* shape) { fill_zero(o.out, o.out_dtype, shape, o.out_strides); }
+
+// delta = rowsum(dO * O) for rows [i0, i1) of head (b, h), in double; O's elements are E (float,
+// or the bits of a bfloat16 / float16, widened by `widen`).
+template <class E, class Widen>
+void delta_rows(const AttentionProblem& p, const BackwardInputs& in, const E* out, Widen widen, int64_t b, int64_t h,
+                int64_t i0, int64_t i1, float* delta) {
+  const int64_t* gs = in.grad_out_strides;
+  const int64_t* os = in.out_strides;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* g = in.grad_out + b * gs[0] + h * gs[1] + i * gs[2];
+    const E* o = out + b * os[0] + h * os[1] + i * os[2];
+    double acc = 0;
+    for (int64_t d = 0; d < p.dim_v; ++d) acc += static_cast<double>(g[d * gs[3]]) * widen(o[d * os[3]]);
+    delta[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(acc);
+  }
 }
 
 // The kernels read rows with unit stride; an input without it is copied once (into `copies`), in
@@ -120,9 +137,9 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   const int64_t ds_shape[4] = {p0.batch, p0.heads_q, p0.len_q, p0.len_k};
   if (p0.batch == 0 || p0.heads_q == 0 || p0.len_q == 0 || p0.dropout_p >= 1.0) {
     // No query, or every weight dropped: nothing flows back.
-    fill_zero(out.dq, dq_shape, out.dq_strides);
-    fill_zero(out.dk, dk_shape, out.dk_strides);
-    fill_zero(out.dv, dv_shape, out.dv_strides);
+    fill_zero(out.dq, out.grad_dtype, dq_shape, out.dq_strides);
+    fill_zero(out.dk, out.grad_dtype, dk_shape, out.dk_strides);
+    fill_zero(out.dv, out.grad_dtype, dv_shape, out.dv_strides);
     if (out.dscores) fill_zero(out.dscores, ds_shape, out.dscores_strides);
     return;
   }
@@ -155,15 +172,15 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   parallel_for(p.batch * p.heads_q * row_blocks, resolve_threads(p.num_threads), [&](int64_t t, int) {
     const int64_t bh = t / row_blocks, b = bh / p.heads_q, h = bh % p.heads_q;
     const int64_t i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* g = inputs.grad_out + b * inputs.grad_out_strides[0] + h * inputs.grad_out_strides[1] +
-                       i * inputs.grad_out_strides[2];
-      const float* o = inputs.out + b * inputs.out_strides[0] + h * inputs.out_strides[1] + i * inputs.out_strides[2];
-      double acc = 0;
-      for (int64_t d = 0; d < p.dim_v; ++d) {
-        acc += static_cast<double>(g[d * inputs.grad_out_strides[3]]) * o[d * inputs.out_strides[3]];
-      }
-      dl[bh * p.len_q + i] = static_cast<float>(acc);
+    const auto* out16 = static_cast<const uint16_t*>(inputs.out);
+    switch (inputs.out_dtype) {
+      case DType::bf16:
+        delta_rows(p, inputs, out16, [](uint16_t x) { return static_cast<float>(bfloat16::from_bits(x)); }, b, h, i0, i1, dl);
+        break;
+      case DType::f16:
+        delta_rows(p, inputs, out16, [](uint16_t x) { return static_cast<float>(float16::from_bits(x)); }, b, h, i0, i1, dl);
+        break;
+      default: delta_rows(p, inputs, static_cast<const float*>(inputs.out), [](float x) { return x; }, b, h, i0, i1, dl);
     }
   });
   inputs.delta = dl;

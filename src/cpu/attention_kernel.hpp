@@ -21,10 +21,12 @@ struct ForwardOutputs {
   float* lse = nullptr;
 };
 
-// What a backward reads besides the problem's q, k, v: the forward's output and row
-// log-sum-exp, and the gradient of the output. Views are [B, Hq, Lq, Dv]; lse is [B, Hq, Lq].
+// What a backward reads besides the problem's q, k, v: the forward's output (of out_dtype; only
+// run_attention_backward reads it, for delta) and row log-sum-exp, and the gradient of the
+// output. Views are [B, Hq, Lq, Dv]; lse is [B, Hq, Lq].
 struct BackwardInputs {
-  const float* out = nullptr;
+  const void* out = nullptr;
+  DType out_dtype = DType::f32;
   int64_t out_strides[4] = {};
   const float* grad_out = nullptr;
   int64_t grad_out_strides[4] = {};
@@ -32,14 +34,16 @@ struct BackwardInputs {
   const float* delta = nullptr;  // [B, Hq, Lq]: rowsum(grad_out * out), filled by run_attention_backward
 };
 
-// Where a backward writes: dq [B, Hq, Lq, Dk], dk [B, Hkv, Lk, Dk], dv [B, Hkv, Lk, Dv], and when
-// not null the gradient of the scores, dscores [B, Hq, Lq, Lk] (what an additive mask receives).
+// Where a backward writes: dq [B, Hq, Lq, Dk], dk [B, Hkv, Lk, Dk], dv [B, Hkv, Lk, Dv] of
+// grad_dtype (bfloat16 and float16 rounded once, as each row is stored), and when not null the
+// float32 gradient of the scores, dscores [B, Hq, Lq, Lk] (what an additive mask receives).
 struct BackwardOutputs {
-  float* dq = nullptr;
+  DType grad_dtype = DType::f32;
+  void* dq = nullptr;
   int64_t dq_strides[4] = {};
-  float* dk = nullptr;
+  void* dk = nullptr;
   int64_t dk_strides[4] = {};
-  float* dv = nullptr;
+  void* dv = nullptr;
   int64_t dv_strides[4] = {};
   float* dscores = nullptr;
   int64_t dscores_strides[4] = {};

@@ -74,6 +74,21 @@ struct FlashBackward {
   }
   int64_t row_index(int64_t b, int64_t h, int64_t i) const { return (b * p.heads_q + h) * p.len_q + i; }
 
+  // One row of a gradient: dst[d * strides[3]] = scale * src[d * kPanel] for d < n, where dst is
+  // row (b, h, l) of `base`, in the gradients' dtype (bfloat16 and float16 are rounded here, once).
+  void store_grad_row(void* base, const int64_t* strides, int64_t b, int64_t h, int64_t l, const float* src,
+                      int64_t n, float scale) const {
+    const int64_t offset = b * strides[0] + h * strides[1] + l * strides[2], step = strides[3];
+    auto store = [&](auto* dst, auto round) {
+      for (int64_t d = 0; d < n; ++d) dst[d * step] = round(src[d * kPanel] * scale);
+    };
+    switch (out.grad_dtype) {
+      case DType::bf16: store(static_cast<uint16_t*>(base) + offset, [](float x) { return bfloat16(x).bits; }); break;
+      case DType::f16: store(static_cast<uint16_t*>(base) + offset, [](float x) { return float16(x).bits; }); break;
+      default: store(static_cast<float*>(base) + offset, [](float x) { return x; });
+    }
+  }
+
   // The key index of every lane of a 48-key panel starting at j0.
   static void key_lanes(int64_t j0, U* jv) {
     for (int c = 0; c < kVecs; ++c) {
@@ -179,10 +194,8 @@ struct FlashBackward {
     }
     const float scale = static_cast<float>(p.scale);
     for (int64_t jj = 0; jj < nk; ++jj) {
-      float* dkr = out.dk + b * out.dk_strides[0] + hk * out.dk_strides[1] + (j0 + jj) * out.dk_strides[2];
-      float* dvr = out.dv + b * out.dv_strides[0] + hk * out.dv_strides[1] + (j0 + jj) * out.dv_strides[2];
-      for (int64_t d = 0; d < dk; ++d) dkr[d * out.dk_strides[3]] = dkt[d * kPanel + jj] * scale;
-      for (int64_t d = 0; d < dv; ++d) dvr[d * out.dv_strides[3]] = dvt[d * kPanel + jj];
+      store_grad_row(out.dk, out.dk_strides, b, hk, j0 + jj, dkt + jj, dk, scale);
+      store_grad_row(out.dv, out.dv_strides, b, hk, j0 + jj, dvt + jj, dv, 1.0f);
     }
   }
 
@@ -277,8 +290,7 @@ struct FlashBackward {
     }
     const float scale = static_cast<float>(p.scale);
     for (int64_t ii = 0; ii < ni; ++ii) {
-      float* dqr = out.dq + b * out.dq_strides[0] + h * out.dq_strides[1] + (i0 + ii) * out.dq_strides[2];
-      for (int64_t d = 0; d < dk; ++d) dqr[d * out.dq_strides[3]] = dqt[d * kPanel + ii] * scale;
+      store_grad_row(out.dq, out.dq_strides, b, h, i0 + ii, dqt + ii, dk, scale);
     }
   }
 
@@ -346,18 +358,14 @@ struct FlashBackward {
       }
       const float scale = static_cast<float>(p.scale);
       for (int64_t i = 0; i < p.len_q; ++i) {
-        const float* acc = dqt_all + (i / kPanel) * panel_k + i % kPanel;
-        float* dqr = out.dq + b * out.dq_strides[0] + h * out.dq_strides[1] + i * out.dq_strides[2];
-        for (int64_t d = 0; d < dk; ++d) dqr[d * out.dq_strides[3]] = acc[d * kPanel] * scale;
+        store_grad_row(out.dq, out.dq_strides, b, h, i, dqt_all + (i / kPanel) * panel_k + i % kPanel, dk, scale);
       }
     }
     const float scale = static_cast<float>(p.scale);
     for (int64_t j = 0; j < p.len_k; ++j) {
       const int64_t kb = j / kPanel, jj = j % kPanel;
-      float* dkr = out.dk + b * out.dk_strides[0] + hk * out.dk_strides[1] + j * out.dk_strides[2];
-      float* dvr = out.dv + b * out.dv_strides[0] + hk * out.dv_strides[1] + j * out.dv_strides[2];
-      for (int64_t d = 0; d < dk; ++d) dkr[d * out.dk_strides[3]] = dkt_all[kb * panel_k + d * kPanel + jj] * scale;
-      for (int64_t d = 0; d < dv; ++d) dvr[d * out.dv_strides[3]] = dvt_all[kb * panel_v + d * kPanel + jj];
+      store_grad_row(out.dk, out.dk_strides, b, hk, j, dkt_all + kb * panel_k + jj, dk, scale);
+      store_grad_row(out.dv, out.dv_strides, b, hk, j, dvt_all + kb * panel_v + jj, dv, 1.0f);
     }
   }
 
