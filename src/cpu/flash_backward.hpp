@@ -105,6 +105,14 @@ struct FlashBackward {
   // key panel computes no more).
   void probabilities_and_score_gradients(float* pt, float* gt, int64_t rows, int64_t ni, int64_t b, int64_t h,
                                          int64_t i0, int64_t j0, const U* jv, int vecs) const {
+    // A full panel (the usual case) runs with the vector count a constant, its loops unrolled.
+    if (vecs == kVecs) probabilities_and_score_gradients_of<kVecs>(pt, gt, rows, ni, b, h, i0, j0, jv, kVecs);
+    else probabilities_and_score_gradients_of<0>(pt, gt, rows, ni, b, h, i0, j0, jv, vecs);
+  }
+  template <int kFixedVecs>
+  void probabilities_and_score_gradients_of(float* pt, float* gt, int64_t rows, int64_t ni, int64_t b, int64_t h,
+                                            int64_t i0, int64_t j0, const U* jv, int vecs_at_run_time) const {
+    const int vecs = kFixedVecs > 0 ? kFixedVecs : vecs_at_run_time;
     const bool dropout = p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));

@@ -66,13 +66,16 @@ struct Tiles {
   // The two products kept out of line, for large callers (the backward's group task): inlined
   // there, GCC 12 kept the AVX2 accumulators (structs of two ymm) on the stack, a store and reload
   // per FMA that halved the backward's speed. Small callers (the forward) inline them as they are.
+  // A full panel (the usual case) gets its own copy with the vector count a constant.
   [[gnu::noinline]] static void dot_rows_call(float* out, const float* const* rows, const float* panel, int64_t depth,
                                               int vecs = kVecs) {
-    dot_rows(out, rows, panel, depth, vecs);
+    if (vecs == kVecs) dot_rows(out, rows, panel, depth, kVecs);
+    else dot_rows(out, rows, panel, depth, vecs);
   }
   [[gnu::noinline]] static void accumulate_call(float* acc, const float* const* rows, const float* weights, int64_t n,
                                                 int64_t cols, int vecs = kVecs) {
-    accumulate(acc, rows, weights, n, cols, vecs);
+    if (vecs == kVecs) accumulate(acc, rows, weights, n, cols, kVecs);
+    else accumulate(acc, rows, weights, n, cols, vecs);
   }
 
   // The vectors of a panel that hold its first `n` lanes, rounded up to whole register blocks.
