@@ -49,6 +49,17 @@ struct BackwardOutputs {
   int64_t dscores_strides[4] = {};
 };
 
+// Calls store(dst, round) with dst = base + offset elements of an output of `dtype` (float32,
+// bfloat16 or float16) and round the float32 -> element conversion (to nearest even, as copy_into).
+template <class Store>
+void with_output_elements(void* base, DType dtype, int64_t offset, Store store) {
+  switch (dtype) {
+    case DType::bf16: store(static_cast<uint16_t*>(base) + offset, [](float x) { return bfloat16(x).bits; }); break;
+    case DType::f16: store(static_cast<uint16_t*>(base) + offset, [](float x) { return float16(x).bits; }); break;
+    default: store(static_cast<float*>(base) + offset, [](float x) { return x; });
+  }
+}
+
 // Preconditions (checked by run_attention): q, k, v of one dtype (float32, bfloat16 or float16)
 // with unit stride in the last dimension; Lq, Lk < 2^31; 0 <= dropout_p < 1; Lk > 0.
 void flash_forward_portable(const AttentionProblem& p, const ForwardOutputs& o);

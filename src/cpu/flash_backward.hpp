@@ -79,14 +79,9 @@ struct FlashBackward {
   void store_grad_row(void* base, const int64_t* strides, int64_t b, int64_t h, int64_t l, const float* src,
                       int64_t n, float scale) const {
     const int64_t offset = b * strides[0] + h * strides[1] + l * strides[2], step = strides[3];
-    auto store = [&](auto* dst, auto round) {
+    with_output_elements(base, out.grad_dtype, offset, [&](auto* dst, auto round) {
       for (int64_t d = 0; d < n; ++d) dst[d * step] = round(src[d * kPanel] * scale);
-    };
-    switch (out.grad_dtype) {
-      case DType::bf16: store(static_cast<uint16_t*>(base) + offset, [](float x) { return bfloat16(x).bits; }); break;
-      case DType::f16: store(static_cast<uint16_t*>(base) + offset, [](float x) { return float16(x).bits; }); break;
-      default: store(static_cast<float*>(base) + offset, [](float x) { return x; });
-    }
+    });
   }
 
   // The key index of every lane of a 48-key panel starting at j0.

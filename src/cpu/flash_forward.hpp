@@ -297,23 +297,13 @@ struct FlashForward {
 
   // O = O^T / l for the task's rows, in the output's dtype: bfloat16 and float16 are rounded here,
   // once, as a float32 output copied into them afterwards would be.
-  template <class E, class Round>
-  void store_output_as(const Scratch& s, E* out, int64_t rows, Round round) const {
-    for (int64_t ii = 0; ii < rows; ++ii)
-      for (int64_t d = 0; d < p.dim_v; ++d)
-        out[ii * o.out_strides[2] + d * o.out_strides[3]] = round(s.ot[d * kBlockQ + ii] * s.l[ii]);
-  }
   void store_output(const Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows) const {
     const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i0 * o.out_strides[2];
-    switch (o.out_dtype) {
-      case DType::bf16:
-        store_output_as(s, static_cast<uint16_t*>(o.out) + offset, rows, [](float x) { return bfloat16(x).bits; });
-        break;
-      case DType::f16:
-        store_output_as(s, static_cast<uint16_t*>(o.out) + offset, rows, [](float x) { return float16(x).bits; });
-        break;
-      default: store_output_as(s, static_cast<float*>(o.out) + offset, rows, [](float x) { return x; });
-    }
+    with_output_elements(o.out, o.out_dtype, offset, [&](auto* out, auto round) {
+      for (int64_t ii = 0; ii < rows; ++ii)
+        for (int64_t d = 0; d < p.dim_v; ++d)
+          out[ii * o.out_strides[2] + d * o.out_strides[3]] = round(s.ot[d * kBlockQ + ii] * s.l[ii]);
+    });
   }
 
   // The query tasks of key/value head groups [g0, g1) (a group: one batch, one key/value head, the
