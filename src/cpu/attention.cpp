@@ -25,7 +25,6 @@ void fill_zero(void* base, DType dtype, const int64_t* shape, const int64_t* str
   if (dtype == DType::f32) fill_zero(static_cast<float*>(base), shape, strides);
   else fill_zero(static_cast<uint16_t*>(base), shape, strides);
 }
-void fill_zero_output(const ForwardOutputs& o, const int64_t* shape) { fill_zero(o.out, o.out_dtype, shape, o.out_strides); }
 
 // delta = rowsum(dO * O) for rows [i0, i1) of head (b, h), in double; O's elements are E (float,
 // or the bits of a bfloat16 / float16, widened by `widen`).
@@ -90,7 +89,7 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
 
   if (problem.dropout_p >= 1.0) {  // every weight dropped: the output and the weights are zero
     const int64_t out_shape[4] = {problem.batch, problem.heads_q, problem.len_q, problem.dim_v};
-    fill_zero_output(o, out_shape);
+    fill_zero(o.out, o.out_dtype, out_shape, o.out_strides);
     if (o.weights) {
       const int64_t w_shape[4] = {problem.batch, problem.heads_q, problem.len_q, problem.len_k};
       fill_zero(o.weights, w_shape, o.weights_strides);
@@ -105,7 +104,7 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   AttentionProblem p = with_unit_row_strides(problem, copies);
   if (p.len_k == 0) {  // no key: every row is fully masked
     const int64_t out_shape[4] = {p.batch, p.heads_q, p.len_q, p.dim_v};
-    fill_zero_output(o, out_shape);
+    fill_zero(o.out, o.out_dtype, out_shape, o.out_strides);
     if (o.lse) std::fill_n(o.lse, p.batch * p.heads_q * p.len_q, std::numeric_limits<float>::infinity());
     return;
   }
