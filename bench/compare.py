@@ -102,12 +102,22 @@ def bench_sdpa(B, H, L, d, causal, reps, rows):
 
 def bench_sdpa_bf16(B, H, L, d, causal, reps, rows):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, H, L, d, generator=g).to(torch.bfloat16) for _ in range(3))
+    q, k, v, go = (torch.randn(B, H, L, d, generator=g).to(torch.bfloat16) for _ in range(4))
     flops = attention_flops(B, H, L, d, causal)
     shape = f"B={B} H={H} L={L} d={d}{' causal' if causal else ''}"
     ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                   lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
     rows.append(("sdpa fwd bf16", shape, ours, theirs, flops))
+
+    # The backward in bfloat16 on both sides: gradients in bfloat16, from the saved bfloat16 output.
+    out, lse = _mha.sdpa_train(q, k, v, None, 0.0, causal, None, False, 0, False, 0)
+    out = torch.from_numpy(out).view(torch.bfloat16)  # numpy has no bfloat16: its bits came back
+    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    ours_bwd, torch_bwd = paired_medians(
+        lambda: _mha.sdpa_backward(q, k, v, out, lse, go, None, 0.0, causal, None, False, 0, False, 0, False),
+        lambda: torch.autograd.grad(ref, (qt, kt, vt), go, retain_graph=True), reps)
+    rows.append(("sdpa bwd bf16", shape, ours_bwd, torch_bwd, 2.5 * flops))
 
 
 def bench_module(E, H, B, L, dtype, reps, rows):

@@ -12,9 +12,6 @@ def _detached(x):
     return None if x is None else x.detach()
 
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
 def _tensor(array):
     """A torch tensor sharing the returned numpy array's memory. numpy has no bfloat16: the
     extension hands bfloat16 over as its uint16 bits, viewed back here without a copy."""
@@ -24,19 +21,17 @@ def _tensor(array):
 
 class SdpaFunction(torch.autograd.Function):
     """scaled_dot_product_attention with gradients for query, key, value and a float attn_mask.
-    bfloat16 and float16 inputs run as the C++ library runs them: the float32 kernels on widened
-    copies, the output and the gradients rounded once to the inputs' dtype (the log-sum-exp and a
-    float mask's gradient stay float32)."""
+    bfloat16 and float16 inputs go to the C++ training forward and backward as they are: float32
+    arithmetic inside the kernels, the output and the gradients rounded once to the inputs' dtype
+    (the log-sum-exp and a float mask's gradient stay float32); no float32 copy is saved."""
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
                 bottom_right, num_threads):
-        dtype = query.dtype
-        if dtype in _LOW_PRECISION:
-            query, key, value = (t.detach().float() for t in (query, key, value))
-        out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
-                                   is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
-        out, lse = torch.from_numpy(out).to(dtype), torch.from_numpy(lse)
+        query, key, value = query.detach(), key.detach(), value.detach()
+        out, lse = _mha.sdpa_train(query, key, value, _detached(attn_mask), dropout_p, is_causal, scale, enable_gqa,
+                                   dropout_seed, bottom_right, num_threads)
+        out, lse = _tensor(out), torch.from_numpy(lse)
         ctx.save_for_backward(query, key, value, attn_mask, out, lse)
         ctx.options = (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
         return out
@@ -46,13 +41,13 @@ class SdpaFunction(torch.autograd.Function):
         query, key, value, attn_mask, out, lse = ctx.saved_tensors
         dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = ctx.options
         mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
-        dtype = out.dtype
-        dq, dk, dv, dm = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out.float(), lse,
-                                            grad_output.detach().float().contiguous(), _detached(attn_mask),
-                                            dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
-                                            num_threads, mask_grad)
-        return (torch.from_numpy(dq).to(dtype), torch.from_numpy(dk).to(dtype), torch.from_numpy(dv).to(dtype),
-                torch.from_numpy(dm) if mask_grad else None, None, None, None, None, None, None, None)
+        # The incoming gradient in the output's dtype (autograd may hand over another one).
+        grad = grad_output.detach().to(out.dtype)
+        dq, dk, dv, dm = _mha.sdpa_backward(query, key, value, out, lse, grad, _detached(attn_mask), dropout_p,
+                                            is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads,
+                                            mask_grad)
+        return (_tensor(dq), _tensor(dk), _tensor(dv), torch.from_numpy(dm) if mask_grad else None,
+                None, None, None, None, None, None, None)
 
 
 class ModuleFunction(torch.autograd.Function):

@@ -173,7 +173,7 @@ std::tuple<NumpyArray, NumpyArray, NumpyArray, std::optional<NumpyArray>> sdpa_b
       sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
-  saved.output = mha::Tensor::copy_of(view_of(output, "output"), mha::DType::f32);
+  saved.output = mha::Tensor::copy_of(view_of(output, "output"));  // in its dtype, the inputs' (checked there)
   saved.lse = mha::Tensor::copy_of(view_of(lse, "lse"), mha::DType::f32);
   const mha::TensorView g = view_of(grad_output, "grad_output");
   mha::AttentionGradients r;
