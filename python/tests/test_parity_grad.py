@@ -193,6 +193,8 @@ def test_low_precision_sdpa_gradients(dtype, parity_seed):
         causal = bool(rng.random() < 0.3) and L <= S
         ours = [t.clone().requires_grad_() for t in (q, k, v)]
         out = mha.scaled_dot_product_attention(*ours, is_causal=causal)
+        # What autograd keeps for the backward is in the inputs' dtype (no float32 copies).
+        assert all(t.dtype == dtype for t in out.grad_fn.saved_tensors[:3] + out.grad_fn.saved_tensors[4:5])
         out.backward(g)
         ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
         ref = F.scaled_dot_product_attention(*ref_leaves, is_causal=causal)
