@@ -232,43 +232,55 @@ TEST(SdpaBackward, BitIdenticalAcrossRunsAndThreadCounts) {
 // (bf16 2^-9, fp16 2^-12). Gradients are not: D = rowsum(dO O) uses the rounded output, as
 // PyTorch's bf16 backward does, so a gradient that cancels to ~0 (one visible key) keeps that
 // rounding, e.g. 2e-2 of the largest gradient at Lq = Lk = 1.
+// The kernels widen bfloat16 / float16 rows as they read them (in all three backward schedules)
+// and round each output and gradient row once: the bits of the float32 path on widened copies.
 TEST(SdpaBackward, LowPrecisionTrainingIsTheFloat32PathRoundedOnce) {
   std::mt19937_64 rng(test_seed());
   auto wide = [](const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); };
-  for (const auto& [dtype, tolerance] : {std::pair{mha::DType::bf16, 1e-2}, std::pair{mha::DType::f16, 2e-3}}) {
-    for (int n = 0; n < 6; ++n) {
-      SdpaCase c = draw_sdpa_case(rng);
-      if (n == 0) {  // 18 (batch, key/value head) groups: the one-pass schedule
-        c = SdpaCase{};
-        c.q = randn({3, 12, 29, 20}, rng), c.k = randn({3, 6, 41, 20}, rng), c.v = randn({3, 6, 41, 9}, rng);
-        c.grad = randn({3, 12, 29, 9}, rng);
-        c.options = mha::SdpaOptions{.is_causal = true, .enable_gqa = true};
-        c.describe = "one pass: B=3 Hq=12 Hkv=6 Lq=29 Lk=41 causal";
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    for (const auto& [dtype, tolerance] : {std::pair{mha::DType::bf16, 1e-2}, std::pair{mha::DType::f16, 2e-3}}) {
+      for (int n = 0; n < 8; ++n) {
+        SdpaCase c = draw_sdpa_case(rng);
+        if (n == 0) {  // 18 (batch, key/value head) groups: the one-pass schedule
+          c = SdpaCase{};
+          c.q = randn({3, 12, 75, 20}, rng), c.k = randn({3, 6, 101, 20}, rng), c.v = randn({3, 6, 101, 9}, rng);
+          c.grad = randn({3, 12, 75, 9}, rng);
+          c.options = mha::SdpaOptions{.is_causal = true, .enable_gqa = true};
+          c.describe = "one pass: B=3 Hq=12 Hkv=6 Lq=75 Lk=101 causal";
+        }
+        SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " " + std::string(mha::dtype_name(dtype)) + " " +
+                     c.describe);
+        const mha::Tensor q = mha::Tensor::copy_of(c.q, dtype), k = mha::Tensor::copy_of(c.k, dtype),
+                          v = mha::Tensor::copy_of(c.v, dtype);
+        // Every other case reads the incoming gradient through a view whose rows are not contiguous.
+        const mha::Tensor grad_storage = mha::Tensor::copy_of(c.grad.view().transpose(2, 3), dtype);
+        const mha::TensorView grad_strided = grad_storage.view().transpose(2, 3);
+        const mha::Tensor grad = n % 2 == 1 ? mha::Tensor::copy_of(grad_strided) : mha::Tensor::copy_of(c.grad, dtype);
+        const mha::TensorView grad_in = n % 2 == 1 ? grad_strided : grad.view();
+        const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, c.options);
+        const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad_in, c.options, c.mask_grad);
+        ASSERT_EQ(saved.output.dtype(), dtype);
+        ASSERT_EQ(saved.lse.dtype(), mha::DType::f32);
+        ASSERT_EQ(g.query.dtype(), dtype);
+
+        const auto saved32 = mha::scaled_dot_product_attention_for_training(wide(q), wide(k), wide(v), c.options);
+        EXPECT_TRUE(same_bits(saved.output, mha::Tensor::copy_of(saved32.output, dtype)));
+        EXPECT_TRUE(same_bits(saved.lse, saved32.lse));
+        const mha::AttentionForTraining rounded_saved{wide(saved.output), saved32.lse};
+        const auto g32 = mha::scaled_dot_product_attention_backward(wide(q), wide(k), wide(v), rounded_saved, wide(grad),
+                                                                    c.options, c.mask_grad);
+        EXPECT_TRUE(same_bits(g.query, mha::Tensor::copy_of(g32.query, dtype)));
+        EXPECT_TRUE(same_bits(g.key, mha::Tensor::copy_of(g32.key, dtype)));
+        EXPECT_TRUE(same_bits(g.value, mha::Tensor::copy_of(g32.value, dtype)));
+        if (c.mask_grad) EXPECT_TRUE(same_bits(*g.attn_mask, *g32.attn_mask));
+
+        const auto out = mha::reference::scaled_dot_product_attention(q, k, v, c.options);
+        EXPECT_LT(rel_error(saved.output, out.output), tolerance);
       }
-      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " " + c.describe);
-      const mha::Tensor q = mha::Tensor::copy_of(c.q, dtype), k = mha::Tensor::copy_of(c.k, dtype),
-                        v = mha::Tensor::copy_of(c.v, dtype), grad = mha::Tensor::copy_of(c.grad, dtype);
-      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, c.options);
-      const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, c.options, c.mask_grad);
-      ASSERT_EQ(saved.output.dtype(), dtype);
-      ASSERT_EQ(saved.lse.dtype(), mha::DType::f32);
-      ASSERT_EQ(g.query.dtype(), dtype);
-
-      const auto saved32 = mha::scaled_dot_product_attention_for_training(wide(q), wide(k), wide(v), c.options);
-      EXPECT_TRUE(same_bits(saved.output, mha::Tensor::copy_of(saved32.output, dtype)));
-      EXPECT_TRUE(same_bits(saved.lse, saved32.lse));
-      const mha::AttentionForTraining rounded_saved{wide(saved.output), saved32.lse};
-      const auto g32 = mha::scaled_dot_product_attention_backward(wide(q), wide(k), wide(v), rounded_saved, wide(grad),
-                                                                  c.options, c.mask_grad);
-      EXPECT_TRUE(same_bits(g.query, mha::Tensor::copy_of(g32.query, dtype)));
-      EXPECT_TRUE(same_bits(g.key, mha::Tensor::copy_of(g32.key, dtype)));
-      EXPECT_TRUE(same_bits(g.value, mha::Tensor::copy_of(g32.value, dtype)));
-      if (c.mask_grad) EXPECT_TRUE(same_bits(*g.attn_mask, *g32.attn_mask));
-
-      const auto out = mha::reference::scaled_dot_product_attention(q, k, v, c.options);
-      EXPECT_LT(rel_error(saved.output, out.output), tolerance);
     }
   }
+  mha::detail::force_isa(std::nullopt);
   // The saved output and the incoming gradient must have the inputs' dtype.
   const mha::Tensor q = mha::Tensor::copy_of(randn({1, 2, 5, 8}, rng), mha::DType::bf16);
   const auto saved = mha::scaled_dot_product_attention_for_training(q, q, q);

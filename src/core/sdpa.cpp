@@ -114,15 +114,6 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
   forward(p, options, out, weights ? &*weights : nullptr);
 }
 
-namespace {
-
-// The bfloat16 and float16 backward reads q, k, v and the output's gradient from float32 copies.
-Tensor widened(const TensorView& t, const SdpaOptions& options) {
-  return detail::parallel_copy_of(t, DType::f32, detail::resolve_threads(options.num_threads));
-}
-
-}  // namespace
-
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
@@ -191,18 +182,10 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype != DType::f32)) {
     throw Error("attn_mask_grad: a gradient exists only for a float32 (additive) attn_mask");
   }
-  // bfloat16 / float16: the float32 kernel on widened copies of q, k, v and the output's gradient;
-  // it reads the saved output as it is (for D = rowsum(dO O)) and rounds each gradient row once,
-  // as it stores it. A mask's gradient stays float32, the mask's dtype.
-  AttentionProblem kernel_problem = p;
-  Tensor q32, k32, v32, grad32;
-  TensorView grad = grad_output;
-  if (q.dtype != DType::f32) {
-    q32 = widened(q, options), k32 = widened(k, options), v32 = widened(v, options);
-    grad32 = widened(grad_output, options);
-    kernel_problem = detail::make_sdpa_problem(q32, k32, v32, options, detail::InputDtypes::f32);
-    grad = grad32.view();
-  }
+  // bfloat16 / float16: the float32 kernel widens q, k, v and the output's gradient as it reads
+  // their rows, reads the saved output as it is (for D = rowsum(dO O)) and rounds each gradient
+  // row once, as it stores it: the bits of the float32 kernel on widened copies, without the
+  // copies. A mask's gradient stays float32, the mask's dtype.
   AttentionGradients g;
   g.query = Tensor::empty(q.sizes(), q.dtype);
   g.key = Tensor::empty(k.sizes(), q.dtype);
@@ -212,8 +195,9 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   in.out = o4.data;
   in.out_dtype = o4.dtype;
   set_strides(o4, in.out_strides);
-  const TensorView g4 = detail::as_4d(grad, "grad_output");
-  in.grad_out = g4.data_as<float>();
+  const TensorView g4 = detail::as_4d(grad_output, "grad_output");
+  in.grad_out = g4.data;
+  in.grad_out_dtype = g4.dtype;
   set_strides(g4, in.grad_out_strides);
   in.lse = saved.lse.data<float>();
   detail::BackwardOutputs out;
@@ -232,7 +216,7 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
     out.dscores = dscores.data<float>();
     set_strides(dscores.view(), out.dscores_strides);
   }
-  detail::run_attention_backward(kernel_problem, in, out);
+  detail::run_attention_backward(p, in, out);
   if (attn_mask_grad) g.attn_mask = reduce_to_mask_shape(dscores, *options.attn_mask);
   return g;
 }

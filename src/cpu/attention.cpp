@@ -26,20 +26,21 @@ void fill_zero(void* base, DType dtype, const int64_t* shape, const int64_t* str
   else fill_zero(static_cast<uint16_t*>(base), shape, strides);
 }
 
-// delta = rowsum(dO * O) for rows [i0, i1) of head (b, h), in double; O's elements are E (float,
-// or the bits of a bfloat16 / float16, widened by `widen`).
-template <class E, class Widen>
-void delta_rows(const AttentionProblem& p, const BackwardInputs& in, const E* out, Widen widen, int64_t b, int64_t h,
-                int64_t i0, int64_t i1, float* delta) {
+// delta = rowsum(dO * O) for rows [i0, i1) of head (b, h), in double, from O and dO in their dtypes.
+void delta_rows(const AttentionProblem& p, const BackwardInputs& in, int64_t b, int64_t h, int64_t i0, int64_t i1,
+                float* delta) {
   const int64_t* gs = in.grad_out_strides;
   const int64_t* os = in.out_strides;
-  for (int64_t i = i0; i < i1; ++i) {
-    const float* g = in.grad_out + b * gs[0] + h * gs[1] + i * gs[2];
-    const E* o = out + b * os[0] + h * os[1] + i * os[2];
-    double acc = 0;
-    for (int64_t d = 0; d < p.dim_v; ++d) acc += static_cast<double>(g[d * gs[3]]) * widen(o[d * os[3]]);
-    delta[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(acc);
-  }
+  with_input_elements(in.grad_out, in.grad_out_dtype, b * gs[0] + h * gs[1], [&](const auto* g, auto widen_g) {
+    with_input_elements(in.out, in.out_dtype, b * os[0] + h * os[1], [&](const auto* o, auto widen_o) {
+      for (int64_t i = i0; i < i1; ++i) {
+        double acc = 0;
+        for (int64_t d = 0; d < p.dim_v; ++d)
+          acc += static_cast<double>(widen_g(g[i * gs[2] + d * gs[3]])) * widen_o(o[i * os[2] + d * os[3]]);
+        delta[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(acc);
+      }
+    });
+  });
 }
 
 // The kernels read rows with unit stride; an input without it is copied once (into `copies`), in
@@ -151,10 +152,11 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   stand_in_if_null(outs.dv, outs.dv_strides);
   BackwardInputs inputs = in;
   const int64_t* gs = in.grad_out_strides;
-  if (gs[3] != 1 && p.dim_v > 1) {
-    const TensorView g(in.grad_out, DType::f32, {p.batch, p.heads_q, p.len_q, p.dim_v}, {gs[0], gs[1], gs[2], gs[3]});
-    copies.push_back(Tensor::copy_of(g, DType::f32));
-    inputs.grad_out = copies.back().data<float>();
+  if (gs[3] != 1 && p.dim_v > 1) {  // rows of unit stride for the kernel, in the gradient's dtype
+    const TensorView g(in.grad_out, in.grad_out_dtype, {p.batch, p.heads_q, p.len_q, p.dim_v},
+                       {gs[0], gs[1], gs[2], gs[3]});
+    copies.push_back(Tensor::copy_of(g, in.grad_out_dtype));
+    inputs.grad_out = copies.back().view().data;
     const TensorView& c = copies.back().view();
     for (int d = 0; d < 4; ++d) inputs.grad_out_strides[d] = c.strides[d];
   }
@@ -171,16 +173,7 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   parallel_for(p.batch * p.heads_q * row_blocks, resolve_threads(p.num_threads), [&](int64_t t, int) {
     const int64_t bh = t / row_blocks, b = bh / p.heads_q, h = bh % p.heads_q;
     const int64_t i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
-    const auto* out16 = static_cast<const uint16_t*>(inputs.out);
-    switch (inputs.out_dtype) {
-      case DType::bf16:
-        delta_rows(p, inputs, out16, [](uint16_t x) { return static_cast<float>(bfloat16::from_bits(x)); }, b, h, i0, i1, dl);
-        break;
-      case DType::f16:
-        delta_rows(p, inputs, out16, [](uint16_t x) { return static_cast<float>(float16::from_bits(x)); }, b, h, i0, i1, dl);
-        break;
-      default: delta_rows(p, inputs, static_cast<const float*>(inputs.out), [](float x) { return x; }, b, h, i0, i1, dl);
-    }
+    delta_rows(p, inputs, b, h, i0, i1, dl);
   });
   inputs.delta = dl;
   switch (active_isa()) {

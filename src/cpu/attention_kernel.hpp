@@ -23,12 +23,13 @@ struct ForwardOutputs {
 
 // What a backward reads besides the problem's q, k, v: the forward's output (of out_dtype; only
 // run_attention_backward reads it, for delta) and row log-sum-exp, and the gradient of the
-// output. Views are [B, Hq, Lq, Dv]; lse is [B, Hq, Lq].
+// output (of grad_out_dtype, the dtype of q, k and v). Views are [B, Hq, Lq, Dv]; lse is [B, Hq, Lq].
 struct BackwardInputs {
   const void* out = nullptr;
   DType out_dtype = DType::f32;
   int64_t out_strides[4] = {};
-  const float* grad_out = nullptr;
+  const void* grad_out = nullptr;
+  DType grad_out_dtype = DType::f32;
   int64_t grad_out_strides[4] = {};
   const float* lse = nullptr;
   const float* delta = nullptr;  // [B, Hq, Lq]: rowsum(grad_out * out), filled by run_attention_backward
@@ -57,6 +58,21 @@ void with_output_elements(void* base, DType dtype, int64_t offset, Store store) 
     case DType::bf16: store(static_cast<uint16_t*>(base) + offset, [](float x) { return bfloat16(x).bits; }); break;
     case DType::f16: store(static_cast<uint16_t*>(base) + offset, [](float x) { return float16(x).bits; }); break;
     default: store(static_cast<float*>(base) + offset, [](float x) { return x; });
+  }
+}
+
+// Calls read(src, widen) with src = base + offset elements of an input of `dtype` (float32,
+// bfloat16 or float16) and widen its element -> float32 conversion (exact).
+template <class Read>
+void with_input_elements(const void* base, DType dtype, int64_t offset, Read read) {
+  switch (dtype) {
+    case DType::bf16:
+      read(static_cast<const uint16_t*>(base) + offset, [](uint16_t x) { return static_cast<float>(bfloat16::from_bits(x)); });
+      break;
+    case DType::f16:
+      read(static_cast<const uint16_t*>(base) + offset, [](uint16_t x) { return static_cast<float>(float16::from_bits(x)); });
+      break;
+    default: read(static_cast<const float*>(base) + offset, [](float x) { return x; });
   }
 }
 

@@ -10,6 +10,9 @@
 // forward) and sums dQ over every key. All use the panel kernels of tile_kernels.hpp with rows
 // read in place. Either way each gradient element is summed by one task in a fixed order, and the
 // schedule is chosen from the shape alone, so the bits do not depend on the thread count.
+// bfloat16 / float16 q, k, v and output gradient are widened to float32 as rows are read: a
+// block of rows at a time into the task's slots in the two passes, once per group (keys) and per
+// head (queries) in the group task. The arithmetic is then the float32 kernel's, and so are the bits.
 #pragma once
 
 #include <algorithm>
@@ -18,10 +21,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <new>
 
 #include "core/attention_problem.hpp"
 #include "core/dropout.hpp"
+#include "core/host_memory.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cpu/tile_kernels.hpp"
@@ -47,30 +52,62 @@ struct FlashBackward {
   const BackwardInputs& in;
   const BackwardOutputs& out;
 
-  // One allocation per task holding `floats` floats, 64-byte aligned, zeroed; freed on scope exit.
+  // One allocation per task holding `floats` floats, 64-byte aligned, zeroed; given back on scope
+  // exit. From the host block cache (core/host_memory.hpp): a group task's buffer is tens of MiB
+  // at long sequences, and freed straight to malloc, blocks of that size were kept by glibc's
+  // arenas instead of reused (an fp32 backward at B=1 H=16 L=16384 added 474 MiB to the peak
+  // where its gradients are 192).
   struct Buffer {
+    std::shared_ptr<std::byte> block;
     float* data;
     explicit Buffer(int64_t floats) {
       const size_t bytes = static_cast<size_t>(T::round_up(floats * 4, 64));
-      data = static_cast<float*>(std::aligned_alloc(64, bytes));
-      if (data == nullptr) throw std::bad_alloc();
+      block = host_allocate(bytes);
+      if (block == nullptr) throw std::bad_alloc();
+      data = reinterpret_cast<float*>(block.get());
       std::memset(data, 0, bytes);
     }
-    ~Buffer() { std::free(data); }
-    Buffer(const Buffer&) = delete;
-    Buffer& operator=(const Buffer&) = delete;
   };
 
   int64_t causal_limit(int64_t i) const {  // keys [0, limit) are visible to query i
     if (!p.causal) return p.len_k;
     return std::clamp<int64_t>(i + p.causal_offset + 1, 0, p.len_k);
   }
-  const float* row(const TensorView& t, int64_t b, int64_t h, int64_t l) const {
-    return t.data_as<const float>() + b * t.strides[0] + h * t.strides[1] + l * t.strides[2];
+  // An operand the kernel reads by rows (q, k, v or the output's gradient): float32, bfloat16 or
+  // float16, rows of unit stride.
+  struct Operand {
+    const void* data;
+    DType dtype;
+    const int64_t* strides;
+    int64_t width;  // elements per row
+  };
+  Operand q_rows() const { return {p.q.data, p.q.dtype, p.q.strides.data(), p.dim_qk}; }
+  Operand k_rows() const { return {p.k.data, p.k.dtype, p.k.strides.data(), p.dim_qk}; }
+  Operand v_rows() const { return {p.v.data, p.v.dtype, p.v.strides.data(), p.dim_v}; }
+  Operand grad_out_rows() const { return {in.grad_out, in.grad_out_dtype, in.grad_out_strides, p.dim_v}; }
+  bool widens() const { return p.q.dtype != DType::f32; }  // q, k, v and dO share a dtype
+
+  // Row l of head (b, h) of t in float32: the row itself, or its widened copy in `slot` (t.width floats).
+  const float* row(const Operand& t, int64_t b, int64_t h, int64_t l, float* slot) const {
+    const int64_t offset = b * t.strides[0] + h * t.strides[1] + l * t.strides[2];
+    if (t.dtype == DType::f32) return static_cast<const float*>(t.data) + offset;
+    const uint16_t* src = static_cast<const uint16_t*>(t.data) + offset;
+    if (t.dtype == DType::bf16) S::widen_bf16(src, slot, t.width);
+    else S::widen_f16(src, slot, t.width);
+    return slot;
   }
-  const float* grad_out_row(int64_t b, int64_t h, int64_t i) const {
-    const int64_t* st = in.grad_out_strides;
-    return in.grad_out + b * st[0] + h * st[1] + i * st[2];
+
+  // Rows [0, count) of head (b, h) of t in float32, row l at base + l * stride: in place, or
+  // widened into `buffer` (count x t.width floats).
+  struct Rows {
+    const float* base;
+    int64_t stride;
+    const float* at(int64_t l) const { return base + l * stride; }
+  };
+  Rows all_rows(const Operand& t, int64_t b, int64_t h, int64_t count, float* buffer) const {
+    if (t.dtype == DType::f32) return {row(t, b, h, 0, nullptr), t.strides[2]};
+    for (int64_t l = 0; l < count; ++l) row(t, b, h, l, buffer + l * t.width);
+    return {buffer, t.width};
   }
   int64_t row_index(int64_t b, int64_t h, int64_t i) const { return (b * p.heads_q + h) * p.len_q + i; }
 
@@ -153,7 +190,8 @@ struct FlashBackward {
     const int64_t nk = std::min<int64_t>(kPanel, p.len_k - j0);
     const int64_t dk = p.dim_qk, dv = p.dim_v;
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
-    Buffer buf((2 * dk + 2 * dv + 2 * kBlock) * kPanel + std::max(dk, dv) + kLanes);
+    const int64_t slots = widens() ? kBlock * (dk + dv) : 0;
+    Buffer buf((2 * dk + 2 * dv + 2 * kBlock) * kPanel + std::max(dk, dv) + kLanes + slots);
     float* kt = buf.data;           // [Dk][48] K^T, scaled by scale * log2(e)
     float* vt = kt + dk * kPanel;   // [Dv][48] V^T
     float* dkt = vt + dv * kPanel;  // [Dk][48] dK^T accumulator
@@ -161,9 +199,11 @@ struct FlashBackward {
     float* pt = dvt + dv * kPanel;  // [kBlock][48] P, then Pd
     float* gt = pt + kBlock * kPanel;  // [kBlock][48] dPd, then dS
     const float* zero_row = gt + kBlock * kPanel;
-    for (int64_t jj = 0; jj < nk; ++jj) {
-      const float* kr = row(p.k, b, hk, j0 + jj);
-      const float* vr = row(p.v, b, hk, j0 + jj);
+    float* q_slots = gt + kBlock * kPanel + std::max(dk, dv) + kLanes;  // [kBlock][Dk] widened rows
+    float* g_slots = q_slots + kBlock * dk;                             // [kBlock][Dv]
+    for (int64_t jj = 0; jj < nk; ++jj) {  // (the slots are free until the query loop)
+      const float* kr = row(k_rows(), b, hk, j0 + jj, q_slots);
+      const float* vr = row(v_rows(), b, hk, j0 + jj, g_slots);
       for (int64_t d = 0; d < dk; ++d) kt[d * kPanel + jj] = kr[d] * qk_scale;
       for (int64_t d = 0; d < dv; ++d) vt[d * kPanel + jj] = vr[d];
     }
@@ -182,8 +222,8 @@ struct FlashBackward {
         const int64_t ni = std::min<int64_t>(kBlock, p.len_q - i0);
         const int64_t nip = T::round_up(ni, kRows);
         for (int64_t ii = 0; ii < nip; ++ii) {
-          qrows[ii] = ii < ni ? row(p.q, b, h, i0 + ii) : zero_row;
-          grows[ii] = ii < ni ? grad_out_row(b, h, i0 + ii) : zero_row;
+          qrows[ii] = ii < ni ? row(q_rows(), b, h, i0 + ii, q_slots + ii * dk) : zero_row;
+          grows[ii] = ii < ni ? row(grad_out_rows(), b, h, i0 + ii, g_slots + ii * dv) : zero_row;
         }
         for (int64_t ii = 0; ii < nip; ii += kRows) {
           T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt, dk, vecs);  // scores, base 2
@@ -208,7 +248,8 @@ struct FlashBackward {
     const int64_t dk = p.dim_qk, dv = p.dim_v;
     const int64_t hk = h / (p.heads_q / p.heads_kv);
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
-    Buffer buf((2 * dk + dv + 2 * kBlock + 5) * kPanel + std::max(dk, dv) + kLanes);
+    const int64_t slots = widens() ? kBlock * (dk + dv) : 0;
+    Buffer buf((2 * dk + dv + 2 * kBlock + 5) * kPanel + std::max(dk, dv) + kLanes + slots);
     float* qt = buf.data;            // [Dk][48] Q^T, scaled
     float* got = qt + dk * kPanel;   // [Dv][48] dO^T
     float* dqt = got + dv * kPanel;  // [Dk][48] dQ^T accumulator
@@ -220,9 +261,11 @@ struct FlashBackward {
     uint32_t* key_lo = limit + kPanel;
     uint32_t* key_hi = key_lo + kPanel;
     const float* zero_row = reinterpret_cast<const float*>(key_hi + kPanel);
-    for (int64_t ii = 0; ii < ni; ++ii) {
-      const float* qr = row(p.q, b, h, i0 + ii);
-      const float* gr = grad_out_row(b, h, i0 + ii);
+    float* k_slots = reinterpret_cast<float*>(key_hi + kPanel) + std::max(dk, dv) + kLanes;  // [kBlock][Dk]
+    float* v_slots = k_slots + kBlock * dk;                                                  // [kBlock][Dv]
+    for (int64_t ii = 0; ii < ni; ++ii) {  // (the slots are free until the key loop)
+      const float* qr = row(q_rows(), b, h, i0 + ii, k_slots);
+      const float* gr = row(grad_out_rows(), b, h, i0 + ii, v_slots);
       for (int64_t d = 0; d < dk; ++d) qt[d * kPanel + ii] = qr[d] * qk_scale;
       for (int64_t d = 0; d < dv; ++d) got[d * kPanel + ii] = gr[d];
     }
@@ -252,8 +295,8 @@ struct FlashBackward {
       const int64_t njp = T::round_up(nj, kRows);
       for (int64_t jj = 0; jj < njp; ++jj) {
         const bool real = j0 + jj < p.len_k;
-        krows[jj] = real ? row(p.k, b, hk, j0 + jj) : zero_row;
-        vrows[jj] = real ? row(p.v, b, hk, j0 + jj) : zero_row;
+        krows[jj] = real ? row(k_rows(), b, hk, j0 + jj, k_slots + jj * dk) : zero_row;
+        vrows[jj] = real ? row(v_rows(), b, hk, j0 + jj, v_slots + jj * dv) : zero_row;
       }
       for (int64_t jj = 0; jj < njp; jj += kRows) {
         T::dot_rows_call(st + jj * kPanel, krows + jj, qt, dk, vecs);
@@ -306,7 +349,10 @@ struct FlashBackward {
     const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const int64_t panel_k = dk * kPanel, panel_v = dv * kPanel;
-    Buffer buf(nkb * 2 * (panel_k + panel_v) + nqb * panel_k + 3 * kPanel * kPanel + std::max(dk, dv) + kLanes);
+    // Widened rows: K of the group, Q and dO of one head.
+    const int64_t widened = widens() ? p.len_k * dk + p.len_q * (dk + dv) : 0;
+    Buffer buf(nkb * 2 * (panel_k + panel_v) + nqb * panel_k + 3 * kPanel * kPanel + std::max(dk, dv) + kLanes +
+               widened);
     float* kt_all = buf.data;                  // [nkb][Dk][48] K^T, scaled
     float* vt_all = kt_all + nkb * panel_k;    // [nkb][Dv][48] V^T
     float* dkt_all = vt_all + nkb * panel_v;   // [nkb][Dk][48] dK^T accumulators
@@ -316,10 +362,14 @@ struct FlashBackward {
     float* gt = pt + kPanel * kPanel;          // [48 queries][48 keys] dPd, then dS
     float* st = gt + kPanel * kPanel;          // [48 keys][48 queries] dS^T
     const float* zero_row = st + kPanel * kPanel;
+    float* k_widened = st + kPanel * kPanel + std::max(dk, dv) + kLanes;  // [Lk][Dk]
+    float* q_widened = k_widened + p.len_k * dk;                         // [Lq][Dk]
+    float* g_widened = q_widened + p.len_q * dk;                         // [Lq][Dv]
+    const Rows keys = all_rows(k_rows(), b, hk, p.len_k, k_widened);
     for (int64_t j = 0; j < p.len_k; ++j) {
       const int64_t kb = j / kPanel, jj = j % kPanel;
-      const float* kr = row(p.k, b, hk, j);
-      const float* vr = row(p.v, b, hk, j);
+      const float* kr = keys.at(j);
+      const float* vr = row(v_rows(), b, hk, j, g_widened);  // (free until the first head)
       for (int64_t d = 0; d < dk; ++d) kt_all[kb * panel_k + d * kPanel + jj] = kr[d] * qk_scale;
       for (int64_t d = 0; d < dv; ++d) vt_all[kb * panel_v + d * kPanel + jj] = vr[d];
     }
@@ -329,9 +379,11 @@ struct FlashBackward {
     const int64_t group = p.heads_q / p.heads_kv;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       std::memset(dqt_all, 0, sizeof(float) * nqb * panel_k);
+      const Rows queries = all_rows(q_rows(), b, h, p.len_q, q_widened);
+      const Rows grads = all_rows(grad_out_rows(), b, h, p.len_q, g_widened);
       for (int64_t kb = 0; kb < nkb; ++kb) {
         const int64_t j0 = kb * kPanel, nk = std::min<int64_t>(kPanel, p.len_k - j0);
-        for (int64_t jj = 0; jj < kPanel; ++jj) krows[jj] = jj < nk ? row(p.k, b, hk, j0 + jj) : zero_row;
+        for (int64_t jj = 0; jj < kPanel; ++jj) krows[jj] = jj < nk ? keys.at(j0 + jj) : zero_row;
         U jv[kVecs];
         key_lanes(j0, jv);
         const int key_vecs = T::vecs_for(nk);  // a partly filled block (the last) skips its empty
@@ -343,8 +395,8 @@ struct FlashBackward {
           const int64_t nip = T::round_up(ni, kRows);
           const int query_vecs = T::vecs_for(ni);
           for (int64_t ii = 0; ii < nip; ++ii) {
-            qrows[ii] = ii < ni ? row(p.q, b, h, i0 + ii) : zero_row;
-            grows[ii] = ii < ni ? grad_out_row(b, h, i0 + ii) : zero_row;
+            qrows[ii] = ii < ni ? queries.at(i0 + ii) : zero_row;
+            grows[ii] = ii < ni ? grads.at(i0 + ii) : zero_row;
           }
           for (int64_t ii = 0; ii < nip; ii += kRows) {
             T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk, key_vecs);
