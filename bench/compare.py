@@ -81,43 +81,28 @@ def attention_flops(B, H, L, d, causal):
     return 4.0 * B * H * pairs * d
 
 
-def bench_sdpa(B, H, L, d, causal, reps, rows):
+def bench_sdpa(B, H, L, d, causal, dtype, reps, rows):
+    """The forward and the backward in `dtype` on both sides: inputs, output and gradients in it."""
     g = torch.Generator().manual_seed(0)
-    q, k, v, go = (torch.randn(B, H, L, d, generator=g) for _ in range(4))
+    q, k, v, go = (torch.randn(B, H, L, d, generator=g).to(dtype) for _ in range(4))
     flops = attention_flops(B, H, L, d, causal)
     shape = f"B={B} H={H} L={L} d={d}{' causal' if causal else ''}"
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
 
     ours_fwd, torch_fwd = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                          lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
-    rows.append(("sdpa fwd fp32", shape, ours_fwd, torch_fwd, flops))
+    rows.append((f"sdpa fwd {name}", shape, ours_fwd, torch_fwd, flops))
 
     out, lse = _mha.sdpa_train(q, k, v, None, 0.0, causal, None, False, 0, False, 0)
+    out = torch.from_numpy(out)
+    if dtype == torch.bfloat16:  # numpy has no bfloat16: its bits came back
+        out = out.view(torch.bfloat16)
     qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     ours_bwd, torch_bwd = paired_medians(
         lambda: _mha.sdpa_backward(q, k, v, out, lse, go, None, 0.0, causal, None, False, 0, False, 0, False),
         lambda: torch.autograd.grad(ref, (qt, kt, vt), go, retain_graph=True), reps)
-    rows.append(("sdpa bwd fp32", shape, ours_bwd, torch_bwd, 2.5 * flops))
-
-
-def bench_sdpa_bf16(B, H, L, d, causal, reps, rows):
-    g = torch.Generator().manual_seed(0)
-    q, k, v, go = (torch.randn(B, H, L, d, generator=g).to(torch.bfloat16) for _ in range(4))
-    flops = attention_flops(B, H, L, d, causal)
-    shape = f"B={B} H={H} L={L} d={d}{' causal' if causal else ''}"
-    ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                                  lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
-    rows.append(("sdpa fwd bf16", shape, ours, theirs, flops))
-
-    # The backward in bfloat16 on both sides: gradients in bfloat16, from the saved bfloat16 output.
-    out, lse = _mha.sdpa_train(q, k, v, None, 0.0, causal, None, False, 0, False, 0)
-    out = torch.from_numpy(out).view(torch.bfloat16)  # numpy has no bfloat16: its bits came back
-    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-    ours_bwd, torch_bwd = paired_medians(
-        lambda: _mha.sdpa_backward(q, k, v, out, lse, go, None, 0.0, causal, None, False, 0, False, 0, False),
-        lambda: torch.autograd.grad(ref, (qt, kt, vt), go, retain_graph=True), reps)
-    rows.append(("sdpa bwd bf16", shape, ours_bwd, torch_bwd, 2.5 * flops))
+    rows.append((f"sdpa bwd {name}", shape, ours_bwd, torch_bwd, 2.5 * flops))
 
 
 def bench_module(E, H, B, L, dtype, reps, rows):
@@ -273,8 +258,8 @@ def main():
     for L in args.lengths:
         for d in args.dims:
             for causal in (False, True):
-                bench_sdpa(args.batch, args.heads, L, d, causal, args.reps, rows)
-                bench_sdpa_bf16(args.batch, args.heads, L, d, causal, args.reps, rows)
+                for dtype in (torch.float32, torch.bfloat16):
+                    bench_sdpa(args.batch, args.heads, L, d, causal, dtype, args.reps, rows)
                 shape = f"B={args.batch} H={args.heads} L={L} d={d}{' causal' if causal else ''}"
                 for op, dtype in (("sdpa fwd fp32", "f32"), ("sdpa fwd bf16", "bf16")):
                     onednn[(op, shape)] = onednn_seconds(args.onednn, args.batch, args.heads, L, d, causal, dtype,
