@@ -76,7 +76,7 @@ void stand_in_if_null(E*& data, int64_t* strides) {
 }  // namespace
 
 std::atomic<int64_t>& widened_chunk_floats() {
-  static std::atomic<int64_t> floats{int64_t{2} << 20};  // 8 MiB, beside 3 float32 copies of the inputs
+  static std::atomic<int64_t> floats{int64_t{2} << 20};  // 8 MiB, bounded: float32 copies of k and v would grow with B, H and L
   return floats;
 }
 
