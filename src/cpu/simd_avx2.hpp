@@ -72,7 +72,9 @@ struct Avx2 {
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    // 2^n for n in [-100, 128]: n = 128 gives the bits of infinity, as it should.
+    // 2^n for n in [-100, 128]: n = 128 gives the bits of infinity, right for x >= 128 and a
+    // factor of at most 1.42 early for x in [127.5, 128) (softmax arguments are never above 0).
+    // Maximum relative error 7.0e-8 below that (tests/test_exp2.cpp).
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
   }

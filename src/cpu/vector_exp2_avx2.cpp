@@ -1,0 +1,7 @@
+// S::exp2 of the AVX2 layer over an array (compiled with -mavx2 -mfma; see CMakeLists.txt).
+#include "cpu/simd_avx2.hpp"
+#include "cpu/vector_exp2.hpp"
+
+namespace mha::detail {
+void vector_exp2_avx2(const float* x, float* y, int64_t n) { vector_exp2_of<simd::Avx2>(x, y, n); }
+}  // namespace mha::detail

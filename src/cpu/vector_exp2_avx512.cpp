@@ -1,0 +1,7 @@
+// S::exp2 of the AVX-512 layer over an array (compiled for AVX-512; see CMakeLists.txt).
+#include "cpu/simd_avx512.hpp"
+#include "cpu/vector_exp2.hpp"
+
+namespace mha::detail {
+void vector_exp2_avx512(const float* x, float* y, int64_t n) { vector_exp2_of<simd::Avx512>(x, y, n); }
+}  // namespace mha::detail
