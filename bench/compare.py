@@ -5,7 +5,8 @@ run, on the same inputs and thread count; and against oneDNN's SDPA (its Graph A
 
   python bench/compare.py                      # the headline shapes (B=4, H=16, L=2048, d=64)
   python bench/compare.py --lengths 512 2048 --dims 64 128 --threads 2 --json out.json
-  python bench/compare.py --lengths 128 512 2048 8192 --dims 64 128 --plot docs/attention_gflops.png
+  python bench/compare.py --lengths 128 512 2048 --dims 64 128 --plot docs/attention_gflops.png
+  python bench/compare.py --batch 1 --lengths 8192 --reps 3 --no-module   # --dtypes fp32 to skip bf16
 
 FLOPs: forward 4 * B * H * Lq * Lk * d (only the pairs a causal mask keeps), backward 2.5x that
 (the convention of FlashAttention's papers); the module adds its four E x E projections (twice
@@ -238,6 +239,8 @@ def main():
     ap.add_argument("--dims", type=int, nargs="+", default=[64])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                    help="SDPA dtypes to run (PyTorch's bf16 backward is slow on CPUs without AVX512-BF16)")
     ap.add_argument("--no-module", action="store_true")
     ap.add_argument("--onednn", default=str(ONEDNN_DEFAULT),
                     help="oneDNN SDPA benchmark binary (make onednn-bench); its column is left out if absent")
@@ -258,10 +261,13 @@ def main():
     for L in args.lengths:
         for d in args.dims:
             for causal in (False, True):
-                for dtype in (torch.float32, torch.bfloat16):
+                for name in args.dtypes:
+                    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
                     bench_sdpa(args.batch, args.heads, L, d, causal, dtype, args.reps, rows)
                 shape = f"B={args.batch} H={args.heads} L={L} d={d}{' causal' if causal else ''}"
                 for op, dtype in (("sdpa fwd fp32", "f32"), ("sdpa fwd bf16", "bf16")):
+                    if op.split()[-1] not in args.dtypes:
+                        continue
                     onednn[(op, shape)] = onednn_seconds(args.onednn, args.batch, args.heads, L, d, causal, dtype,
                                                          args.threads, args.reps)
     if not args.no_module:
