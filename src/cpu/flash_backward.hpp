@@ -91,9 +91,7 @@ struct FlashBackward {
   const float* row(const Operand& t, int64_t b, int64_t h, int64_t l, float* slot) const {
     const int64_t offset = b * t.strides[0] + h * t.strides[1] + l * t.strides[2];
     if (t.dtype == DType::f32) return static_cast<const float*>(t.data) + offset;
-    const uint16_t* src = static_cast<const uint16_t*>(t.data) + offset;
-    if (t.dtype == DType::bf16) S::widen_bf16(src, slot, t.width);
-    else S::widen_f16(src, slot, t.width);
+    T::widen(t.dtype, static_cast<const uint16_t*>(t.data) + offset, slot, t.width);
     return slot;
   }
 

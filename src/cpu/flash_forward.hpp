@@ -99,10 +99,7 @@ struct FlashForward {
   }
 
   // One row of a bfloat16 / float16 operand (unit stride, as run_attention guarantees) to float32.
-  void widen_row(const uint16_t* src, float* dst, int64_t n) const {
-    if (p.k.dtype == DType::bf16) S::widen_bf16(src, dst, n);
-    else S::widen_f16(src, dst, n);
-  }
+  void widen_row(const uint16_t* src, float* dst, int64_t n) const { T::widen(p.k.dtype, src, dst, n); }
 
   bool widens() const { return p.k.dtype != DType::f32; }
 

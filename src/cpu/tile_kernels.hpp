@@ -27,6 +27,13 @@ struct Tiles {
 
   static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+  // n bfloat16 or float16 values (`dtype`, as bits) to float32, exactly: how the kernels read
+  // low-precision rows.
+  static void widen(DType dtype, const uint16_t* src, float* dst, int64_t n) {
+    if (dtype == DType::bf16) S::widen_bf16(src, dst, n);
+    else S::widen_f16(src, dst, n);
+  }
+
   // The register block of the two products: kBlockRows broadcast rows times kBlockVecs vectors of
   // the panel, from the SIMD layer. AVX-512 (32 registers) holds a whole 8 x 48 tile, 24
   // accumulators; AVX2 (16 ymm registers, two per 16-lane vector) a 6 x 16 block, 12 accumulators,
