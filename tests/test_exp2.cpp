@@ -31,7 +31,8 @@ WorstError worst_error(const std::vector<float>& x, const std::vector<float>& y)
   for (size_t i = 0; i < x.size(); ++i) {
     const double exact = std::exp2(static_cast<double>(x[i]));
     const double e = std::fabs(static_cast<double>(y[i]) - exact) / exact;
-    if (!(e <= w.relative)) w = {e, x[i]};  // a NaN result counts as the worst
+    if (!(e <= w.relative)) w = {e, x[i]};  // a NaN error compares false: it is taken...
+    if (std::isnan(w.relative)) break;      // ...and kept, the worst there is
   }
   return w;
 }
