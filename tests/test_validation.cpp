@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <utility>
+#include <vector>
 #include <random>
 #include <string>
 
@@ -159,6 +161,54 @@ TEST(Tensor, DtypeConversionsRoundTrip) {
   EXPECT_EQ(static_cast<float>(mha::float16(70000.0f)), INFINITY);
   EXPECT_TRUE(std::isnan(static_cast<float>(mha::bfloat16(NAN))));
   EXPECT_EQ(static_cast<float>(mha::float16(5.9604645e-8f)), 5.9604645e-8f);  // the smallest subnormal
+}
+
+// copy_into between strided views, every pair of dtypes: whole-row spans where both last
+// dimensions are unit-stride (permuted leading dimensions, sliced rows), element by element
+// elsewhere; each element must be the source's value rounded once to the destination's dtype.
+TEST(Tensor, StridedCopiesConvertEveryElement) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f64, mha::DType::bf16, mha::DType::f16, mha::DType::boolean};
+  auto rounded = [](double x, mha::DType to) -> double {
+    switch (to) {
+      case mha::DType::f32: return static_cast<float>(x);
+      case mha::DType::f64: return x;
+      case mha::DType::bf16: return static_cast<float>(mha::bfloat16(static_cast<float>(x)));
+      case mha::DType::f16: return static_cast<float>(mha::float16(static_cast<float>(x)));
+      case mha::DType::boolean: return x != 0.0 ? 1.0 : 0.0;
+    }
+    return NAN;
+  };
+  mha::Tensor values = mha_test::randn({3, 4, 5, 6}, rng, mha::DType::f64);
+  for (int64_t i = 0; i < values.numel(); i += 7) values.data<double>()[i] = 0.0;  // bool sees both values
+  for (mha::DType from : dtypes) {
+    const mha::Tensor src = mha::Tensor::copy_of(values, from);
+    const mha::TensorView views[] = {
+        src.view().permute({1, 0, 2, 3}),       // rows in another order
+        src.view().slice(3, 1, 5),              // rows with gaps between them
+        src.view().slice(3, 2, 3),              // one-element rows
+        src.view().permute({0, 1, 3, 2}),       // a strided last dimension: element by element
+        src.view().select(2, 1).transpose(0, 1),
+    };
+    for (mha::DType to : dtypes) {
+      for (const mha::TensorView& v : views) {
+        // Into a contiguous tensor, and into a view whose leading dimensions are transposed.
+        mha::Shape swapped = v.sizes();
+        std::swap(swapped[0], swapped[1]);
+        const mha::Tensor plain = mha::Tensor::empty(v.sizes(), to), other = mha::Tensor::empty(swapped, to);
+        for (const mha::TensorView& dst : {plain.view(), other.view().transpose(0, 1)}) {
+          mha::copy_into(v, dst);
+          int wrong = 0;
+          std::vector<int64_t> idx(static_cast<size_t>(v.ndim), 0);
+          for (int64_t e = 0; e < v.numel(); ++e) {
+            if (dst.at(idx) != rounded(v.at(idx), to)) ++wrong;
+            for (int d = v.ndim - 1; d >= 0 && ++idx[d] == v.shape[d]; --d) idx[d] = 0;
+          }
+          EXPECT_EQ(wrong, 0) << mha::dtype_name(from) << " -> " << mha::dtype_name(to) << " view " << v.shape_str();
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -247,20 +247,51 @@ void convert_span(const void* src, void* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) b[i] = Dst(static_cast<float>(a[i]));
 }
 
-// The common case of copy_into, both sides contiguous: a memcpy or a typed loop that the compiler
-// vectorises, instead of a dtype switch per element. False where it does not apply.
-bool copy_contiguous(const TensorView& src, const TensorView& dst, int64_t n) {
-  if (!src.is_contiguous() || !dst.is_contiguous()) return false;
-  const DType a = src.dtype, b = dst.dtype;
+// n elements between unit-stride spans: a memmove or a typed loop that the compiler vectorises,
+// instead of a dtype switch per element. False for the pairs of dtypes it does not cover.
+bool copy_span(const void* src, DType a, void* dst, DType b, int64_t n) {
   if (a == b && a != DType::boolean) {  // bool goes element-wise: any nonzero byte becomes exactly 1
-    std::memmove(dst.data, src.data, static_cast<size_t>(n * dtype_size(a)));  // the two may be one
+    std::memmove(dst, src, static_cast<size_t>(n * dtype_size(a)));  // the two may be one
     return true;
   }
-  if (a == DType::bf16 && b == DType::f32) convert_span<bfloat16, float>(src.data, dst.data, n);
-  else if (a == DType::f16 && b == DType::f32) convert_span<float16, float>(src.data, dst.data, n);
-  else if (a == DType::f32 && b == DType::bf16) convert_span<float, bfloat16>(src.data, dst.data, n);
-  else if (a == DType::f32 && b == DType::f16) convert_span<float, float16>(src.data, dst.data, n);
+  if (a == DType::bf16 && b == DType::f32) convert_span<bfloat16, float>(src, dst, n);
+  else if (a == DType::f16 && b == DType::f32) convert_span<float16, float>(src, dst, n);
+  else if (a == DType::f32 && b == DType::bf16) convert_span<float, bfloat16>(src, dst, n);
+  else if (a == DType::f32 && b == DType::f16) convert_span<float, float16>(src, dst, n);
   else return false;
+  return true;
+}
+
+bool span_copyable(DType a, DType b) {
+  if (a == b) return a != DType::boolean;
+  return (a == DType::f32 && (b == DType::bf16 || b == DType::f16)) || (b == DType::f32 && (a == DType::bf16 || a == DType::f16));
+}
+
+// The common cases of copy_into: both sides contiguous (one span), or both with a unit-stride last
+// dimension, as a transposed or sliced view of rows has (one span per row). False where neither
+// applies.
+bool copy_spans(const TensorView& src, const TensorView& dst, int64_t n) {
+  if (!span_copyable(src.dtype, dst.dtype)) return false;
+  if (src.is_contiguous() && dst.is_contiguous()) return copy_span(src.data, src.dtype, dst.data, dst.dtype, n);
+  const int last = src.ndim - 1;
+  const int64_t len = src.shape[last];
+  if (len > 1 && (src.strides[last] != 1 || dst.strides[last] != 1)) return false;
+  const int64_t a_size = dtype_size(src.dtype), b_size = dtype_size(dst.dtype);
+  std::array<int64_t, kMaxDims> idx{};
+  int64_t so = 0, doff = 0;
+  for (int64_t row = 0; row < n / len; ++row) {
+    copy_span(static_cast<const char*>(src.data) + so * a_size, src.dtype, static_cast<char*>(dst.data) + doff * b_size,
+              dst.dtype, len);
+    for (int d = last - 1; d >= 0; --d) {  // odometer increment over the leading dimensions
+      ++idx[d];
+      so += src.strides[d];
+      doff += dst.strides[d];
+      if (idx[d] < src.shape[d]) break;
+      so -= src.strides[d] * src.shape[d];
+      doff -= dst.strides[d] * dst.shape[d];
+      idx[d] = 0;
+    }
+  }
   return true;
 }
 
@@ -298,7 +329,7 @@ void copy_into(const TensorView& src, const TensorView& dst) {
   const int64_t n = src.numel();
   if (n == 0) return;
   if (src.data == nullptr || dst.data == nullptr) throw Error("copy_into: null data pointer");
-  if (copy_contiguous(src, dst, n)) return;
+  if (copy_spans(src, dst, n)) return;
   std::array<int64_t, kMaxDims> idx{};
   int64_t so = 0, doff = 0;
   for (int64_t e = 0; e < n; ++e) {

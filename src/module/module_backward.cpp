@@ -5,6 +5,7 @@
 // Every matrix is taken batch-major and contiguous ([N * L, C]) so each step is one sgemm.
 #include <cstring>
 
+#include "core/parallel_copy.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "mha/multihead_attention.hpp"
 #include "module/forward_context.hpp"
@@ -19,9 +20,9 @@ struct Rows {
   Tensor copy;
   const float* data;
 };
-Rows batch_major_rows(const TensorView& t) {
+Rows batch_major_rows(const TensorView& t, int threads) {
   if (t.is_contiguous()) return {Tensor(), t.data_as<const float>()};
-  Rows r{Tensor::copy_of(t, DType::f32), nullptr};
+  Rows r{detail::parallel_copy_of(t, DType::f32, threads), nullptr};
   r.data = r.copy.data<float>();
   return r;
 }
@@ -90,8 +91,8 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
   };
 
   // 1. Output projection.
-  const Rows dy = batch_major_rows(as_nle(grad_output));  // [N, L, E]
-  const Rows a = batch_major_rows(as_nle(st.attn.view()));
+  const Rows dy = batch_major_rows(as_nle(grad_output), threads);  // [N, L, E]
+  const Rows a = batch_major_rows(as_nle(st.attn.view()), threads);
   Tensor da = Tensor::empty({N, L, E});
   linear_backward(a.data, dy.data, parameter("out_proj.weight").data<float>(), N * L, E, E,
                   da.data<float>(), grad_of("out_proj.weight"), grad_of("out_proj.bias"), threads);
@@ -131,8 +132,14 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
   }
 
   // 4. Input projections. The inputs are the forward's own copies, viewed [N, L, C].
-  const Rows xq = batch_major_rows(c.query), xk = batch_major_rows(c.key), xv = batch_major_rows(c.value);
-  const Rows dk_rows = batch_major_rows(dk.view().slice(1, 0, S)), dv_rows = batch_major_rows(dv.view().slice(1, 0, S));
+  //    Self-attention's one input is copied once, not three times.
+  const Rows xq = batch_major_rows(c.query, threads);
+  const Rows xk = detail::same_view(c.key, c.query) ? xq : batch_major_rows(c.key, threads);
+  const Rows xv = detail::same_view(c.value, c.query) ? xq
+                  : detail::same_view(c.value, c.key) ? xk
+                                                      : batch_major_rows(c.value, threads);
+  const Rows dk_rows = batch_major_rows(dk.view().slice(1, 0, S), threads);
+  const Rows dv_rows = batch_major_rows(dv.view().slice(1, 0, S), threads);
   Tensor dxq = Tensor::empty({N, L, E}), dxk = Tensor::empty({N, S, kdim_}), dxv = Tensor::empty({N, S, vdim_});
   float* din_bias = grad_of("in_proj_bias");
   if (qkv_same_embed_dim()) {
@@ -156,9 +163,9 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
   g.query = Tensor::empty(st.query_shape);
   g.key = Tensor::empty(st.key_shape);
   g.value = Tensor::empty(st.value_shape);
-  copy_into(dxq, as_nle(g.query.view()));
-  copy_into(dxk, as_nle(g.key.view()));
-  copy_into(dxv, as_nle(g.value.view()));
+  detail::parallel_copy_into(dxq, as_nle(g.query.view()), threads);
+  detail::parallel_copy_into(dxk, as_nle(g.key.view()), threads);
+  detail::parallel_copy_into(dxv, as_nle(g.value.view()), threads);
   g.parameters = std::move(grads);
   return g;
 }
