@@ -242,6 +242,7 @@ def main():
     ap.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
                     help="SDPA dtypes to run (PyTorch's bf16 backward is slow on CPUs without AVX512-BF16)")
     ap.add_argument("--no-module", action="store_true")
+    ap.add_argument("--no-sdpa", action="store_true", help="only the module rows")
     ap.add_argument("--onednn", default=str(ONEDNN_DEFAULT),
                     help="oneDNN SDPA benchmark binary (make onednn-bench); its column is left out if absent")
     ap.add_argument("--fma-peak", default=str(FMA_PEAK_DEFAULT),
@@ -258,7 +259,7 @@ def main():
           f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
     rows = []
     onednn = {}  # (op, shape) -> seconds of oneDNN's SDPA, where it ran
-    for L in args.lengths:
+    for L in [] if args.no_sdpa else args.lengths:
         for d in args.dims:
             for causal in (False, True):
                 for name in args.dtypes:
