@@ -80,13 +80,16 @@ void linear(const TensorView& x_in, const TensorView& w, const float* bias, cons
     contiguous = Tensor::copy_of(x, DType::f32);
     x = contiguous.view();
   }
-  // y starts as the bias, broadcast to every row; sgemm then adds x W^T (beta = 1).
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t l = 0; l < L; ++l) {
-      float* row = y.data_as<float>() + n * y.strides[0] + l * y.strides[1];
+  // y starts as the bias, broadcast to every row, over the pool (the in-projection's rows are
+  // tens of MiB at E = 1024); sgemm then adds x W^T (beta = 1).
+  constexpr int64_t kRowsPerTask = 64;
+  parallel_for((N * L + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t task, int) {
+    for (int64_t r = task * kRowsPerTask; r < std::min(N * L, (task + 1) * kRowsPerTask); ++r) {
+      float* row = y.data_as<float>() + r / L * y.strides[0] + r % L * y.strides[1];
       if (bias) std::memcpy(row, bias, sizeof(float) * out);
       else std::memset(row, 0, sizeof(float) * out);
     }
+  });
   int64_t ldx = 0, ldy = 0;
   const RowOrder ox = row_order(x, &ldx), oy = row_order(y, &ldy);
   if (ox != RowOrder::neither && ox == oy) {
