@@ -247,32 +247,37 @@ void convert_span(const void* src, void* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) b[i] = Dst(static_cast<float>(a[i]));
 }
 
-// n elements between unit-stride spans: a memmove or a typed loop that the compiler vectorises,
-// instead of a dtype switch per element. False for the pairs of dtypes it does not cover.
-bool copy_span(const void* src, DType a, void* dst, DType b, int64_t n) {
-  if (a == b && a != DType::boolean) {  // bool goes element-wise: any nonzero byte becomes exactly 1
-    std::memmove(dst, src, static_cast<size_t>(n * dtype_size(a)));  // the two may be one
-    return true;
-  }
-  if (a == DType::bf16 && b == DType::f32) convert_span<bfloat16, float>(src, dst, n);
-  else if (a == DType::f16 && b == DType::f32) convert_span<float16, float>(src, dst, n);
-  else if (a == DType::f32 && b == DType::bf16) convert_span<float, bfloat16>(src, dst, n);
-  else if (a == DType::f32 && b == DType::f16) convert_span<float, float16>(src, dst, n);
-  else return false;
-  return true;
+using SpanCopy = void (*)(const void* src, void* dst, int64_t n);
+
+template <class T>
+void move_span(const void* src, void* dst, int64_t n) {
+  std::memmove(dst, src, static_cast<size_t>(n) * sizeof(T));  // the two may be one
 }
 
-bool span_copyable(DType a, DType b) {
-  if (a == b) return a != DType::boolean;
-  return (a == DType::f32 && (b == DType::bf16 || b == DType::f16)) || (b == DType::f32 && (a == DType::bf16 || a == DType::f16));
+// How n elements go from a unit-stride span of dtype a to one of dtype b: a memmove or a typed
+// loop that the compiler vectorises, instead of a dtype switch per element. Null for the pairs it
+// does not cover (bool goes element-wise: any nonzero byte becomes exactly 1).
+SpanCopy span_copy(DType a, DType b) {
+  if (a == b && a == DType::f32) return move_span<float>;
+  if (a == b && a == DType::f64) return move_span<double>;
+  if (a == b && (a == DType::bf16 || a == DType::f16)) return move_span<uint16_t>;
+  if (a == DType::bf16 && b == DType::f32) return convert_span<bfloat16, float>;
+  if (a == DType::f16 && b == DType::f32) return convert_span<float16, float>;
+  if (a == DType::f32 && b == DType::bf16) return convert_span<float, bfloat16>;
+  if (a == DType::f32 && b == DType::f16) return convert_span<float, float16>;
+  return nullptr;
 }
 
 // The common cases of copy_into: both sides contiguous (one span), or both with a unit-stride last
 // dimension, as a transposed or sliced view of rows has (one span per row). False where neither
 // applies.
 bool copy_spans(const TensorView& src, const TensorView& dst, int64_t n) {
-  if (!span_copyable(src.dtype, dst.dtype)) return false;
-  if (src.is_contiguous() && dst.is_contiguous()) return copy_span(src.data, src.dtype, dst.data, dst.dtype, n);
+  const SpanCopy copy = span_copy(src.dtype, dst.dtype);
+  if (copy == nullptr) return false;
+  if (src.is_contiguous() && dst.is_contiguous()) {
+    copy(src.data, dst.data, n);
+    return true;
+  }
   const int last = src.ndim - 1;
   const int64_t len = src.shape[last];
   if (len > 1 && (src.strides[last] != 1 || dst.strides[last] != 1)) return false;
@@ -280,8 +285,7 @@ bool copy_spans(const TensorView& src, const TensorView& dst, int64_t n) {
   std::array<int64_t, kMaxDims> idx{};
   int64_t so = 0, doff = 0;
   for (int64_t row = 0; row < n / len; ++row) {
-    copy_span(static_cast<const char*>(src.data) + so * a_size, src.dtype, static_cast<char*>(dst.data) + doff * b_size,
-              dst.dtype, len);
+    copy(static_cast<const char*>(src.data) + so * a_size, static_cast<char*>(dst.data) + doff * b_size, len);
     for (int d = last - 1; d >= 0; --d) {  // odometer increment over the leading dimensions
       ++idx[d];
       so += src.strides[d];
