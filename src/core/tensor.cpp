@@ -268,6 +268,28 @@ SpanCopy span_copy(DType a, DType b) {
   return nullptr;
 }
 
+// The offsets (in elements) of the same index in two views of one shape, walked in row-major
+// order over their leading `dims` dimensions.
+struct PairedOffsets {
+  const TensorView& a;
+  const TensorView& b;
+  int dims;
+  std::array<int64_t, kMaxDims> idx{};
+  int64_t a_offset = 0, b_offset = 0;
+
+  void advance() {  // odometer increment
+    for (int d = dims - 1; d >= 0; --d) {
+      ++idx[d];
+      a_offset += a.strides[d];
+      b_offset += b.strides[d];
+      if (idx[d] < a.shape[d]) return;
+      a_offset -= a.strides[d] * a.shape[d];
+      b_offset -= b.strides[d] * b.shape[d];
+      idx[d] = 0;
+    }
+  }
+};
+
 // The common cases of copy_into: both sides contiguous (one span), or both with a unit-stride last
 // dimension, as a transposed or sliced view of rows has (one span per row). False where neither
 // applies.
@@ -282,19 +304,10 @@ bool copy_spans(const TensorView& src, const TensorView& dst, int64_t n) {
   const int64_t len = src.shape[last];
   if (len > 1 && (src.strides[last] != 1 || dst.strides[last] != 1)) return false;
   const int64_t a_size = dtype_size(src.dtype), b_size = dtype_size(dst.dtype);
-  std::array<int64_t, kMaxDims> idx{};
-  int64_t so = 0, doff = 0;
-  for (int64_t row = 0; row < n / len; ++row) {
-    copy(static_cast<const char*>(src.data) + so * a_size, static_cast<char*>(dst.data) + doff * b_size, len);
-    for (int d = last - 1; d >= 0; --d) {  // odometer increment over the leading dimensions
-      ++idx[d];
-      so += src.strides[d];
-      doff += dst.strides[d];
-      if (idx[d] < src.shape[d]) break;
-      so -= src.strides[d] * src.shape[d];
-      doff -= dst.strides[d] * dst.shape[d];
-      idx[d] = 0;
-    }
+  PairedOffsets at{src, dst, last};
+  for (int64_t row = 0; row < n / len; ++row, at.advance()) {
+    copy(static_cast<const char*>(src.data) + at.a_offset * a_size, static_cast<char*>(dst.data) + at.b_offset * b_size,
+         len);
   }
   return true;
 }
@@ -334,19 +347,9 @@ void copy_into(const TensorView& src, const TensorView& dst) {
   if (n == 0) return;
   if (src.data == nullptr || dst.data == nullptr) throw Error("copy_into: null data pointer");
   if (copy_spans(src, dst, n)) return;
-  std::array<int64_t, kMaxDims> idx{};
-  int64_t so = 0, doff = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    store(dst.data, dst.dtype, doff, load(src.data, src.dtype, so));
-    for (int d = src.ndim - 1; d >= 0; --d) {  // odometer increment
-      ++idx[d];
-      so += src.strides[d];
-      doff += dst.strides[d];
-      if (idx[d] < src.shape[d]) break;
-      so -= src.strides[d] * src.shape[d];
-      doff -= dst.strides[d] * dst.shape[d];
-      idx[d] = 0;
-    }
+  PairedOffsets at{src, dst, src.ndim};
+  for (int64_t e = 0; e < n; ++e, at.advance()) {
+    store(dst.data, dst.dtype, at.b_offset, load(src.data, src.dtype, at.a_offset));
   }
 }
 
