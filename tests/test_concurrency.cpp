@@ -38,10 +38,11 @@ TEST(Concurrency, SharedModuleGivesTheSerialResults) {
 }
 
 // The widening and rounding around the low-precision kernels: the serial copy's bits, for strided
-// views, conversions both ways and shapes whose leading dimensions are 1 or odd.
+// views, conversions both ways and shapes whose leading dimensions are 1 or odd, or whose first
+// dimension is split into ranges of rows (a matrix of short rows).
 TEST(Concurrency, ParallelCopyMatchesTheSerialCopy) {
   std::mt19937_64 rng(mha_test::test_seed());
-  for (const mha::Shape& shape : std::vector<mha::Shape>{{3, 5, 257, 70}, {1, 2, 2100, 67}, {2, 700, 190}}) {
+  for (const mha::Shape& shape : std::vector<mha::Shape>{{3, 5, 257, 70}, {1, 2, 2100, 67}, {2, 700, 190}, {1500, 131}}) {
     const mha::Tensor src = mha_test::randn(shape, rng);
     const mha::TensorView strided = src.view().slice(-1, 1, shape.back() - 2);  // rows with a gap
     const mha::Tensor bf16 = mha::Tensor::copy_of(strided, mha::DType::bf16);

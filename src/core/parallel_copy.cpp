@@ -1,5 +1,6 @@
 #include "core/parallel_copy.hpp"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/thread_pool.hpp"
@@ -21,8 +22,13 @@ void parallel_copy_into(const TensorView& src, const TensorView& dst, int thread
     tasks *= src.shape[split];
     ++split;
   }
-  if (split == 0) {
-    copy_into(src, dst);
+  if (split == 0) {  // one index of the first dimension is too small a task: ranges of indices
+    const int64_t per_index = n / src.shape[0];
+    const int64_t chunk = (kMinElementsPerTask + per_index - 1) / per_index;
+    parallel_for((src.shape[0] + chunk - 1) / chunk, threads, [&](int64_t t, int) {
+      const int64_t begin = t * chunk, end = std::min(src.shape[0], begin + chunk);
+      copy_into(src.slice(0, begin, end), dst.slice(0, begin, end));
+    });
     return;
   }
   parallel_for(tasks, threads, [&](int64_t t, int) {

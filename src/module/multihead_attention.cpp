@@ -213,9 +213,11 @@ void MultiheadAttention::load_state_dict(const std::unordered_map<std::string, T
     if (v.dtype == DType::boolean) throw Error("load_state_dict: '" + name + "' expected a floating dtype, got bool");
     if (v.numel() > 0 && v.data == nullptr) throw Error("load_state_dict: '" + name + "' has a null data pointer");
   }
+  // Over the pool: the Python module loads its parameters before every call (16 MiB at E = 1024).
+  const int threads = detail::resolve_threads(0);
   for (auto& [name, t] : params_) {
     auto it = state.find(name);
-    if (it != state.end()) copy_into(it->second, t.view());
+    if (it != state.end()) detail::parallel_copy_into(it->second, t.view(), threads);
   }
 }
 
