@@ -40,18 +40,19 @@ constexpr int64_t kGemmBlock = 256;
 // row, 0.56-0.61 against 0.76-0.87 at four, and slower past that).
 constexpr int64_t kGemvRows = 4;
 
-// C[0:m, j0:j0+cols] = op(A) op(B)[:, j0:j0+cols] + beta C as m sgemv calls.
-void gemv_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t j0, int64_t cols, int64_t k, const float* a,
-               int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  for (int64_t i = 0; i < m; ++i) {
+// A block of C (rows x cols) = op(A) op(B) + beta C, as one sgemv per row; a, b and c point at
+// the block's first row of op(A), first column of op(B) and first element of C.
+void gemv_rows(bool transpose_a, bool transpose_b, int64_t rows, int64_t cols, int64_t k, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < rows; ++i) {
     const float* a_row = transpose_a ? a + i : a + i * lda;  // row i of op(A)
     const blasint a_step = static_cast<blasint>(transpose_a ? lda : 1);
-    if (transpose_b) {  // B is [n, k]: the block is rows j0.. of B, times a_row
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(cols), static_cast<blasint>(k), 1.0f,
-                  b + j0 * ldb, static_cast<blasint>(ldb), a_row, a_step, beta, c + i * ldc + j0, 1);
-    } else {  // B is [k, n]: the block is columns j0.. of B, transposed, times a_row
-      cblas_sgemv(CblasRowMajor, CblasTrans, static_cast<blasint>(k), static_cast<blasint>(cols), 1.0f, b + j0,
-                  static_cast<blasint>(ldb), a_row, a_step, beta, c + i * ldc + j0, 1);
+    if (transpose_b) {  // B is [n, k]: the block's rows of B, times a_row
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(cols), static_cast<blasint>(k), 1.0f, b,
+                  static_cast<blasint>(ldb), a_row, a_step, beta, c + i * ldc, 1);
+    } else {  // B is [k, n]: the block's columns of B, transposed, times a_row
+      cblas_sgemv(CblasRowMajor, CblasTrans, static_cast<blasint>(k), static_cast<blasint>(cols), 1.0f, b,
+                  static_cast<blasint>(ldb), a_row, a_step, beta, c + i * ldc, 1);
     }
   }
 }
@@ -70,12 +71,12 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, c
   parallel_for(row_blocks * col_blocks, threads, [&](int64_t block, int) {
     const int64_t i0 = block / col_blocks * row_block, j0 = block % col_blocks * col_block;
     const int64_t rows = std::min(row_block, m - i0), cols = std::min(col_block, n - j0);
-    if (m <= kGemvRows && k > 0) {
-      gemv_rows(transpose_a, transpose_b, rows, j0, cols, k, a, lda, b, ldb, beta, c, ldc);
-      return;
-    }
     const float* a_block = transpose_a ? a + i0 : a + i0 * lda;
     const float* b_block = transpose_b ? b + j0 * ldb : b + j0;
+    if (m <= kGemvRows && k > 0) {  // (k = 0 goes to sgemm, which scales C by beta where sgemv returns)
+      gemv_rows(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, beta, c + i0 * ldc + j0, ldc);
+      return;
+    }
     cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
                 static_cast<blasint>(rows), static_cast<blasint>(cols), static_cast<blasint>(k), 1.0f, a_block,
                 static_cast<blasint>(lda), b_block, static_cast<blasint>(ldb), beta, c + i0 * ldc + j0,
