@@ -43,6 +43,7 @@ class MultiheadAttention(nn.Module):
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.dropout, self.batch_first, self.add_zero_attn = float(dropout), bool(batch_first), bool(add_zero_attn)
         self.head_dim = self.embed_dim // self.num_heads
+        self._generation = 0
         E = self.embed_dim
         if self._qkv_same_embed_dim:
             self.in_proj_weight = nn.Parameter(torch.empty(3 * E, E, dtype=dtype))
@@ -94,6 +95,7 @@ class MultiheadAttention(nn.Module):
             self._impl.to(dtype)
         self._impl.train(self.training)
         self._impl.load_state_dict({name: p.detach() for name, p in params.items()}, True)
+        self._generation += 1  # which values the C++ module holds (see ModuleFunction)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -104,7 +106,7 @@ class MultiheadAttention(nn.Module):
         self._sync()
         names = [name for name, _ in self.named_parameters()]
         seed = int(torch.randint(0, 2**62, (1,)).item()) if self.training and self.dropout > 0 else None
-        flags = (bool(need_weights), bool(average_attn_weights), bool(is_causal), seed, 0)
+        flags = (bool(need_weights), bool(average_attn_weights), bool(is_causal), seed, 0, self)
         if not torch.is_grad_enabled():
             out, weights = self._impl.forward(query.detach(), key.detach(), value.detach(),
                                               None if key_padding_mask is None else key_padding_mask.detach(),

@@ -326,3 +326,40 @@ def test_low_precision_numpy_level_module(dtype, parity_seed):
     assert m.to(torch.float32).dtype == "float32" and "dtype=" not in repr(m)
     with pytest.raises(ValueError, match="dtype: expected float32, bfloat16 or float16"):
         m.to("int8")
+
+
+def test_parameters_changed_between_forward_and_backward(parity_seed):
+    """As with PyTorch's module: a parameter changed in place between a forward and its backward
+    is autograd's error, and a parameter replaced between two forwards leaves each backward with
+    its own forward's values (backward of the first call after the second loaded other weights)."""
+    torch.manual_seed(parity_seed)
+    E, H, L, N = 8, 2, 5, 3
+    for module in (mha.nn.MultiheadAttention(E, H), torch.nn.MultiheadAttention(E, H)):
+        x = torch.randn(L, N, E)
+        out, _ = module(x, x, x)
+        with torch.no_grad():
+            module.out_proj.weight.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+    ours = mha.nn.MultiheadAttention(E, H)
+    ref = torch.nn.MultiheadAttention(E, H).double()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(L, N, E, requires_grad=True)
+    x_ref = x.detach().double().requires_grad_()
+    g1, g2 = torch.randn(L, N, E), torch.randn(L, N, E)
+    out1, _ = ours(x, x, x)
+    ref1, _ = ref(x_ref, x_ref, x_ref)
+    first, first_ref = ours.in_proj_weight, ref.in_proj_weight
+    replacement = torch.randn(3 * E, E) * 0.4
+    ours.in_proj_weight = torch.nn.Parameter(replacement.clone())
+    ref.in_proj_weight = torch.nn.Parameter(replacement.double())
+    out2, _ = ours(x, x, x)
+    ref2, _ = ref(x_ref, x_ref, x_ref)
+    for out, r, g in ((out1, ref1, g1), (out2, ref2, g2)):  # the first call's backward first
+        (out * g).sum().backward()
+        (r * g.double()).sum().backward()
+    for a, b, name in ((x, x_ref, "input"), (first, first_ref, "first in_proj_weight"),
+                       (ours.in_proj_weight, ref.in_proj_weight, "second in_proj_weight"),
+                       (ours.out_proj.weight, ref.out_proj.weight, "out_proj.weight")):
+        assert rel(a.grad, b.grad) <= TOL, f"{name} gradient: relative error {rel(a.grad, b.grad):.2e}"
