@@ -98,7 +98,9 @@ class MultiheadAttention {
   // The same forward, also filling `context` for backward().
   ForwardResult forward(const TensorView& query, const TensorView& key, const TensorView& value,
                         const ForwardOptions& options, ForwardContext* context) const;
-  // Gradients for the forward that filled `context` (with the parameters it ran with).
+  // Gradients for the forward that filled `context`. The context keeps that forward's activations,
+  // not the parameters: backward reads this module's parameters as they are now, so they must be
+  // the values the forward ran with (mha.nn in Python restores them if another call changed them).
   // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
   ModuleGradients backward(const ForwardContext& context, const TensorView& grad_output) const;
 
