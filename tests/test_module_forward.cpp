@@ -192,4 +192,61 @@ TEST(Module, TrainingModeAppliesDropoutAndEvalDoesNot) {
   EXPECT_LT(rel_error(e1.output, ref.output), kTolerance);
 }
 
+// Inputs in any layout a view can have: rows repeated by a stride of 0 (what expand() gives),
+// overlapping rows, features a stride apart, size-1 dimensions with any stride, batch-major
+// storage of a sequence-first input. Each must give what its contiguous copy gives, forward and
+// backward, and the forward must match the float64 reference. (BLAS reads rows a fixed leading
+// dimension apart, which must be at least the row length: repeated or overlapping rows are not
+// something it can be handed as they are.)
+TEST(Module, EveryInputLayoutMatchesItsContiguousCopy) {
+  std::mt19937_64 rng(test_seed());
+  struct Layout {
+    const char* name;
+    mha::Shape strides;  // of the [L, N, E] view; -1: the contiguous stride
+  };
+  for (const int64_t E : {1, 8}) {
+    for (const auto& [L, N] : {std::pair<int64_t, int64_t>{5, 3}, {1, 2}, {2, 1}, {1, 1}}) {
+      const Layout layouts[] = {
+          {"contiguous", {N * E, E, 1}},
+          {"repeated over L (stride 0)", {0, E, 1}},
+          {"repeated over N (stride 0)", {E, 0, 1}},
+          {"one row repeated (strides 0, 0, 1)", {0, 0, 1}},
+          {"one value everywhere", {0, 0, 0}},
+          {"overlapping rows (stride 1)", {N, 1, 1}},
+          {"features 2 apart", {2 * N * E, 2 * E, 2}},
+          {"batch-major storage", {E, L * E, 1}},
+          {"rows 3 apart in odd order", {3 * E + 1, 3 * E * L + 2, 1}},
+      };
+      for (const Layout& layout : layouts) {
+        int64_t span = 1;
+        for (int d = 0; d < 3; ++d) span += (mha::Shape{L, N, E}[d] - 1) * layout.strides[d];
+        const mha::Tensor storage = randn({span}, rng);
+        const mha::TensorView view(storage.data<float>(), mha::DType::f32, {L, N, E}, layout.strides);
+        const mha::Tensor dense = mha::Tensor::copy_of(view);
+        for (const bool self : {true, false}) {
+          SCOPED_TRACE(std::string(layout.name) + " E=" + std::to_string(E) + " L=" + std::to_string(L) +
+                       " N=" + std::to_string(N) + (self ? " self" : " cross (query contiguous)"));
+          mha::MultiheadAttention m(E, 1, {.add_bias_kv = E > 1, .seed = rng()});
+          const mha::Tensor other = randn({L, N, E}, rng);
+          const mha::TensorView q = self ? view : other.view(), dq = self ? dense.view() : other.view();
+          const auto ours = m.forward(q, view, view);  // (the training forward below copies its inputs first)
+          const auto ref = mha::reference::multihead_attention(m, mha::Tensor::copy_of(dq), dense, dense, {}, false);
+          EXPECT_LT(rel_error(ours.output, ref.output), kTolerance);
+          mha::ForwardContext ctx, dense_ctx;
+          const auto trained = m.forward(q, view, view, {}, &ctx);
+          const auto copy = m.forward(dq, dense.view(), dense.view(), {}, &dense_ctx);
+          EXPECT_LT(rel_error(trained.output, copy.output), kTolerance);
+          const mha::Tensor grad = randn({L, N, E}, rng);
+          const auto g = m.backward(ctx, grad.view()), dense_g = m.backward(dense_ctx, grad.view());
+          EXPECT_LT(rel_error(g.query, dense_g.query), kTolerance);
+          EXPECT_LT(rel_error(g.key, dense_g.key), kTolerance);
+          EXPECT_LT(rel_error(g.value, dense_g.value), kTolerance);
+          for (size_t i = 0; i < g.parameters.size(); ++i)
+            EXPECT_LT(rel_error(g.parameters[i].second, dense_g.parameters[i].second), kTolerance) << g.parameters[i].first;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace

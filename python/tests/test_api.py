@@ -30,6 +30,30 @@ def test_numpy_in_numpy_out_torch_in_torch_out(rng):
     assert w is None
 
 
+def test_broadcast_and_strided_inputs_match_torch(rng):
+    # Views with repeated rows (stride 0, from expand() or np.broadcast_to) or rows out of order
+    # are read as they are, without copies, and must give what torch gives on their copies.
+    ref = torch.nn.MultiheadAttention(8, 2).eval()
+    m = mha.MultiheadAttention.from_torch(ref)
+    row = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    col = rng.standard_normal((5, 1, 8)).astype(np.float32)
+    batch_major = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    views = [  # (numpy view, torch view of the same values)
+        (np.broadcast_to(row, (5, 3, 8)), torch.from_numpy(row).expand(5, 3, 8)),
+        (np.broadcast_to(col, (5, 3, 8)), torch.from_numpy(col).expand(5, 3, 8)),
+        (np.broadcast_to(row[:, :1], (5, 3, 8)), torch.from_numpy(row[:, :1].copy()).expand(5, 3, 8)),
+        (batch_major.transpose(1, 0, 2), torch.from_numpy(batch_major).transpose(0, 1)),
+    ]
+    for x, t in views:
+        assert 0 in t.stride() or not t.is_contiguous()
+        dense = torch.from_numpy(np.ascontiguousarray(x))
+        with torch.no_grad():
+            expected = ref(dense, dense, dense)[0].numpy()
+        for given in (x, t):
+            out, _ = m(given, given, given)
+            np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6, err_msg=str(t.stride()))
+
+
 def test_from_torch_and_state_dict_round_trip(rng):
     ref = torch.nn.MultiheadAttention(24, 3, bias=True, add_bias_kv=True, kdim=10, vdim=7, batch_first=True)
     m = mha.MultiheadAttention.from_torch(ref)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 namespace mha::detail {
 namespace {
@@ -57,6 +58,17 @@ void gemv_rows(bool transpose_a, bool transpose_b, int64_t rows, int64_t cols, i
   }
 }
 
+// BLAS requires a leading dimension of at least the row length (and 1), even of a matrix with
+// one row, where it is never used: such a one gets the row length. Matrices of several rows must
+// already have it (linear() copies rows that repeat or overlap).
+int64_t leading_dim(int64_t ld, int64_t rows, int64_t row_length) {
+  const int64_t least = std::max<int64_t>(row_length, 1);
+  if (rows <= 1) return std::max(ld, least);
+  if (ld < least) throw Error("internal error: gemm given a leading dimension of " + std::to_string(ld) +
+                              " for rows of " + std::to_string(row_length));
+  return ld;
+}
+
 }  // namespace
 
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
@@ -65,9 +77,9 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, c
   openblas_set_num_threads(1);  // the blocks below are the parallelism
   const int64_t row_block = kGemmBlock, col_block = m <= kGemmBlock ? kGemmBlock : n;
   const int64_t row_blocks = (m + row_block - 1) / row_block, col_blocks = (n + col_block - 1) / col_block;
-  lda = std::max<int64_t>(lda, 1);
-  ldb = std::max<int64_t>(ldb, 1);
-  ldc = std::max<int64_t>(ldc, 1);
+  lda = leading_dim(lda, transpose_a ? k : m, transpose_a ? m : k);
+  ldb = leading_dim(ldb, transpose_b ? n : k, transpose_b ? k : n);
+  ldc = leading_dim(ldc, m, n);
   parallel_for(row_blocks * col_blocks, threads, [&](int64_t block, int) {
     const int64_t i0 = block / col_blocks * row_block, j0 = block % col_blocks * col_block;
     const int64_t rows = std::min(row_block, m - i0), cols = std::min(col_block, n - j0);
@@ -101,9 +113,19 @@ RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
 void linear(const TensorView& x_in, const TensorView& w, const float* bias, const TensorView& y, int threads) {
   const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w.shape[0], in = w.shape[1];
   if (N == 0 || L == 0 || out == 0) return;  // no rows (their buffers may have no storage at all)
+  // BLAS reads rows of unit-stride features, a fixed leading dimension apart, and that dimension
+  // must be at least the row length: all N * L rows at one stride when x and y order them alike,
+  // else the L rows of each batch entry at strides[1]. Rows that repeat (a stride of 0, as from
+  // expand()) or overlap fit neither, and are copied first.
+  int64_t ldx = 0, ldy = 0;
+  const RowOrder oy = row_order(y, &ldy);
+  auto one_call = [&](const TensorView& x) {
+    return row_order(x, &ldx) == oy && oy != RowOrder::neither && (N * L == 1 || ldx >= in);
+  };
+  auto per_entry = [&](const TensorView& x) { return L == 1 || x.strides[1] >= in; };
   Tensor contiguous;
   TensorView x = x_in;
-  if (x.strides[2] != 1 && x.shape[2] > 1) {  // BLAS needs unit stride along the features
+  if ((x.strides[2] != 1 && in > 1) || (!one_call(x) && !per_entry(x))) {
     contiguous = Tensor::copy_of(x, DType::f32);
     x = contiguous.view();
   }
@@ -117,9 +139,7 @@ void linear(const TensorView& x_in, const TensorView& w, const float* bias, cons
       else std::memset(row, 0, sizeof(float) * out);
     }
   });
-  int64_t ldx = 0, ldy = 0;
-  const RowOrder ox = row_order(x, &ldx), oy = row_order(y, &ldy);
-  if (ox != RowOrder::neither && ox == oy) {
+  if (one_call(x)) {
     gemm(false, true, N * L, out, in, x.data_as<float>(), ldx, w.data_as<float>(), w.strides[0], 1.0f,
          y.data_as<float>(), ldy, threads);
     return;
