@@ -249,4 +249,76 @@ TEST(Module, EveryInputLayoutMatchesItsContiguousCopy) {
   }
 }
 
+// forward_with / backward_with read the given views, never the module's own parameters: a module
+// run with another module's parameters gives that module's results and gradients, bit for bit
+// (the same code in the same order), whatever the views' layout; its own parameters stay as they
+// were. Wrong names, shapes and dtypes are errors naming the parameter.
+TEST(Module, ForwardWithGivenParametersIsTheirModule) {
+  std::mt19937_64 rng(test_seed());
+  for (const mha::DType dtype : {mha::DType::f32, mha::DType::bf16}) {
+    for (const bool packed : {true, false}) {
+      mha::MultiheadAttentionOptions o{.add_bias_kv = true, .dtype = dtype};
+      if (!packed) o.kdim = 5, o.vdim = 7;
+      o.seed = rng();
+      mha::MultiheadAttention owner(12, 3, o);
+      o.seed = rng();
+      mha::MultiheadAttention runner(12, 3, o);
+      owner.eval();
+      runner.eval();
+      const std::vector<std::pair<std::string, mha::Tensor>> runner_before = [&] {
+        auto p = runner.named_parameters();
+        for (auto& [name, t] : p) t = t.clone();
+        return p;
+      }();
+      // The owner's parameters as views; every other one stored transposed (a strided view).
+      std::vector<mha::Tensor> keep;
+      mha::ParameterViews views;
+      int i = 0;
+      for (const auto& [name, t] : owner.named_parameters()) {
+        if (t.ndim() == 2 && i++ % 2 == 0) {
+          keep.push_back(mha::Tensor::copy_of(t.view().transpose(0, 1)));
+          views[name] = keep.back().view().transpose(0, 1);
+        } else {
+          views[name] = t.view();
+        }
+      }
+      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (packed ? " packed" : " kdim/vdim"));
+      const mha::Tensor x = randn({6, 2, 12}, rng, dtype);
+      const mha::Tensor k = packed ? x : randn({4, 2, 5}, rng, dtype), v = packed ? x : randn({4, 2, 7}, rng, dtype);
+      mha::ForwardContext ctx_owner, ctx_runner;
+      const auto expected = owner.forward(x, k, v, {}, &ctx_owner);
+      const auto got = runner.forward_with(views, x, k, v, {}, &ctx_runner);
+      EXPECT_TRUE(mha_test::same_bits(got.output, expected.output));
+      EXPECT_TRUE(mha_test::same_bits(*got.weights, *expected.weights));
+      const mha::Tensor grad = randn(expected.output.sizes(), rng, dtype);
+      const auto g_expected = owner.backward(ctx_owner, grad);
+      const auto g = runner.backward_with(views, ctx_runner, grad);
+      EXPECT_TRUE(mha_test::same_bits(g.query, g_expected.query));
+      EXPECT_TRUE(mha_test::same_bits(g.key, g_expected.key));
+      EXPECT_TRUE(mha_test::same_bits(g.value, g_expected.value));
+      ASSERT_EQ(g.parameters.size(), g_expected.parameters.size());
+      for (size_t j = 0; j < g.parameters.size(); ++j) {
+        EXPECT_EQ(g.parameters[j].first, g_expected.parameters[j].first);
+        EXPECT_TRUE(mha_test::same_bits(g.parameters[j].second, g_expected.parameters[j].second)) << g.parameters[j].first;
+      }
+      for (const auto& [name, t] : runner_before) EXPECT_TRUE(mha_test::same_bits(runner.parameter(name), t)) << name;
+
+      auto without = views;
+      without.erase("out_proj.weight");
+      mha_test::expect_error([&] { runner.forward_with(without, x, k, v); }, "missing 'out_proj.weight'");
+      auto extra = views;
+      extra["junk"] = views.at("bias_k");
+      mha_test::expect_error([&] { runner.forward_with(extra, x, k, v); }, "unexpected 'junk'");
+      auto wrong_shape = views;
+      wrong_shape["bias_v"] = mha::TensorView(views.at("bias_v").data, dtype, {12});
+      mha_test::expect_error([&] { runner.backward_with(wrong_shape, ctx_runner, grad); }, "['bias_v']: expected");
+      const mha::Tensor other_dtype =
+          mha::Tensor::copy_of(views.at("out_proj.weight"), dtype == mha::DType::f32 ? mha::DType::f64 : mha::DType::f32);
+      auto wrong_dtype = views;
+      wrong_dtype["out_proj.weight"] = other_dtype.view();
+      mha_test::expect_error([&] { runner.forward_with(wrong_dtype, x, k, v); }, "['out_proj.weight']: expected");
+    }
+  }
+}
+
 }  // namespace

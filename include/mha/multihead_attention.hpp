@@ -22,6 +22,13 @@
 
 namespace mha {
 
+namespace detail {
+struct ParameterSet;
+}
+
+// Parameters by their PyTorch names (see MultiheadAttention::named_parameters()), as views.
+using ParameterViews = std::unordered_map<std::string, TensorView>;
+
 struct MultiheadAttentionOptions {
   double dropout = 0.0;        // on the attention weights, in training mode only
   bool bias = true;            // in_proj_bias and out_proj.bias
@@ -100,9 +107,22 @@ class MultiheadAttention {
                         const ForwardOptions& options, ForwardContext* context) const;
   // Gradients for the forward that filled `context`. The context keeps that forward's activations,
   // not the parameters: backward reads this module's parameters as they are now, so they must be
-  // the values the forward ran with (mha.nn in Python restores them if another call changed them).
+  // the values the forward ran with.
   // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
   ModuleGradients backward(const ForwardContext& context, const TensorView& grad_output) const;
+
+  // The same forward and backward reading `parameters` instead of the module's own, which are
+  // left alone (as torch.func.functional_call runs a module with other tensors): a PyTorch
+  // module's parameters are used where they are, with no copy into this one. `parameters` must
+  // name exactly this module's parameters, each with its shape and the module's dtype (any
+  // strides; contiguous float32 ones are read in place). They are read during the call only;
+  // backward_with must be given the values its forward ran with. Concurrent calls with different
+  // parameters are safe, as they change nothing in the module but its dropout stream.
+  ForwardResult forward_with(const ParameterViews& parameters, const TensorView& query, const TensorView& key,
+                             const TensorView& value, const ForwardOptions& options = {},
+                             ForwardContext* context = nullptr) const;
+  ModuleGradients backward_with(const ParameterViews& parameters, const ForwardContext& context,
+                                const TensorView& grad_output) const;
 
   ForwardResult operator()(const TensorView& query, const TensorView& key, const TensorView& value,
                            const ForwardOptions& options = {}) const {
@@ -140,13 +160,27 @@ class MultiheadAttention {
   const MultiheadAttentionOptions& options() const { return options_; }
 
  private:
-  // A copy with every parameter converted to `dtype`.
-  MultiheadAttention(const MultiheadAttention& other, DType dtype);
-  // bfloat16/float16 modules: the float32 module's forward and backward on widened copies.
-  ForwardResult forward_low_precision(const TensorView& query, const TensorView& key, const TensorView& value,
+  // A copy with every parameter converted to `dtype`; without `parameters`, a module with the
+  // same options and none (it only runs forward_float32/backward_float32 on given sets).
+  MultiheadAttention(const MultiheadAttention& other, DType dtype, bool parameters = true);
+  // The views a call reads: the module's own, or `given` checked against them.
+  std::vector<std::pair<std::string, TensorView>> parameters_for_call(const ParameterViews* given,
+                                                                      const char* caller) const;
+  ForwardResult forward_any(const std::vector<std::pair<std::string, TensorView>>& parameters, const TensorView& query,
+                            const TensorView& key, const TensorView& value, const ForwardOptions& options,
+                            ForwardContext* context) const;
+  ModuleGradients backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
+                               const ForwardContext& context, const TensorView& grad_output) const;
+  ForwardResult forward_float32(const detail::ParameterSet& parameters, const TensorView& query, const TensorView& key,
+                                const TensorView& value, const ForwardOptions& options, ForwardContext* context) const;
+  ModuleGradients backward_float32(const detail::ParameterSet& parameters, const ForwardContext& context,
+                                   const TensorView& grad_output) const;
+  // bfloat16/float16 modules: the float32 forward and backward on widened copies.
+  ForwardResult forward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
+                                      const TensorView& query, const TensorView& key, const TensorView& value,
                                       const ForwardOptions& options, ForwardContext* context) const;
-  ModuleGradients backward_low_precision(const ForwardContext& context, const TensorView& grad_output) const;
-  ModuleGradients backward_float32(const ForwardContext& context, const TensorView& grad_output) const;
+  ModuleGradients backward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
+                                         const ForwardContext& context, const TensorView& grad_output) const;
   // The dropout seed of the next call that brings none (the module's stream, advanced per call).
   uint64_t next_dropout_seed() const;
 

@@ -10,6 +10,7 @@
 #include "mha/multihead_attention.hpp"
 #include "module/forward_context.hpp"
 #include "module/linear.hpp"
+#include "module/parameter_set.hpp"
 
 namespace mha {
 namespace {
@@ -55,16 +56,28 @@ const Tensor& ModuleGradients::parameter(const std::string& name) const {
 }
 
 ModuleGradients MultiheadAttention::backward(const ForwardContext& context, const TensorView& grad_output) const {
+  return backward_any(parameters_for_call(nullptr, "backward"), context, grad_output);
+}
+
+ModuleGradients MultiheadAttention::backward_with(const ParameterViews& parameters, const ForwardContext& context,
+                                                  const TensorView& grad_output) const {
+  return backward_any(parameters_for_call(&parameters, "backward_with"), context, grad_output);
+}
+
+ModuleGradients MultiheadAttention::backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
+                                                 const ForwardContext& context, const TensorView& grad_output) const {
   if (context.empty()) throw Error("backward: the context is empty; pass it to forward(..., &context) first");
   if (context.state_->module_dtype != options_.dtype) {
     throw Error("backward: the context comes from a " + std::string(dtype_name(context.state_->module_dtype)) +
                 " forward, but the module's parameters are now " + std::string(dtype_name(options_.dtype)));
   }
-  if (options_.dtype != DType::f32) return backward_low_precision(context, grad_output);
-  return backward_float32(context, grad_output);
+  if (options_.dtype != DType::f32) return backward_low_precision(parameters, context, grad_output);
+  const detail::ParameterSet set = detail::float32_parameters(parameters, context.state_->problem.num_threads);
+  return backward_float32(set, context, grad_output);
 }
 
-ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& context, const TensorView& grad_output) const {
+ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet& parameters,
+                                                     const ForwardContext& context, const TensorView& grad_output) const {
   const ForwardContext::State& st = *context.state_;
   require_cpu(grad_output, "grad_output");
   if (grad_output.sizes() != st.output_shape || grad_output.dtype != DType::f32) {
@@ -83,7 +96,7 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
 
   ModuleGradients g;
   std::vector<std::pair<std::string, Tensor>> grads;
-  for (const auto& [name, t] : params_) grads.emplace_back(name, Tensor::zeros(t.sizes()));
+  for (const auto& [name, t] : parameters.views) grads.emplace_back(name, Tensor::zeros(t.sizes()));
   auto grad_of = [&](const std::string& name) -> float* {
     for (auto& [n, t] : grads)
       if (n == name) return t.data<float>();
@@ -94,7 +107,7 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
   const Rows dy = batch_major_rows(as_nle(grad_output), threads);  // [N, L, E]
   const Rows a = batch_major_rows(as_nle(st.attn.view()), threads);
   Tensor da = Tensor::empty({N, L, E});
-  linear_backward(a.data, dy.data, parameter("out_proj.weight").data<float>(), N * L, E, E,
+  linear_backward(a.data, dy.data, parameters.data("out_proj.weight"), N * L, E, E,
                   da.data<float>(), grad_of("out_proj.weight"), grad_of("out_proj.bias"), threads);
 
   // 2. Attention, through the fused backward.
@@ -143,7 +156,7 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
   Tensor dxq = Tensor::empty({N, L, E}), dxk = Tensor::empty({N, S, kdim_}), dxv = Tensor::empty({N, S, vdim_});
   float* din_bias = grad_of("in_proj_bias");
   if (qkv_same_embed_dim()) {
-    const float* w = parameter("in_proj_weight").data<float>();
+    const float* w = parameters.data("in_proj_weight");
     float* dw = grad_of("in_proj_weight");
     linear_backward(xq.data, dq.data<float>(), w, N * L, E, E, dxq.data<float>(), dw, din_bias, threads);
     linear_backward(xk.data, dk_rows.data, w + E * E, N * S, E, E, dxk.data<float>(), dw + E * E,
@@ -151,11 +164,11 @@ ModuleGradients MultiheadAttention::backward_float32(const ForwardContext& conte
     linear_backward(xv.data, dv_rows.data, w + 2 * E * E, N * S, E, E, dxv.data<float>(),
                     dw + 2 * E * E, din_bias ? din_bias + 2 * E : nullptr, threads);
   } else {
-    linear_backward(xq.data, dq.data<float>(), parameter("q_proj_weight").data<float>(), N * L, E, E,
+    linear_backward(xq.data, dq.data<float>(), parameters.data("q_proj_weight"), N * L, E, E,
                     dxq.data<float>(), grad_of("q_proj_weight"), din_bias, threads);
-    linear_backward(xk.data, dk_rows.data, parameter("k_proj_weight").data<float>(), N * S, kdim_, E,
+    linear_backward(xk.data, dk_rows.data, parameters.data("k_proj_weight"), N * S, kdim_, E,
                     dxk.data<float>(), grad_of("k_proj_weight"), din_bias ? din_bias + E : nullptr, threads);
-    linear_backward(xv.data, dv_rows.data, parameter("v_proj_weight").data<float>(), N * S, vdim_, E,
+    linear_backward(xv.data, dv_rows.data, parameters.data("v_proj_weight"), N * S, vdim_, E,
                     dxv.data<float>(), grad_of("v_proj_weight"), din_bias ? din_bias + 2 * E : nullptr, threads);
   }
 

@@ -10,6 +10,7 @@
 #include "module/linear.hpp"
 #include "module/forward_context.hpp"
 #include "module/module_call.hpp"
+#include "module/parameter_set.hpp"
 
 namespace mha {
 namespace {
@@ -40,10 +41,29 @@ ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorV
   return forward(query, key, value, options, nullptr);
 }
 
-ForwardResult MultiheadAttention::forward(const TensorView& query_in, const TensorView& key_in,
-                                          const TensorView& value_in, const ForwardOptions& options_in,
-                                          ForwardContext* context) const {
-  if (options_.dtype != DType::f32) return forward_low_precision(query_in, key_in, value_in, options_in, context);
+ForwardResult MultiheadAttention::forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                                          const ForwardOptions& options, ForwardContext* context) const {
+  return forward_any(parameters_for_call(nullptr, "forward"), query, key, value, options, context);
+}
+
+ForwardResult MultiheadAttention::forward_with(const ParameterViews& parameters, const TensorView& query,
+                                               const TensorView& key, const TensorView& value,
+                                               const ForwardOptions& options, ForwardContext* context) const {
+  return forward_any(parameters_for_call(&parameters, "forward_with"), query, key, value, options, context);
+}
+
+ForwardResult MultiheadAttention::forward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
+                                              const TensorView& query, const TensorView& key, const TensorView& value,
+                                              const ForwardOptions& options, ForwardContext* context) const {
+  if (options_.dtype != DType::f32) return forward_low_precision(parameters, query, key, value, options, context);
+  detail::validate_module_call(*this, query, key, value, options);  // (num_threads) before any copy
+  const detail::ParameterSet set = detail::float32_parameters(parameters, detail::resolve_threads(options.num_threads));
+  return forward_float32(set, query, key, value, options, context);
+}
+
+ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& parameters, const TensorView& query_in,
+                                                  const TensorView& key_in, const TensorView& value_in,
+                                                  const ForwardOptions& options_in, ForwardContext* context) const {
   detail::validate_module_call(*this, query_in, key_in, value_in, options_in);  // before any copy
   // A training forward keeps its own copies of the inputs and masks, so the backward does not
   // depend on the caller's buffers; the self-attention case stays one shared copy.
@@ -66,14 +86,14 @@ ForwardResult MultiheadAttention::forward(const TensorView& query_in, const Tens
   const int threads = detail::resolve_threads(options.num_threads);
   const int64_t E = embed_dim_, H = num_heads_, hd = head_dim();
   const int64_t N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
-  const float* in_bias = options_.bias ? parameter("in_proj_bias").data<float>() : nullptr;
+  const float* in_bias = options_.bias ? parameters.data("in_proj_bias") : nullptr;
 
   // 1. Projections. Self-attention with the packed weight is one sgemm against [3E, E].
   detail::RowBuffer q_buf, k_buf, v_buf;
   TensorView q, k, v;  // [N, L, E], [N, St, E], [N, St, E]
   const bool packed = qkv_same_embed_dim() && detail::same_view(query, key) && detail::same_view(key, value) && L == S;
   if (packed) {
-    const Tensor w = parameter("in_proj_weight");
+    const TensorView& w = parameters.view("in_proj_weight");
     q_buf = detail::rows_like(c.query, St, 3 * E);
     detail::linear(c.query, w, in_bias, q_buf.view.slice(1, 0, L), threads);
     q = q_buf.view.slice(1, 0, L).slice(2, 0, E);
@@ -82,11 +102,11 @@ ForwardResult MultiheadAttention::forward(const TensorView& query_in, const Tens
   } else {
     TensorView wq, wk, wv;
     if (qkv_same_embed_dim()) {
-      const TensorView w = parameter("in_proj_weight").view();
+      const TensorView& w = parameters.view("in_proj_weight");
       wq = w.slice(0, 0, E), wk = w.slice(0, E, 2 * E), wv = w.slice(0, 2 * E, 3 * E);
     } else {
-      wq = parameter("q_proj_weight").view(), wk = parameter("k_proj_weight").view();
-      wv = parameter("v_proj_weight").view();
+      wq = parameters.view("q_proj_weight"), wk = parameters.view("k_proj_weight");
+      wv = parameters.view("v_proj_weight");
     }
     q_buf = detail::rows_like(c.query, L, E);
     k_buf = detail::rows_like(c.key, St, E);
@@ -100,8 +120,8 @@ ForwardResult MultiheadAttention::forward(const TensorView& query_in, const Tens
   // 2. bias_k / bias_v, then the zero key/value, appended along the sequence.
   int64_t row = S;
   if (options_.add_bias_kv) {
-    set_row(k, row, parameter("bias_k").data<float>());
-    set_row(v, row, parameter("bias_v").data<float>());
+    set_row(k, row, parameters.data("bias_k"));
+    set_row(v, row, parameters.data("bias_v"));
     ++row;
   }
   if (options_.add_zero_attn) {
@@ -155,8 +175,9 @@ ForwardResult MultiheadAttention::forward(const TensorView& query_in, const Tens
   detail::run_attention(p, o);
 
   // 4. Output projection.
-  const float* out_bias = options_.bias ? parameter("out_proj.bias").data<float>() : nullptr;
-  detail::linear(as_nle(attn.view()), parameter("out_proj.weight"), out_bias, as_nle(result.output.view()), threads);
+  const float* out_bias = options_.bias ? parameters.data("out_proj.bias") : nullptr;
+  detail::linear(as_nle(attn.view()), parameters.view("out_proj.weight"), out_bias, as_nle(result.output.view()),
+                 threads);
 
   if (options.need_weights) {
     if (options.average_attn_weights) {

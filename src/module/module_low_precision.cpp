@@ -12,15 +12,18 @@
 #include "mha/multihead_attention.hpp"
 #include "module/forward_context.hpp"
 #include "module/module_call.hpp"
+#include "module/parameter_set.hpp"
 
 namespace mha {
 
-ForwardResult MultiheadAttention::forward_low_precision(const TensorView& query, const TensorView& key,
+ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
+                                                        const TensorView& query, const TensorView& key,
                                                         const TensorView& value, const ForwardOptions& options,
                                                         ForwardContext* context) const {
   detail::validate_module_call(*this, query, key, value, options);  // dtypes against the module's
   const int threads = detail::resolve_threads(options.num_threads);
-  const MultiheadAttention wide(*this, DType::f32);
+  const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);  // the options, as float32
+  const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads);
 
   // Self-attention passes one tensor three times; its widened copy is shared the same way, so the
   // float32 module still sees self-attention (and projects with one packed GEMM).
@@ -41,15 +44,16 @@ ForwardResult MultiheadAttention::forward_low_precision(const TensorView& query,
   // This module's dropout stream, not the temporary one's.
   if (training_ && options_.dropout > 0 && !o.dropout_seed) o.dropout_seed = next_dropout_seed();
 
-  ForwardResult r = wide.forward(q.view(), k.view(), v.view(), o, context);
+  ForwardResult r = wide.forward_float32(wide_parameters, q.view(), k.view(), v.view(), o, context);
   r.output = detail::parallel_copy_of(r.output.view(), options_.dtype, threads);
   if (r.weights) r.weights = detail::parallel_copy_of(r.weights->view(), options_.dtype, threads);
   if (context != nullptr) context->state_->module_dtype = options_.dtype;
   return r;
 }
 
-ModuleGradients MultiheadAttention::backward_low_precision(const ForwardContext& context,
-                                                           const TensorView& grad_output) const {
+ModuleGradients MultiheadAttention::backward_low_precision(
+    const std::vector<std::pair<std::string, TensorView>>& parameters, const ForwardContext& context,
+    const TensorView& grad_output) const {
   require_cpu(grad_output, "grad_output");
   if (grad_output.dtype != options_.dtype) {
     throw Error("grad_output: expected dtype " + std::string(dtype_name(options_.dtype)) +
@@ -57,9 +61,10 @@ ModuleGradients MultiheadAttention::backward_low_precision(const ForwardContext&
   }
   if (grad_output.numel() > 0 && grad_output.data == nullptr) throw Error("grad_output: data pointer is null");
   const int threads = context.state_->problem.num_threads;
-  const MultiheadAttention wide(*this, DType::f32);
+  const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);
+  const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads);
   const Tensor grad = detail::parallel_copy_of(grad_output, DType::f32, threads);
-  ModuleGradients g = wide.backward_float32(context, grad.view());
+  ModuleGradients g = wide.backward_float32(wide_parameters, context, grad.view());
   auto round = [&](Tensor& t) { t = detail::parallel_copy_of(t.view(), options_.dtype, threads); };
   round(g.query);
   round(g.key);

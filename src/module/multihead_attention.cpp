@@ -111,7 +111,7 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
 
 MultiheadAttention::MultiheadAttention(const MultiheadAttention& other) : MultiheadAttention(other, other.dtype()) {}
 
-MultiheadAttention::MultiheadAttention(const MultiheadAttention& other, DType dtype)
+MultiheadAttention::MultiheadAttention(const MultiheadAttention& other, DType dtype, bool parameters)
     : embed_dim_(other.embed_dim_),
       num_heads_(other.num_heads_),
       kdim_(other.kdim_),
@@ -121,8 +121,39 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttention& other, DType dt
       dropout_calls_(other.dropout_calls_.load()) {
   check_module_dtype(dtype);
   options_.dtype = dtype;
+  if (!parameters) return;
   const int threads = detail::resolve_threads(0);
   for (const auto& [name, t] : other.params_) params_.emplace_back(name, detail::parallel_copy_of(t, dtype, threads));
+}
+
+std::vector<std::pair<std::string, TensorView>> MultiheadAttention::parameters_for_call(const ParameterViews* given,
+                                                                                        const char* caller) const {
+  std::vector<std::pair<std::string, TensorView>> views;
+  if (given == nullptr) {
+    for (const auto& [name, t] : params_) views.emplace_back(name, t.view());
+    return views;
+  }
+  const std::string where = std::string(caller) + ": parameters";
+  for (const auto& [name, t] : params_) {
+    const auto it = given->find(name);
+    if (it == given->end()) throw Error(where + ": missing '" + name + "' (expected every parameter of the module)");
+    const TensorView& v = it->second;
+    require_cpu(v, where + "['" + name + "']");
+    if (v.sizes() != t.sizes() || v.dtype != t.dtype()) {
+      throw Error(where + "['" + name + "']: expected " + std::string(dtype_name(t.dtype())) + " " + t.shape_str() +
+                  " (the module's), got " + std::string(dtype_name(v.dtype)) + " " + v.shape_str());
+    }
+    if (v.numel() > 0 && v.data == nullptr) throw Error(where + "['" + name + "']: data pointer is null");
+    views.emplace_back(name, v);
+  }
+  if (given->size() != params_.size()) {
+    for (const auto& [name, v] : *given) {
+      bool known = false;
+      for (const auto& [n, t] : params_) known = known || n == name;
+      if (!known) throw Error(where + ": unexpected '" + name + "' (not a parameter of this module)");
+    }
+  }
+  return views;
 }
 
 void MultiheadAttention::to(DType dtype) {

@@ -1,0 +1,26 @@
+// The parameters one call of MultiheadAttention reads: the module's own, or views the caller
+// passes instead (forward_with / backward_with), as contiguous float32.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mha/tensor.hpp"
+
+namespace mha::detail {
+
+using NamedViews = std::vector<std::pair<std::string, TensorView>>;
+
+struct ParameterSet {
+  NamedViews views;           // named_parameters() order; each contiguous float32
+  std::vector<Tensor> copies;  // the storage of those that had to be converted or compacted
+  const TensorView& view(const std::string& name) const;
+  const float* data(const std::string& name) const { return view(name).data_as<float>(); }
+};
+
+// Views as they are where already contiguous float32 (no copy: a float32 module reads its own
+// parameters, or a PyTorch module's, in place), converted copies (over the pool) where not.
+ParameterSet float32_parameters(const NamedViews& views, int threads);
+
+}  // namespace mha::detail
