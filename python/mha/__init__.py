@@ -292,8 +292,8 @@ class MultiheadAttention:
         torch = _torch()
         # The parameters enter autograd as leaf tensors (copies): their .grad is this call's gradient.
         params = [(name, _tensor_of(value).requires_grad_()) for name, value in self._m.parameters()]
-        # No owner: the C++ module is where this module's parameters live, and backward reads them.
-        flags = (bool(need_weights), bool(average), bool(is_causal), dropout_seed, int(num_threads), None)
+        # The backward reads these copies (saved for it), so it uses the values the forward ran with.
+        flags = (bool(need_weights), bool(average), bool(is_causal), dropout_seed, int(num_threads))
         out, weights = ModuleFunction.apply(
             self._m, [name for name, _ in params], flags, query, key, value,
             _as_array(key_padding_mask, "key_padding_mask", allow_none=True),

@@ -52,29 +52,21 @@ class SdpaFunction(torch.autograd.Function):
 
 class ModuleFunction(torch.autograd.Function):
     """MultiheadAttention.forward with gradients for the inputs and every parameter. The module's
-    parameters enter as tensors (after the flags) so that autograd hands their gradients back.
-    A bfloat16/float16 module returns its output and gradients in its dtype (computed in float32).
-
-    The C++ backward reads the C++ module's parameters. With an `owner` (mha.nn.MultiheadAttention,
-    which loads its torch parameters into the C++ module before every call), the parameters are
-    saved for backward, as PyTorch's module saves its weights: changing one in place between the
-    forward and the backward raises autograd's error, and if another call has loaded other values
-    since this forward, the backward loads this forward's values back first. `owner._generation`
-    names the values the C++ module holds; every load changes it."""
+    parameters enter as tensors (after the flags), so that autograd hands their gradients back,
+    and the C++ module reads them where they are (forward_with/backward_with), in the forward and
+    again in the backward. They are saved for backward, as PyTorch's module saves its weights:
+    changing one in place between the forward and the backward raises autograd's error. A
+    bfloat16/float16 module returns its output and gradients in its dtype (computed in float32)."""
 
     @staticmethod
     def forward(ctx, module, names, flags, query, key, value, key_padding_mask, attn_mask, *params):
-        need_weights, average, is_causal, dropout_seed, num_threads, owner = flags
+        need_weights, average, is_causal, dropout_seed, num_threads = flags
         out, weights, context = module.forward_train(query.detach(), key.detach(), value.detach(),
                                                      _detached(key_padding_mask), need_weights,
                                                      _detached(attn_mask), average, is_causal, dropout_seed,
-                                                     num_threads)
+                                                     num_threads, {name: p.detach() for name, p in zip(names, params)})
         ctx.module, ctx.names, ctx.context = module, names, context
-        ctx.n_params = len(params)
-        ctx.owner = owner
-        if owner is not None:
-            ctx.generation = owner._generation
-            ctx.save_for_backward(*params)
+        ctx.save_for_backward(*params)
         weights = None if weights is None else _tensor(weights)
         if weights is not None:
             ctx.mark_non_differentiable(weights)
@@ -82,12 +74,9 @@ class ModuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_weights):
-        if ctx.owner is not None:
-            params = ctx.saved_tensors  # autograd's check that none changed in place since the forward
-            if ctx.owner._generation != ctx.generation:
-                ctx.module.load_state_dict({name: p.detach() for name, p in zip(ctx.names, params)}, True)
-                ctx.owner._generation += 1
-        dq, dk, dv, dparams = ctx.module.backward(ctx.context, grad_output.detach().contiguous())
+        params = ctx.saved_tensors  # autograd's check that none changed in place since the forward
+        dq, dk, dv, dparams = ctx.module.backward(ctx.context, grad_output.detach().contiguous(),
+                                                  {name: p.detach() for name, p in zip(ctx.names, params)})
         ctx.context = None  # free the saved activations
         param_grads = [_tensor(dparams[name]) for name in ctx.names]
         return (None, None, None, _tensor(dq), _tensor(dk), _tensor(dv), None, None, *param_grads)

@@ -35,7 +35,8 @@ class MultiheadAttention(nn.Module):
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
         dtype = dtype or torch.float32
-        # The C++ module validates the options and holds the kernels' copy of the weights.
+        # The C++ module validates the options and runs the kernels on this module's parameters,
+        # which it reads in place at every call (forward_with), never copying them.
         self._impl = _mha._Module(int(embed_dim), int(num_heads), float(dropout), bool(bias), bool(add_bias_kv),
                                   bool(add_zero_attn), kdim, vdim, bool(batch_first), 0)
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
@@ -43,7 +44,6 @@ class MultiheadAttention(nn.Module):
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.dropout, self.batch_first, self.add_zero_attn = float(dropout), bool(batch_first), bool(add_zero_attn)
         self.head_dim = self.embed_dim // self.num_heads
-        self._generation = 0
         E = self.embed_dim
         if self._qkv_same_embed_dim:
             self.in_proj_weight = nn.Parameter(torch.empty(3 * E, E, dtype=dtype))
@@ -82,9 +82,9 @@ class MultiheadAttention(nn.Module):
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
 
-    def _sync(self):
-        """Copies the current parameter values (and dtype, after a .to(dtype)) into the C++ module
-        before each call."""
+    def _parameters_for_call(self):
+        """The parameters a call reads where they are, by name; the C++ module takes their dtype
+        (after a .to(dtype)) and this module's training mode."""
         params = dict(self.named_parameters())
         dtypes = {p.dtype for p in params.values()}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
@@ -94,8 +94,7 @@ class MultiheadAttention(nn.Module):
         if self._impl.dtype != dtype:
             self._impl.to(dtype)
         self._impl.train(self.training)
-        self._impl.load_state_dict({name: p.detach() for name, p in params.items()}, True)
-        self._generation += 1  # which values the C++ module holds (see ModuleFunction)
+        return params
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -103,15 +102,15 @@ class MultiheadAttention(nn.Module):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         _auto_threading()
-        self._sync()
-        names = [name for name, _ in self.named_parameters()]
+        params = self._parameters_for_call()
         seed = int(torch.randint(0, 2**62, (1,)).item()) if self.training and self.dropout > 0 else None
-        flags = (bool(need_weights), bool(average_attn_weights), bool(is_causal), seed, 0, self)
+        flags = (bool(need_weights), bool(average_attn_weights), bool(is_causal), seed, 0)
         if not torch.is_grad_enabled():
             out, weights = self._impl.forward(query.detach(), key.detach(), value.detach(),
                                               None if key_padding_mask is None else key_padding_mask.detach(),
                                               flags[0], None if attn_mask is None else attn_mask.detach(),
-                                              flags[1], flags[2], seed, 0)
+                                              flags[1], flags[2], seed, 0,
+                                              {name: p.detach() for name, p in params.items()})
             return _tensor(out), None if weights is None else _tensor(weights)
-        return ModuleFunction.apply(self._impl, names, flags, query, key, value, key_padding_mask, attn_mask,
-                                    *[p for _, p in self.named_parameters()])
+        return ModuleFunction.apply(self._impl, list(params), flags, query, key, value, key_padding_mask, attn_mask,
+                                    *params.values())

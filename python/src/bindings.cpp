@@ -85,17 +85,27 @@ mha::ForwardOptions forward_options(const std::optional<Array>& key_padding_mask
   return o;
 }
 
+// Parameters to read instead of the module's own (forward_with): views of the caller's arrays.
+using ParameterArrays = std::optional<std::unordered_map<std::string, Array>>;
+std::optional<mha::ParameterViews> parameter_views(const ParameterArrays& params) {
+  if (!params) return std::nullopt;
+  mha::ParameterViews views;
+  for (const auto& [name, a] : *params) views.emplace(name, view_of(a, "params['" + name + "']"));
+  return views;
+}
+
 ForwardReturn module_forward(const mha::MultiheadAttention& m, const Array& query, const Array& key,
                              const Array& value, const std::optional<Array>& key_padding_mask, bool need_weights,
                              const std::optional<Array>& attn_mask, bool average_attn_weights, bool is_causal,
-                             std::optional<uint64_t> dropout_seed, int num_threads) {
+                             std::optional<uint64_t> dropout_seed, int num_threads, const ParameterArrays& params) {
   const mha::ForwardOptions o = forward_options(key_padding_mask, need_weights, attn_mask, average_attn_weights,
                                                 is_causal, dropout_seed, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  const std::optional<mha::ParameterViews> p = parameter_views(params);
   mha::ForwardResult r;
   {
     nb::gil_scoped_release release;  // the arrays above keep the inputs alive meanwhile
-    r = m.forward(q, k, v, o);
+    r = p ? m.forward_with(*p, q, k, v, o) : m.forward(q, k, v, o);
   }
   std::optional<NumpyArray> w;
   if (r.weights) w = to_numpy(*r.weights);
@@ -106,15 +116,17 @@ ForwardReturn module_forward(const mha::MultiheadAttention& m, const Array& quer
 std::tuple<NumpyArray, std::optional<NumpyArray>, mha::ForwardContext> module_forward_train(
     const mha::MultiheadAttention& m, const Array& query, const Array& key, const Array& value,
     const std::optional<Array>& key_padding_mask, bool need_weights, const std::optional<Array>& attn_mask,
-    bool average_attn_weights, bool is_causal, std::optional<uint64_t> dropout_seed, int num_threads) {
+    bool average_attn_weights, bool is_causal, std::optional<uint64_t> dropout_seed, int num_threads,
+    const ParameterArrays& params) {
   const mha::ForwardOptions o = forward_options(key_padding_mask, need_weights, attn_mask, average_attn_weights,
                                                 is_causal, dropout_seed, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  const std::optional<mha::ParameterViews> p = parameter_views(params);
   mha::ForwardContext context;
   mha::ForwardResult r;
   {
     nb::gil_scoped_release release;
-    r = m.forward(q, k, v, o, &context);
+    r = p ? m.forward_with(*p, q, k, v, o, &context) : m.forward(q, k, v, o, &context);
   }
   std::optional<NumpyArray> w;
   if (r.weights) w = to_numpy(*r.weights);
@@ -122,16 +134,18 @@ std::tuple<NumpyArray, std::optional<NumpyArray>, mha::ForwardContext> module_fo
 }
 
 std::tuple<NumpyArray, NumpyArray, NumpyArray, std::unordered_map<std::string, NumpyArray>> module_backward(
-    const mha::MultiheadAttention& m, const mha::ForwardContext& context, const Array& grad_output) {
+    const mha::MultiheadAttention& m, const mha::ForwardContext& context, const Array& grad_output,
+    const ParameterArrays& params) {
   const mha::TensorView g = view_of(grad_output, "grad_output");
+  const std::optional<mha::ParameterViews> p = parameter_views(params);
   mha::ModuleGradients r;
   {
     nb::gil_scoped_release release;
-    r = m.backward(context, g);
+    r = p ? m.backward_with(*p, context, g) : m.backward(context, g);
   }
-  std::unordered_map<std::string, NumpyArray> params;
-  for (const auto& [name, t] : r.parameters) params.emplace(name, to_numpy(t));
-  return {to_numpy(r.query), to_numpy(r.key), to_numpy(r.value), params};
+  std::unordered_map<std::string, NumpyArray> grads;
+  for (const auto& [name, t] : r.parameters) grads.emplace(name, to_numpy(t));
+  return {to_numpy(r.query), to_numpy(r.key), to_numpy(r.value), grads};
 }
 
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
@@ -249,12 +263,13 @@ NB_MODULE(_mha, m) {
       .def("forward", &module_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
            nb::arg("key_padding_mask").none(), nb::arg("need_weights"), nb::arg("attn_mask").none(),
            nb::arg("average_attn_weights"), nb::arg("is_causal"), nb::arg("dropout_seed").none(),
-           nb::arg("num_threads"))
+           nb::arg("num_threads"), nb::arg("params").none() = nb::none())
       .def("forward_train", &module_forward_train, nb::arg("query"), nb::arg("key"), nb::arg("value"),
            nb::arg("key_padding_mask").none(), nb::arg("need_weights"), nb::arg("attn_mask").none(),
            nb::arg("average_attn_weights"), nb::arg("is_causal"), nb::arg("dropout_seed").none(),
-           nb::arg("num_threads"))
-      .def("backward", &module_backward, nb::arg("context"), nb::arg("grad_output"))
+           nb::arg("num_threads"), nb::arg("params").none() = nb::none())
+      .def("backward", &module_backward, nb::arg("context"), nb::arg("grad_output"),
+           nb::arg("params").none() = nb::none())
       .def("train", &mha::MultiheadAttention::train, nb::arg("on"))
       .def_prop_ro("training", &mha::MultiheadAttention::is_training)
       .def_prop_ro("embed_dim", &mha::MultiheadAttention::embed_dim)

@@ -363,3 +363,49 @@ def test_parameters_changed_between_forward_and_backward(parity_seed):
                        (ours.in_proj_weight, ref.in_proj_weight, "second in_proj_weight"),
                        (ours.out_proj.weight, ref.out_proj.weight, "out_proj.weight")):
         assert rel(a.grad, b.grad) <= TOL, f"{name} gradient: relative error {rel(a.grad, b.grad):.2e}"
+
+
+def test_parameters_are_read_where_they_are(parity_seed):
+    """mha.nn reads its parameters in place at every call, so a write that autograd does not see
+    (through .data) reaches the next call, forward and backward, as it does in PyTorch's module."""
+    torch.manual_seed(parity_seed)
+    E, H, L, N = 8, 2, 5, 3
+    ours = mha.nn.MultiheadAttention(E, H, add_bias_kv=True)
+    ref = torch.nn.MultiheadAttention(E, H, add_bias_kv=True).double()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(L, N, E)
+    for module in (ours, ref):
+        module(x.to(module.in_proj_weight.dtype), x.to(module.in_proj_weight.dtype), x.to(module.in_proj_weight.dtype))
+        module.in_proj_weight.data.mul_(-1.5)
+        module.out_proj.bias.data.add_(0.25)
+        module.bias_k.data.mul_(3.0)
+    out, _ = ours(x, x, x)
+    expected, _ = ref(x.double(), x.double(), x.double())
+    assert rel(out, expected) <= TOL, f"output after .data writes: relative error {rel(out, expected):.2e}"
+    g = torch.randn(L, N, E)
+    (out * g).sum().backward()
+    (expected * g.double()).sum().backward()
+    for name, p in ours.named_parameters():
+        q = dict(ref.named_parameters())[name]
+        assert rel(p.grad, q.grad) <= TOL, f"{name} gradient: relative error {rel(p.grad, q.grad):.2e}"
+
+
+def test_numpy_level_module_backward_uses_its_forwards_parameters(parity_seed):
+    """mha.MultiheadAttention (numpy-level) through autograd: values loaded between a forward and
+    its backward do not change that backward's gradients."""
+    torch.manual_seed(parity_seed)
+    E, H, L, N = 8, 2, 5, 3
+    reloaded, kept = mha.MultiheadAttention(E, H, seed=7), mha.MultiheadAttention(E, H, seed=7)
+    x = torch.randn(L, N, E)
+    g = torch.randn(L, N, E)
+    grads = []
+    for module in (reloaded, kept):
+        xi = x.clone().requires_grad_()
+        out, _ = module(xi, xi, xi)
+        if module is reloaded:
+            module.load_state_dict({k: v * 2 for k, v in module.state_dict().items()})
+        (out * g).sum().backward()
+        grads.append((xi.grad, module.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    for name in grads[1][1]:
+        np.testing.assert_array_equal(grads[0][1][name], grads[1][1][name], err_msg=name)
