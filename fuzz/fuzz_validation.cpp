@@ -1,6 +1,7 @@
 // Option and shape validation of SDPA (forward, _into, training forward and backward) and of
-// MultiheadAttention (construction, forward, backward): random ranks, sizes (0 to 2^62), strides
-// (0 included), dtypes, masks, flags, scales, dropout probabilities, thread counts.
+// MultiheadAttention (construction, forward, backward, on its own parameters or given ones):
+// random ranks, sizes (0 to 2^62), strides (0 included), dtypes, masks, flags, scales, dropout
+// probabilities, thread counts.
 //
 // The expected outcome of every call is a result or an mha::Error, never a crash, a sanitizer
 // report or another exception. Beyond that:
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/attention_problem.hpp"
@@ -232,6 +234,25 @@ void fuzz_module(FuzzInput& in) {
   if (in.flag()) f.dropout_seed = fp.dropout_seed = in.byte();
   f.num_threads = fp.num_threads = static_cast<int>(in.small(3));
   if (in.flag()) m.eval();
+  // Sometimes the parameters are given as views (forward_with/backward_with): each the module's
+  // own, a fuzzed view or missing, and sometimes a name the module does not have.
+  std::vector<Arg> given_storage;
+  given_storage.reserve(8);
+  std::optional<mha::ParameterViews> given;
+  if (in.flag()) {
+    given.emplace();
+    for (const auto& [name, t] : m.named_parameters()) {
+      const int64_t how = in.small(3);
+      if (how == 0) continue;
+      if (how == 1) {
+        given_storage.push_back(make(in, 3));
+        (*given)[name] = given_storage.back().view;
+      } else {
+        (*given)[name] = t.view();
+      }
+    }
+    if (in.small(7) == 0) (*given)["junk"] = m.named_parameters().front().second.view();
+  }
 
   try {
     const auto call = mha::detail::validate_module_call(m, q.placeholder, kk.placeholder, vv.placeholder, fp);
@@ -252,18 +273,19 @@ void fuzz_module(FuzzInput& in) {
     return;
   }
   if (in.flag()) {
-    const auto r = m.forward(q.view, kk.view, vv.view, f);
+    const auto r = given ? m.forward_with(*given, q.view, kk.view, vv.view, f) : m.forward(q.view, kk.view, vv.view, f);
     check_finite_any(r.output);
     if (r.weights) check_finite_any(*r.weights);
   } else {  // with a context, then the backward with a fuzzed or well-formed gradient
     mha::ForwardContext ctx;
-    const auto r = m.forward(q.view, kk.view, vv.view, f, &ctx);
+    const auto r = given ? m.forward_with(*given, q.view, kk.view, vv.view, f, &ctx)
+                         : m.forward(q.view, kk.view, vv.view, f, &ctx);
     check_finite_any(r.output);
     Arg grad = make(in, 4);
     const mha::Tensor g = r.output.clone();
     const mha::TensorView gv = in.flag() ? g.view() : grad.view;
     if (!tiny(grad) && gv.data == grad.view.data) return;
-    const auto grads = m.backward(ctx, gv);
+    const auto grads = given ? m.backward_with(*given, ctx, gv) : m.backward(ctx, gv);
     check_finite_any(grads.query);
     for (const auto& [name, t] : grads.parameters) check_finite_any(t);
   }

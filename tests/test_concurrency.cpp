@@ -37,6 +37,42 @@ TEST(Concurrency, SharedModuleGivesTheSerialResults) {
   for (int t = 0; t < 8; ++t) EXPECT_TRUE(mha_test::same_bits(parallel[t], serial[t])) << t;
 }
 
+// One module run by many threads at once, each on its own parameters (forward_with and
+// backward_with, as mha.nn's modules do): each gets its parameters' results, as when run alone.
+TEST(Concurrency, SharedModuleWithGivenParameters) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  mha::MultiheadAttention m(32, 4, {.add_bias_kv = true, .seed = 5});
+  const mha::Tensor x = mha_test::randn({40, 3, 32}, rng), grad = mha_test::randn({40, 3, 32}, rng);
+  std::vector<std::vector<mha::Tensor>> owned(6);
+  std::vector<mha::ParameterViews> params(6);
+  std::vector<mha::Tensor> serial_out(6), serial_dx(6), out(6), dx(6);
+  for (int t = 0; t < 6; ++t) {
+    for (const auto& [name, p] : m.named_parameters()) {
+      owned[t].push_back(mha_test::randn(p.sizes(), rng));
+      params[t][name] = owned[t].back().view();
+    }
+    mha::ForwardContext ctx;
+    serial_out[t] = m.forward_with(params[t], x, x, x, {}, &ctx).output;
+    serial_dx[t] = m.backward_with(params[t], ctx, grad).query;
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      for (int repeat = 0; repeat < 3; ++repeat) {
+        mha::ForwardContext ctx;
+        out[t] = m.forward_with(params[t], x, x, x, {}, &ctx).output;
+        dx[t] = m.backward_with(params[t], ctx, grad).query;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < 6; ++t) {
+    EXPECT_TRUE(mha_test::same_bits(out[t], serial_out[t])) << t;
+    EXPECT_TRUE(mha_test::same_bits(dx[t], serial_dx[t])) << t;
+  }
+  EXPECT_FALSE(mha_test::same_bits(serial_out[0], serial_out[1]));
+}
+
 // The widening and rounding around the low-precision kernels: the serial copy's bits, for strided
 // views, conversions both ways and shapes whose leading dimensions are 1 or odd, or whose first
 // dimension is split into ranges of rows (a matrix of short rows).
