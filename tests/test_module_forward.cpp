@@ -252,7 +252,8 @@ TEST(Module, EveryInputLayoutMatchesItsContiguousCopy) {
 // forward_with / backward_with read the given views, never the module's own parameters: a module
 // run with another module's parameters gives that module's results and gradients, bit for bit
 // (the same code in the same order), whatever the views' layout; its own parameters stay as they
-// were. Wrong names, shapes and dtypes are errors naming the parameter.
+// were. Wrong names, shapes and dtypes are errors naming the parameter. A module built without
+// parameters of its own (own_parameters = false) runs only this way.
 TEST(Module, ForwardWithGivenParametersIsTheirModule) {
   std::mt19937_64 rng(test_seed());
   for (const mha::DType dtype : {mha::DType::f32, mha::DType::bf16}) {
@@ -312,6 +313,18 @@ TEST(Module, ForwardWithGivenParametersIsTheirModule) {
       auto wrong_shape = views;
       wrong_shape["bias_v"] = mha::TensorView(views.at("bias_v").data, dtype, {12});
       mha_test::expect_error([&] { runner.backward_with(wrong_shape, ctx_runner, grad); }, "['bias_v']: expected");
+      // A module that holds no parameters runs the same on given ones, and on nothing else.
+      mha::MultiheadAttentionOptions none = o;
+      none.own_parameters = false;
+      mha::MultiheadAttention bare(12, 3, none);
+      bare.eval();
+      EXPECT_TRUE(bare.named_parameters().empty());
+      EXPECT_EQ(bare.parameter_shapes().size(), owner.named_parameters().size());
+      EXPECT_TRUE(mha_test::same_bits(bare.forward_with(views, x, k, v).output, expected.output));
+      mha_test::expect_error([&] { bare.forward(x, k, v); }, "holds no parameters");
+      mha_test::expect_error([&] { bare.backward(ctx_runner, grad); }, "holds no parameters");
+      mha_test::expect_error([&] { bare.load_state_dict(views); }, "holds no parameters");
+      mha_test::expect_error([&] { bare.parameter("out_proj.weight"); }, "holds no parameters");
       const mha::Tensor other_dtype =
           mha::Tensor::copy_of(views.at("out_proj.weight"), dtype == mha::DType::f32 ? mha::DType::f64 : mha::DType::f32);
       auto wrong_dtype = views;

@@ -43,6 +43,10 @@ struct MultiheadAttentionOptions {
   // float32 (projections, attention, softmax statistics) on widened copies and round the output,
   // the weights and the gradients once to their dtype.
   DType dtype = DType::f32;
+  // false: the module holds no parameters of its own and runs only through forward_with and
+  // backward_with (as a module on PyTorch's meta device runs through functional_call). mha.nn in
+  // Python builds its modules so, since their parameters are torch tensors.
+  bool own_parameters = true;
 };
 
 struct ForwardOptions {
@@ -141,14 +145,16 @@ class MultiheadAttention {
 
   // Parameters by their PyTorch names, in PyTorch's state_dict order: in_proj_weight or
   // q_proj_weight/k_proj_weight/v_proj_weight, in_proj_bias, bias_k, bias_v, out_proj.weight,
-  // out_proj.bias (each only where the options create it).
+  // out_proj.bias (each only where the options create it). None without own_parameters.
   std::vector<std::pair<std::string, Tensor>> named_parameters() const;
+  // The same names with their shapes, with or without own_parameters.
+  const std::vector<std::pair<std::string, Shape>>& parameter_shapes() const { return shapes_; }
   Tensor parameter(const std::string& name) const;  // shares storage; mha::Error if unknown
   // Copies values in, checking names and shapes. strict: every parameter must be present and no
-  // other name may appear (PyTorch's default).
+  // other name may appear (PyTorch's default). An error without own_parameters.
   void load_state_dict(const std::unordered_map<std::string, TensorView>& state, bool strict = true);
   // PyTorch's initialisation from `seed`: xavier-uniform projections, zero biases, kaiming-uniform
-  // out_proj.weight, xavier-normal bias_k/bias_v.
+  // out_proj.weight, xavier-normal bias_k/bias_v. Nothing to do without own_parameters.
   void reset_parameters(uint64_t seed);
 
   int64_t embed_dim() const { return embed_dim_; }
@@ -187,7 +193,8 @@ class MultiheadAttention {
   int64_t embed_dim_, num_heads_, kdim_, vdim_;
   MultiheadAttentionOptions options_;
   bool training_ = true;
-  std::vector<std::pair<std::string, Tensor>> params_;
+  std::vector<std::pair<std::string, Shape>> shapes_;  // every parameter's name and shape
+  std::vector<std::pair<std::string, Tensor>> params_;  // empty without own_parameters
   mutable std::atomic<uint64_t> dropout_calls_{0};
 };
 

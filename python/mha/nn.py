@@ -36,9 +36,9 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
         dtype = dtype or torch.float32
         # The C++ module validates the options and runs the kernels on this module's parameters,
-        # which it reads in place at every call (forward_with), never copying them.
+        # which it reads in place at every call (forward_with); it holds none of its own.
         self._impl = _mha._Module(int(embed_dim), int(num_heads), float(dropout), bool(bias), bool(add_bias_kv),
-                                  bool(add_zero_attn), kdim, vdim, bool(batch_first), 0)
+                                  bool(add_zero_attn), kdim, vdim, bool(batch_first), 0, own_parameters=False)
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
         self.kdim, self.vdim = self._impl.kdim, self._impl.vdim
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim

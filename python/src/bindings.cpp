@@ -245,7 +245,7 @@ NB_MODULE(_mha, m) {
           "__init__",
           [](mha::MultiheadAttention* self, int64_t embed_dim, int64_t num_heads, double dropout, bool bias,
              bool add_bias_kv, bool add_zero_attn, std::optional<int64_t> kdim, std::optional<int64_t> vdim,
-             bool batch_first, uint64_t seed) {
+             bool batch_first, uint64_t seed, bool own_parameters) {
             mha::MultiheadAttentionOptions o;
             o.dropout = dropout;
             o.bias = bias;
@@ -255,11 +255,12 @@ NB_MODULE(_mha, m) {
             o.vdim = vdim;
             o.batch_first = batch_first;
             o.seed = seed;
+            o.own_parameters = own_parameters;
             new (self) mha::MultiheadAttention(embed_dim, num_heads, o);
           },
           nb::arg("embed_dim"), nb::arg("num_heads"), nb::arg("dropout"), nb::arg("bias"), nb::arg("add_bias_kv"),
           nb::arg("add_zero_attn"), nb::arg("kdim").none(), nb::arg("vdim").none(), nb::arg("batch_first"),
-          nb::arg("seed"))
+          nb::arg("seed"), nb::arg("own_parameters") = true)
       .def("forward", &module_forward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
            nb::arg("key_padding_mask").none(), nb::arg("need_weights"), nb::arg("attn_mask").none(),
            nb::arg("average_attn_weights"), nb::arg("is_causal"), nb::arg("dropout_seed").none(),

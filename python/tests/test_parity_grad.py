@@ -366,11 +366,13 @@ def test_parameters_changed_between_forward_and_backward(parity_seed):
 
 
 def test_parameters_are_read_where_they_are(parity_seed):
-    """mha.nn reads its parameters in place at every call, so a write that autograd does not see
-    (through .data) reaches the next call, forward and backward, as it does in PyTorch's module."""
+    """mha.nn reads its parameters in place at every call (its C++ module holds none), so a write
+    that autograd does not see (through .data) reaches the next call, forward and backward, as it
+    does in PyTorch's module."""
     torch.manual_seed(parity_seed)
     E, H, L, N = 8, 2, 5, 3
     ours = mha.nn.MultiheadAttention(E, H, add_bias_kv=True)
+    assert ours._impl.parameters() == []  # the C++ module keeps no second copy
     ref = torch.nn.MultiheadAttention(E, H, add_bias_kv=True).double()
     ref.load_state_dict(ours.state_dict())
     x = torch.randn(L, N, E)

@@ -78,7 +78,7 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   checked_numel({3, embed_dim, embed_dim}, "embed_dim (weights of 3 * embed_dim x embed_dim)");
   checked_numel({embed_dim, std::max(kdim_, vdim_)}, "kdim/vdim (weights of embed_dim x kdim)");
   const int64_t E = embed_dim;
-  std::vector<std::pair<const char*, Shape>> shapes;  // in named_parameters() order
+  std::vector<std::pair<std::string, Shape>>& shapes = shapes_;  // in named_parameters() order
   auto add = [&](const char* name, const Shape& shape) { shapes.emplace_back(name, shape); };
   if (qkv_same_embed_dim()) {
     add("in_proj_weight", {3 * E, E});
@@ -94,6 +94,7 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, con
   }
   add("out_proj.weight", {E, E});
   if (options.bias) add("out_proj.bias", {E});
+  if (!options.own_parameters) return;
   // The largest first: a module too large for memory fails (mha::Error) before the others take any.
   std::vector<size_t> order(shapes.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -118,10 +119,14 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttention& other, DType dt
       vdim_(other.vdim_),
       options_(other.options_),
       training_(other.training_),
+      shapes_(other.shapes_),
       dropout_calls_(other.dropout_calls_.load()) {
   check_module_dtype(dtype);
   options_.dtype = dtype;
-  if (!parameters) return;
+  if (!parameters) {
+    options_.own_parameters = false;
+    return;
+  }
   const int threads = detail::resolve_threads(0);
   for (const auto& [name, t] : other.params_) params_.emplace_back(name, detail::parallel_copy_of(t, dtype, threads));
 }
@@ -130,26 +135,31 @@ std::vector<std::pair<std::string, TensorView>> MultiheadAttention::parameters_f
                                                                                         const char* caller) const {
   std::vector<std::pair<std::string, TensorView>> views;
   if (given == nullptr) {
+    if (!options_.own_parameters) {
+      throw Error(std::string(caller) + ": this module holds no parameters (own_parameters is false); "
+                  "give them to forward_with/backward_with");
+    }
     for (const auto& [name, t] : params_) views.emplace_back(name, t.view());
     return views;
   }
   const std::string where = std::string(caller) + ": parameters";
-  for (const auto& [name, t] : params_) {
+  for (const auto& [name, shape] : shapes_) {
     const auto it = given->find(name);
     if (it == given->end()) throw Error(where + ": missing '" + name + "' (expected every parameter of the module)");
     const TensorView& v = it->second;
     require_cpu(v, where + "['" + name + "']");
-    if (v.sizes() != t.sizes() || v.dtype != t.dtype()) {
-      throw Error(where + "['" + name + "']: expected " + std::string(dtype_name(t.dtype())) + " " + t.shape_str() +
-                  " (the module's), got " + std::string(dtype_name(v.dtype)) + " " + v.shape_str());
+    if (v.sizes() != shape || v.dtype != options_.dtype) {
+      throw Error(where + "['" + name + "']: expected " + std::string(dtype_name(options_.dtype)) + " " +
+                  TensorView(nullptr, options_.dtype, shape).shape_str() + " (the module's), got " +
+                  std::string(dtype_name(v.dtype)) + " " + v.shape_str());
     }
     if (v.numel() > 0 && v.data == nullptr) throw Error(where + "['" + name + "']: data pointer is null");
     views.emplace_back(name, v);
   }
-  if (given->size() != params_.size()) {
+  if (given->size() != shapes_.size()) {
     for (const auto& [name, v] : *given) {
       bool known = false;
-      for (const auto& [n, t] : params_) known = known || n == name;
+      for (const auto& [n, shape] : shapes_) known = known || n == name;
       if (!known) throw Error(where + ": unexpected '" + name + "' (not a parameter of this module)");
     }
   }
@@ -172,6 +182,7 @@ MultiheadAttention::MultiheadAttention(MultiheadAttention&& other) noexcept
       vdim_(other.vdim_),
       options_(std::move(other.options_)),
       training_(other.training_),
+      shapes_(std::move(other.shapes_)),
       params_(std::move(other.params_)),
       dropout_calls_(other.dropout_calls_.load()) {}
 
@@ -182,6 +193,7 @@ MultiheadAttention& MultiheadAttention::operator=(MultiheadAttention&& other) no
   vdim_ = other.vdim_;
   options_ = std::move(other.options_);
   training_ = other.training_;
+  shapes_ = std::move(other.shapes_);
   params_ = std::move(other.params_);
   dropout_calls_.store(other.dropout_calls_.load());
   return *this;
@@ -213,12 +225,16 @@ Tensor MultiheadAttention::parameter(const std::string& name) const {
   for (const auto& [n, t] : params_) {
     if (n == name) return t;
   }
+  if (!options_.own_parameters) throw Error("parameter: this module holds no parameters (own_parameters is false)");
   std::string known;
   for (const auto& [n, t] : params_) known += (known.empty() ? "" : ", ") + n;
   throw Error("parameter: no parameter named '" + name + "' (this module has: " + known + ")");
 }
 
 void MultiheadAttention::load_state_dict(const std::unordered_map<std::string, TensorView>& state, bool strict) {
+  if (!options_.own_parameters) {
+    throw Error("load_state_dict: this module holds no parameters (own_parameters is false)");
+  }
   std::set<std::string> expected;
   for (const auto& [name, t] : params_) expected.insert(name);
   if (strict) {
