@@ -199,6 +199,7 @@ void fuzz_module(FuzzInput& in) {
   mo.batch_first = in.flag();
   if (in.small(3) == 0) mo.dropout = in.value();
   mo.seed = in.byte();
+  mo.own_parameters = in.small(3) != 0;  // without: only the given parameters can run it
   const int64_t widest = std::max({embed, mo.kdim.value_or(0), mo.vdim.value_or(0)});
   if (widest > 256) {
     // Large modules are only constructed: where the largest weight matrix cannot be counted or
@@ -212,7 +213,11 @@ void fuzz_module(FuzzInput& in) {
       largest = __builtin_mul_overflow(embed, width, &n) ? INT64_MAX : std::max(largest, n);
       if (largest == INT64_MAX) break;
     }
-    if (largest > (int64_t{1} << 42)) {
+    // A module without parameters of its own allocates nothing: any size that can be counted
+    // may construct.
+    if (!mo.own_parameters) {
+      mha::MultiheadAttention(embed, heads, mo);
+    } else if (largest > (int64_t{1} << 42)) {
       must_refuse([&] { mha::MultiheadAttention(embed, heads, mo); });
     } else if (largest <= (int64_t{1} << 20)) {
       mha::MultiheadAttention(embed, heads, mo);  // inside the caller's catch of mha::Error
@@ -236,22 +241,27 @@ void fuzz_module(FuzzInput& in) {
   if (in.flag()) m.eval();
   // Sometimes the parameters are given as views (forward_with/backward_with): each the module's
   // own, a fuzzed view or missing, and sometimes a name the module does not have.
+  // (A module without parameters of its own is given zeros where its own would go.)
   std::vector<Arg> given_storage;
   given_storage.reserve(8);
+  std::vector<mha::Tensor> zeros;
   std::optional<mha::ParameterViews> given;
   if (in.flag()) {
     given.emplace();
-    for (const auto& [name, t] : m.named_parameters()) {
+    for (const auto& [name, shape] : m.parameter_shapes()) {
       const int64_t how = in.small(3);
       if (how == 0) continue;
       if (how == 1) {
         given_storage.push_back(make(in, 3));
         (*given)[name] = given_storage.back().view;
+      } else if (mo.own_parameters) {
+        (*given)[name] = m.parameter(name).view();
       } else {
-        (*given)[name] = t.view();
+        zeros.push_back(mha::Tensor::zeros(shape, m.dtype()));
+        (*given)[name] = zeros.back().view();
       }
     }
-    if (in.small(7) == 0) (*given)["junk"] = m.named_parameters().front().second.view();
+    if (in.small(7) == 0) (*given)["junk"] = mha::TensorView(nullptr, mha::DType::f32, {0});
   }
 
   try {
