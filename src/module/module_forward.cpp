@@ -185,7 +185,8 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
       float* a = avg.data<float>();
       const float* w = weights.data<float>();
       const float inv_h = 1.0f / static_cast<float>(H);
-      for (int64_t n = 0; n < N; ++n)
+      // (No rows or no keys: nothing to sum, however large the batch of empty sequences.)
+      for (int64_t n = 0; n < (L * St > 0 ? N : 0); ++n)
         for (int64_t h = 0; h < H; ++h) {
           const float* src = w + (n * H + h) * L * St;
           float* dst = a + n * L * St;
