@@ -205,7 +205,7 @@ void fuzz_module(FuzzInput& in) {
   mo.batch_first = in.flag();
   if (in.small(3) == 0) mo.dropout = in.value();
   mo.seed = in.byte();
-  mo.own_parameters = in.small(3) != 0;  // without: only the given parameters can run it
+  mo.own_parameters = in.small(3) != 1;  // without: only given parameters run it (0, past the end: with)
   const int64_t widest = std::max({embed, mo.kdim.value_or(0), mo.vdim.value_or(0)});
   if (widest > 256) {
     // Large modules are only constructed: where the largest weight matrix cannot be counted or

@@ -255,6 +255,12 @@ TEST(Edges, EmptyAndAbsurdShapes) {
   const auto empty_out = m(empty_rows, empty_rows, empty_rows);
   EXPECT_EQ(empty_out.output.numel(), 0);
   EXPECT_EQ(empty_out.weights->sizes(), (mha::Shape{int64_t{1} << 43, 0, 0}));
+  mha::ForwardContext ctx;  // and their backward, whose zero gradients are empty too
+  m.forward(empty_rows, empty_rows, empty_rows, {}, &ctx);
+  const auto empty_grads = m.backward(ctx, empty_rows);
+  EXPECT_EQ(empty_grads.query.numel(), 0);
+  for (const auto& [name, t] : empty_grads.parameters)
+    for (int64_t i = 0; i < t.numel(); ++i) ASSERT_EQ(t.data<float>()[i], 0.0f) << name;
 }
 
 TEST(Edges, BoolMasksReadAnyNonzeroByteAsTrue) {
