@@ -94,6 +94,16 @@ int64_t rows(const mha::TensorView& t) {
   return n;
 }
 
+// The same product with sizes of 0 counted as 1: what buffers may still scale with when a view
+// is empty (a module appends bias_k/bias_v rows to every batch entry, even of empty sequences).
+int64_t rows_if_nonempty(const mha::TensorView& t) {
+  int64_t n = 1;
+  for (int d = 0; d + 1 < t.ndim; ++d) {
+    if (__builtin_mul_overflow(n, std::max<int64_t>(t.shape[d], 1), &n)) return INT64_MAX;
+  }
+  return n;
+}
+
 bool small_pairs(const mha::TensorView& q, const mha::TensorView& k) {
   int64_t pairs;
   return !__builtin_mul_overflow(rows(q), rows(k), &pairs) && pairs <= kMaxPairs;
@@ -277,8 +287,10 @@ void fuzz_module(FuzzInput& in) {
   } catch (const mha::Error&) {
   }
   int64_t pairs_times_heads = 0;
+  const bool appended_rows = mo.add_bias_kv || mo.add_zero_attn;
   const bool runs = tiny(q) && tiny(kk) && tiny(vv) && (!use_mask || tiny(mask)) && (!use_kpm || tiny(kpm)) &&
-                    small_pairs(q.view, kk.view) &&
+                    small_pairs(q.view, kk.view) && (!appended_rows || (rows_if_nonempty(q.view) <= kMaxPairs &&
+                    rows_if_nonempty(kk.view) <= kMaxPairs && rows_if_nonempty(vv.view) <= kMaxPairs)) &&
                     !__builtin_mul_overflow(rows(q.view) * rows(kk.view), m.num_heads(), &pairs_times_heads) &&
                     pairs_times_heads <= (int64_t{1} << 20);
   if (!runs) {
