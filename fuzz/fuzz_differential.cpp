@@ -19,6 +19,7 @@
 
 #include "cpu/dispatch.hpp"
 #include "fuzz_input.hpp"
+#include "normwise.hpp"
 #include "mha/mha.hpp"
 
 // A compile-time knob only to check that the target can fail (build with -DMHA_FUZZ_TOLERANCE=1e-12).
@@ -47,19 +48,6 @@ mha::TensorView tensor(FuzzInput& in, std::mt19937_64& rng, float amplitude, int
                static_cast<long long>(B), static_cast<long long>(Hq), static_cast<long long>(Lq),
                static_cast<long long>(Lk));
   __builtin_trap();
-}
-
-// max|got - ref| / max|ref|, or trap on a non-finite value in `got`.
-double normwise(const mha::Tensor& got, const mha::Tensor& ref, double* scale_out) {
-  double err = 0, scale = 0;
-  for (int64_t i = 0; i < ref.numel(); ++i) {
-    const double r = ref.data<double>()[i], f = got.data<float>()[i];
-    if (!std::isfinite(f)) return std::numeric_limits<double>::infinity();
-    err = std::max(err, std::abs(f - r));
-    scale = std::max(scale, std::abs(r));
-  }
-  *scale_out = scale;
-  return err == 0 ? 0.0 : err / std::max(scale, 1e-30);
 }
 
 }  // namespace

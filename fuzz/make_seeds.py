@@ -3,8 +3,8 @@
 
 safetensors/ and npy/: small valid files in the formats' own layouts (what the `safetensors`
 package and numpy.save write), one per dtype and layout the readers accept, plus metadata and
-header versions. validation/ and differential/: fixed pseudo-random bytes (the targets read them
-as a stream of decisions). The fuzzer's own findings go to build-fuzz/corpus/, not here; a
+header versions. validation/, differential/ and module_differential/: fixed pseudo-random bytes
+(the targets read them as a stream of decisions). The fuzzer's own findings go to build-fuzz/corpus/, not here; a
 finding that was a bug is kept beside the seeds as regression-* (this script leaves those alone).
 """
 import json
@@ -68,7 +68,7 @@ def main():
     write("npy", "scalar_v2.npy", npy("<f4", (), f32(1), version=(2, 0)))
     write("npy", "empty_v3.npy", npy("<f4", (0, 4), b"", version=(3, 0)))
 
-    for target in ("validation", "differential"):
+    for target in ("validation", "differential", "module_differential"):
         for i, n in enumerate((64, 128, 192, 256)):
             write(target, f"seed{i}", bytes(rng.randrange(256) for _ in range(n)))
 
