@@ -1,14 +1,14 @@
-// Differential for the module: a small random MultiheadAttention call through the fused path and
-// the float64 reference, with the inputs and the given parameters (forward_with) in fuzzed
+// Differential for the module: a small random MultiheadAttention call (float32, bfloat16 or
+// float16) through the fused path and the float64 reference, with the inputs and the given parameters (forward_with) in fuzzed
 // layouts: rows repeated by a stride of 0 (what expand() gives), overlapping rows, padded strides,
 // permuted storage. The input picks the ISA, the options (bias, bias_k/bias_v, zero attention,
 // kdim/vdim, batch_first, dropout), self- or cross-attention, masks, causality and threads.
 // Aborts when
 //   - an output, weight or gradient is NaN or infinite (the inputs are finite, |x| <= 3), or
-//   - the output or the weights differ from the reference's by more than 1e-4 normwise (sums of
-//     at most 32 products of values below 3 and weights below 1 in fp32 are ~1e-6 off), or
+//   - the output or the weights differ from the reference's by more than the dtype's tolerance
+//     (see tolerance() below), or
 //   - the gradients of the call differ from those of the same call on contiguous copies of its
-//     inputs by more than 1e-4 normwise.
+//     inputs by more than that.
 // Every buffer sits between guards of NaN, so a read past a view shows as a non-finite value even
 // where the sanitizers cannot see it (inside BLAS).
 #include <algorithm>
@@ -32,14 +32,14 @@
 
 namespace {
 
-constexpr size_t kGuard = 16;  // NaN floats on either side of every buffer
+constexpr int64_t kGuard = 16;  // NaN elements on either side of every buffer
 
-// A view of `shape` over its own buffer (kept in `owners`) of values uniform in
+// A view of `shape` and `dtype` over its own buffer (kept in `owners`) of values uniform in
 // [-amplitude, amplitude], in a layout the input picks: its dimensions stored in natural,
 // swapped or reversed order, each with padding between entries, and each dimension but the last
 // sometimes a stride of 0 (the same entry repeated); or rows one element apart (overlapping).
 mha::TensorView fuzzed_view(FuzzInput& in, std::mt19937_64& rng, float amplitude, const mha::Shape& shape,
-                            std::vector<std::vector<float>>& owners) {
+                            mha::DType dtype, std::vector<mha::Tensor>& owners) {
   const int rank = static_cast<int>(shape.size());
   std::vector<int> order(rank);  // order[0] is stored outermost
   for (int d = 0; d < rank; ++d) order[d] = d;
@@ -61,11 +61,15 @@ mha::TensorView fuzzed_view(FuzzInput& in, std::mt19937_64& rng, float amplitude
   if (rank >= 2 && in.small(8) == 0) strides[rank - 2] = 1;  // rows one element apart
   int64_t extent = 1;
   for (int d = 0; d < rank; ++d) extent += (shape[d] - 1) * strides[d];
-  std::vector<float>& buffer = owners.emplace_back(kGuard + static_cast<size_t>(extent) + kGuard,
-                                                   std::numeric_limits<float>::quiet_NaN());
+  mha::Tensor values = mha::Tensor::empty({kGuard + extent + kGuard});
   std::uniform_real_distribution<float> u(-amplitude, amplitude);
-  for (int64_t i = 0; i < extent; ++i) buffer[kGuard + static_cast<size_t>(i)] = u(rng);
-  return mha::TensorView(buffer.data() + kGuard, mha::DType::f32, shape, strides);
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    const bool guard = i < kGuard || i >= kGuard + extent;
+    values.data<float>()[i] = guard ? std::numeric_limits<float>::quiet_NaN() : u(rng);
+  }
+  owners.push_back(mha::Tensor::copy_of(values, dtype));  // NaN stays NaN in every floating dtype
+  const auto* base = static_cast<const std::byte*>(owners.back().view().data);
+  return mha::TensorView(base + kGuard * mha::dtype_size(dtype), dtype, shape, strides);
 }
 
 [[noreturn]] void fail(const char* what, double err, double scale, const std::string& call) {
@@ -74,10 +78,17 @@ mha::TensorView fuzzed_view(FuzzInput& in, std::mt19937_64& rng, float amplitude
   __builtin_trap();
 }
 
+// float32 modules: sums of at most 32 products of values below 3 and weights below 1 are ~1e-6
+// off. bfloat16/float16 modules compute in float32 and round their results once: 2^-9 and 2^-12
+// of the largest value at most.
+double tolerance(mha::DType dtype) {
+  return dtype == mha::DType::bf16 ? 1e-2 : dtype == mha::DType::f16 ? 1e-3 : MHA_FUZZ_TOLERANCE;
+}
+
 void check(const char* what, const mha::TensorView& got, const mha::TensorView& ref, const std::string& call) {
   double scale = 0;
   const double err = normwise(got, ref, &scale);
-  if (err > MHA_FUZZ_TOLERANCE) fail(what, err, scale, call);
+  if (err > tolerance(got.dtype)) fail(what, err, scale, call);
 }
 
 }  // namespace
@@ -99,6 +110,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool dropout = in.small(3) == 0;
   mo.dropout = dropout ? 0.25 : 0.0;
   mo.seed = in.byte();
+  static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::bf16, mha::DType::f16};
+  mo.dtype = dtypes[in.small(3)];
   mha::MultiheadAttention m(E, H, mo);
   m.train(dropout);
 
@@ -111,11 +124,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::mt19937_64 rng(in.u64());
   static const float amplitudes[] = {0.25f, 1.0f, 3.0f};
   const float amplitude = amplitudes[in.small(2)];
-  std::vector<std::vector<float>> owners;
-  owners.reserve(16);
-  const mha::TensorView q = fuzzed_view(in, rng, amplitude, shape(L, E), owners);
-  const mha::TensorView k = cross ? fuzzed_view(in, rng, amplitude, shape(S, m.kdim()), owners) : q;
-  const mha::TensorView v = cross ? fuzzed_view(in, rng, amplitude, shape(S, m.vdim()), owners) : q;
+  std::vector<mha::Tensor> owners;
+  const mha::TensorView q = fuzzed_view(in, rng, amplitude, shape(L, E), mo.dtype, owners);
+  const mha::TensorView k = cross ? fuzzed_view(in, rng, amplitude, shape(S, m.kdim()), mo.dtype, owners) : q;
+  const mha::TensorView v = cross ? fuzzed_view(in, rng, amplitude, shape(S, m.vdim()), mo.dtype, owners) : q;
 
   mha::ForwardOptions f;
   f.need_weights = in.flag();
@@ -149,7 +161,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                            " L=" + std::to_string(L) + " S=" + std::to_string(S) + (cross ? " cross" : " self") +
                            (batched ? "" : " unbatched") + (mo.batch_first ? " batch_first" : "") +
                            (mo.add_bias_kv ? " bias_kv" : "") + (mo.add_zero_attn ? " zero_attn" : "") +
-                           (dropout ? " dropout" : "") + (f.is_causal ? " causal" : "");
+                           (dropout ? " dropout" : "") + (f.is_causal ? " causal" : "") + " " +
+                           std::string(mha::dtype_name(mo.dtype));
 
   // The reference reads contiguous float64 copies, so it does not depend on the layouts at all.
   const mha::Tensor q64 = mha::Tensor::copy_of(q, mha::DType::f64);
@@ -167,7 +180,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::unordered_map<std::string, mha::TensorView> given64;
   std::vector<mha::Tensor> copies;
   for (const auto& [name, param_shape] : m.parameter_shapes()) {
-    given[name] = fuzzed_view(in, rng, 1.0f / std::sqrt(static_cast<float>(param_shape.back())), param_shape, owners);
+    given[name] = fuzzed_view(in, rng, 1.0f / std::sqrt(static_cast<float>(param_shape.back())), param_shape,
+                              mo.dtype, owners);
     copies.push_back(mha::Tensor::copy_of(given[name], mha::DType::f64));
     given64[name] = copies.back().view();
   }
@@ -183,7 +197,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto trained = m.forward_with(given, q, k, v, f, &ctx);
   const auto trained_contiguous = m.forward_with(given, qc, kc, vc, f, &ctx_contiguous);
   check("training output", trained.output, trained_contiguous.output, call);
-  const mha::TensorView grad = fuzzed_view(in, rng, 1.0f, trained.output.sizes(), owners);
+  const mha::TensorView grad = fuzzed_view(in, rng, 1.0f, trained.output.sizes(), mo.dtype, owners);
   const auto g = m.backward_with(given, ctx, grad);
   const auto gc = m.backward_with(given, ctx_contiguous, mha::Tensor::copy_of(grad));
   check("query gradient", g.query, gc.query, call);
