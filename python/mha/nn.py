@@ -93,7 +93,8 @@ class MultiheadAttention(nn.Module):
         dtype = _DTYPES[next(iter(dtypes))]
         if self._impl.dtype != dtype:
             self._impl.to(dtype)
-        self._impl.train(self.training)
+        if self._impl.training != self.training:  # (no write while another thread may be computing)
+            self._impl.train(self.training)
         return params
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,

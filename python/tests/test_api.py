@@ -136,6 +136,30 @@ def test_gil_is_released_during_compute(rng):
         np.testing.assert_array_equal(r, expected)
 
 
+def test_one_nn_module_in_several_threads(rng):
+    """One mha.nn.MultiheadAttention called from four threads at once, forward and backward:
+    each gets what a call alone gets (its C++ module holds nothing a call changes)."""
+    m = mha.nn.MultiheadAttention(32, 4).eval()
+    xs = [torch.from_numpy(rng.standard_normal((20, 2, 32)).astype(np.float32)) for _ in range(4)]
+
+    def call(x):
+        x = x.clone().requires_grad_()
+        out, _ = m(x, x, x)
+        out.square().sum().backward()
+        return out.detach(), x.grad
+
+    expected = [call(x) for x in xs]
+    m.zero_grad()
+    results = [None] * 4
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, call(xs[i]))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (out, grad), (out_e, grad_e) in zip(results, expected):
+        assert torch.equal(out, out_e) and torch.equal(grad, grad_e)
+
+
 def test_dropout_is_reproducible_by_seed(rng):
     q = rng.standard_normal((1, 2, 9, 8)).astype(np.float32)
     a = mha.scaled_dot_product_attention(q, q, q, dropout_p=0.5, dropout_seed=3)
