@@ -1,6 +1,7 @@
 // MultiheadAttention in bfloat16 and float16: the forward against the float64 module reference
-// (with the module's own rounded parameters), the forward and backward bit for bit against the
-// float32 module on widened copies, conversion with to(), state dicts and the errors.
+// (with the module's own rounded parameters), the few-row projections on 16-bit weights, the
+// forward and backward bit for bit against the float32 module on widened copies, conversion with
+// to(), state dicts and the errors.
 // Fresh seed each run (printed; MHA_TEST_SEED replays).
 #include <gtest/gtest.h>
 
@@ -9,6 +10,8 @@
 #include <random>
 #include <string>
 
+#include "cpu/dispatch.hpp"
+#include "cpu/gemv_low_precision.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
 
@@ -105,8 +108,69 @@ TEST(ModuleLowPrecision, ForwardAgainstFloat64Reference) {
   }
 }
 
+// A few rows (a decoding step) project against the 16-bit weights as they are
+// (low_precision_gemv), on every ISA this CPU runs: each output against a float64 sum of the same
+// products. float32 sums of k terms are within k * 2^-24 of sum |x w| (a loose bound; summing in
+// 16 lanes and then across them is far tighter).
+TEST(ModuleLowPrecision, FewRowsReadSixteenBitWeightsOnEveryIsa) {
+  std::mt19937_64 rng(test_seed());
+  for (const mha::detail::Isa isa : mha::detail::supported_isas()) {
+    for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+      for (const int64_t k : {1, 15, 16, 17, 100, 1024}) {
+        const int rows = static_cast<int>(1 + rng() % 4);
+        const int64_t n = 37, stride = k + 3;  // rows of the weight 3 elements apart
+        const mha::Tensor w = randn({n, stride}, rng, dtype), x = randn({rows, k}, rng);
+        mha::Tensor y = randn({rows, n}, rng);
+        const mha::Tensor y0 = y.clone();
+        mha::detail::LowPrecisionGemv g;
+        g.rows = rows;
+        for (int r = 0; r < rows; ++r) g.x[r] = x.data<float>() + r * k, g.y[r] = y.data<float>() + r * n;
+        g.w = static_cast<const uint16_t*>(w.view().data);
+        g.w_row_stride = stride;
+        g.w_dtype = dtype;
+        g.k = k;
+        mha::detail::low_precision_gemv(isa, g, 0, 20);  // two column ranges, as two tasks would
+        mha::detail::low_precision_gemv(isa, g, 20, n);
+        const mha::Tensor w64 = mha::Tensor::copy_of(w, mha::DType::f64);
+        for (int r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < n; ++j) {
+            double sum = y0.data<float>()[r * n + j], magnitude = std::abs(sum);
+            for (int64_t i = 0; i < k; ++i) {
+              const double p = static_cast<double>(x.data<float>()[r * k + i]) * w64.data<double>()[j * stride + i];
+              sum += p;
+              magnitude += std::abs(p);
+            }
+            ASSERT_NEAR(y.data<float>()[r * n + j], sum, (k + 1) * 0x1p-24 * magnitude)
+                << mha::detail::isa_name(isa) << " " << mha::dtype_name(dtype) << " k=" << k << " row " << r << " col " << j;
+          }
+        }
+      }
+    }
+    // Through the module: one to four query rows, self- and cross-attention, against the reference.
+    for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+      for (const auto& [L, N] : {std::pair<int64_t, int64_t>{1, 1}, {1, 4}, {2, 2}, {4, 1}}) {
+        mha::detail::force_isa(isa);
+        mha::MultiheadAttention m(48, 4, {.add_bias_kv = true, .seed = rng(), .dtype = dtype});
+        m.eval();
+        const mha::Tensor q = randn({L, N, 48}, rng, dtype), kv = randn({9, N, 48}, rng, dtype);
+        for (const bool self : {true, false}) {
+          const mha::TensorView key = self ? q.view() : kv.view();
+          const auto ours = m.forward(q, key, key);
+          const auto ref = mha::reference::multihead_attention(m, q, key, key, {}, false);
+          const double tol = unit_roundoff(dtype) + 1e-5 + subnormal_roundoff(dtype) / max_abs(ref.output);
+          EXPECT_LT(rel_error(ours.output, ref.output), tol)
+              << mha::detail::isa_name(isa) << " " << mha::dtype_name(dtype) << " L=" << L << " N=" << N << " self=" << self;
+        }
+        mha::detail::force_isa(std::nullopt);
+      }
+    }
+  }
+}
+
 // The low-precision module is exactly the float32 module on widened parameters and inputs, with
-// the results rounded once: forward (dropout stream included) and backward, bit for bit.
+// the results rounded once: forward (dropout stream included) and backward, bit for bit. (With
+// more than 4 rows: fewer read the 16-bit weights as they are, summing in another order; the test
+// above holds those to the reference.)
 TEST(ModuleLowPrecision, IsTheFloat32ModuleRoundedOnce) {
   std::mt19937_64 rng(test_seed());
   for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {

@@ -1,6 +1,8 @@
 #include "module/linear.hpp"
 
+#include "core/parallel_copy.hpp"
 #include "core/thread_pool.hpp"
+#include "cpu/gemv_low_precision.hpp"
 
 #include <cblas.h>
 
@@ -110,13 +112,22 @@ RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
   return b;
 }
 
-void linear(const TensorView& x_in, const TensorView& w, const float* bias, const TensorView& y, int threads) {
-  const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w.shape[0], in = w.shape[1];
+void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, const TensorView& y, int threads) {
+  const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w_in.shape[0], in = w_in.shape[1];
   if (N == 0 || L == 0 || out == 0) return;  // no rows (their buffers may have no storage at all)
   // BLAS reads rows of unit-stride features, a fixed leading dimension apart, and that dimension
   // must be at least the row length: all N * L rows at one stride when x and y order them alike,
   // else the L rows of each batch entry at strides[1]. Rows that repeat (a stride of 0, as from
   // expand()) or overlap fit neither, and are copied first.
+  // A few rows against a bfloat16/float16 weight read it as it is (one pass over its 16-bit
+  // values); more rows widen it once and go through sgemm.
+  const bool low_precision_rows = w_in.dtype != DType::f32 && N * L <= kLowPrecisionGemvMaxRows && in > 0;
+  Tensor widened;
+  TensorView w = w_in;
+  if (w.dtype != DType::f32 && !low_precision_rows) {
+    widened = parallel_copy_of(w, DType::f32, threads);
+    w = widened.view();
+  }
   int64_t ldx = 0, ldy = 0;
   const RowOrder oy = row_order(y, &ldy);
   auto one_call = [&](const TensorView& x) {
@@ -125,7 +136,7 @@ void linear(const TensorView& x_in, const TensorView& w, const float* bias, cons
   auto per_entry = [&](const TensorView& x) { return L == 1 || x.strides[1] >= in; };
   Tensor contiguous;
   TensorView x = x_in;
-  if ((x.strides[2] != 1 && in > 1) || (!one_call(x) && !per_entry(x))) {
+  if ((x.strides[2] != 1 && in > 1) || (!low_precision_rows && !one_call(x) && !per_entry(x))) {
     contiguous = Tensor::copy_of(x, DType::f32);
     x = contiguous.view();
   }
@@ -139,6 +150,23 @@ void linear(const TensorView& x_in, const TensorView& w, const float* bias, cons
       else std::memset(row, 0, sizeof(float) * out);
     }
   });
+  if (low_precision_rows) {
+    LowPrecisionGemv g;
+    g.rows = static_cast<int>(N * L);
+    for (int64_t r = 0; r < N * L; ++r) {
+      g.x[r] = x.data_as<float>() + r / L * x.strides[0] + r % L * x.strides[1];
+      g.y[r] = y.data_as<float>() + r / L * y.strides[0] + r % L * y.strides[1];
+    }
+    g.w = static_cast<const uint16_t*>(w.data);
+    g.w_row_stride = w.strides[0];
+    g.w_dtype = w.dtype;
+    g.k = in;
+    const Isa isa = active_isa();
+    parallel_for((out + kGemmBlock - 1) / kGemmBlock, threads, [&](int64_t block, int) {
+      low_precision_gemv(isa, g, block * kGemmBlock, std::min(out, (block + 1) * kGemmBlock));
+    });
+    return;
+  }
   if (one_call(x)) {
     gemm(false, true, N * L, out, in, x.data_as<float>(), ldx, w.data_as<float>(), w.strides[0], 1.0f,
          y.data_as<float>(), ldy, threads);

@@ -23,7 +23,9 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
   detail::validate_module_call(*this, query, key, value, options);  // dtypes against the module's
   const int threads = detail::resolve_threads(options.num_threads);
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);  // the options, as float32
-  const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads);
+  // The projection weights stay 16-bit: linear() widens each for sgemm, or reads it as it is for
+  // a few rows (a decoding step), which is one pass over half the bytes.
+  const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads, true);
 
   // Self-attention passes one tensor three times; its widened copy is shared the same way, so the
   // float32 module still sees self-attention (and projects with one packed GEMM).

@@ -13,14 +13,16 @@ namespace mha::detail {
 using NamedViews = std::vector<std::pair<std::string, TensorView>>;
 
 struct ParameterSet {
-  NamedViews views;           // named_parameters() order; each contiguous float32
+  NamedViews views;           // named_parameters() order; contiguous float32 (but see below)
   std::vector<Tensor> copies;  // the storage of those that had to be converted or compacted
   const TensorView& view(const std::string& name) const;
   const float* data(const std::string& name) const { return view(name).data_as<float>(); }
 };
 
 // Views as they are where already contiguous float32 (no copy: a float32 module reads its own
-// parameters, or a PyTorch module's, in place), converted copies (over the pool) where not.
-ParameterSet float32_parameters(const NamedViews& views, int threads);
+// parameters, or a PyTorch module's, in place), converted copies (over the pool) where not. With
+// `weights_as_they_are`, the bfloat16/float16 projection weights (2-D, unit last stride) stay as
+// they are too, for linear() to read or widen as the call's row count suits.
+ParameterSet float32_parameters(const NamedViews& views, int threads, bool weights_as_they_are = false);
 
 }  // namespace mha::detail
