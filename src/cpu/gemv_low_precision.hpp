@@ -31,37 +31,44 @@ void low_precision_gemv_portable(const LowPrecisionGemv& g, int64_t j0, int64_t 
 void low_precision_gemv_avx2(const LowPrecisionGemv& g, int64_t j0, int64_t j1);
 void low_precision_gemv_avx512(const LowPrecisionGemv& g, int64_t j0, int64_t j1);
 
-// The body each ISA's file instantiates with its SIMD layer: one weight row at a time, widened
-// S::kLanes values at a time, against every x row; the lanes are summed in a fixed order.
-template <class S>
-void low_precision_gemv_of(const LowPrecisionGemv& g, int64_t j0, int64_t j1) {
+// The body each ISA's file instantiates with its SIMD layer: one weight row at a time (it stays
+// in L1 for the other x rows), widened S::kLanes values at a time in registers, into two
+// accumulators so that two FMA chains overlap; the lanes are summed in a fixed order.
+template <class S, bool kBf16>
+void low_precision_gemv_rows(const LowPrecisionGemv& g, int64_t j0, int64_t j1) {
   constexpr int kLanes = S::kLanes;
-  alignas(64) float wide[kLanes];
+  auto load_w = [](const uint16_t* p) { return kBf16 ? S::load_bf16(p) : S::load_f16(p); };
+  alignas(64) float tail_w[kLanes];
   alignas(64) float lanes[kLanes];
+  const int64_t tail = g.k % kLanes, body = g.k - tail;
   for (int64_t j = j0; j < j1; ++j) {
     const uint16_t* w = g.w + j * g.w_row_stride;
-    typename S::F acc[kLowPrecisionGemvMaxRows];
-    for (int r = 0; r < g.rows; ++r) acc[r] = S::zero();
-    int64_t i = 0;
-    for (; i + kLanes <= g.k; i += kLanes) {
-      if (g.w_dtype == DType::bf16) S::widen_bf16(w + i, wide, kLanes);
-      else S::widen_f16(w + i, wide, kLanes);
-      const typename S::F wv = S::load(wide);
-      for (int r = 0; r < g.rows; ++r) acc[r] = S::fmadd(S::load(g.x[r] + i), wv, acc[r]);
-    }
-    const int64_t tail = g.k - i;
     if (tail > 0) {
-      if (g.w_dtype == DType::bf16) S::widen_bf16(w + i, wide, tail);
-      else S::widen_f16(w + i, wide, tail);
+      if (kBf16) S::widen_bf16(w + body, tail_w, tail);
+      else S::widen_f16(w + body, tail_w, tail);
     }
     for (int r = 0; r < g.rows; ++r) {
-      S::store(lanes, acc[r]);
+      const float* x = g.x[r];
+      typename S::F a0 = S::zero(), a1 = S::zero();
+      int64_t i = 0;
+      for (; i + 2 * kLanes <= body; i += 2 * kLanes) {
+        a0 = S::fmadd(S::load(x + i), load_w(w + i), a0);
+        a1 = S::fmadd(S::load(x + i + kLanes), load_w(w + i + kLanes), a1);
+      }
+      if (i < body) a0 = S::fmadd(S::load(x + i), load_w(w + i), a0);
+      S::store(lanes, S::add(a0, a1));
       float sum = 0.0f;
       for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-      for (int64_t t = 0; t < tail; ++t) sum += g.x[r][i + t] * wide[t];
+      for (int64_t t = 0; t < tail; ++t) sum += x[body + t] * tail_w[t];
       g.y[r][j] += sum;
     }
   }
+}
+
+template <class S>
+void low_precision_gemv_of(const LowPrecisionGemv& g, int64_t j0, int64_t j1) {
+  if (g.w_dtype == DType::bf16) low_precision_gemv_rows<S, true>(g, j0, j1);
+  else low_precision_gemv_rows<S, false>(g, j0, j1);
 }
 
 }  // namespace mha::detail

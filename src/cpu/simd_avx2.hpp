@@ -102,6 +102,17 @@ struct Avx2 {
     return bits_of(_mm256_castsi256_ps(_mm256_cmpgt_epi32(b.lo, a.lo)), _mm256_castsi256_ps(_mm256_cmpgt_epi32(b.hi, a.hi)));
   }
 
+  // kLanes bfloat16 / float16 values (as bits) straight into a register, exactly.
+  static F load_bf16(const uint16_t* p) {
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+  }
+  static F load_f16(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+
   // n bfloat16 / float16 values (as bits) to float32, exactly (F16C for the halves).
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
     int64_t i = 0;

@@ -69,6 +69,13 @@ struct Avx512 {
   static M ge_u(U a, U b) { return _mm512_cmp_epu32_mask(a, b, _MM_CMPINT_NLT); }
   static M lt_i(U a, U b) { return _mm512_cmp_epi32_mask(a, b, _MM_CMPINT_LT); }
 
+  // kLanes bfloat16 / float16 values (as bits) straight into a register, exactly.
+  static F load_bf16(const uint16_t* p) {
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  }
+  static F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
   // n bfloat16 / float16 values (as bits) to float32, exactly.
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
     int64_t i = 0;
