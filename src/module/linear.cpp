@@ -115,10 +115,6 @@ RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
 void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, const TensorView& y, int threads) {
   const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w_in.shape[0], in = w_in.shape[1];
   if (N == 0 || L == 0 || out == 0) return;  // no rows (their buffers may have no storage at all)
-  // BLAS reads rows of unit-stride features, a fixed leading dimension apart, and that dimension
-  // must be at least the row length: all N * L rows at one stride when x and y order them alike,
-  // else the L rows of each batch entry at strides[1]. Rows that repeat (a stride of 0, as from
-  // expand()) or overlap fit neither, and are copied first.
   // A few rows against a bfloat16/float16 weight read it as it is (one pass over its 16-bit
   // values); more rows widen it once and go through sgemm.
   const bool low_precision_rows = w_in.dtype != DType::f32 && N * L <= kLowPrecisionGemvMaxRows && in > 0;
@@ -128,6 +124,10 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
     widened = parallel_copy_of(w, DType::f32, threads);
     w = widened.view();
   }
+  // BLAS reads rows of unit-stride features, a fixed leading dimension apart, and that dimension
+  // must be at least the row length: all N * L rows at one stride when x and y order them alike,
+  // else the L rows of each batch entry at strides[1]. Rows that repeat (a stride of 0, as from
+  // expand()) or overlap fit neither, and are copied first.
   int64_t ldx = 0, ldy = 0;
   const RowOrder oy = row_order(y, &ldy);
   auto one_call = [&](const TensorView& x) {
