@@ -6,7 +6,8 @@
 // Aborts when
 //   - an output, weight or gradient is NaN or infinite (the inputs are finite, |x| <= 3), or
 //   - the output or the weights differ from the reference's by more than the dtype's tolerance
-//     (see tolerance() below), or
+//     (see tolerance() below), normwise against the output's magnitude (the size of the terms it
+//     sums, reference::multihead_attention's output_magnitude) and the weights' largest value, or
 //   - the gradients of the call differ from those of the same call on contiguous copies of its
 //     inputs by more than that.
 // Every buffer sits between guards of NaN, so a read past a view shows as a non-finite value even
@@ -85,9 +86,10 @@ double tolerance(mha::DType dtype) {
   return dtype == mha::DType::bf16 ? 1e-2 : dtype == mha::DType::f16 ? 1e-3 : MHA_FUZZ_TOLERANCE;
 }
 
-void check(const char* what, const mha::TensorView& got, const mha::TensorView& ref, const std::string& call) {
+void check(const char* what, const mha::TensorView& got, const mha::TensorView& ref, const std::string& call,
+           const mha::Tensor& magnitude = {}) {
   double scale = 0;
-  const double err = normwise(got, ref, &scale);
+  const double err = normwise(got, ref, &scale, magnitude);
   if (err > tolerance(got.dtype)) fail(what, err, scale, call);
 }
 
@@ -171,8 +173,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // 1. The module's own parameters, inputs in their fuzzed layouts.
   const auto ours = m.forward(q, k, v, f);
-  const auto ref = mha::reference::multihead_attention(m, q64, k64, v64, f, dropout);
-  check("output", ours.output, ref.output, call);
+  mha::Tensor magnitude;
+  const auto ref = mha::reference::multihead_attention(m, q64, k64, v64, f, dropout, {}, &magnitude);
+  check("output", ours.output, ref.output, call, magnitude);
   if (f.need_weights) check("weights", *ours.weights, *ref.weights, call);
 
   // 2. Other parameters, given as views in fuzzed layouts.
@@ -186,8 +189,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     given64[name] = copies.back().view();
   }
   const auto with = m.forward_with(given, q, k, v, f);
-  const auto ref_with = mha::reference::multihead_attention(m, q64, k64, v64, f, dropout, given64);
-  check("output (given parameters)", with.output, ref_with.output, call);
+  mha::Tensor magnitude_with;
+  const auto ref_with = mha::reference::multihead_attention(m, q64, k64, v64, f, dropout, given64, &magnitude_with);
+  check("output (given parameters)", with.output, ref_with.output, call, magnitude_with);
   if (f.need_weights) check("weights (given parameters)", *with.weights, *ref_with.weights, call);
 
   // 3. Forward and backward against the same call on contiguous copies of the inputs.

@@ -30,10 +30,14 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
 // any floating dtype: float64 parameters make the whole computation float64, for finite
 // differences). Inputs may be of any floating dtype. `training` decides dropout;
 // options.dropout_seed must be set when dropout applies. Weights are returned as the module
-// returns them.
+// returns them. `output_magnitude`, where given, receives the size of the terms each output sums:
+// the steps after the attention weights on absolute values (|weights| |x_v W_v^T + b_v| |W_o|^T
+// + |b_o|, with |x_v W_v^T| taken term by term), the scale that float32 rounding errors follow
+// where an output cancels to far less than its terms.
 ForwardResult multihead_attention(const MultiheadAttention& module, const TensorView& query,
                                   const TensorView& key, const TensorView& value,
                                   const ForwardOptions& options, bool training,
-                                  const std::unordered_map<std::string, TensorView>& parameters = {});
+                                  const std::unordered_map<std::string, TensorView>& parameters = {},
+                                  Tensor* output_magnitude = nullptr);
 
 }  // namespace mha::reference

@@ -93,6 +93,21 @@ Tensor linear(const TensorView& x, const TensorView& w, const Tensor* bias) {
   return y;
 }
 
+// y[n, l, :] = |x[n, l, :]| |W|^T + |bias|: the size of the terms each output of linear() sums.
+Tensor linear_magnitude(const TensorView& x, const TensorView& w, const Tensor* bias) {
+  const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], outf = w.shape[0];
+  Tensor y = Tensor::empty({N, L, outf}, DType::f64);
+  double* py = y.data<double>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t o = 0; o < outf; ++o) {
+        double acc = bias ? std::abs(bias->at({o})) : 0.0;
+        for (int64_t c = 0; c < in; ++c) acc += std::abs(x.at({n, l, c}) * w.at({o, c}));
+        py[(n * L + l) * outf + o] = acc;
+      }
+  return y;
+}
+
 }  // namespace
 
 Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -190,15 +205,17 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
 
 ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView& query, const TensorView& key,
                                   const TensorView& value, const ForwardOptions& options, bool training,
-                                  const std::unordered_map<std::string, TensorView>& parameters) {
+                                  const std::unordered_map<std::string, TensorView>& parameters,
+                                  Tensor* output_magnitude) {
   const detail::ModuleCall c = detail::validate_module_call(m, query, key, value, options, /*any_float=*/true);
   auto param = [&](const std::string& name) -> Tensor {
     auto it = parameters.find(name);
-    const Tensor own = m.parameter(name);
-    if (it == parameters.end()) return Tensor::copy_of(own, DType::f64);
-    if (it->second.sizes() != own.sizes()) {
-      throw Error("reference::multihead_attention: parameter '" + name + "' expected shape " + own.shape_str() +
-                  ", got " + it->second.shape_str());
+    if (it == parameters.end()) return Tensor::copy_of(m.parameter(name), DType::f64);
+    for (const auto& [n, shape] : m.parameter_shapes()) {
+      if (n == name && it->second.sizes() != shape) {
+        throw Error("reference::multihead_attention: parameter '" + name + "' expected shape " +
+                    TensorView(nullptr, DType::f64, shape).shape_str() + ", got " + it->second.shape_str());
+      }
     }
     return Tensor::copy_of(it->second, DType::f64);
   };
@@ -275,11 +292,37 @@ ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView&
 
   ForwardResult r;
   const Shape out_shape = detail::module_output_shape(c, m, m.options().batch_first);
-  r.output = Tensor::empty(out_shape, DType::f64);
-  TensorView out_nle = r.output.view();
-  if (!c.batched) out_nle = out_nle.unsqueeze(0);
-  else if (!m.options().batch_first) out_nle = out_nle.transpose(0, 1);
-  copy_into(out, out_nle);
+  auto in_caller_layout = [&](const Tensor& nle) {
+    Tensor t = Tensor::empty(out_shape, DType::f64);
+    TensorView t_nle = t.view();
+    if (!c.batched) t_nle = t_nle.unsqueeze(0);
+    else if (!m.options().batch_first) t_nle = t_nle.transpose(0, 1);
+    copy_into(nle, t_nle);
+    return t;
+  };
+  r.output = in_caller_layout(out);
+
+  // 5. The magnitude: steps 1-4 after the weights again, on absolute values (the weights are
+  //    nonnegative already).
+  if (output_magnitude != nullptr) {
+    Tensor v_abs = Tensor::zeros({N, St, E}, DType::f64);
+    copy_into(linear_magnitude(c.value, wv, bias ? &bv : nullptr), v_abs.view().slice(1, 0, S));
+    if (m.options().add_bias_kv) {
+      const Tensor bv_row = param("bias_v");
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t e = 0; e < E; ++e) v_abs.data<double>()[(n * St + S) * E + e] = std::abs(bv_row.at({0, 0, e}));
+    }
+    Tensor merged_abs = Tensor::zeros({N, L, E}, DType::f64);
+    const double* pw = weights.data<double>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < L; ++i)
+          for (int64_t j = 0; j < St; ++j)
+            for (int64_t d = 0; d < hd; ++d)
+              merged_abs.data<double>()[(n * L + i) * E + h * hd + d] +=
+                  pw[((n * H + h) * L + i) * St + j] * v_abs.data<double>()[(n * St + j) * E + h * hd + d];
+    *output_magnitude = in_caller_layout(linear_magnitude(merged_abs, wo, bias ? &bo : nullptr));
+  }
 
   if (options.need_weights) {
     Tensor w = Tensor::empty(detail::module_weights_shape(c, H, options.average_attn_weights), DType::f64);
