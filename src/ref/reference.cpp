@@ -78,31 +78,18 @@ void attention(const AttentionProblem& p, double* out, double* weights) {
   }
 }
 
-// y[n, l, :] = x[n, l, :] W^T + bias, in float64.
-Tensor linear(const TensorView& x, const TensorView& w, const Tensor* bias) {
+// y[n, l, :] = x[n, l, :] W^T + bias, in float64; or, as a `magnitude`, |x[n, l, :]| |W|^T + |bias|:
+// the size of the terms each output sums.
+Tensor linear(const TensorView& x, const TensorView& w, const Tensor* bias, bool magnitude = false) {
   const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], outf = w.shape[0];
   Tensor y = Tensor::empty({N, L, outf}, DType::f64);
   double* py = y.data<double>();
+  auto term = [&](double t) { return magnitude ? std::abs(t) : t; };
   for (int64_t n = 0; n < N; ++n)
     for (int64_t l = 0; l < L; ++l)
       for (int64_t o = 0; o < outf; ++o) {
-        double acc = bias ? bias->at({o}) : 0.0;
-        for (int64_t c = 0; c < in; ++c) acc += x.at({n, l, c}) * w.at({o, c});
-        py[(n * L + l) * outf + o] = acc;
-      }
-  return y;
-}
-
-// y[n, l, :] = |x[n, l, :]| |W|^T + |bias|: the size of the terms each output of linear() sums.
-Tensor linear_magnitude(const TensorView& x, const TensorView& w, const Tensor* bias) {
-  const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], outf = w.shape[0];
-  Tensor y = Tensor::empty({N, L, outf}, DType::f64);
-  double* py = y.data<double>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t o = 0; o < outf; ++o) {
-        double acc = bias ? std::abs(bias->at({o})) : 0.0;
-        for (int64_t c = 0; c < in; ++c) acc += std::abs(x.at({n, l, c}) * w.at({o, c}));
+        double acc = bias ? term(bias->at({o})) : 0.0;
+        for (int64_t c = 0; c < in; ++c) acc += term(x.at({n, l, c}) * w.at({o, c}));
         py[(n * L + l) * outf + o] = acc;
       }
   return y;
@@ -306,7 +293,7 @@ ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView&
   //    nonnegative already).
   if (output_magnitude != nullptr) {
     Tensor v_abs = Tensor::zeros({N, St, E}, DType::f64);
-    copy_into(linear_magnitude(c.value, wv, bias ? &bv : nullptr), v_abs.view().slice(1, 0, S));
+    copy_into(linear(c.value, wv, bias ? &bv : nullptr, /*magnitude=*/true), v_abs.view().slice(1, 0, S));
     if (m.options().add_bias_kv) {
       const Tensor bv_row = param("bias_v");
       for (int64_t n = 0; n < N; ++n)
@@ -321,7 +308,7 @@ ForwardResult multihead_attention(const MultiheadAttention& m, const TensorView&
             for (int64_t d = 0; d < hd; ++d)
               merged_abs.data<double>()[(n * L + i) * E + h * hd + d] +=
                   pw[((n * H + h) * L + i) * St + j] * v_abs.data<double>()[(n * St + j) * E + h * hd + d];
-    *output_magnitude = in_caller_layout(linear_magnitude(merged_abs, wo, bias ? &bo : nullptr));
+    *output_magnitude = in_caller_layout(linear(merged_abs, wo, bias ? &bo : nullptr, /*magnitude=*/true));
   }
 
   if (options.need_weights) {
