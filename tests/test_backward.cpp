@@ -151,6 +151,46 @@ TEST(SdpaBackward, StridedInputsAndGradientViews) {
   EXPECT_LT(rel_error(grads.value, r.value), 1e-4);
 }
 
+// float32 q, k, v and output gradients whose rows are not packed (a packed QKV projection's heads)
+// are copied packed as the backward reads them: the bits of the backward on packed copies, in the
+// one-pass schedule (16 groups), the two passes (4 groups) and the two passes that write the
+// mask's gradient, on every ISA.
+TEST(SdpaBackward, UnpackedFloat32RowsGiveTheBitsOfPackedCopies) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    for (int variant = 0; variant < 3; ++variant) {
+      const int64_t B = variant == 0 ? 4 : 2, hkv = 2, hq = variant == 2 ? 4 : 2, lq = 61 + 40 * variant, lk = 77;
+      const int64_t dk = 24, dv = 16;
+      SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " variant " + std::to_string(variant));
+      // Q, K and V side by side in one [B, L, H, 3 D]-like row, and the output gradient in [B, Lq, Hq, Dv].
+      const mha::Tensor qs = randn({B, lq, hq, dk + 3}, rng), kvs = randn({B, lk, hkv, dk + dv}, rng);
+      const mha::Tensor gs = randn({B, lq, hq, dv}, rng);
+      const mha::TensorView q = qs.view().slice(3, 3, dk + 3).transpose(1, 2),
+                            k = kvs.view().slice(3, 0, dk).transpose(1, 2),
+                            v = kvs.view().slice(3, dk, dk + dv).transpose(1, 2), g = gs.view().transpose(1, 2);
+      const mha::Tensor qc = mha::Tensor::copy_of(q), kc = mha::Tensor::copy_of(k), vc = mha::Tensor::copy_of(v),
+                        gc = mha::Tensor::copy_of(g);
+      const mha::Tensor mask = randn({lq, lk}, rng);
+      mha::SdpaOptions o{.is_causal = variant == 1, .enable_gqa = true, .dropout_p = variant == 0 ? 0.2 : 0.0,
+                         .dropout_seed = rng()};
+      if (variant == 2) o.attn_mask = mask.view();
+      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+      const auto grads = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o, variant == 2);
+      const auto packed = mha::scaled_dot_product_attention_backward(qc, kc, vc, saved, gc, o, variant == 2);
+      EXPECT_TRUE(same_bits(grads.query, packed.query));
+      EXPECT_TRUE(same_bits(grads.key, packed.key));
+      EXPECT_TRUE(same_bits(grads.value, packed.value));
+      if (variant == 2) EXPECT_TRUE(same_bits(*grads.attn_mask, *packed.attn_mask));
+      const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, g, o);
+      EXPECT_LT(rel_error(grads.query, r.query), 1e-4);
+      EXPECT_LT(rel_error(grads.key, r.key), 1e-4);
+      EXPECT_LT(rel_error(grads.value, r.value), 1e-4);
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
 // Central differences of f with respect to every element of `x` (float64), against `analytic`.
 // Relative to the gradient's largest element, or to `floor` when that is smaller.
 double finite_difference_error(mha::Tensor& x, const mha::TensorView& analytic, const std::function<double()>& f,

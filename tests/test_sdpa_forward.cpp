@@ -365,6 +365,44 @@ TEST_P(EveryIsa, LowPrecisionIsTheFloat32KernelOnWidenedInputs) {
   }
 }
 
+// float32 keys and values whose rows are not packed ([B, L, H, D] storage, a packed QKV
+// projection) are copied packed once per head when enough query tasks share them (6; here 7 tasks
+// of one head, 9 of a group of three, or 2: read in place). The arithmetic is the same, so are
+// the bits of the kernel on packed copies: with masks, causality, dropout, grouped heads and the
+// weights, in one chunk of heads or one head per chunk.
+TEST_P(EveryIsa, UnpackedFloat32RowsGiveTheBitsOfPackedCopies) {
+  std::mt19937_64 rng(test_seed());
+  for (int variant = 0; variant < 4; ++variant) {
+    const int64_t group = variant == 1 ? 3 : 1, hkv = 2, hq = hkv * group;
+    const int64_t lq = variant == 0 ? 300 : variant == 1 ? 100 : variant == 2 ? 60 : 333, lk = variant == 3 ? 7 : 150;
+    const int64_t dk = variant % 2 ? 24 : 40, dv = variant % 2 ? 8 : 40;
+    // Queries from [B, Lq, Hq, Dk] storage; keys and values side by side in one [B, Lk, Hkv, Dk + Dv].
+    const mha::Tensor qs = randn({2, lq, hq, dk}, rng), kvs = randn({2, lk, hkv, dk + dv}, rng);
+    const mha::TensorView q = qs.view().transpose(1, 2), k = kvs.view().slice(3, 0, dk).transpose(1, 2),
+                          v = kvs.view().slice(3, dk, dk + dv).transpose(1, 2);
+    const mha::Tensor qc = mha::Tensor::copy_of(q), kc = mha::Tensor::copy_of(k), vc = mha::Tensor::copy_of(v);
+    const mha::Tensor mask = randn({lq, lk}, rng);
+    mha::SdpaOptions o{.is_causal = variant != 1, .enable_gqa = true};
+    if (variant == 0) o.attn_mask = mask.view();
+    if (variant == 1) o.dropout_p = 0.3, o.dropout_seed = rng();
+    if (variant == 3) o.causal_alignment = mha::CausalAlignment::BottomRight;
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, o);
+    EXPECT_TRUE(mha_test::same_bits(out, mha::scaled_dot_product_attention(qc, kc, vc, o)));
+    const auto with_weights = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    const auto packed = mha::scaled_dot_product_attention_with_weights(qc, kc, vc, o);
+    EXPECT_TRUE(mha_test::same_bits(with_weights.output, packed.output));
+    EXPECT_TRUE(mha_test::same_bits(with_weights.weights, packed.weights));
+    std::atomic<int64_t>& chunk = mha::detail::widened_chunk_floats();
+    const int64_t saved = chunk.exchange(1);  // one head per chunk
+    const mha::Tensor chunked = mha::scaled_dot_product_attention(q, k, v, o);
+    chunk = saved;
+    EXPECT_TRUE(mha_test::same_bits(chunked, out));
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+    EXPECT_LT(rel_error(out, ref.output), score_tolerance(q, k, 1.0 / std::sqrt(static_cast<double>(dk))));
+  }
+}
+
 TEST(Sdpa, FlopCount) {
   EXPECT_DOUBLE_EQ(mha::attention_flops(4, 16, 2048, 2048, 64, 64, false), 4.0 * 4 * 16 * 2048.0 * 2048 * 64);
   // Causal top-left on a square problem keeps L(L+1)/2 pairs.

@@ -4,7 +4,8 @@
 //
 // Layout trick: scores are computed transposed, S^T = K Q^T, with the 16 lanes of a vector running
 // over *queries*. Then
-//   - K and V are read in place (one broadcast per element), never packed or transposed;
+//   - K and V are read in place (one broadcast per element), never transposed (float32 rows that
+//     are not packed are copied packed once per head when enough query tasks share them);
 //   - the softmax statistics of 16 queries live in one vector, so row max and row sum are
 //     vertical operations, with no horizontal reductions;
 //   - the output accumulates transposed too, O^T += V^T P^T, and is transposed once at the end.
@@ -250,9 +251,11 @@ struct FlashForward {
       for (int64_t d = 0; d < p.dim_qk; ++d)
         for (int64_t ii = rows; ii < kBlockQ; ++ii) s.qt[d * kBlockQ + ii] = 0.0f;
     } else {
+      // Row by row: rows a multiple of 4 KiB apart share their L1 sets, and a column-wise read
+      // of 48 of them missed L1 on every element.
       const float* qb = p.q.data_as<float>() + q_offset;
-      for (int64_t d = 0; d < p.dim_qk; ++d)
-        for (int64_t ii = 0; ii < kBlockQ; ++ii)
+      for (int64_t ii = 0; ii < kBlockQ; ++ii)
+        for (int64_t d = 0; d < p.dim_qk; ++d)
           s.qt[d * kBlockQ + ii] = ii < rows ? qb[ii * p.q.strides[2] + d] * qscale : 0.0f;
     }
     std::memset(s.ot, 0, sizeof(float) * p.dim_v * kBlockQ);
@@ -323,38 +326,60 @@ struct FlashForward {
   // a few tasks, 5% of the call at 2048 queries (43 tasks per head; measured on AVX2, d=64 and 128).
   static constexpr int64_t kMaxQueriesWidenedPerTask = 512;
 
+  // float32 keys and values whose rows are not packed (the heads of a [B, L, H, D] tensor, or of a
+  // packed QKV projection) lie a row stride apart that is often a multiple of 4 KiB. Every row of
+  // a key block then maps to the same few L1 sets, and the tile products read them from L2 and
+  // beyond: B=4 H=16 d=64 with the 12 KiB rows of a [B, L, 3E] projection ran 1.14x slower than
+  // with its rows copied packed at L=512, 1.31x at L=2048. Such rows are copied packed, once per
+  // head, when the head has this many query tasks to share the copy (the two were level at about
+  // 250 queries, d=64 and 128; shorter heads fit in L2 and read their rows in place).
+  static constexpr int64_t kMinTasksToPack = 6;
+
+  bool packs_float32_rows() const {
+    if (widens()) return false;
+    const bool packed = p.k.strides[2] == p.dim_qk && p.v.strides[2] == p.dim_v;
+    const int64_t tasks_per_group = (p.len_q + kBlockQ - 1) / kBlockQ * (p.heads_q / p.heads_kv);
+    return !packed && tasks_per_group >= kMinTasksToPack;
+  }
+
   void run() const {
     const int threads = resolve_threads(p.num_threads);
     const int64_t groups = p.batch * p.heads_kv;
-    if (!widens() || p.len_q <= kMaxQueriesWidenedPerTask) {
+    if (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows()) {
       run_groups(0, groups, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });
       return;
     }
-    // Long low-precision sequences: a chunk of groups at a time, widen their keys and values once
-    // into a shared buffer (the work split by rows, so that one long head still uses every thread),
-    // then run the chunk's tasks on it.
+    // A chunk of groups at a time, copy their keys and values once into a shared buffer of packed
+    // float32 rows (widened from long low-precision sequences, or float32 rows that were not
+    // packed), the work split by rows so that one long head still uses every thread; then run the
+    // chunk's tasks on it.
     const int64_t per_group = p.len_k * (p.dim_qk + p.dim_v);  // floats
     const int64_t chunk = std::clamp<int64_t>(widened_chunk_floats().load() / std::max<int64_t>(per_group, 1), 1, groups);
     const Tensor buffer = Tensor::empty({chunk * per_group});
-    float* widened = buffer.data<float>();
-    constexpr int64_t kRowsPerWidenTask = 256;
-    const int64_t row_tasks = (p.len_k + kRowsPerWidenTask - 1) / kRowsPerWidenTask;
+    float* packed = buffer.data<float>();
+    constexpr int64_t kRowsPerCopyTask = 256;
+    const int64_t row_tasks = (p.len_k + kRowsPerCopyTask - 1) / kRowsPerCopyTask;
     for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
       const int64_t g1 = std::min(groups, g0 + chunk);
       parallel_for((g1 - g0) * row_tasks, threads, [&](int64_t t, int) {
-        const int64_t g = g0 + t / row_tasks, j0 = t % row_tasks * kRowsPerWidenTask;
-        const int64_t j1 = std::min(p.len_k, j0 + kRowsPerWidenTask);
+        const int64_t g = g0 + t / row_tasks, j0 = t % row_tasks * kRowsPerCopyTask;
+        const int64_t j1 = std::min(p.len_k, j0 + kRowsPerCopyTask);
         const KeyValueRows in = input_rows(g / p.heads_kv, g % p.heads_kv);
-        float* k = widened + (g - g0) * per_group;
+        float* k = packed + (g - g0) * per_group;
         float* v = k + p.len_k * p.dim_qk;
         for (int64_t j = j0; j < j1; ++j) {
-          widen_row(in.k16 + j * in.k_stride, k + j * p.dim_qk, p.dim_qk);
-          widen_row(in.v16 + j * in.v_stride, v + j * p.dim_v, p.dim_v);
+          if (widens()) {
+            widen_row(in.k16 + j * in.k_stride, k + j * p.dim_qk, p.dim_qk);
+            widen_row(in.v16 + j * in.v_stride, v + j * p.dim_v, p.dim_v);
+          } else {
+            std::memcpy(k + j * p.dim_qk, in.k + j * in.k_stride, sizeof(float) * p.dim_qk);
+            std::memcpy(v + j * p.dim_v, in.v + j * in.v_stride, sizeof(float) * p.dim_v);
+          }
         }
       });
       run_groups(g0, g1, threads, [&](int64_t g) {
         KeyValueRows kv;
-        kv.k = widened + (g - g0) * per_group;
+        kv.k = packed + (g - g0) * per_group;
         kv.v = kv.k + p.len_k * p.dim_qk;
         kv.k_stride = p.dim_qk;
         kv.v_stride = p.dim_v;
