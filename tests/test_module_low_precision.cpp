@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <random>
+#include <vector>
 #include <string>
 
 #include "cpu/dispatch.hpp"
-#include "cpu/gemv_low_precision.hpp"
+#include "cpu/few_rows_gemm.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
 
@@ -108,29 +110,35 @@ TEST(ModuleLowPrecision, ForwardAgainstFloat64Reference) {
   }
 }
 
-// A few rows (a decoding step) project against the 16-bit weights as they are
-// (low_precision_gemv), on every ISA this CPU runs: each output against a float64 sum of the same
-// products. float32 sums of k terms are within k * 2^-24 of sum |x w| (a loose bound; summing in
-// 16 lanes and then across them is far tighter).
+// Up to 64 rows (decoding steps) project against the 16-bit weights as they are (few_rows_gemm),
+// on every ISA this CPU runs: each output against a float64 sum of the same products, for row
+// counts around its groups of four and weight rows across its blocks of 64. float32 sums of k
+// terms are within k * 2^-24 of sum |x w| (a loose bound; summing in 16 lanes and then across
+// them is far tighter).
 TEST(ModuleLowPrecision, FewRowsReadSixteenBitWeightsOnEveryIsa) {
   std::mt19937_64 rng(test_seed());
   for (const mha::detail::Isa isa : mha::detail::supported_isas()) {
     for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
       for (const int64_t k : {1, 15, 16, 17, 100, 1024}) {
-        const int rows = static_cast<int>(1 + rng() % 4);
-        const int64_t n = 37, stride = k + 3;  // rows of the weight 3 elements apart
+        static const int kRows[] = {1, 2, 3, 4, 5, 6, 7, 9, 64};
+        const int rows = kRows[rng() % std::size(kRows)];
+        const int64_t n = 150, stride = k + 3;  // rows of the weight 3 elements apart
         const mha::Tensor w = randn({n, stride}, rng, dtype), x = randn({rows, k}, rng);
         mha::Tensor y = randn({rows, n}, rng);
         const mha::Tensor y0 = y.clone();
-        mha::detail::LowPrecisionGemv g;
+        std::vector<const float*> x_rows(rows);
+        std::vector<float*> y_rows(rows);
+        for (int r = 0; r < rows; ++r) x_rows[r] = x.data<float>() + r * k, y_rows[r] = y.data<float>() + r * n;
+        mha::detail::FewRowsGemm g;
         g.rows = rows;
-        for (int r = 0; r < rows; ++r) g.x[r] = x.data<float>() + r * k, g.y[r] = y.data<float>() + r * n;
+        g.x = x_rows.data();
+        g.y = y_rows.data();
         g.w = static_cast<const uint16_t*>(w.view().data);
         g.w_row_stride = stride;
         g.w_dtype = dtype;
         g.k = k;
-        mha::detail::low_precision_gemv(isa, g, 0, 20);  // two column ranges, as two tasks would
-        mha::detail::low_precision_gemv(isa, g, 20, n);
+        mha::detail::few_rows_gemm(isa, g, 0, 20);  // column ranges, as tasks would take them
+        mha::detail::few_rows_gemm(isa, g, 20, n);
         const mha::Tensor w64 = mha::Tensor::copy_of(w, mha::DType::f64);
         for (int r = 0; r < rows; ++r) {
           for (int64_t j = 0; j < n; ++j) {
@@ -146,9 +154,10 @@ TEST(ModuleLowPrecision, FewRowsReadSixteenBitWeightsOnEveryIsa) {
         }
       }
     }
-    // Through the module: one to four query rows, self- and cross-attention, against the reference.
+    // Through the module: 1 to 64 query rows (and 65, through sgemm), self- and cross-attention,
+    // against the reference.
     for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
-      for (const auto& [L, N] : {std::pair<int64_t, int64_t>{1, 1}, {1, 4}, {2, 2}, {4, 1}}) {
+      for (const auto& [L, N] : {std::pair<int64_t, int64_t>{1, 1}, {1, 4}, {2, 2}, {4, 1}, {3, 3}, {16, 4}, {13, 5}}) {
         mha::detail::force_isa(isa);
         mha::MultiheadAttention m(48, 4, {.add_bias_kv = true, .seed = rng(), .dtype = dtype});
         m.eval();
@@ -169,8 +178,8 @@ TEST(ModuleLowPrecision, FewRowsReadSixteenBitWeightsOnEveryIsa) {
 
 // The low-precision module is exactly the float32 module on widened parameters and inputs, with
 // the results rounded once: forward (dropout stream included) and backward, bit for bit. (With
-// more than 4 rows: fewer read the 16-bit weights as they are, summing in another order; the test
-// above holds those to the reference.)
+// more than 64 rows: fewer read the 16-bit weights as they are, summing in another order; the
+// test above holds those to the reference.)
 TEST(ModuleLowPrecision, IsTheFloat32ModuleRoundedOnce) {
   std::mt19937_64 rng(test_seed());
   for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {

@@ -8,7 +8,7 @@ namespace mha::detail {
 // x: [N, L, in], any strides; w: [out, in] with unit last stride, float32 or (read as float32)
 // bfloat16/float16; bias: [out] or null; y: [N, L, out] with unit last stride. One sgemm when x
 // and y order their (N, L) rows alike with uniform strides, one per batch entry otherwise; up to
-// 4 rows against a 16-bit weight, low_precision_gemv on the weight as it is.
+// 64 rows against a 16-bit weight, few_rows_gemm on the weight as it is.
 void linear(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
 
 // C = op(A) op(B) + beta C on row-major matrices (op: transpose or not), through sgemm.

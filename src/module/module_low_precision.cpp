@@ -6,9 +6,9 @@
 //
 // On a CPU without bfloat16/float16 arithmetic this is also the fast way: a float32 GEMM on
 // widened operands is what a bf16 GEMM would do there, and the widening is a memory-bound copy
-// split over the pool (the weights: 4 E^2 values per call; E = 1024 is about 2 ms). A call of at
-// most 4 rows per projection (a decoding step) skips that copy: linear() reads the 16-bit weights
-// as they are, one pass over half the bytes of a float32 weight.
+// split over the pool (the weights: 4 E^2 values per call; E = 1024 is about 2 ms). A projection
+// of at most 64 rows (decoding steps) skips that copy: linear() reads the 16-bit weights as they
+// are, one pass over half the bytes of a float32 weight.
 #include "core/parallel_copy.hpp"
 #include "core/thread_pool.hpp"
 #include "mha/multihead_attention.hpp"

@@ -1,0 +1,9 @@
+// few_rows_gemm with the avx2 SIMD layer (compiled with -mavx2 -mfma -mf16c; see CMakeLists.txt).
+#include "cpu/few_rows_gemm.hpp"
+#include "cpu/simd_avx2.hpp"
+
+namespace mha::detail {
+void few_rows_gemm_avx2(const FewRowsGemm& g, int64_t j0, int64_t j1) {
+  few_rows_gemm_of<simd::Avx2>(g, j0, j1);
+}
+}  // namespace mha::detail
