@@ -90,7 +90,8 @@ void flash_backward_avx512(const AttentionProblem& p, const BackwardInputs& in, 
 void run_attention_backward(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 
 // Long bfloat16 / float16 forwards widen the keys and values of a chunk of heads at a time into a
-// shared float32 buffer of at most this many floats (at least one head); settable for tests.
+// shared float32 buffer of at most this many floats (at least one head), and float32 forwards copy
+// keys and values that are not packed into it the same way; settable for tests.
 std::atomic<int64_t>& widened_chunk_floats();
 
 // Validates kernel preconditions, copies inputs whose last stride is not 1, handles the cases

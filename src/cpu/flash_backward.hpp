@@ -8,8 +8,9 @@
 // sequence: pass A owns a block of 48 keys (lanes over keys) and sums dK, dV over every query of
 // every head of its group; pass B owns a block of 48 queries (lanes over queries, as in the
 // forward) and sums dQ over every key. All use the panel kernels of tile_kernels.hpp with packed
-// float32 rows read in place. Either way each gradient element is summed by one task in a fixed order, and the
-// schedule is chosen from the shape alone, so the bits do not depend on the thread count.
+// float32 rows read in place. Either way each gradient element is summed by one task in a fixed
+// order, and the schedule is chosen from the shape alone, so the bits do not depend on the
+// thread count.
 // bfloat16 / float16 q, k, v and output gradient are widened to float32 as rows are read: a
 // block of rows at a time into the task's slots in the two passes, once per group (keys) and per
 // head (queries) in the group task; float32 rows that are not packed are copied the same way.
