@@ -1,5 +1,6 @@
 // MultiheadAttention::forward: projections (BLAS), heads as strided views, the fused attention
 // kernel, the output projection. The steps mirror PyTorch's multi_head_attention_forward.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -185,13 +186,20 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
       float* a = avg.data<float>();
       const float* w = weights.data<float>();
       const float inv_h = 1.0f / static_cast<float>(H);
-      // (No rows or no keys: nothing to sum, however large the batch of empty sequences.)
-      for (int64_t n = 0; n < (L * St > 0 ? N : 0); ++n)
+      // Over the pool, a block of query rows of one batch entry per task, each element summed
+      // over the heads in order (the same bits on any thread count). No rows or no keys: no
+      // tasks, however large the batch of empty sequences.
+      constexpr int64_t kRowsPerTask = 16;
+      const int64_t row_blocks = (L + kRowsPerTask - 1) / kRowsPerTask;
+      detail::parallel_for(L * St > 0 ? N * row_blocks : 0, threads, [&](int64_t task, int) {
+        const int64_t n = task / row_blocks, i0 = task % row_blocks * kRowsPerTask;
+        const int64_t count = (std::min(L, i0 + kRowsPerTask) - i0) * St;
+        float* dst = a + (n * L + i0) * St;
         for (int64_t h = 0; h < H; ++h) {
-          const float* src = w + (n * H + h) * L * St;
-          float* dst = a + n * L * St;
-          for (int64_t e = 0; e < L * St; ++e) dst[e] += src[e] * inv_h;
+          const float* src = w + ((n * H + h) * L + i0) * St;
+          for (int64_t e = 0; e < count; ++e) dst[e] += src[e] * inv_h;
         }
+      });
       result.weights = avg;
     } else if (!c.batched) {
       Tensor squeezed = Tensor::empty(detail::module_weights_shape(c, H, false));
