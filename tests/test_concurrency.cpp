@@ -162,11 +162,15 @@ TEST(Concurrency, OpenMpThreadingGivesThePoolsBits) {
     const mha::AttentionGradients d = mha::scaled_dot_product_attention_backward(q, q, q, f, g, {.is_causal = true, .num_threads = threads});
     out.push_back(d.query);
     out.push_back(d.key);
-    out.push_back(m(x, x, x, {.num_threads = threads}).output);
+    const mha::ForwardResult r = m(x, x, x, {.num_threads = threads});  // with head-averaged weights
+    out.push_back(r.output);
+    out.push_back(*r.weights);
     return out;
   };
   mha::set_threading(mha::Threading::pool);
   const std::vector<mha::Tensor> expected = run(3);
+  const std::vector<mha::Tensor> one_thread = run(1);
+  for (size_t i = 0; i < one_thread.size(); ++i) EXPECT_TRUE(mha_test::same_bits(one_thread[i], expected[i])) << i;
   mha::set_threading(mha::Threading::openmp);
   EXPECT_EQ(mha::get_threading(), mha::Threading::openmp);
   for (int threads : {2, 3}) {
