@@ -56,6 +56,10 @@ constexpr int64_t kGemvRows = 4;
 // and 12.4 against 11.8 at 96 (best of 30 calls on 2 threads).
 constexpr int64_t kFewRows16 = 64;
 
+// few_rows_gemm's tasks take this many weight rows (columns of y) each: 16 tasks for a 1024-wide
+// projection, so that more threads than 4 share a decoding step's.
+constexpr int64_t kFewRowsColumns = 64;
+
 // A block of C (rows x cols) = op(A) op(B) + beta C, as one sgemv per row; a, b and c point at
 // the block's first row of op(A), first column of op(B) and first element of C.
 void gemv_rows(bool transpose_a, bool transpose_b, int64_t rows, int64_t cols, int64_t k, const float* a, int64_t lda,
@@ -181,8 +185,8 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
     g.w_dtype = w.dtype;
     g.k = in;
     const Isa isa = active_isa();
-    parallel_for((out + kGemmBlock - 1) / kGemmBlock, threads, [&](int64_t block, int) {
-      few_rows_gemm(isa, g, block * kGemmBlock, std::min(out, (block + 1) * kGemmBlock));
+    parallel_for((out + kFewRowsColumns - 1) / kFewRowsColumns, threads, [&](int64_t block, int) {
+      few_rows_gemm(isa, g, block * kFewRowsColumns, std::min(out, (block + 1) * kFewRowsColumns));
     });
     return;
   }
