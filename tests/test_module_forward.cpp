@@ -294,8 +294,10 @@ TEST(Module, ForwardWithGivenParametersIsTheirModule) {
         }
       }
       SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (packed ? " packed" : " kdim/vdim"));
-      const mha::Tensor x = randn({6, 2, 12}, rng, dtype);
-      const mha::Tensor k = packed ? x : randn({4, 2, 5}, rng, dtype), v = packed ? x : randn({4, 2, 7}, rng, dtype);
+      // 60 query rows and 42 key rows: a bfloat16 module projects them from the 16-bit weights as
+      // they are (up to 64 rows), whatever the views' layout.
+      const mha::Tensor x = randn({20, 3, 12}, rng, dtype);
+      const mha::Tensor k = packed ? x : randn({14, 3, 5}, rng, dtype), v = packed ? x : randn({14, 3, 7}, rng, dtype);
       mha::ForwardContext ctx_owner, ctx_runner;
       const auto expected = owner.forward(x, k, v, {}, &ctx_owner);
       const auto got = runner.forward_with(views, x, k, v, {}, &ctx_runner);

@@ -14,6 +14,7 @@
 
 #include "cpu/dispatch.hpp"
 #include "cpu/few_rows_gemm.hpp"
+#include "module/parameter_set.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
 
@@ -172,6 +173,34 @@ TEST(ModuleLowPrecision, FewRowsReadSixteenBitWeightsOnEveryIsa) {
         }
         mha::detail::force_isa(std::nullopt);
       }
+    }
+  }
+}
+
+// Parameters a bfloat16/float16 call is given (forward_with) reach linear() in their own dtype
+// whatever their layout: a weight stored transposed is compacted, not widened, so that it takes
+// the path the same weight stored contiguously takes (few_rows_gemm up to 64 rows, sgemm on a
+// widened copy beyond), and the results do not depend on the layout. Biases are widened.
+TEST(ModuleLowPrecision, GivenWeightsKeepTheirDtypeWhateverTheirLayout) {
+  std::mt19937_64 rng(test_seed());
+  for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+    const mha::Tensor w = randn({36, 12}, rng, dtype), bias = randn({36}, rng, dtype);
+    const mha::Tensor stored_transposed = mha::Tensor::copy_of(w.view().transpose(0, 1));
+    const mha::detail::NamedViews views = {{"contiguous", w.view()},
+                                           {"transposed", stored_transposed.view().transpose(0, 1)},
+                                           {"bias", bias.view()}};
+    const mha::detail::ParameterSet as_they_are = mha::detail::float32_parameters(views, 2, true);
+    for (const char* name : {"contiguous", "transposed"}) {
+      const mha::TensorView& v = as_they_are.view(name);
+      EXPECT_EQ(v.dtype, dtype) << name;
+      EXPECT_TRUE(v.is_contiguous()) << name;
+      EXPECT_TRUE(same_bits(mha::Tensor::copy_of(v), w)) << name;
+    }
+    EXPECT_EQ(as_they_are.view("bias").dtype, mha::DType::f32);
+    const mha::detail::ParameterSet widened = mha::detail::float32_parameters(views, 2);
+    for (const char* name : {"contiguous", "transposed"}) {
+      EXPECT_EQ(widened.view(name).dtype, mha::DType::f32) << name;
+      EXPECT_TRUE(same_bits(mha::Tensor::copy_of(widened.view(name)), mha::Tensor::copy_of(w, mha::DType::f32))) << name;
     }
   }
 }

@@ -14,9 +14,14 @@ const TensorView& ParameterSet::view(const std::string& name) const {
 ParameterSet float32_parameters(const NamedViews& views, int threads, bool weights_as_they_are) {
   ParameterSet set;
   for (const auto& [name, v] : views) {
-    const bool weight = v.ndim == 2 && (v.strides[1] == 1 || v.shape[1] <= 1);
-    if ((v.dtype == DType::f32 && v.is_contiguous()) || (weights_as_they_are && weight && v.dtype != DType::f32)) {
+    const bool weight16 = weights_as_they_are && v.ndim == 2 && v.dtype != DType::f32;
+    if ((v.dtype == DType::f32 && v.is_contiguous()) || (weight16 && (v.strides[1] == 1 || v.shape[1] <= 1))) {
       set.views.emplace_back(name, v);
+    } else if (weight16) {
+      // Compacted in its own dtype, not widened: linear() then takes the path it takes for the
+      // same weight stored contiguously, so a weight's layout never changes the results' bits.
+      set.copies.push_back(parallel_copy_of(v, v.dtype, threads));
+      set.views.emplace_back(name, set.copies.back().view());
     } else {
       set.copies.push_back(parallel_copy_of(v, DType::f32, threads));
       set.views.emplace_back(name, set.copies.back().view());

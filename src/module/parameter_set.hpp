@@ -21,8 +21,9 @@ struct ParameterSet {
 
 // Views as they are where already contiguous float32 (no copy: a float32 module reads its own
 // parameters, or a PyTorch module's, in place), converted copies (over the pool) where not. With
-// `weights_as_they_are`, the bfloat16/float16 projection weights (2-D, unit last stride) stay as
-// they are too, for linear() to read or widen as the call's row count suits.
+// `weights_as_they_are`, the bfloat16/float16 projection weights (2-D) stay in their dtype, as
+// they are where their last stride is 1 and compacted where not, for linear() to read or widen as
+// the call's row count suits.
 ParameterSet float32_parameters(const NamedViews& views, int threads, bool weights_as_they_are = false);
 
 }  // namespace mha::detail
