@@ -97,6 +97,7 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
       const int64_t w_shape[4] = {problem.batch, problem.heads_q, problem.len_q, problem.len_k};
       fill_zero(o.weights, w_shape, o.weights_strides);
     }
+    if (o.average_weights) std::fill_n(o.average_weights, problem.batch * problem.len_q * problem.len_k, 0.0f);
     if (o.lse) {  // every weight is zero: +inf makes exp(score - lse) zero in a backward too
       std::fill_n(o.lse, problem.batch * problem.heads_q * problem.len_q, std::numeric_limits<float>::infinity());
     }

@@ -9,15 +9,18 @@
 namespace mha::detail {
 
 // Where a forward writes. out is [B, Hq, Lq, Dv] of out_dtype (bfloat16 and float16 are rounded
-// once, as each row is stored); weights, when not null, [B, Hq, Lq, Lk] float32; lse, when not
-// null, the natural log-sum-exp of each row of scores [B, Hq, Lq] (contiguous), +inf for a row
-// with no visible key, so that exp(score - lse) is its softmax in every case.
+// once, as each row is stored); weights, when not null, [B, Hq, Lq, Lk] float32; average_weights,
+// when not null (and weights null), their mean over the query heads, [B, Lq, Lk] float32,
+// contiguous; lse, when not null, the natural log-sum-exp of each row of scores [B, Hq, Lq]
+// (contiguous), +inf for a row with no visible key, so that exp(score - lse) is its softmax in
+// every case.
 struct ForwardOutputs {
   void* out = nullptr;
   DType out_dtype = DType::f32;
   int64_t out_strides[4] = {};
   float* weights = nullptr;
   int64_t weights_strides[4] = {};
+  float* average_weights = nullptr;
   float* lse = nullptr;
 };
 

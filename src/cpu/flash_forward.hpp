@@ -65,6 +65,10 @@ struct FlashForward {
     uint32_t* key_hi;
     float* kconv;     // [kBlockK][Dk] the key block widened to float32 (bf16/fp16 inputs only)
     float* vconv;     // [kBlockK][Dv] the value block, likewise
+    // Only when weights are wanted (they grow with Lk, as the weights themselves do):
+    float* pt;        // [round_up(Lk, kBlockK)][kBlockQ] P^T of every key block, as the pass leaves it
+    float* block_m;   // [blocks][kBlockQ] the running max each block's P was taken against
+    float* wrow;      // [Lk] one row of weights, for the head average
     const float* kp[kBlockK];
     const float* vp[kBlockK];
     void* memory;  // the thread's scratch buffer (core/scratch.hpp)
@@ -104,9 +108,14 @@ struct FlashForward {
 
   bool widens() const { return p.k.dtype != DType::f32; }
 
+  bool wants_weights() const { return o.weights != nullptr || o.average_weights != nullptr; }
+
   Scratch allocate() const {
     const int64_t conv = widens() ? kBlockK * (p.dim_qk + p.dim_v) : 0;
-    const int64_t floats = (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes + conv;
+    const int64_t keys = round_up(p.len_k, kBlockK);
+    const int64_t kept = wants_weights() ? (keys + keys / kBlockK) * kBlockQ + round_up(p.len_k, kLanes) : 0;
+    const int64_t floats =
+        (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes + conv + kept;
     const int64_t words = 3 * kBlockQ;
     void* mem = thread_scratch(static_cast<size_t>(round_up((floats + words) * 4, 64)));
     Scratch s;
@@ -120,6 +129,12 @@ struct FlashForward {
     s.zero_row = f, f += std::max(p.dim_qk, p.dim_v) + kLanes;
     s.kconv = f, f += widens() ? kBlockK * p.dim_qk : 0;
     s.vconv = f, f += widens() ? kBlockK * p.dim_v : 0;
+    s.pt = s.block_m = s.wrow = nullptr;
+    if (wants_weights()) {
+      s.pt = f, f += keys * kBlockQ;
+      s.block_m = f, f += keys / kBlockK * kBlockQ;
+      s.wrow = f, f += round_up(p.len_k, kLanes);
+    }
     std::memset(s.zero_row, 0, sizeof(float) * (std::max(p.dim_qk, p.dim_v) + kLanes));
     uint32_t* u = reinterpret_cast<uint32_t*>(f);
     s.lim = u, u += kBlockQ;
@@ -128,11 +143,9 @@ struct FlashForward {
     return s;
   }
 
-  // One pass over the visible key blocks of a task.
-  //   kStatsOnly:  compute the final max and sum only (first pass when weights are wanted)
-  //   kFinalStats: m and l are final; P = 2^(s - m) / l is written to the weights and used for O
-  //   neither:     the usual online softmax with rescaling of O
-  template <bool kStatsOnly, bool kFinalStats>
+  // The pass over the visible key blocks of a task: the online softmax, O rescaled as the max
+  // grows. When weights are wanted, each block's P stays in s.pt with the max it was taken
+  // against, for finish_weights to bring to the final max once the pass is over.
   void key_pass(Scratch& s, const KeyValueRows& kv, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t key_end,
                 int64_t clean_end) const {
     // Vectors of the panel that hold a query: the last task of a short sequence (L=128 is 2 2/3
@@ -140,7 +153,7 @@ struct FlashForward {
     const int vecs = T::vecs_for(rows);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const bool widen = kv.k16 != nullptr;
-    const bool dropout = !kStatsOnly && p.dropout_p > 0;
+    const bool dropout = p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
 
@@ -177,15 +190,13 @@ struct FlashForward {
         }
       }
 
+      float* const tile = s.pt ? s.pt + j0 * kBlockQ : s.st;  // where P goes: kept, or in place
       for (int c = 0; c < vecs; ++c) {
-        F m_old = S::load(s.m + c * kLanes);
+        const F m_old = S::load(s.m + c * kLanes);
         F m_new = m_old;
-        if (!kFinalStats) {
-          for (int64_t jj = 0; jj < nbp; ++jj) m_new = S::max(m_new, S::load(s.st + jj * kBlockQ + c * kLanes));
-        }
+        for (int64_t jj = 0; jj < nbp; ++jj) m_new = S::max(m_new, S::load(s.st + jj * kBlockQ + c * kLanes));
         // A query that has seen only -inf keeps m = -inf; subtracting 0 instead makes its p 0, not NaN.
         const F m_use = S::select(S::eq(m_new, S::set1(neg_inf)), S::zero(), m_new);
-        const F inv_l = kFinalStats ? S::load(s.l + c * kLanes) : S::zero();  // holds 1/l in that pass
         F sum = S::zero();
         U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
         if (dropout) {
@@ -193,38 +204,82 @@ struct FlashForward {
           key_hi = S::load_u(s.key_hi + c * kLanes);
         }
         for (int64_t jj = 0; jj < nbp; ++jj) {
-          float* row = s.st + jj * kBlockQ + c * kLanes;
-          F pr = S::exp2(S::sub(S::load(row), m_use));
-          if (kFinalStats) pr = S::mul(pr, inv_l);
-          else sum = S::add(sum, pr);
+          F pr = S::exp2(S::sub(S::load(s.st + jj * kBlockQ + c * kLanes), m_use));
+          sum = S::add(sum, pr);
           if (dropout) {
             const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
             const U bits = T::dropout_bits(jv, key_lo, key_hi);
             pr = S::select(S::ge_u(bits, threshold), S::mul(pr, keep_scale), S::zero());
           }
-          if (!kStatsOnly) S::store(row, pr);
+          S::store(tile + jj * kBlockQ + c * kLanes, pr);
         }
-        if (!kFinalStats) {
-          const F alpha = S::exp2(S::sub(m_old, m_use));
-          S::store(s.l + c * kLanes, S::fmadd(S::load(s.l + c * kLanes), alpha, sum));
-          S::store(s.m + c * kLanes, m_new);
-          if (!kStatsOnly && !S::all(S::eq(alpha, S::set1(1.0f)))) {
-            for (int64_t d = 0; d < p.dim_v; ++d) {
-              float* col = s.ot + d * kBlockQ + c * kLanes;
-              S::store(col, S::mul(S::load(col), alpha));
-            }
+        const F alpha = S::exp2(S::sub(m_old, m_use));
+        S::store(s.l + c * kLanes, S::fmadd(S::load(s.l + c * kLanes), alpha, sum));
+        S::store(s.m + c * kLanes, m_new);
+        if (s.pt) S::store(s.block_m + j0 / kBlockK * kBlockQ + c * kLanes, m_new);
+        if (!S::all(S::eq(alpha, S::set1(1.0f)))) {
+          for (int64_t d = 0; d < p.dim_v; ++d) {
+            float* col = s.ot + d * kBlockQ + c * kLanes;
+            S::store(col, S::mul(S::load(col), alpha));
           }
         }
       }
-
-      if (kFinalStats && o.weights != nullptr) {
-        float* w = o.weights + b * o.weights_strides[0] + h * o.weights_strides[1] + i0 * o.weights_strides[2];
-        for (int64_t ii = 0; ii < rows; ++ii)
-          for (int64_t jj = 0; jj < nb; ++jj)
-            w[ii * o.weights_strides[2] + (j0 + jj) * o.weights_strides[3]] = s.st[jj * kBlockQ + ii];
-      }
-      if (!kStatsOnly) T::accumulate(s.ot, s.vp, s.st, nbp, p.dim_v, vecs);
+      T::accumulate(s.ot, s.vp, tile, nbp, p.dim_v, vecs);
     }
+  }
+
+  // The kept P of every visible block brought to the final statistics, 2^(s - m_block) *
+  // 2^(m_block - m) / l (s.l holds 1/l here), then stored: as the head's weights, or added,
+  // scaled by 1 / Hq, to the head average (every head of the rows, in order, runs in one task,
+  // or the average is summed from the weights afterwards with the same operations and order).
+  void finish_weights(const Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t key_end) const {
+    const int vecs = T::vecs_for(rows);
+    const F neg_inf = S::set1(-std::numeric_limits<float>::infinity());
+    for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+      const int64_t nbp = round_up(std::min<int64_t>(kBlockK, key_end - j0), kKeysPerTile);
+      for (int c = 0; c < vecs; ++c) {
+        const F m = S::load(s.m + c * kLanes);
+        const F m_use = S::select(S::eq(m, neg_inf), S::zero(), m);
+        const F m_block = S::load(s.block_m + j0 / kBlockK * kBlockQ + c * kLanes);
+        // A block seen before any finite score holds only zeros: its factor is 0, not 2^(-inf - m).
+        const F factor = S::select(S::eq(m_block, neg_inf), S::zero(),
+                                   S::mul(S::exp2(S::sub(m_block, m_use)), S::load(s.l + c * kLanes)));
+        for (int64_t jj = 0; jj < nbp; ++jj) {
+          float* row = s.pt + (j0 + jj) * kBlockQ + c * kLanes;
+          S::store(row, S::mul(S::load(row), factor));
+        }
+      }
+    }
+    if (o.weights != nullptr) {
+      float* w = o.weights + b * o.weights_strides[0] + h * o.weights_strides[1] + i0 * o.weights_strides[2];
+      const int64_t sr = o.weights_strides[2], sc = o.weights_strides[3];
+      for (int64_t ii = 0; ii < rows; ++ii) {
+        for (int64_t j = 0; j < key_end; ++j) w[ii * sr + j * sc] = s.pt[j * kBlockQ + ii];
+        for (int64_t j = key_end; j < p.len_k; ++j) w[ii * sr + j * sc] = 0.0f;  // keys no row of the task sees
+      }
+    } else {
+      float* avg = o.average_weights + (b * p.len_q + i0) * p.len_k;
+      for (int64_t ii = 0; ii < rows; ++ii) {
+        for (int64_t j = 0; j < key_end; ++j) s.wrow[j] = s.pt[j * kBlockQ + ii];
+        add_head_share(avg + ii * p.len_k, s.wrow, key_end);
+      }
+    }
+  }
+
+  // avg[j] += w[j] * (1 / Hq), j < n, a multiply and an add in SIMD operations (never fused into
+  // one, whatever the compiler's contraction rules): one head's share of the average, the same
+  // operations in both schedules.
+  void add_head_share(float* avg, const float* w, int64_t n) const {
+    const float inv_h = 1.0f / static_cast<float>(p.heads_q);
+    const F scale = S::set1(inv_h);
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) S::store(avg + j, S::add(S::load(avg + j), S::mul(S::load(w + j), scale)));
+    if (j == n) return;
+    alignas(64) float a[kLanes] = {}, x[kLanes] = {};  // the last partial vector, through copies
+    std::memcpy(a, avg + j, sizeof(float) * (n - j));
+    std::memcpy(x, w + j, sizeof(float) * (n - j));
+    S::store(a, S::add(S::load(a), S::mul(S::load(x), scale)));
+    std::memcpy(avg + j, a, sizeof(float) * (n - j));
   }
 
   // The natural log-sum-exp of each row from the base-2 statistics: (m + log2 l) ln 2.
@@ -277,21 +332,10 @@ struct FlashForward {
     const int64_t key_end = s.lim[rows - 1];
     const int64_t clean_end = s.lim[0];
 
-    if (o.weights == nullptr) {
-      key_pass<false, false>(s, kv, b, h, i0, rows, key_end, clean_end);
-      write_lse(s, b, h, i0, rows);
-      for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
-    } else {
-      key_pass<true, false>(s, kv, b, h, i0, rows, key_end, clean_end);
-      write_lse(s, b, h, i0, rows);
-      for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
-      float* w = o.weights + b * o.weights_strides[0] + h * o.weights_strides[1] + i0 * o.weights_strides[2];
-      for (int64_t ii = 0; ii < rows; ++ii)  // keys no row of the task can see
-        for (int64_t j = key_end; j < p.len_k; ++j) w[ii * o.weights_strides[2] + j * o.weights_strides[3]] = 0.0f;
-      key_pass<false, true>(s, kv, b, h, i0, rows, key_end, clean_end);
-      for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = 1.0f;  // P was already normalised
-    }
-
+    key_pass(s, kv, b, h, i0, rows, key_end, clean_end);
+    write_lse(s, b, h, i0, rows);
+    for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
+    if (s.pt) finish_weights(s, b, h, i0, rows, key_end);
     store_output(s, b, h, i0, rows);
   }
 
@@ -307,11 +351,24 @@ struct FlashForward {
   }
 
   // The query tasks of key/value head groups [g0, g1) (a group: one batch, one key/value head, the
-  // query heads that share it), each reading its group's rows from rows_of(group).
+  // query heads that share it), each reading its group's rows from rows_of(group). With the head
+  // average summed in the tasks (g0 and g1 then whole batch entries), a task takes every head of
+  // its query rows, in order.
   template <class RowsOf>
   void run_groups(int64_t g0, int64_t g1, int threads, const RowsOf& rows_of) const {
     const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
     const int64_t group = p.heads_q / p.heads_kv;
+    if (o.average_weights != nullptr) {
+      parallel_for((g1 - g0) / p.heads_kv * q_blocks, threads, [&](int64_t t, int) {
+        const int64_t i0 = (q_blocks - 1 - t % q_blocks) * kBlockQ;
+        const int64_t b = g0 / p.heads_kv + t / q_blocks;
+        const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
+        std::fill_n(o.average_weights + (b * p.len_q + i0) * p.len_k, rows * p.len_k, 0.0f);
+        Scratch s = allocate();
+        for (int64_t h = 0; h < p.heads_q; ++h) task(s, rows_of(b * p.heads_kv + h / group), b, h, i0);
+      });
+      return;
+    }
     parallel_for((g1 - g0) * group * q_blocks, threads, [&](int64_t t, int) {
       // Last query blocks first: under a top-left causal mask they are the longest.
       const int64_t qb = q_blocks - 1 - t % q_blocks;
@@ -319,6 +376,41 @@ struct FlashForward {
       const int64_t b = g / p.heads_kv, hk = g % p.heads_kv, h = hk * group + t / q_blocks % group;
       Scratch s = allocate();
       task(s, rows_of(g), b, h, qb * kBlockQ);
+    });
+  }
+
+  // The head average of the weights (the module's default, PyTorch's average_attn_weights) is
+  // summed inside tasks that take every head of their query rows, so the [B, Hq, Lq, Lk] weights
+  // are never stored: at E=1024 H=16 B=4 L=512 they are 64 MiB, written and read back. Such
+  // tasks are Hq times fewer; with fewer than this many per thread the last ones would leave
+  // threads idle, and the heads run as their own tasks into a weights buffer instead, averaged
+  // afterwards with the same operations in the same order (the same bits).
+  static constexpr int64_t kMinAverageTasksPerThread = 4;
+
+  bool averages_in_tasks(int threads) const {
+    const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
+    return p.batch * q_blocks >= kMinAverageTasksPerThread * threads;
+  }
+
+  void run_then_average(int threads) const {
+    const Tensor weights = Tensor::empty({p.batch, p.heads_q, p.len_q, p.len_k});
+    ForwardOutputs per_head = o;
+    per_head.average_weights = nullptr;
+    per_head.weights = weights.data<float>();
+    const int64_t strides[4] = {p.heads_q * p.len_q * p.len_k, p.len_q * p.len_k, p.len_k, 1};
+    std::copy_n(strides, 4, per_head.weights_strides);
+    FlashForward{p, per_head}.run();
+    constexpr int64_t kRowsPerTask = 16;
+    const int64_t row_blocks = (p.len_q + kRowsPerTask - 1) / kRowsPerTask;
+    parallel_for(p.batch * row_blocks, threads, [&](int64_t t, int) {
+      const int64_t b = t / row_blocks, i0 = t % row_blocks * kRowsPerTask;
+      const int64_t rows = std::min(p.len_q, i0 + kRowsPerTask) - i0;
+      float* avg = o.average_weights + (b * p.len_q + i0) * p.len_k;
+      std::fill_n(avg, rows * p.len_k, 0.0f);
+      for (int64_t h = 0; h < p.heads_q; ++h)
+        for (int64_t ii = 0; ii < rows; ++ii)
+          add_head_share(avg + ii * p.len_k, per_head.weights + (b * p.heads_q + h) * strides[1] + (i0 + ii) * p.len_k,
+                         p.len_k);
     });
   }
 
@@ -344,6 +436,7 @@ struct FlashForward {
 
   void run() const {
     const int threads = resolve_threads(p.num_threads);
+    if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
     const int64_t groups = p.batch * p.heads_kv;
     if (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows()) {
       run_groups(0, groups, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });
@@ -354,7 +447,8 @@ struct FlashForward {
     // packed), the work split by rows so that one long head still uses every thread; then run the
     // chunk's tasks on it.
     const int64_t per_group = p.len_k * (p.dim_qk + p.dim_v);  // floats
-    const int64_t chunk = std::clamp<int64_t>(widened_chunk_floats().load() / std::max<int64_t>(per_group, 1), 1, groups);
+    int64_t chunk = std::clamp<int64_t>(widened_chunk_floats().load() / std::max<int64_t>(per_group, 1), 1, groups);
+    if (o.average_weights != nullptr) chunk = std::max<int64_t>(chunk / p.heads_kv, 1) * p.heads_kv;  // whole batch entries
     const Tensor buffer = Tensor::empty({chunk * per_group});
     float* packed = buffer.data<float>();
     constexpr int64_t kRowsPerCopyTask = 256;

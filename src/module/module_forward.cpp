@@ -162,11 +162,16 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
   const TensorView heads_out = as_nle(attn.view()).split_dim(2, H).transpose(1, 2);
   o.out = heads_out.data_as<float>();
   for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
+  // The weights per head, or only their mean over the heads, which the kernel sums as it goes.
   Tensor weights;
-  if (options.need_weights) {
-    weights = Tensor::empty({N, H, L, St});
+  if (options.need_weights && options.average_attn_weights) {
+    weights = Tensor::empty(detail::module_weights_shape(c, H, true));
+    o.average_weights = weights.data<float>();
+  } else if (options.need_weights) {
+    weights = Tensor::empty(detail::module_weights_shape(c, H, false));  // [N,] H, L, S
     o.weights = weights.data<float>();
-    for (int d = 0; d < 4; ++d) o.weights_strides[d] = weights.view().strides[d];
+    const int64_t strides[4] = {H * L * St, L * St, St, 1};
+    std::copy_n(strides, 4, o.weights_strides);
   }
   Tensor lse;
   if (st) {
@@ -180,37 +185,7 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
   detail::linear(as_nle(attn.view()), parameters.view("out_proj.weight"), out_bias, as_nle(result.output.view()),
                  threads);
 
-  if (options.need_weights) {
-    if (options.average_attn_weights) {
-      Tensor avg = Tensor::zeros(detail::module_weights_shape(c, H, true));
-      float* a = avg.data<float>();
-      const float* w = weights.data<float>();
-      const float inv_h = 1.0f / static_cast<float>(H);
-      // Over the pool, a block of query rows of one batch entry per task, each element summed
-      // over the heads in order (the same bits on any thread count). No rows or no keys: no
-      // tasks, however large the batch of empty sequences.
-      constexpr int64_t kRowsPerTask = 16;
-      const int64_t row_blocks = (L + kRowsPerTask - 1) / kRowsPerTask;
-      detail::parallel_for(L * St > 0 ? N * row_blocks : 0, threads, [&](int64_t task, int) {
-        const int64_t n = task / row_blocks, i0 = task % row_blocks * kRowsPerTask;
-        const int64_t count = (std::min(L, i0 + kRowsPerTask) - i0) * St;
-        float* dst = a + (n * L + i0) * St;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* src = w + ((n * H + h) * L + i0) * St;
-          for (int64_t e = 0; e < count; ++e) dst[e] += src[e] * inv_h;
-        }
-      });
-      result.weights = avg;
-    } else if (!c.batched) {
-      Tensor squeezed = Tensor::empty(detail::module_weights_shape(c, H, false));
-      if (weights.numel() > 0) {  // an empty tensor has no storage to copy from
-        std::memcpy(squeezed.data<float>(), weights.data<float>(), sizeof(float) * static_cast<size_t>(weights.numel()));
-      }
-      result.weights = squeezed;
-    } else {
-      result.weights = weights;
-    }
-  }
+  if (options.need_weights) result.weights = weights;
   if (st) {
     st->call = c;
     st->masks = std::move(masks);
