@@ -106,9 +106,10 @@ def bench_sdpa(B, H, L, d, causal, dtype, reps, rows):
     rows.append((f"sdpa bwd {name}", shape, ours_bwd, torch_bwd, 2.5 * flops))
 
 
-def bench_module(E, H, B, L, dtype, reps, rows):
+def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):
     """mha.nn.MultiheadAttention (the drop-in torch.nn.Module, its per-call copy of the parameters
-    into the kernels included) against torch.nn.MultiheadAttention, both in `dtype`."""
+    into the kernels included) against torch.nn.MultiheadAttention, both in `dtype`; with
+    need_weights, PyTorch's default call (weights averaged over the heads, returned too)."""
     import mha.nn
     torch.manual_seed(0)
     ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=dtype).eval()
@@ -117,9 +118,9 @@ def bench_module(E, H, B, L, dtype, reps, rows):
     x = torch.randn(B, L, E).to(dtype)
     flops = attention_flops(B, H, L, E // H, False) + 4 * 2.0 * B * L * E * E
     with torch.no_grad():
-        ours_t, torch_t = paired_medians(lambda: ours(x, x, x, need_weights=False),
-                                         lambda: ref(x, x, x, need_weights=False), reps)
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+        ours_t, torch_t = paired_medians(lambda: ours(x, x, x, need_weights=need_weights),
+                                         lambda: ref(x, x, x, need_weights=need_weights), reps)
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype] + (" +weights" if need_weights else "")
     rows.append((f"module fwd {name}", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
 
 
@@ -274,6 +275,7 @@ def main():
     if not args.no_module:
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
+        bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows, need_weights=True)
         bench_module_training(1024, 16, 4, 512, args.reps, rows)
     ceiling = fma_ceiling(args.fma_peak, args.threads)
     # bf16 runs on AMX where the CPU has it; elsewhere it is float32 arithmetic on widened copies.

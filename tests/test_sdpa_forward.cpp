@@ -205,7 +205,7 @@ TEST(Sdpa, DropoutIsReproducibleAndHasTheRightStatistics) {
   const auto b = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
   EXPECT_EQ(std::memcmp(a.output.data<float>(), b.output.data<float>(), a.output.numel() * 4), 0);
   const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, o);
-  EXPECT_LT(rel_error(plain, a.output), kTolerance);  // the weights path normalises earlier: not bitwise
+  EXPECT_TRUE(mha_test::same_bits(plain, a.output));  // the weights come from the same softmax pass
   for (int threads : {1, 3}) {
     o.num_threads = threads;
     const mha::Tensor t = mha::scaled_dot_product_attention(q, k, v, o);
@@ -400,6 +400,91 @@ TEST_P(EveryIsa, UnpackedFloat32RowsGiveTheBitsOfPackedCopies) {
     EXPECT_TRUE(mha_test::same_bits(chunked, out));
     const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
     EXPECT_LT(rel_error(out, ref.output), score_tolerance(q, k, 1.0 / std::sqrt(static_cast<double>(dk))));
+  }
+}
+
+// The head-averaged weights (the module's default) come from the kernel directly: summed inside
+// tasks that take every head of their query rows (here on 1 thread), or, with too few such tasks
+// for the threads (here 7), from per-head weights averaged afterwards. Both give the same bits,
+// the mean of the reference's weights within tolerance, and the output of a call without weights
+// bit for bit (weights are kept from the one softmax pass, not recomputed). Cases: grouped heads,
+// masks, both causal alignments with rows that see no key, dropout, a score ramp that moves the
+// max by far more than 2^-126 can follow across key blocks (the first blocks' weights underflow,
+// as they should), unpacked rows copied in chunks of whole batch entries, and bfloat16 inputs.
+TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
+  std::mt19937_64 rng(test_seed());
+  for (int variant = 0; variant < 5; ++variant) {
+    const int64_t group = variant == 0 ? 2 : 1, hkv = variant == 4 ? 3 : 2, hq = hkv * group;
+    const int64_t b = variant == 4 ? 1 : variant == 3 ? 2 : 3;
+    const int64_t lq = variant == 3 ? 300 : variant == 4 ? 530 : variant == 2 ? 90 : 100;
+    const int64_t lk = variant == 2 ? 200 : variant == 3 ? 150 : 70;
+    const int64_t dk = variant % 2 ? 24 : 40, dv = variant % 2 ? 16 : 40;
+    const mha::DType dtype = variant == 4 ? mha::DType::bf16 : mha::DType::f32;
+    const mha::Tensor qs = randn({b, lq, hq, dk}, rng, dtype), ks = randn({b, lk, hkv, dk}, rng, dtype),
+                      vs = randn({b, lk, hkv, dv}, rng, dtype);
+    // [B, L, H, D] storage: rows that are not packed (copied packed in chunks for variant 3).
+    const mha::TensorView q = qs.view().transpose(1, 2), k = ks.view().transpose(1, 2), v = vs.view().transpose(1, 2);
+    mha::Tensor mask = randn({lq, lk}, rng);
+    mha::SdpaOptions o{.enable_gqa = true};
+    if (variant == 0) o.is_causal = true, o.attn_mask = mask.view();
+    if (variant == 1) o.dropout_p = 0.3, o.dropout_seed = rng();
+    if (variant == 2) {  // bottom-right, Lq < Lk; a ramp up to the last key, or no key in the first block
+      o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
+      for (int64_t i = 0; i < lq; ++i)
+        for (int64_t j = 0; j < lk; ++j) mask.data<float>()[i * lk + j] = i % 3 == 0 ? 3.0f * (j - lk) : j < 64 ? -INFINITY : 0.0f;
+      o.attn_mask = mask.view();
+    }
+    if (variant == 3) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;  // Lq > Lk: empty rows
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    mha::detail::AttentionProblem p = mha::detail::make_sdpa_problem(q, k, v, o, mha::detail::InputDtypes::low_precision);
+
+    auto run = [&](int threads, bool average, mha::Tensor& weights) {
+      mha::Tensor out = mha::Tensor::empty({b, hq, lq, dv}, dtype);
+      mha::detail::ForwardOutputs fo;
+      fo.out = out.view().data;
+      fo.out_dtype = dtype;
+      for (int d = 0; d < 4; ++d) fo.out_strides[d] = out.view().strides[d];
+      weights = average ? mha::Tensor::empty({b, lq, lk}) : mha::Tensor::empty({b, hq, lq, lk});
+      float* poison = weights.data<float>();
+      std::fill_n(poison, weights.numel(), NAN);
+      if (average) {
+        fo.average_weights = weights.data<float>();
+      } else {
+        fo.weights = weights.data<float>();
+        for (int d = 0; d < 4; ++d) fo.weights_strides[d] = weights.view().strides[d];
+      }
+      p.num_threads = threads;
+      mha::detail::run_attention(p, fo);
+      return out;
+    };
+    mha::Tensor in_tasks, afterwards, per_head;
+    const mha::Tensor out = run(1, true, in_tasks);
+    EXPECT_TRUE(mha_test::same_bits(run(7, true, afterwards), out));
+    EXPECT_TRUE(mha_test::same_bits(afterwards, in_tasks));
+    std::atomic<int64_t>& chunk = mha::detail::widened_chunk_floats();
+    const int64_t saved = chunk.exchange(1);  // a chunk of one head rounds up to one batch entry
+    mha::Tensor chunked;
+    run(1, true, chunked);
+    chunk = saved;
+    EXPECT_TRUE(mha_test::same_bits(chunked, in_tasks));
+    EXPECT_TRUE(mha_test::same_bits(run(2, false, per_head), out));
+    o.num_threads = 2;
+    const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, o);
+    EXPECT_TRUE(mha_test::same_bits(out, plain));
+
+    // The mean over the heads of the reference's weights, in float64.
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+    const mha::Tensor rw = mha::Tensor::copy_of(ref.weights, mha::DType::f64);
+    mha::Tensor mean = mha::Tensor::zeros({b, lq, lk}, mha::DType::f64);
+    for (int64_t n = 0; n < b; ++n)
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t e = 0; e < lq * lk; ++e)
+          mean.data<double>()[n * lq * lk + e] += rw.data<double>()[(n * hq + h) * lq * lk + e] / static_cast<double>(hq);
+    // bfloat16 inputs widen exactly: the weights keep float32's tolerance; the output is rounded.
+    const double tolerance = score_tolerance(q, k, 1.0 / std::sqrt(static_cast<double>(dk)));
+    EXPECT_LT(rel_error(in_tasks, mean), tolerance);
+    EXPECT_LT(rel_error(per_head, ref.weights), tolerance);
+    EXPECT_LT(rel_error(out, ref.output), dtype == mha::DType::bf16 ? 1e-2 : tolerance);
   }
 }
 

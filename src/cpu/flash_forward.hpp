@@ -241,9 +241,8 @@ struct FlashForward {
         const F m = S::load(s.m + c * kLanes);
         const F m_use = S::select(S::eq(m, neg_inf), S::zero(), m);
         const F m_block = S::load(s.block_m + j0 / kBlockK * kBlockQ + c * kLanes);
-        // A block seen before any finite score holds only zeros: its factor is 0, not 2^(-inf - m).
-        const F factor = S::select(S::eq(m_block, neg_inf), S::zero(),
-                                   S::mul(S::exp2(S::sub(m_block, m_use)), S::load(s.l + c * kLanes)));
+        // m_block <= m, so the factor is at most 1/l; 2^-inf is 0 for a block seen before any finite score.
+        const F factor = S::mul(S::exp2(S::sub(m_block, m_use)), S::load(s.l + c * kLanes));
         for (int64_t jj = 0; jj < nbp; ++jj) {
           float* row = s.pt + (j0 + jj) * kBlockQ + c * kLanes;
           S::store(row, S::mul(S::load(row), factor));
