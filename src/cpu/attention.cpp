@@ -82,6 +82,11 @@ std::atomic<int64_t>& widened_chunk_floats() {
   return floats;
 }
 
+std::atomic<int64_t>& transposed_mask_floats() {
+  static std::atomic<int64_t> floats{int64_t{8} << 20};  // 32 MiB: an [Lq, Lk] mask up to about 2900 x 2900
+  return floats;
+}
+
 void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max();
   if (problem.len_q > kMaxLen || problem.len_k > kMaxLen) {

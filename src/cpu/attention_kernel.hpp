@@ -97,6 +97,10 @@ void run_attention_backward(const AttentionProblem& p, const BackwardInputs& in,
 // keys and values that are not packed into it the same way; settable for tests.
 std::atomic<int64_t>& widened_chunk_floats();
 
+// The forward copies each mask that varies along the queries transposed, once per call, when the
+// copy takes at most this many floats; a larger one is read in place. Settable for tests.
+std::atomic<int64_t>& transposed_mask_floats();
+
 // Validates kernel preconditions, copies inputs whose last stride is not 1, handles the cases
 // with nothing to compute (Lk == 0, dropout_p == 1, empty tensors) and runs the ISA's kernel.
 void run_attention(const AttentionProblem& p, const ForwardOutputs& o);

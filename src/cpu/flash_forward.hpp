@@ -17,12 +17,14 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <new>
+#include <vector>
 
 #include "core/attention_problem.hpp"
 #include "core/dropout.hpp"
@@ -50,6 +52,13 @@ struct FlashForward {
 
   const AttentionProblem& p;
   const ForwardOutputs& o;
+  // Masks that vary along the queries, copied transposed for this call (transpose_masks): for
+  // term t, null (read in place), or [slices][Lq / kBlockQ][Lk][kBlockQ] floats, log2(e) * value.
+  struct MaskColumns {
+    std::array<const float*, 3> data{};
+    bool done = false;  // transpose_masks has run (it may have copied none)
+  };
+  MaskColumns mask_columns{};
 
   // Per-task scratch, O(D) floats (nothing here grows with the sequence length), in the thread's
   // reusable buffer: every field is initialised by the task before it is read.
@@ -177,7 +186,18 @@ struct FlashForward {
       }
       for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
 
-      for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], s.st, 1, kBlockQ, b, h, i0, rows, j0, nb);
+      for (int t = 0; t < p.num_masks; ++t) {
+        if (const float* cols = mask_columns.data[t]) {  // the transposed copy: a vector of queries per key
+          cols += mask_slice(t, b, h) * mask_slice_floats() + (i0 / kBlockQ * p.len_k + j0) * kBlockQ;
+          for (int64_t jj = 0; jj < nb; ++jj)
+            for (int c = 0; c < vecs; ++c) {
+              float* row = s.st + jj * kBlockQ + c * kLanes;
+              S::store(row, S::add(S::load(row), S::load(cols + jj * kBlockQ + c * kLanes)));
+            }
+        } else {
+          T::add_mask(p.masks[t], s.st, 1, kBlockQ, b, h, i0, rows, j0, nb);
+        }
+      }
       if (j0 + nbp > clean_end) {  // some (query, key) pairs are past causality or Lk
         const F minus_inf = S::set1(neg_inf);
         for (int64_t jj = 0; jj < nbp; ++jj) {
@@ -433,9 +453,65 @@ struct FlashForward {
     return !packed && tasks_per_group >= kMinTasksToPack;
   }
 
+  // A mask term that varies along the queries (an [Lq, Lk] attn_mask, say) is read in the S^T
+  // tile's columns: a square at a time, transposed in registers, took 15% of a forward at d=64
+  // L=1024 (add_mask). Each (batch, head) slice of such a mask is therefore copied once per call,
+  // transposed, scaled and laid out as the tasks read it: per block of kBlockQ queries, one row of
+  // kBlockQ floats per key, zero past the last query, so a task adds one vector of queries per key
+  // from consecutive memory. The values are mask_square's, so the bits are add_mask's. Up to this
+  // many floats per term (settable for tests; an [Lq, Lk] mask of 2048 x 2048 is 4 Mi).
+  int64_t mask_slices(int t) const {
+    const MaskTerm& m = p.masks[t];
+    return (m.strides[0] != 0 ? p.batch : 1) * (m.strides[1] != 0 ? p.heads_q : 1);
+  }
+  int64_t mask_slice(int t, int64_t b, int64_t h) const {
+    const MaskTerm& m = p.masks[t];
+    return (m.strides[0] != 0 ? b : 0) * (m.strides[1] != 0 ? p.heads_q : 1) + (m.strides[1] != 0 ? h : 0);
+  }
+  int64_t mask_slice_floats() const { return round_up(p.len_q, kBlockQ) * p.len_k; }
+
+  // The transposed copies of the masks that take one, in `storage`; the problem's other masks stay
+  // null and are read in place.
+  MaskColumns transpose_masks(int threads, std::vector<Tensor>& storage) const {
+    MaskColumns cols;
+    cols.done = true;
+    const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
+    for (int t = 0; t < p.num_masks; ++t) {
+      const MaskTerm& m = p.masks[t];
+      const int64_t floats = mask_slices(t) * mask_slice_floats();
+      if (m.strides[2] == 0 || floats > transposed_mask_floats().load()) continue;
+      storage.push_back(Tensor::empty({floats}));
+      float* dst = storage.back().data<float>();
+      parallel_for(mask_slices(t) * q_blocks, threads, [&](int64_t task, int) {
+        const int64_t slice = task / q_blocks, i0 = task % q_blocks * kBlockQ;
+        // A (b, h) of the slice: the first of those that share it.
+        const int64_t h = m.strides[1] != 0 ? slice % p.heads_q : 0;
+        const int64_t b = m.strides[0] != 0 ? slice / (m.strides[1] != 0 ? p.heads_q : 1) : 0;
+        float* out = dst + slice * mask_slice_floats() + i0 * p.len_k;
+        alignas(64) float square[kLanes * kLanes], turned[kLanes * kLanes];
+        for (int64_t j0 = 0; j0 < p.len_k; j0 += kLanes) {
+          const int nc = static_cast<int>(std::min<int64_t>(kLanes, p.len_k - j0));
+          for (int64_t ii0 = 0; ii0 < kBlockQ; ii0 += kLanes) {
+            const int nr = static_cast<int>(std::clamp<int64_t>(p.len_q - i0 - ii0, 0, kLanes));
+            T::mask_square(m, b, h, i0 + ii0, nr, j0, nc, square);
+            T::transpose_square(square, turned);
+            for (int c = 0; c < nc; ++c) S::store(out + (j0 + c) * kBlockQ + ii0, S::load(turned + c * kLanes));
+          }
+        }
+      });
+      cols.data[t] = dst;
+    }
+    return cols;
+  }
+
   void run() const {
     const int threads = resolve_threads(p.num_threads);
     if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
+    if (!mask_columns.done) {
+      std::vector<Tensor> storage;
+      FlashForward{p, o, transpose_masks(threads, storage)}.run();
+      return;
+    }
     const int64_t groups = p.batch * p.heads_kv;
     if (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows()) {
       run_groups(0, groups, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });

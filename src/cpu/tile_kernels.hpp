@@ -5,7 +5,9 @@
 // Internal linkage (an anonymous namespace): each ISA's file compiles its own copy.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "core/attention_problem.hpp"
@@ -166,25 +168,84 @@ struct Tiles {
     }
   }
 
-  // tile[ii * row_step + jj * col_step] += log2(e) * mask(b, h, i0 + ii, j0 + jj) for ii < rows,
-  // jj < cols: walked along the mask's rows (where masks are usually contiguous), one loop per kind.
-  static void add_mask(const MaskTerm& t, float* tile, int64_t row_step, int64_t col_step, int64_t b, int64_t h,
-                       int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
-    const int64_t sj = t.strides[3];
+  // square[r][c] = log2(e) * mask(b, h, i0 + r, j0 + c) for r < nr, c < nc, zero past them (a
+  // kLanes x kLanes square, [query][key]), gathered along the mask's rows, where masks are
+  // contiguous, and scaled in SIMD multiplies: every reader of a mask (the forward's tiles, its
+  // transposed copy, the backward's tiles) adds the same values.
+  static void mask_square(const MaskTerm& t, int64_t b, int64_t h, int64_t i0, int nr, int64_t j0, int nc,
+                          float* square) {
+    const int64_t si = t.strides[2], sj = t.strides[3];
     const int64_t base = b * t.strides[0] + h * t.strides[1] + j0 * sj;
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const bool keep_if_true = t.kind == MaskKind::keep_if_true;
     const float bias[2] = {keep_if_true ? neg_inf : 0.0f, keep_if_true ? 0.0f : neg_inf};  // a lookup, no branch
-    for (int64_t ii = 0; ii < rows; ++ii) {
-      const int64_t off = base + (i0 + ii) * t.strides[2];
-      float* row = tile + ii * row_step;
+    const F log2e = S::set1(kLog2e);
+    for (int r = 0; r < nr; ++r) {
+      float* dst = square + r * kLanes;
+      const int64_t off = base + (i0 + r) * si;
       if (t.kind == MaskKind::additive) {
         const float* m = static_cast<const float*>(t.data) + off;
-        for (int64_t jj = 0; jj < cols; ++jj) row[jj * col_step] += kLog2e * m[jj * sj];
+        if (sj == 1 && nc == kLanes) {  // a whole vector of a contiguous row
+          S::store(dst, S::mul(S::load(m), log2e));
+          continue;
+        }
+        for (int c = 0; c < nc; ++c) dst[c] = m[c * sj];
       } else {
         const uint8_t* m = static_cast<const uint8_t*>(t.data) + off;
-        for (int64_t jj = 0; jj < cols; ++jj) row[jj * col_step] += bias[m[jj * sj] != 0];
+        for (int c = 0; c < nc; ++c) dst[c] = bias[m[c * sj] != 0];
       }
+      for (int c = nc; c < kLanes; ++c) dst[c] = 0.0f;
+      S::store(dst, S::mul(S::load(dst), log2e));
+    }
+    for (int r = nr; r < kLanes; ++r) S::store(square + r * kLanes, S::zero());
+  }
+
+  // tile[ii * row_step + jj * col_step] += log2(e) * mask(b, h, i0 + ii, j0 + jj) for ii < rows,
+  // jj < cols, one of the steps 1: a mask_square at a time, turned to the tile's orientation and
+  // added a vector at a time (a SIMD add, so the same bits for every layout and tail). The tile's
+  // unit-stride side is padded to whole vectors: its other step is at least that count rounded up
+  // to kLanes (the lanes past it get + 0). (The forward reads masks that vary along the queries
+  // from a transposed copy instead, where it can; see FlashForward::transpose_masks.)
+  static_assert(kLanes % 8 == 0, "squares transpose in 8 x 8 blocks");
+  static void add_mask(const MaskTerm& t, float* tile, int64_t row_step, int64_t col_step, int64_t b, int64_t h,
+                       int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
+    const bool keys_are_rows = col_step != 1;  // the forward's S^T: [key][query]
+    const bool same_for_every_query = t.strides[2] == 0;  // a key padding mask, [B, 1, 1, Lk]
+    alignas(64) float square[kLanes * kLanes];
+    alignas(64) float turned[kLanes * kLanes];  // [key][query]
+    for (int64_t jj0 = 0; jj0 < cols; jj0 += kLanes) {
+      const int nc = static_cast<int>(std::min<int64_t>(kLanes, cols - jj0));
+      // One row holds every query's values when they do not vary along the queries.
+      if (same_for_every_query) mask_square(t, b, h, i0, 1, j0 + jj0, nc, square);
+      for (int64_t ii0 = 0; ii0 < rows; ii0 += kLanes) {
+        const int nr = static_cast<int>(std::min<int64_t>(kLanes, rows - ii0));
+        if (!same_for_every_query) mask_square(t, b, h, i0 + ii0, nr, j0 + jj0, nc, square);
+        if (keys_are_rows) {
+          if (!same_for_every_query) transpose_square(square, turned);
+          for (int c = 0; c < nc; ++c) {
+            float* row = tile + (jj0 + c) * col_step + ii0;
+            const F add = same_for_every_query ? S::set1(square[c]) : S::load(turned + c * kLanes);
+            S::store(row, S::add(S::load(row), add));
+          }
+        } else {
+          for (int r = 0; r < nr; ++r) {
+            float* row = tile + (ii0 + r) * row_step + jj0;
+            S::store(row, S::add(S::load(row), S::load(square + (same_for_every_query ? 0 : r) * kLanes)));
+          }
+        }
+      }
+    }
+  }
+
+  // dst[c][r] = src[r][c] for a kLanes x kLanes square, in 8 x 8 blocks where the SIMD layer has a
+  // block transpose.
+  static void transpose_square(const float* src, float* dst) {
+    if constexpr (requires { S::transpose8x8(src, int64_t{0}, dst, int64_t{0}); }) {
+      for (int r = 0; r < kLanes; r += 8)
+        for (int c = 0; c < kLanes; c += 8) S::transpose8x8(src + r * kLanes + c, kLanes, dst + c * kLanes + r, kLanes);
+    } else {
+      for (int r = 0; r < kLanes; ++r)
+        for (int c = 0; c < kLanes; ++c) dst[c * kLanes + r] = src[r * kLanes + c];
     }
   }
 
