@@ -489,6 +489,52 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
   }
 }
 
+// A mask that varies along the queries is copied transposed once per call, where the copy fits
+// (mha::detail::transposed_mask_floats), and read in place otherwise: both give the same bits,
+// with and without weights, and the reference's values. Masks of every kind and broadcast: one
+// [Lq, Lk] for all, one per batch entry, one per head, a transposed view, a tiny one; partial
+// query and key blocks; causality and dropout on top.
+TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
+  std::mt19937_64 rng(test_seed());
+  for (int variant = 0; variant < 5; ++variant) {
+    const int64_t b = 2, hkv = 2, hq = 4, dk = 24, dv = 40;
+    const int64_t lq = variant == 3 ? 37 : variant == 4 ? 130 : 100, lk = variant == 3 ? 7 : variant == 1 ? 200 : 150;
+    const mha::Tensor q = randn({b, hq, lq, dk}, rng), k = randn({b, hkv, lk, dk}, rng), v = randn({b, hkv, lk, dv}, rng);
+    mha::Tensor mask;
+    mha::TensorView mask_view;
+    if (variant == 0 || variant == 4) {  // additive, [Lq, Lk]
+      mask = randn({lq, lk}, rng);
+      mask_view = mask.view();
+    } else if (variant == 1 || variant == 3) {  // bool (true attends), [B, 1, Lq, Lk] / [Lq, Lk]
+      mask = variant == 1 ? mha::Tensor::empty({b, 1, lq, lk}, mha::DType::boolean) : mha::Tensor::empty({lq, lk}, mha::DType::boolean);
+      std::bernoulli_distribution keep(0.7);
+      for (int64_t i = 0; i < mask.numel(); ++i) mask.data<uint8_t>()[i] = keep(rng);
+      mask_view = mask.view();
+    } else {  // additive, one per head, as a transposed view of [B, Hq, Lk, Lq] storage
+      mask = randn({b, hq, lk, lq}, rng);
+      mask_view = mask.view().transpose(2, 3);
+    }
+    mha::SdpaOptions o{.attn_mask = mask_view, .enable_gqa = true};
+    if (variant == 0 || variant == 3) o.is_causal = true;
+    if (variant == 4) o.dropout_p = 0.2, o.dropout_seed = rng();
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    const mha::Tensor copied = mha::scaled_dot_product_attention(q, k, v, o);
+    const auto copied_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    std::atomic<int64_t>& cap = mha::detail::transposed_mask_floats();
+    const int64_t saved = cap.exchange(0);  // every mask read in place
+    const mha::Tensor in_place = mha::scaled_dot_product_attention(q, k, v, o);
+    const auto in_place_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    cap = saved;
+    EXPECT_TRUE(mha_test::same_bits(copied, in_place));
+    EXPECT_TRUE(mha_test::same_bits(copied_w.weights, in_place_w.weights));
+    EXPECT_TRUE(mha_test::same_bits(copied_w.output, copied));
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+    const double tolerance = score_tolerance(q, k, 1.0 / std::sqrt(static_cast<double>(dk)));
+    EXPECT_LT(rel_error(copied, ref.output), tolerance);
+    EXPECT_LT(rel_error(copied_w.weights, ref.weights), tolerance);
+  }
+}
+
 TEST(Sdpa, FlopCount) {
   EXPECT_DOUBLE_EQ(mha::attention_flops(4, 16, 2048, 2048, 64, 64, false), 4.0 * 4 * 16 * 2048.0 * 2048 * 64);
   // Causal top-left on a square problem keeps L(L+1)/2 pairs.

@@ -168,71 +168,75 @@ struct Tiles {
     }
   }
 
-  // square[r][c] = log2(e) * mask(b, h, i0 + r, j0 + c) for r < nr, c < nc, zero past them (a
-  // kLanes x kLanes square, [query][key]), gathered along the mask's rows, where masks are
-  // contiguous, and scaled in SIMD multiplies: every reader of a mask (the forward's tiles, its
-  // transposed copy, the backward's tiles) adds the same values.
+  // log2(e) * mask(b, h, i, j0 + c) for c < nc, zero past them, as one vector: read along the
+  // mask's row (where masks are contiguous) and scaled in a SIMD multiply, so that every reader of
+  // a mask (the forward's tiles and its transposed copy, the backward's tiles) adds the same values.
+  static F mask_row(const MaskTerm& t, int64_t b, int64_t h, int64_t i, int64_t j0, int nc) {
+    const int64_t sj = t.strides[3];
+    const int64_t off = b * t.strides[0] + h * t.strides[1] + i * t.strides[2] + j0 * sj;
+    const F log2e = S::set1(kLog2e);
+    alignas(64) float raw[kLanes];
+    if (t.kind == MaskKind::additive) {
+      const float* m = static_cast<const float*>(t.data) + off;
+      if (sj == 1 && nc == kLanes) return S::mul(S::load(m), log2e);  // a whole vector of a contiguous row
+      for (int c = 0; c < nc; ++c) raw[c] = m[c * sj];
+    } else {
+      const float neg_inf = -std::numeric_limits<float>::infinity();
+      const bool keep_if_true = t.kind == MaskKind::keep_if_true;
+      const float bias[2] = {keep_if_true ? neg_inf : 0.0f, keep_if_true ? 0.0f : neg_inf};  // a lookup, no branch
+      const uint8_t* m = static_cast<const uint8_t*>(t.data) + off;
+      for (int c = 0; c < nc; ++c) raw[c] = bias[m[c * sj] != 0];
+    }
+    for (int c = nc; c < kLanes; ++c) raw[c] = 0.0f;
+    return S::mul(S::load(raw), log2e);
+  }
+
+  // square[r][c] = mask_row(i0 + r, j0)[c] for r < nr, zero rows past them: a kLanes x kLanes
+  // square, [query][key].
   static void mask_square(const MaskTerm& t, int64_t b, int64_t h, int64_t i0, int nr, int64_t j0, int nc,
                           float* square) {
-    const int64_t si = t.strides[2], sj = t.strides[3];
-    const int64_t base = b * t.strides[0] + h * t.strides[1] + j0 * sj;
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    const bool keep_if_true = t.kind == MaskKind::keep_if_true;
-    const float bias[2] = {keep_if_true ? neg_inf : 0.0f, keep_if_true ? 0.0f : neg_inf};  // a lookup, no branch
-    const F log2e = S::set1(kLog2e);
-    for (int r = 0; r < nr; ++r) {
-      float* dst = square + r * kLanes;
-      const int64_t off = base + (i0 + r) * si;
-      if (t.kind == MaskKind::additive) {
-        const float* m = static_cast<const float*>(t.data) + off;
-        if (sj == 1 && nc == kLanes) {  // a whole vector of a contiguous row
-          S::store(dst, S::mul(S::load(m), log2e));
-          continue;
-        }
-        for (int c = 0; c < nc; ++c) dst[c] = m[c * sj];
-      } else {
-        const uint8_t* m = static_cast<const uint8_t*>(t.data) + off;
-        for (int c = 0; c < nc; ++c) dst[c] = bias[m[c * sj] != 0];
-      }
-      for (int c = nc; c < kLanes; ++c) dst[c] = 0.0f;
-      S::store(dst, S::mul(S::load(dst), log2e));
-    }
-    for (int r = nr; r < kLanes; ++r) S::store(square + r * kLanes, S::zero());
+    for (int r = 0; r < kLanes; ++r) S::store(square + r * kLanes, r < nr ? mask_row(t, b, h, i0 + r, j0, nc) : S::zero());
   }
 
   // tile[ii * row_step + jj * col_step] += log2(e) * mask(b, h, i0 + ii, j0 + jj) for ii < rows,
-  // jj < cols, one of the steps 1: a mask_square at a time, turned to the tile's orientation and
-  // added a vector at a time (a SIMD add, so the same bits for every layout and tail). The tile's
-  // unit-stride side is padded to whole vectors: its other step is at least that count rounded up
-  // to kLanes (the lanes past it get + 0). (The forward reads masks that vary along the queries
-  // from a transposed copy instead, where it can; see FlashForward::transpose_masks.)
+  // jj < cols, one of the steps 1, a vector at a time (a SIMD add of mask_row's values, so the same
+  // bits for every layout and tail). The tile's unit-stride side is padded to whole vectors: its
+  // other step is at least that count rounded up to kLanes (the lanes past it get + 0).
+  //   [query][key] tiles (col_step 1): a mask row onto each tile row.
+  //   [key][query] tiles (the forward's S^T): a key padding mask adds one broadcast value per key;
+  //   others a square of kLanes x kLanes at a time, transposed in registers. Element by element,
+  //   a 48-query tile's stores fell 192 bytes apart and masks took 14-23% of a forward (d=64,
+  //   L=1024). The forward reads masks that vary along the queries from a transposed copy
+  //   instead, where it can (FlashForward::transpose_masks).
   static_assert(kLanes % 8 == 0, "squares transpose in 8 x 8 blocks");
   static void add_mask(const MaskTerm& t, float* tile, int64_t row_step, int64_t col_step, int64_t b, int64_t h,
                        int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
-    const bool keys_are_rows = col_step != 1;  // the forward's S^T: [key][query]
     const bool same_for_every_query = t.strides[2] == 0;  // a key padding mask, [B, 1, 1, Lk]
+    auto add = [](float* at, F v) { S::store(at, S::add(S::load(at), v)); };
+    if (col_step == 1) {  // along each mask row in turn: its lines are consecutive
+      for (int64_t ii = 0; ii < (same_for_every_query ? 1 : rows); ++ii) {
+        for (int64_t jj0 = 0; jj0 < cols; jj0 += kLanes) {
+          const F v = mask_row(t, b, h, i0 + ii, j0 + jj0, static_cast<int>(std::min<int64_t>(kLanes, cols - jj0)));
+          if (!same_for_every_query) add(tile + ii * row_step + jj0, v);
+          else for (int64_t r = 0; r < rows; ++r) add(tile + r * row_step + jj0, v);
+        }
+      }
+      return;
+    }
     alignas(64) float square[kLanes * kLanes];
     alignas(64) float turned[kLanes * kLanes];  // [key][query]
     for (int64_t jj0 = 0; jj0 < cols; jj0 += kLanes) {
       const int nc = static_cast<int>(std::min<int64_t>(kLanes, cols - jj0));
-      // One row holds every query's values when they do not vary along the queries.
-      if (same_for_every_query) mask_square(t, b, h, i0, 1, j0 + jj0, nc, square);
+      if (same_for_every_query) {
+        S::store(square, mask_row(t, b, h, i0, j0 + jj0, nc));
+        for (int c = 0; c < nc; ++c)
+          for (int64_t ii0 = 0; ii0 < rows; ii0 += kLanes) add(tile + (jj0 + c) * col_step + ii0, S::set1(square[c]));
+        continue;
+      }
       for (int64_t ii0 = 0; ii0 < rows; ii0 += kLanes) {
-        const int nr = static_cast<int>(std::min<int64_t>(kLanes, rows - ii0));
-        if (!same_for_every_query) mask_square(t, b, h, i0 + ii0, nr, j0 + jj0, nc, square);
-        if (keys_are_rows) {
-          if (!same_for_every_query) transpose_square(square, turned);
-          for (int c = 0; c < nc; ++c) {
-            float* row = tile + (jj0 + c) * col_step + ii0;
-            const F add = same_for_every_query ? S::set1(square[c]) : S::load(turned + c * kLanes);
-            S::store(row, S::add(S::load(row), add));
-          }
-        } else {
-          for (int r = 0; r < nr; ++r) {
-            float* row = tile + (ii0 + r) * row_step + jj0;
-            S::store(row, S::add(S::load(row), S::load(square + (same_for_every_query ? 0 : r) * kLanes)));
-          }
-        }
+        mask_square(t, b, h, i0 + ii0, static_cast<int>(std::min<int64_t>(kLanes, rows - ii0)), j0 + jj0, nc, square);
+        transpose_square(square, turned);
+        for (int c = 0; c < nc; ++c) add(tile + (jj0 + c) * col_step + ii0, S::load(turned + c * kLanes));
       }
     }
   }
