@@ -106,6 +106,21 @@ def bench_sdpa(B, H, L, d, causal, dtype, reps, rows):
     rows.append((f"sdpa bwd {name}", shape, ours_bwd, torch_bwd, 2.5 * flops))
 
 
+def bench_sdpa_masked(B, H, L, d, reps, rows):
+    """The fp32 forward with the two masks users pass most: an additive [L, L] float mask (a
+    relative-position bias, say) and a bool key padding mask [B, 1, 1, L] (the last tenth of every
+    sequence padded). FLOPs are counted as unmasked."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, L, d, generator=g) for _ in range(3))
+    bias = torch.randn(L, L, generator=g)
+    keep = (torch.arange(L) < L - L // 10).expand(B, 1, 1, L).contiguous()
+    flops = attention_flops(B, H, L, d, False)
+    for name, mask in (("+float mask", bias), ("+padding mask", keep)):
+        ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                                      lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps)
+        rows.append((f"sdpa fwd fp32 {name}", f"B={B} H={H} L={L} d={d}", ours, theirs, flops))
+
+
 def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):
     """mha.nn.MultiheadAttention (the drop-in torch.nn.Module, its per-call copy of the parameters
     into the kernels included) against torch.nn.MultiheadAttention, both in `dtype`; with
@@ -199,10 +214,11 @@ def plot(rows, path):
         sys.exit(f"--plot needs matplotlib ({sys.executable} -m pip install matplotlib; make bench installs it)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ops = sorted({op for op, *_ in rows if op.startswith("sdpa")})
+    plotted = lambda op: op.startswith("sdpa") and "mask" not in op  # the masked rows: the table only
+    ops = sorted({op for op, *_ in rows if plotted(op)})
     series = {}
     for op, shape, ours, theirs, flops in rows:
-        if not op.startswith("sdpa"):
+        if not plotted(op):
             continue
         fields = dict(f.split("=") for f in shape.replace(" causal", "").split())
         variant = f"d={fields['d']}{', causal' if 'causal' in shape else ''}"
@@ -272,6 +288,8 @@ def main():
                         continue
                     onednn[(op, shape)] = onednn_seconds(args.onednn, args.batch, args.heads, L, d, causal, dtype,
                                                          args.threads, args.reps)
+            if d == args.dims[0] and "fp32" in args.dtypes:
+                bench_sdpa_masked(args.batch, args.heads, L, d, args.reps, rows)
     if not args.no_module:
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
@@ -290,10 +308,10 @@ def main():
     if ceiling is not None:
         print(f"fp32 FMA ceiling of {args.threads} threads: {ceiling:.0f} GFLOP/s (bench/fma_peak.cpp); "
               "'of FMA' is mha's GFLOP/s as a fraction of it" + (" (bf16 rows run on AMX: left blank)" if amx else ""))
-    print(f"{'op':<18} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'of FMA':>6} {'torch ms':>9} {'GFLOP/s':>8} "
+    print(f"{'op':<28} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'of FMA':>6} {'torch ms':>9} {'GFLOP/s':>8} "
           f"{'speedup':>8}" + (f" {'oneDNN ms':>10} {'GFLOP/s':>8} {'speedup':>8}" if with_onednn else ""))
     for op, shape, ours, theirs, flops in rows:
-        line = (f"{op:<18} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f}{of_ceiling(op, flops / ours / 1e9)} "
+        line = (f"{op:<28} {shape:<28} {ours * 1e3:9.1f} {flops / ours / 1e9:8.1f}{of_ceiling(op, flops / ours / 1e9)} "
                 f"{theirs * 1e3:9.1f} {flops / theirs / 1e9:8.1f} {theirs / ours:7.2f}x")
         if with_onednn:
             t = onednn.get((op, shape))
