@@ -23,6 +23,7 @@
 namespace {
 
 using mha_test::randn;
+using mha_test::max_abs;
 using mha_test::rel_error;
 using mha_test::test_seed;
 
@@ -533,6 +534,77 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
     EXPECT_LT(rel_error(copied, ref.output), tolerance);
     EXPECT_LT(rel_error(copied_w.weights, ref.weights), tolerance);
   }
+}
+
+// Up to 4 queries per head (decoding) run their own kernel: lanes over the head dimension, the
+// query heads of a group in one task, long caches in runs of 1024 keys merged afterwards. Against
+// the reference on every ISA: 1-4 queries, groups of 1-8 heads, caches from 1 key to 3 runs, head
+// dimensions that are not whole vectors, float32/bfloat16/float16, every mask kind and broadcast,
+// both causal alignments, [B, L, H, D] views; the same bits on 1 and 3 threads; the log-sum-exp
+// through the backward's gradients; fully masked rows give zeros; a NaN query gives a NaN row.
+TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t key_lengths[] = {1, 5, 16, 17, 100, 1024, 1025, 2100};
+  const int64_t dims[] = {8, 24, 64, 72};
+  for (int n = 0; n < 48; ++n) {
+    const int64_t lq = 1 + n % 4, group = n % 3 == 0 ? 1 : n % 3 == 1 ? 3 : 8, hkv = 1 + n % 2, hq = hkv * group;
+    const int64_t b = 1 + (n / 2) % 2, lk = key_lengths[n % 8], dk = dims[(n / 3) % 4], dv = n % 5 == 0 ? 40 : 16;
+    const mha::DType dtype = n % 6 == 4 ? mha::DType::bf16 : n % 6 == 5 ? mha::DType::f16 : mha::DType::f32;
+    const mha::Tensor qs = randn({b, lq, hq, dk}, rng, dtype), ks = randn({b, lk, hkv, dk}, rng, dtype),
+                      vs = randn({b, lk, hkv, dv}, rng, dtype);
+    const mha::TensorView q = qs.view().transpose(1, 2), k = ks.view().transpose(1, 2), v = vs.view().transpose(1, 2);
+    mha::Tensor mask;
+    mha::SdpaOptions o{.enable_gqa = true};
+    const int kind = (n / 4) % 4;
+    std::bernoulli_distribution keep(0.8);
+    if (kind == 1) mask = randn({lq, lk}, rng);
+    if (kind == 2) mask = mha::Tensor::empty({b, 1, 1, lk}, mha::DType::boolean);
+    if (kind == 3) mask = mha::Tensor::empty({b, hq, lq, lk}, mha::DType::boolean);
+    if (kind >= 2) for (int64_t e = 0; e < mask.numel(); ++e) mask.data<uint8_t>()[e] = keep(rng);
+    if (kind > 0) o.attn_mask = mask.view();
+    if (n % 5 == 1) o.is_causal = true;
+    if (n % 5 == 2) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
+    SCOPED_TRACE("case " + std::to_string(n) + ": Lq=" + std::to_string(lq) + " group=" + std::to_string(group) +
+                 " Lk=" + std::to_string(lk) + " Dk=" + std::to_string(dk) + " " + std::string(mha::dtype_name(dtype)) +
+                 " mask=" + std::to_string(kind));
+    const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, o);
+    o.num_threads = 1;
+    const mha::Tensor one = mha::scaled_dot_product_attention(q, k, v, o);
+    o.num_threads = 3;
+    EXPECT_TRUE(mha_test::same_bits(one, mha::scaled_dot_product_attention(q, k, v, o)));
+    EXPECT_TRUE(mha_test::same_bits(one, out));
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+    const double tolerance = dtype == mha::DType::bf16   ? 1e-2
+                             : dtype == mha::DType::f16 ? 2e-3
+                                                        : score_tolerance(q, k, 1.0 / std::sqrt(static_cast<double>(dk)));
+    EXPECT_LT(rel_error(out, ref.output), tolerance);
+    if (dtype == mha::DType::f32 && n % 2 == 0) {  // the saved log-sum-exp, through the backward
+      const mha::Tensor go = randn({b, hq, lq, dv}, rng);
+      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+      EXPECT_TRUE(mha_test::same_bits(saved.output, out));
+      const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);
+      const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, go, o);
+      const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
+      EXPECT_LT(rel_error(g.query, r.query, floor), 1e-4);
+      EXPECT_LT(rel_error(g.key, r.key, floor), 1e-4);
+      EXPECT_LT(rel_error(g.value, r.value, floor), 1e-4);
+    }
+  }
+  // Rows with no visible key are zeros with an infinite log-sum-exp; a NaN query makes its row NaN.
+  mha::Tensor q = randn({2, 3, 2, 24}, rng), k = randn({2, 1, 1500, 24}, rng), v = randn({2, 1, 1500, 16}, rng);
+  mha::Tensor none = mha::Tensor::empty({2, 1, 1, 1500}, mha::DType::boolean);
+  for (int64_t j = 0; j < 1500; ++j) none.data<uint8_t>()[j] = 0, none.data<uint8_t>()[1500 + j] = j % 7 == 0;
+  q.data<float>()[(1 * 3 + 2) * 2 * 24 + 24 + 5] = NAN;  // batch 1, head 2, query 1
+  const mha::SdpaOptions o{.attn_mask = none.view(), .enable_gqa = true};
+  const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+  for (int64_t e = 0; e < 3 * 2 * 16; ++e) EXPECT_EQ(saved.output.data<float>()[e], 0.0f) << e;
+  for (int64_t e = 0; e < 3 * 2; ++e) EXPECT_EQ(saved.lse.data<float>()[e], INFINITY) << e;
+  for (int64_t h = 0; h < 3; ++h)
+    for (int64_t i = 0; i < 2; ++i)
+      for (int64_t d = 0; d < 16; ++d) {
+        const float x = saved.output.at({1, h, i, d});
+        EXPECT_EQ(std::isnan(x), h == 2 && i == 1) << h << " " << i << " " << d;
+      }
 }
 
 TEST(Sdpa, FlopCount) {

@@ -31,6 +31,7 @@
 #include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cpu/few_queries.hpp"
 #include "cpu/tile_kernels.hpp"
 
 namespace mha::detail {
@@ -505,6 +506,7 @@ struct FlashForward {
   }
 
   void run() const {
+    if (FewQueries<S>::applies(p, o)) return FewQueries<S>{p, o}.run();  // decoding
     const int threads = resolve_threads(p.num_threads);
     if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
     if (!mask_columns.done) {
