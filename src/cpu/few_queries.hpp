@@ -112,8 +112,7 @@ struct FewQueries {
   // The scores of one query against the block's kKeys key rows: per key a vector of partial sums
   // over the head dimension, four keys at a time (independent chains), then transposed so that
   // adding the rows gives one score per lane.
-  F scores(const Scratch& s, const float* q) const {
-    const int64_t d = dk();
+  F scores(const Scratch& s, const float* q, int64_t d) const {
     for (int c = 0; c < kKeys; c += 4) {
       F a0 = S::zero(), a1 = S::zero(), a2 = S::zero(), a3 = S::zero();
       for (int64_t d0 = 0; d0 < d; d0 += kLanes) {
@@ -156,6 +155,8 @@ struct FewQueries {
       key_end = std::max(key_end, s.lim[qi]);
     }
     alignas(64) float lane[kLanes];
+    const int64_t dkp = dk(), dvp = dv();
+    const bool k_in_place = keys_in_place(), v_in_place = values_in_place();
     for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
       const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
       for (int c = 0; c < kKeys; ++c) {
@@ -163,13 +164,13 @@ struct FewQueries {
           s.kp[c] = s.vp[c] = s.zero;
           continue;
         }
-        s.kp[c] = key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), keys_in_place(), s.kbuf + c * dk());
-        s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), values_in_place(), s.vbuf + c * dv());
+        s.kp[c] = key_row(p.k, b, hk, j0 + c, p.dim_qk, dkp, k_in_place, s.kbuf + c * dkp);
+        s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dvp, v_in_place, s.vbuf + c * dvp);
       }
       for (int64_t qi = 0; qi < n; ++qi) {
         if (j0 >= s.lim[qi]) continue;  // past causality for this query
         const int64_t h = hk * group() + qi / p.len_q, i = qi % p.len_q;
-        F x = scores(s, s.q + qi * dk());
+        F x = scores(s, s.q + qi * dkp, dkp);
         for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j0, nc));
         const int visible = static_cast<int>(std::min<int64_t>(nc, s.lim[qi] - j0));
         const M keep = static_cast<M>(visible >= kLanes ? (1u << kLanes) - 1 : (1u << visible) - 1);
@@ -186,15 +187,17 @@ struct FewQueries {
         float* l = s.l + qi * kLanes;
         S::store(l, S::fmadd(S::load(l), S::set1(alpha), pr));
         s.m[qi] = m_new;
-        float* acc = s.acc + qi * dv();
+        // O = alpha O + sum_c p_c v_c along each value row in turn (rows fresh from memory are
+        // read in order): every key, a zero weight too (0 x inf is NaN, as in P @ V).
+        float* acc = s.acc + qi * dvp;
         if (alpha != 1.0f) {
-          for (int64_t d0 = 0; d0 < dv(); d0 += kLanes) S::store(acc + d0, S::mul(S::load(acc + d0), S::set1(alpha)));
+          for (int64_t d0 = 0; d0 < dvp; d0 += kLanes) S::store(acc + d0, S::mul(S::load(acc + d0), S::set1(alpha)));
         }
         S::store(s.prob, pr);
-        for (int c = 0; c < nc; ++c) {  // every key of the block, a zero weight too (0 x inf is NaN, as in P @ V)
+        for (int c = 0; c < nc; ++c) {
           const F w = S::set1(s.prob[c]);
           const float* v = s.vp[c];
-          for (int64_t d0 = 0; d0 < dv(); d0 += kLanes) S::store(acc + d0, S::fmadd(w, S::load(v + d0), S::load(acc + d0)));
+          for (int64_t d0 = 0; d0 < dvp; d0 += kLanes) S::store(acc + d0, S::fmadd(w, S::load(v + d0), S::load(acc + d0)));
         }
       }
     }
