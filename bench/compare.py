@@ -121,6 +121,20 @@ def bench_sdpa_masked(B, H, L, d, reps, rows):
         rows.append((f"sdpa fwd fp32 {name}", f"B={B} H={H} L={L} d={d}", ours, theirs, flops))
 
 
+def bench_decode(reps, rows):
+    """One decoding step in fp32: one query per head against a cache of keys and values, with as
+    many key/value heads as query heads, and grouped (GQA, 4 query heads per key/value head).
+    FLOPs as for any forward; the step reads the whole cache, so bytes bound it."""
+    for B, Hq, Hkv, S, d in ((4, 16, 16, 2048, 64), (1, 32, 8, 4096, 128)):
+        g = torch.Generator().manual_seed(2)
+        q = torch.randn(B, Hq, 1, d, generator=g)
+        k, v = (torch.randn(B, Hkv, S, d, generator=g) for _ in range(2))
+        gqa = Hq != Hkv
+        ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
+                                      lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), reps * 3)
+        rows.append(("sdpa decode fp32", f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * S * d))
+
+
 def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):
     """mha.nn.MultiheadAttention (the drop-in torch.nn.Module, its per-call copy of the parameters
     into the kernels included) against torch.nn.MultiheadAttention, both in `dtype`; with
@@ -214,7 +228,7 @@ def plot(rows, path):
         sys.exit(f"--plot needs matplotlib ({sys.executable} -m pip install matplotlib; make bench installs it)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    plotted = lambda op: op.startswith("sdpa") and "mask" not in op  # the masked rows: the table only
+    plotted = lambda op: op.startswith("sdpa") and "mask" not in op and "decode" not in op  # the table only
     ops = sorted({op for op, *_ in rows if plotted(op)})
     series = {}
     for op, shape, ours, theirs, flops in rows:
@@ -290,6 +304,8 @@ def main():
                                                          args.threads, args.reps)
             if d == args.dims[0] and "fp32" in args.dtypes:
                 bench_sdpa_masked(args.batch, args.heads, L, d, args.reps, rows)
+    if not args.no_sdpa and "fp32" in args.dtypes:
+        bench_decode(args.reps, rows)
     if not args.no_module:
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
