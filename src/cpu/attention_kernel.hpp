@@ -79,6 +79,10 @@ void with_input_elements(const void* base, DType dtype, int64_t offset, Read rea
   }
 }
 
+// Up to this many queries per head, the forward runs the decoding kernel (few_queries.hpp), lanes
+// over the head dimension, rather than tiles with lanes over the queries.
+constexpr int64_t kFewQueriesPerHead = 4;
+
 // Preconditions (checked by run_attention): q, k, v of one dtype (float32, bfloat16 or float16)
 // with unit stride in the last dimension; Lq, Lk < 2^31; 0 <= dropout_p < 1; Lk > 0.
 void flash_forward_portable(const AttentionProblem& p, const ForwardOutputs& o);

@@ -33,9 +33,9 @@ struct FewQueries {
   using T = Tiles<S>;
   static constexpr int kLanes = S::kLanes;
   static constexpr int kKeys = kLanes;  // keys per block: one vector of scores
-  // Up to this many queries per head: at 4 queries a task does 4x the dot products of one, while
-  // the tile kernel's cost does not move until 16 (AVX2) or 48 (AVX-512) queries.
-  static constexpr int64_t kMaxQueriesPerHead = 4;
+  // Up to kFewQueriesPerHead (4) queries per head: at 4 a task does 4x the dot products of one,
+  // while the tile kernel's cost does not move until 16 (AVX2) or 48 (AVX-512) queries.
+  static constexpr int64_t kMaxQueriesPerHead = kFewQueriesPerHead;
   // Keys per run of a split cache: runs are tasks of their own (a cache of 4096 keys and 8
   // key/value heads makes 32), merged afterwards. Fixed, so the bits depend on the shape only.
   static constexpr int64_t kKeysPerRun = 1024;
