@@ -154,18 +154,21 @@ struct Tiles {
     }
   }
 
-  // dst[c][r] = src[r][c] for a kWidth x kWidth panel, in 8 x 8 blocks where the SIMD layer has a
-  // block transpose (the portable layer does not).
-  static void transpose_panel(const float* src, float* dst) {
-    static_assert(kWidth % 8 == 0);
+  // dst[c][r] = src[r][c] for an N x N block, in 8 x 8 blocks where the SIMD layer has a block
+  // transpose (the portable layer does not).
+  template <int N>
+  static void transpose(const float* src, float* dst) {
+    static_assert(N % 8 == 0);
     if constexpr (requires { S::transpose8x8(src, int64_t{0}, dst, int64_t{0}); }) {
-      for (int r = 0; r < kWidth; r += 8)
-        for (int c = 0; c < kWidth; c += 8) S::transpose8x8(src + r * kWidth + c, kWidth, dst + c * kWidth + r, kWidth);
+      for (int r = 0; r < N; r += 8)
+        for (int c = 0; c < N; c += 8) S::transpose8x8(src + r * N + c, N, dst + c * N + r, N);
     } else {
-      for (int r = 0; r < kWidth; ++r)
-        for (int c = 0; c < kWidth; ++c) dst[c * kWidth + r] = src[r * kWidth + c];
+      for (int r = 0; r < N; ++r)
+        for (int c = 0; c < N; ++c) dst[c * N + r] = src[r * N + c];
     }
   }
+  static void transpose_panel(const float* src, float* dst) { transpose<kWidth>(src, dst); }   // kWidth x kWidth
+  static void transpose_square(const float* src, float* dst) { transpose<kLanes>(src, dst); }  // kLanes x kLanes
 
   // log2(e) * mask(b, h, i, j0 + c) for c < nc, zero past them, as one vector: read along the
   // mask's row (where masks are contiguous) and scaled in a SIMD multiply, so that every reader of
@@ -207,7 +210,6 @@ struct Tiles {
   //   a 48-query tile's stores fell 192 bytes apart and masks took 14-23% of a forward (d=64,
   //   L=1024). The forward reads masks that vary along the queries from a transposed copy
   //   instead, where it can (FlashForward::transpose_masks).
-  static_assert(kLanes % 8 == 0, "squares transpose in 8 x 8 blocks");
   static void add_mask(const MaskTerm& t, float* tile, int64_t row_step, int64_t col_step, int64_t b, int64_t h,
                        int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
     const bool same_for_every_query = t.strides[2] == 0;  // a key padding mask, [B, 1, 1, Lk]
@@ -237,18 +239,6 @@ struct Tiles {
         transpose_square(square, turned);
         for (int c = 0; c < nc; ++c) add(tile + (jj0 + c) * col_step + ii0, S::load(turned + c * kLanes));
       }
-    }
-  }
-
-  // dst[c][r] = src[r][c] for a kLanes x kLanes square, in 8 x 8 blocks where the SIMD layer has a
-  // block transpose.
-  static void transpose_square(const float* src, float* dst) {
-    if constexpr (requires { S::transpose8x8(src, int64_t{0}, dst, int64_t{0}); }) {
-      for (int r = 0; r < kLanes; r += 8)
-        for (int c = 0; c < kLanes; c += 8) S::transpose8x8(src + r * kLanes + c, kLanes, dst + c * kLanes + r, kLanes);
-    } else {
-      for (int r = 0; r < kLanes; ++r)
-        for (int c = 0; c < kLanes; ++c) dst[c * kLanes + r] = src[r * kLanes + c];
     }
   }
 
