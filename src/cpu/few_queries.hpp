@@ -258,7 +258,7 @@ struct FewQueries {
     }
     // Runs of keys as tasks, each leaving its (O, m, l) per query; then each query's runs merged
     // in order: m the largest, and every run's O and l scaled by 2^(m_run - m).
-    const Tensor states = Tensor::empty({groups * r * n * state_floats()});
+    const Tensor states = Tensor::empty({groups, r, n, state_floats()});  // the count checked there
     float* st = states.data<float>();
     parallel_for(groups * r, threads, [&](int64_t t, int) {
       const int64_t g = t / r, run = t % r;

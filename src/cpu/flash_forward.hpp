@@ -461,10 +461,6 @@ struct FlashForward {
   // kBlockQ floats per key, zero past the last query, so a task adds one vector of queries per key
   // from consecutive memory. The values are mask_square's, so the bits are add_mask's. Up to this
   // many floats per term (settable for tests; an [Lq, Lk] mask of 2048 x 2048 is 4 Mi).
-  int64_t mask_slices(int t) const {
-    const MaskTerm& m = p.masks[t];
-    return (m.strides[0] != 0 ? p.batch : 1) * (m.strides[1] != 0 ? p.heads_q : 1);
-  }
   int64_t mask_slice(int t, int64_t b, int64_t h) const {
     const MaskTerm& m = p.masks[t];
     return (m.strides[0] != 0 ? b : 0) * (m.strides[1] != 0 ? p.heads_q : 1) + (m.strides[1] != 0 ? h : 0);
@@ -479,11 +475,17 @@ struct FlashForward {
     const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
     for (int t = 0; t < p.num_masks; ++t) {
       const MaskTerm& m = p.masks[t];
-      const int64_t floats = mask_slices(t) * mask_slice_floats();
-      if (m.strides[2] == 0 || floats > transposed_mask_floats().load()) continue;
+      // One slice per (batch, head) the mask varies over; counts that overflow (a view's strides
+      // may alias its storage) or pass the cap leave the mask in place.
+      int64_t slices = 0, floats = 0;
+      if (m.strides[2] == 0 ||
+          __builtin_mul_overflow(m.strides[0] != 0 ? p.batch : 1, m.strides[1] != 0 ? p.heads_q : 1, &slices) ||
+          __builtin_mul_overflow(slices, mask_slice_floats(), &floats) || floats > transposed_mask_floats().load()) {
+        continue;
+      }
       storage.push_back(Tensor::empty({floats}));
       float* dst = storage.back().data<float>();
-      parallel_for(mask_slices(t) * q_blocks, threads, [&](int64_t task, int) {
+      parallel_for(slices * q_blocks, threads, [&](int64_t task, int) {
         const int64_t slice = task / q_blocks, i0 = task % q_blocks * kBlockQ;
         // A (b, h) of the slice: the first of those that share it.
         const int64_t h = m.strides[1] != 0 ? slice % p.heads_q : 0;

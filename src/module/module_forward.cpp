@@ -170,8 +170,10 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
   } else if (options.need_weights) {
     weights = Tensor::empty(detail::module_weights_shape(c, H, false));  // [N,] H, L, S
     o.weights = weights.data<float>();
-    const int64_t strides[4] = {H * L * St, L * St, St, 1};
-    std::copy_n(strides, 4, o.weights_strides);
+    // The tensor's own strides (sizes whose product overflows, with an empty batch, are its business).
+    const TensorView& w = weights.view();
+    for (int d = 0; d < 3; ++d) o.weights_strides[d + 1] = w.strides[w.ndim - 3 + d];
+    o.weights_strides[0] = c.batched ? w.strides[0] : 0;
   }
   Tensor lse;
   if (st) {
