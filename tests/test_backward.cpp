@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/attention_kernel.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
@@ -74,6 +75,53 @@ SdpaCase draw_sdpa_case(std::mt19937_64& rng) {
                " Dv=" + std::to_string(Dv) + " causal=" + std::to_string(c.options.is_causal) +
                " dropout=" + std::to_string(c.options.dropout_p) + " mask=" + std::to_string(kind);
   return c;
+}
+
+// The one-pass schedule (16 or more key/value head groups) reads a mask that varies along the
+// queries from a copy in its tiles' order, where the copy fits (mha::detail::transposed_mask_floats),
+// and in place otherwise: the gradients have the same bits either way, and the reference's values.
+// Masks of every kind and broadcast, partial tiles, GQA, causality; on every ISA.
+TEST(SdpaBackward, MaskTileCopiesGiveTheBitsOfMasksReadInPlace) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    for (int variant = 0; variant < 4; ++variant) {
+      const int64_t b = 4, hkv = 4, hq = 8, lq = variant == 3 ? 37 : 100, lk = variant == 3 ? 50 : 130, d = 16;
+      const mha::Tensor q = randn({b, hq, lq, d}, rng), k = randn({b, hkv, lk, d}, rng), v = randn({b, hkv, lk, d}, rng);
+      const mha::Tensor go = randn({b, hq, lq, d}, rng);
+      mha::Tensor mask;
+      mha::TensorView view;
+      if (variant == 0) {  // additive, [Lq, Lk]
+        mask = randn({lq, lk}, rng);
+        view = mask.view();
+      } else if (variant == 1) {  // bool (true attends), one per head
+        mask = mha::Tensor::empty({b, hq, lq, lk}, mha::DType::boolean);
+        std::bernoulli_distribution keep(0.8);
+        for (int64_t e = 0; e < mask.numel(); ++e) mask.data<uint8_t>()[e] = keep(rng);
+        view = mask.view();
+      } else {  // additive, per batch entry, a transposed view of [B, 1, Lk, Lq]
+        mask = randn({b, 1, lk, lq}, rng);
+        view = mask.view().transpose(2, 3);
+      }
+      mha::SdpaOptions o{.attn_mask = view, .is_causal = variant >= 2, .enable_gqa = true};
+      SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " variant " + std::to_string(variant));
+      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+      const auto copied = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);
+      std::atomic<int64_t>& cap = mha::detail::transposed_mask_floats();
+      const int64_t kept = cap.exchange(0);  // every mask read in place
+      const auto in_place = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);
+      cap = kept;
+      EXPECT_TRUE(same_bits(copied.query, in_place.query));
+      EXPECT_TRUE(same_bits(copied.key, in_place.key));
+      EXPECT_TRUE(same_bits(copied.value, in_place.value));
+      const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, go, o);
+      const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
+      EXPECT_LT(rel_error(copied.query, r.query, floor), 1e-4);
+      EXPECT_LT(rel_error(copied.key, r.key, floor), 1e-4);
+      EXPECT_LT(rel_error(copied.value, r.value, floor), 1e-4);
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
 }
 
 TEST(SdpaBackward, MatchesFloat64ReferenceOnEveryIsa) {

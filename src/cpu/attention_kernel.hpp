@@ -101,9 +101,25 @@ void run_attention_backward(const AttentionProblem& p, const BackwardInputs& in,
 // keys and values that are not packed into it the same way; settable for tests.
 std::atomic<int64_t>& widened_chunk_floats();
 
-// The forward copies each mask that varies along the queries transposed, once per call, when the
-// copy takes at most this many floats; a larger one is read in place. Settable for tests.
+// The forward copies each mask that varies along the queries transposed, once per call, and the
+// backward's one-pass schedule in the order of its tiles, when the copy takes at most this many
+// floats; a larger one is read in place. Settable for tests.
 std::atomic<int64_t>& transposed_mask_floats();
+
+// The (batch, query head) slices a mask term varies over, which its copies hold one by one:
+// B x Hq at most, fewer where the mask broadcasts. mask_slice_count is false where the count
+// overflows (a view's strides may alias its storage).
+inline bool mask_slice_count(const MaskTerm& m, int64_t batch, int64_t heads_q, int64_t* count) {
+  return !__builtin_mul_overflow(m.strides[0] != 0 ? batch : 1, m.strides[1] != 0 ? heads_q : 1, count);
+}
+inline int64_t mask_slice(const MaskTerm& m, int64_t heads_q, int64_t b, int64_t h) {
+  return (m.strides[0] != 0 ? b : 0) * (m.strides[1] != 0 ? heads_q : 1) + (m.strides[1] != 0 ? h : 0);
+}
+// The first (b, h) that reads a slice.
+inline void mask_slice_origin(const MaskTerm& m, int64_t heads_q, int64_t slice, int64_t* b, int64_t* h) {
+  *h = m.strides[1] != 0 ? slice % heads_q : 0;
+  *b = m.strides[0] != 0 ? slice / (m.strides[1] != 0 ? heads_q : 1) : 0;
+}
 
 // Validates kernel preconditions, copies inputs whose last stride is not 1, handles the cases
 // with nothing to compute (Lk == 0, dropout_p == 1, empty tensors) and runs the ISA's kernel.

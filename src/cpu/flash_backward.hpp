@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -25,6 +26,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <vector>
 
 #include "core/attention_problem.hpp"
 #include "core/dropout.hpp"
@@ -53,6 +55,10 @@ struct FlashBackward {
   const AttentionProblem& p;
   const BackwardInputs& in;
   const BackwardOutputs& out;
+  // Masks that vary along the queries, copied for the one-pass schedule in the order of its tiles
+  // (tile_masks): for term t, null (read in place), or [slices][key panels][query panels][48][48]
+  // floats of log2(e) * value, zero past the last query and key.
+  std::array<const float*, 3> mask_tiles{};
 
   // One allocation per task holding `floats` floats, 64-byte aligned, zeroed; given back on scope
   // exit. From the host block cache (core/host_memory.hpp): a group task's buffer is tens of MiB
@@ -417,7 +423,18 @@ struct FlashBackward {
             T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk, key_vecs);
             T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv, key_vecs);
           }
-          for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
+          for (int t = 0; t < p.num_masks; ++t) {
+            if (const float* tile = mask_tiles[t]) {  // the tile's own copy, in consecutive memory
+              tile += (mask_slice(p.masks[t], p.heads_q, b, h) * nkb * nqb + kb * nqb + i0 / kPanel) * kPanel * kPanel;
+              for (int64_t ii = 0; ii < ni; ++ii)
+                for (int c = 0; c < key_vecs; ++c) {
+                  float* at = pt + ii * kPanel + c * kLanes;
+                  S::store(at, S::add(S::load(at), S::load(tile + ii * kPanel + c * kLanes)));
+                }
+            } else {
+              T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
+            }
+          }
           // Every row past ni is zeroed (over key_vecs), so the transpose below holds no stale dS.
           probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, j0, jv, key_vecs);
           T::accumulate_call(dvt_all + kb * panel_v, grows, pt, ni, dv, key_vecs);  // dV^T += dO^T Pd
@@ -439,6 +456,40 @@ struct FlashBackward {
     }
   }
 
+  // The one-pass schedule walks, per head, the key panels and within each the query panels: a
+  // mask that varies along the queries is read in 48 x 48 tiles whose rows lie a mask row apart,
+  // often a multiple of 4 KiB, each tile's lines from memory (an additive [1024, 1024] mask cost
+  // 8% of a backward). Such masks are copied once per call, scaled (mask_row's values, so the
+  // bits are add_mask's), each tile's rows consecutive and the tiles in the order they are read.
+  std::array<const float*, 3> tile_masks(int threads, std::vector<Tensor>& storage) const {
+    std::array<const float*, 3> tiles{};
+    const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
+    for (int t = 0; t < p.num_masks; ++t) {
+      const MaskTerm& m = p.masks[t];
+      int64_t slices = 0, floats = 0;
+      if (m.strides[2] == 0 || !mask_slice_count(m, p.batch, p.heads_q, &slices) ||
+          __builtin_mul_overflow(slices, nkb * nqb * kPanel * kPanel, &floats) || floats > transposed_mask_floats().load()) {
+        continue;
+      }
+      storage.push_back(Tensor::empty({floats}));
+      float* dst = storage.back().data<float>();
+      parallel_for(slices * nkb, threads, [&](int64_t task, int) {
+        const int64_t slice = task / nkb, kb = task % nkb, j0 = kb * kPanel;
+        int64_t b = 0, h = 0;
+        mask_slice_origin(m, p.heads_q, slice, &b, &h);
+        float* tile = dst + (slice * nkb + kb) * nqb * kPanel * kPanel;
+        for (int64_t i = 0; i < nqb * kPanel; ++i, tile += kPanel) {  // query i: row i % 48 of tile i / 48
+          for (int c0 = 0; c0 < kPanel; c0 += kLanes) {
+            const int nc = static_cast<int>(std::clamp<int64_t>(p.len_k - j0 - c0, 0, kLanes));
+            S::store(tile + c0, i < p.len_q && nc > 0 ? T::mask_row(m, b, h, i, j0 + c0, nc) : S::zero());
+          }
+        }
+      });
+      tiles[t] = dst;
+    }
+    return tiles;
+  }
+
   void run() const {
     const int threads = resolve_threads(p.num_threads);
     // Many head groups and no score gradient to write: one pass per group. Otherwise two passes,
@@ -447,8 +498,10 @@ struct FlashBackward {
     // counts; 16 groups keep up to 4 threads busy with room to balance.
     constexpr int64_t kMinGroupsForOnePass = 16;
     if (out.dscores == nullptr && p.batch * p.heads_kv >= kMinGroupsForOnePass) {
+      std::vector<Tensor> storage;
+      FlashBackward with_tiles{p, in, out, tile_masks(threads, storage)};
       parallel_for(p.batch * p.heads_kv, threads,
-                   [&](int64_t t, int) { group_task(t / p.heads_kv, t % p.heads_kv); });
+                   [&](int64_t t, int) { with_tiles.group_task(t / p.heads_kv, t % p.heads_kv); });
       return;
     }
     const int64_t key_blocks = (p.len_k + kPanel - 1) / kPanel;

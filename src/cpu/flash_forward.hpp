@@ -189,7 +189,7 @@ struct FlashForward {
 
       for (int t = 0; t < p.num_masks; ++t) {
         if (const float* cols = mask_columns.data[t]) {  // the transposed copy: a vector of queries per key
-          cols += mask_slice(t, b, h) * mask_slice_floats() + (i0 / kBlockQ * p.len_k + j0) * kBlockQ;
+          cols += mask_slice(p.masks[t], p.heads_q, b, h) * mask_slice_floats() + (i0 / kBlockQ * p.len_k + j0) * kBlockQ;
           for (int64_t jj = 0; jj < nb; ++jj)
             for (int c = 0; c < vecs; ++c) {
               float* row = s.st + jj * kBlockQ + c * kLanes;
@@ -459,12 +459,8 @@ struct FlashForward {
   // L=1024 (add_mask). Each (batch, head) slice of such a mask is therefore copied once per call,
   // transposed, scaled and laid out as the tasks read it: per block of kBlockQ queries, one row of
   // kBlockQ floats per key, zero past the last query, so a task adds one vector of queries per key
-  // from consecutive memory. The values are mask_square's, so the bits are add_mask's. Up to this
-  // many floats per term (settable for tests; an [Lq, Lk] mask of 2048 x 2048 is 4 Mi).
-  int64_t mask_slice(int t, int64_t b, int64_t h) const {
-    const MaskTerm& m = p.masks[t];
-    return (m.strides[0] != 0 ? b : 0) * (m.strides[1] != 0 ? p.heads_q : 1) + (m.strides[1] != 0 ? h : 0);
-  }
+  // from consecutive memory. The values are mask_square's, so the bits are add_mask's. Up to
+  // transposed_mask_floats() floats per term (8 Mi; an [Lq, Lk] mask of 2048 x 2048 is 4 Mi).
   int64_t mask_slice_floats() const { return round_up(p.len_q, kBlockQ) * p.len_k; }
 
   // The transposed copies of the masks that take one, in `storage`; the problem's other masks stay
@@ -478,8 +474,7 @@ struct FlashForward {
       // One slice per (batch, head) the mask varies over; counts that overflow (a view's strides
       // may alias its storage) or pass the cap leave the mask in place.
       int64_t slices = 0, floats = 0;
-      if (m.strides[2] == 0 ||
-          __builtin_mul_overflow(m.strides[0] != 0 ? p.batch : 1, m.strides[1] != 0 ? p.heads_q : 1, &slices) ||
+      if (m.strides[2] == 0 || !mask_slice_count(m, p.batch, p.heads_q, &slices) ||
           __builtin_mul_overflow(slices, mask_slice_floats(), &floats) || floats > transposed_mask_floats().load()) {
         continue;
       }
@@ -487,9 +482,8 @@ struct FlashForward {
       float* dst = storage.back().data<float>();
       parallel_for(slices * q_blocks, threads, [&](int64_t task, int) {
         const int64_t slice = task / q_blocks, i0 = task % q_blocks * kBlockQ;
-        // A (b, h) of the slice: the first of those that share it.
-        const int64_t h = m.strides[1] != 0 ? slice % p.heads_q : 0;
-        const int64_t b = m.strides[0] != 0 ? slice / (m.strides[1] != 0 ? p.heads_q : 1) : 0;
+        int64_t b = 0, h = 0;
+        mask_slice_origin(m, p.heads_q, slice, &b, &h);
         float* out = dst + slice * mask_slice_floats() + i0 * p.len_k;
         alignas(64) float square[kLanes * kLanes], turned[kLanes * kLanes];
         for (int64_t j0 = 0; j0 < p.len_k; j0 += kLanes) {
