@@ -536,19 +536,26 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
   }
 }
 
-// Up to 4 queries per head (decoding) run their own kernel: lanes over the head dimension, the
-// query heads of a group in one task, long caches in runs of 1024 keys merged afterwards. Against
-// the reference on every ISA: 1-4 queries, groups of 1-8 heads, caches from 1 key to 3 runs, head
+// Up to 32 queries per head (decoding, speculative decoding, short prompt chunks) run their own
+// kernel: queries as rows, lanes over 48 keys, the query heads of a group in one task, long caches
+// in runs of 1008 keys merged afterwards, a group's rows split into chunks where tasks are few.
+// Against the reference on every ISA: 1-32 queries, groups of 1-8 heads, caches from 1 key to 3 runs, head
 // dimensions that are not whole vectors, float32/bfloat16/float16, every mask kind and broadcast,
 // both causal alignments, [B, L, H, D] views; the same bits on 1 and 3 threads; the log-sum-exp
 // through the backward's gradients; fully masked rows give zeros; a NaN query gives a NaN row.
 TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
   std::mt19937_64 rng(test_seed());
-  const int64_t key_lengths[] = {1, 5, 16, 17, 100, 1024, 1025, 2100};
-  const int64_t dims[] = {8, 24, 64, 72};
-  for (int n = 0; n < 48; ++n) {
-    const int64_t lq = 1 + n % 4, group = n % 3 == 0 ? 1 : n % 3 == 1 ? 3 : 8, hkv = 1 + n % 2, hq = hkv * group;
-    const int64_t b = 1 + (n / 2) % 2, lk = key_lengths[n % 8], dk = dims[(n / 3) % 4], dv = n % 5 == 0 ? 40 : 16;
+  // Up to 32 queries per head: register blocks of every height, a run of keys split over tasks
+  // (Lk > 1008) and short key blocks (Lk % 48), key rows transposed in place (Dk % 8 == 0) and
+  // copied (20), value rows of 1 to 5 vectors.
+  const int64_t key_lengths[] = {1, 5, 16, 17, 100, 1008, 1025, 2100};
+  const int64_t query_lengths[] = {1, 2, 3, 4, 5, 7, 13, 32};
+  const int64_t dims[] = {8, 24, 64, 72, 20};
+  const int64_t value_dims[] = {16, 40, 48, 80};
+  for (int n = 0; n < 64; ++n) {
+    const int64_t lq = query_lengths[(n + n / 8) % 8], group = n % 3 == 0 ? 1 : n % 3 == 1 ? 3 : 8, hkv = 1 + n % 2,
+                  hq = hkv * group;
+    const int64_t b = 1 + (n / 2) % 2, lk = key_lengths[n % 8], dk = dims[(n / 3) % 5], dv = value_dims[(n / 5) % 4];
     const mha::DType dtype = n % 6 == 4 ? mha::DType::bf16 : n % 6 == 5 ? mha::DType::f16 : mha::DType::f32;
     const mha::Tensor qs = randn({b, lq, hq, dk}, rng, dtype), ks = randn({b, lk, hkv, dk}, rng, dtype),
                       vs = randn({b, lk, hkv, dv}, rng, dtype);

@@ -1,13 +1,15 @@
-// Attention for a handful of queries per head: decoding (one new token against a key/value cache,
-// or a few speculative ones). The tile kernel (flash_forward.hpp) puts queries in the lanes of a
-// 48-wide panel; with one query per head, 15 of every 16 lanes (47 of 48 on AVX-512) compute
-// nothing, and a decoding step ran at 0.2-0.6x PyTorch's. Here the lanes run over the head
-// dimension instead: each score is a dot product of a query row and a key row, 16 keys at a time
-// (their partial sums transposed in registers and added, one vector of 16 scores), and the output
-// accumulates O += p V along value rows. The query heads that share a key/value head (GQA) are
-// one task, so each key block is read once for all of them; long caches are split into shape-fixed
-// runs of keys whose partial softmax states are merged in order afterwards, so the bits do not
-// depend on the thread count. Internal linkage: each ISA's file compiles its own copy.
+// Attention for a handful of queries per head: decoding (one new token against a key/value cache),
+// speculative decoding and short chunks of a prompt (a few tokens each). The tile kernel
+// (flash_forward.hpp) puts the queries of one head in the lanes of a 48-wide panel; with a few
+// queries per head most of its lanes compute nothing, and such a step ran at 0.2-0.6x PyTorch's.
+// Here the lanes run over the keys: a block of 48 keys is transposed once into a panel and each
+// query is a broadcast row of the score product (the backward's shape, tile_kernels.hpp), then
+// O += P V takes each probability as a broadcast against value rows read in place. The query
+// heads that share a key/value head (GQA) are rows of the same task, so each key block is read
+// once for all of them. Long caches are split into shape-fixed runs of keys whose partial softmax
+// states are merged in order afterwards; every query row's arithmetic is the same whichever rows
+// share its register block or task, so the bits depend on the shape only, not on the thread
+// count. Internal linkage: each ISA's file compiles its own copy.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "core/attention_problem.hpp"
 #include "core/scratch.hpp"
@@ -32,13 +35,12 @@ struct FewQueries {
   using M = typename S::M;
   using T = Tiles<S>;
   static constexpr int kLanes = S::kLanes;
-  static constexpr int kKeys = kLanes;  // keys per block: one vector of scores
-  // Up to kFewQueriesPerHead (4) queries per head: at 4 a task does 4x the dot products of one,
-  // while the tile kernel's cost does not move until 16 (AVX2) or 48 (AVX-512) queries.
+  static constexpr int kKeys = T::kWidth;  // keys per block: the lanes of one panel (48)
+  static constexpr int kBlockRows = T::kBlockRows, kBlockVecs = T::kBlockVecs;
   static constexpr int64_t kMaxQueriesPerHead = kFewQueriesPerHead;
   // Keys per run of a split cache: runs are tasks of their own (a cache of 4096 keys and 8
-  // key/value heads makes 32), merged afterwards. Fixed, so the bits depend on the shape only.
-  static constexpr int64_t kKeysPerRun = 1024;
+  // key/value heads makes 40), merged afterwards. Fixed, so the bits depend on the shape only.
+  static constexpr int64_t kKeysPerRun = 21 * kKeys;  // 1008
 
   const AttentionProblem& p;
   const ForwardOutputs& o;
@@ -48,53 +50,58 @@ struct FewQueries {
     return p.len_q <= kMaxQueriesPerHead && p.dropout_p == 0 && o.weights == nullptr && o.average_weights == nullptr;
   }
 
-  static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
   int64_t group() const { return p.heads_q / p.heads_kv; }
-  int64_t queries() const { return group() * p.len_q; }  // per task: query (h, i) is number (h % group) * Lq + i
+  int64_t queries() const { return group() * p.len_q; }  // per key/value head: query (h, i) is row (h % group) * Lq + i
   int64_t runs() const { return (p.len_k + kKeysPerRun - 1) / kKeysPerRun; }
-  int64_t dk() const { return round_up(p.dim_qk, kLanes); }  // rows padded with zeros to whole vectors
-  int64_t dv() const { return round_up(p.dim_v, kLanes); }
+  int64_t dk8() const { return T::round_up(p.dim_qk, 8); }  // key rows are transposed 8 x 8
+  int64_t dk() const { return T::round_up(p.dim_qk, kLanes); }
+  int64_t dv() const { return T::round_up(p.dim_v, kLanes); }  // value rows padded with zeros to whole vectors
   int64_t state_floats() const { return dv() + 2; }  // a run's partial result per query: O, then m and l
 
-  // Key and value rows are read in place when they are float32 of whole vectors; otherwise each
-  // block is widened or copied into zero-padded rows.
-  bool keys_in_place() const { return p.k.dtype == DType::f32 && p.dim_qk % kLanes == 0; }
+  // Key rows are transposed in place when they are float32 of whole 8-float groups, value rows read
+  // in place when they are float32 of whole vectors; otherwise a block is widened or copied first.
+  bool keys_in_place() const { return p.k.dtype == DType::f32 && p.dim_qk % 8 == 0; }
   bool values_in_place() const { return p.v.dtype == DType::f32 && p.dim_v % kLanes == 0; }
 
   struct Scratch {
-    float* q;       // [n][dk] queries, scaled by scale * log2(e)
-    float* acc;     // [n][dv] O, unnormalised
-    float* m;       // [n] running max (base 2)
-    float* l;       // [n][kLanes] running sums, one per lane, added up at the end
-    float* kbuf;    // [kKeys][dk]
-    float* vbuf;    // [kKeys][dv]
-    float* zero;    // [max(dk, dv)]
-    float* sums;    // [kKeys][kLanes] partial dot products, then transposed
-    float* turned;  // [kLanes][kKeys]
-    float* prob;    // [kKeys]
-    int64_t* lim;   // [n] keys [0, lim) visible to each query
-    const float* kp[kKeys];
+    float* q;       // [rows][dk] queries, scaled by scale * log2(e)
+    float* acc;     // [rows][dv] O, unnormalised
+    float* m;       // [rows] running max (base 2)
+    float* l;       // [rows][kLanes] running sums, one per lane, added up at the end
+    float* alpha;   // [rows] this block's rescaling of O
+    float* scores;  // [rows][kKeys] this block's scores, then probabilities (active rows, packed)
+    float* kt;      // [dk8][kKeys] the block's keys transposed: the panel of the score product
+    float* kbuf;    // [kKeys][dk8] key rows widened or copied
+    float* vbuf;    // [kKeys][dv] value rows widened or copied
+    float* zero;    // [dv]
+    int64_t* lim;   // [rows] keys [0, lim) visible to each query
+    int64_t* active;     // [rows] the rows that see some key of the block, in order
+    const float** qrow;  // [rows] their queries
+    float** accrow;      // [rows] their accumulators
     const float* vp[kKeys];
   };
 
-  Scratch allocate() const {
-    const int64_t n = queries();
-    const int64_t floats = n * (dk() + dv() + 1 + kLanes) + kKeys * (dk() + dv()) + std::max(dk(), dv()) +
-                           2 * kKeys * kLanes + kKeys + 2 * n;  // the last: lim, as int64
-    float* f = static_cast<float*>(thread_scratch(static_cast<size_t>(round_up(floats * 4, 64) + 64)));
+  Scratch allocate(int64_t rows) const {
+    const int64_t floats = rows * (dk() + dv() + 2 + kLanes + kKeys) + dk8() * kKeys + kKeys * (dk8() + dv()) + dv() +
+                           8 * rows;  // the last: lim, active, qrow, accrow, 8 bytes each
+    float* f = static_cast<float*>(thread_scratch(static_cast<size_t>(T::round_up(floats * 4, 64) + 64)));
     Scratch s;
-    s.lim = reinterpret_cast<int64_t*>(f), f += 2 * n;  // first: the buffer's start is aligned for int64
-    s.sums = f, f += kKeys * kLanes;
-    s.turned = f, f += kKeys * kLanes;
-    s.l = f, f += n * kLanes;
-    s.q = f, f += n * dk();
-    s.acc = f, f += n * dv();
-    s.kbuf = f, f += kKeys * dk();
+    s.lim = reinterpret_cast<int64_t*>(f), f += 2 * rows;  // first: the buffer's start is aligned for 8 bytes
+    s.active = reinterpret_cast<int64_t*>(f), f += 2 * rows;
+    s.qrow = reinterpret_cast<const float**>(f), f += 2 * rows;
+    s.accrow = reinterpret_cast<float**>(f), f += 2 * rows;
+    s.kt = f, f += dk8() * kKeys;
+    s.scores = f, f += rows * kKeys;
+    s.l = f, f += rows * kLanes;
+    s.q = f, f += rows * dk();
+    s.acc = f, f += rows * dv();
+    s.kbuf = f, f += kKeys * dk8();
     s.vbuf = f, f += kKeys * dv();
-    s.zero = f, f += std::max(dk(), dv());
-    s.prob = f, f += kKeys;
-    s.m = f;
-    std::memset(s.zero, 0, sizeof(float) * std::max(dk(), dv()));
+    s.zero = f, f += dv();
+    s.m = f, f += rows;
+    s.alpha = f;
+    std::memset(s.zero, 0, sizeof(float) * dv());
+    std::memset(s.kt, 0, sizeof(float) * dk8() * kKeys);  // a short block leaves its last columns as they are
     return s;
   }
 
@@ -109,118 +116,148 @@ struct FewQueries {
     return dst;
   }
 
-  // The scores of one query against the block's kKeys key rows: per key a vector of partial sums
-  // over the head dimension, four keys at a time (independent chains), then transposed so that
-  // adding the rows gives one score per lane.
-  F scores(const Scratch& s, const float* q, int64_t d) const {
-    for (int c = 0; c < kKeys; c += 4) {
-      F a0 = S::zero(), a1 = S::zero(), a2 = S::zero(), a3 = S::zero();
-      for (int64_t d0 = 0; d0 < d; d0 += kLanes) {
-        const F x = S::load(q + d0);
-        a0 = S::fmadd(S::load(s.kp[c] + d0), x, a0);
-        a1 = S::fmadd(S::load(s.kp[c + 1] + d0), x, a1);
-        a2 = S::fmadd(S::load(s.kp[c + 2] + d0), x, a2);
-        a3 = S::fmadd(S::load(s.kp[c + 3] + d0), x, a3);
-      }
-      S::store(s.sums + c * kLanes, a0);
-      S::store(s.sums + (c + 1) * kLanes, a1);
-      S::store(s.sums + (c + 2) * kLanes, a2);
-      S::store(s.sums + (c + 3) * kLanes, a3);
+  // kt[d][c] = key j0 + c, element d, for c < nc (rounded up to 8 keys, zero rows past nc) and
+  // d < dk8: read in place at the tensor's row stride, or from rows copied into kbuf.
+  void transpose_keys(Scratch& s, int64_t b, int64_t hk, int64_t j0, int nc) const {
+    const int keys = static_cast<int>(T::round_up(nc, 8));
+    const float* src;
+    int64_t stride;
+    if (keys_in_place() && nc == kKeys) {
+      src = p.k.data_as<float>() + b * p.k.strides[0] + hk * p.k.strides[1] + j0 * p.k.strides[2];
+      stride = p.k.strides[2];
+    } else {
+      for (int c = 0; c < nc; ++c) key_row(p.k, b, hk, j0 + c, p.dim_qk, dk8(), false, s.kbuf + c * dk8());
+      std::fill(s.kbuf + nc * dk8(), s.kbuf + keys * dk8(), 0.0f);
+      src = s.kbuf;
+      stride = dk8();
     }
-    T::transpose_square(s.sums, s.turned);
-    F total = S::load(s.turned);
-    for (int r = 1; r < kLanes; ++r) total = S::add(total, S::load(s.turned + r * kLanes));
-    return total;
+    if constexpr (requires { S::transpose8x8(src, int64_t{0}, s.kt, int64_t{0}); }) {
+      for (int c = 0; c < keys; c += 8)
+        for (int64_t d = 0; d < dk8(); d += 8) S::transpose8x8(src + c * stride + d, stride, s.kt + d * kKeys + c, kKeys);
+    } else {
+      for (int c = 0; c < keys; ++c)
+        for (int64_t d = 0; d < dk8(); ++d) s.kt[d * kKeys + c] = src[c * stride + d];
+    }
   }
 
-  // Keys [j_begin, j_end) for every query of key/value head (b, hk). Leaves O, m and the lane sums
-  // of each query in the scratch.
-  void run_keys(Scratch& s, int64_t b, int64_t hk, int64_t j_begin, int64_t j_end) const {
-    const int64_t n = queries();
+  // fn(integral_constant<R>, r0) over `rows` rows in register blocks of kBlockRows, the last one short.
+  template <class Fn>
+  static void for_row_blocks(int64_t rows, Fn fn) {
+    int64_t r0 = 0;
+    for (; r0 + kBlockRows <= rows; r0 += kBlockRows) fn(std::integral_constant<int, kBlockRows>{}, r0);
+    const int rest = static_cast<int>(rows - r0);
+    [&]<int... R>(std::integer_sequence<int, R...>) {
+      ((rest == R + 1 ? fn(std::integral_constant<int, R + 1>{}, r0) : void()), ...);
+    }(std::make_integer_sequence<int, kBlockRows - 1>{});
+  }
+
+  // acc_r[c0..] = alpha_r acc_r[c0..] + sum_{j < nc} prob_r[j] v_j[c0..] for R rows and V vectors.
+  template <int R, int V>
+  static void accumulate_values(float* const* acc, const float* prob, const float* alpha, const float* const* vp,
+                                int nc, int64_t c0) {
+    F a[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) a[r][v] = S::mul(S::load(acc[r] + c0 + v * kLanes), S::set1(alpha[r]));
+    int j = 0;
+    do {  // nc >= 1; a loop that runs at least once keeps the accumulators in registers (tile_kernels.hpp)
+      F w[V];
+      for (int v = 0; v < V; ++v) w[v] = S::load(vp[j] + c0 + v * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const F x = S::set1(prob[r * kKeys + j]);
+        for (int v = 0; v < V; ++v) a[r][v] = S::fmadd(x, w[v], a[r][v]);
+      }
+    } while (++j < nc);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) S::store(acc[r] + c0 + v * kLanes, a[r][v]);
+  }
+
+  // The online softmax of packed row a (query qi of head h, position i) over the block's scores:
+  // masks added, keys past the query's limit at -inf; leaves the probabilities in the row, updates
+  // m and the lane sums, and the factor that rescales O in alpha.
+  void softmax_row(Scratch& s, int64_t a, int64_t qi, int64_t b, int64_t h, int64_t i, int64_t j0, int nc) const {
     const float neg_inf = -std::numeric_limits<float>::infinity();
+    float* row = s.scores + a * kKeys;
+    const int visible = static_cast<int>(std::min<int64_t>(nc, s.lim[qi] - j0));  // >= 1: the row is active
+    const int nv = (nc + kLanes - 1) / kLanes;
+    F x[T::kVecs];
+    bool nan = false;
+    F top = S::set1(neg_inf);
+    for (int v = 0; v < nv; ++v) {
+      const int cols = std::min(kLanes, nc - v * kLanes);
+      x[v] = S::load(row + v * kLanes);
+      for (int t = 0; t < p.num_masks; ++t) x[v] = S::add(x[v], T::mask_row(p.masks[t], b, h, i, j0 + v * kLanes, cols));
+      const int keep = std::clamp(visible - v * kLanes, 0, kLanes);
+      x[v] = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x[v], S::set1(neg_inf));
+      nan = nan || !S::all(S::eq(x[v], x[v]));
+      top = S::max(top, x[v]);
+    }
+    const float m_old = s.m[qi];
+    const float m_new = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, S::reduce_max(top));
+    // A query that has seen only -inf keeps m = -inf; subtracting 0 instead makes its p 0, not NaN.
+    const float m_use = m_new == neg_inf ? 0.0f : m_new;
+    alignas(64) float lane[kLanes];
+    S::store(lane, S::exp2(S::set1(m_old - m_use)));
+    s.alpha[a] = lane[0];
+    F sum = S::mul(S::load(s.l + qi * kLanes), S::set1(lane[0]));
+    for (int v = 0; v < nv; ++v) {
+      const F pr = S::exp2(S::sub(x[v], S::set1(m_use)));
+      S::store(row + v * kLanes, pr);
+      sum = S::add(sum, pr);
+    }
+    S::store(s.l + qi * kLanes, sum);
+    s.m[qi] = m_new;
+  }
+
+  // Keys [j_begin, j_end) for rows [r_begin, r_end) of key/value head (b, hk). Leaves O, m and the
+  // lane sums of each row in the scratch, indexed from r_begin.
+  void run_keys(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
+                int64_t j_end) const {
+    const int64_t rows = r_end - r_begin;
     const float qscale = static_cast<float>(p.scale) * kLog2e;
     int64_t key_end = j_begin;
-    for (int64_t qi = 0; qi < n; ++qi) {
-      const int64_t h = hk * group() + qi / p.len_q, i = qi % p.len_q;
+    for (int64_t qi = 0; qi < rows; ++qi) {
+      const int64_t h = hk * group() + (r_begin + qi) / p.len_q, i = (r_begin + qi) % p.len_q;
       const int64_t offset = b * p.q.strides[0] + h * p.q.strides[1] + i * p.q.strides[2];
       float* q = s.q + qi * dk();
       if (p.q.dtype == DType::f32) std::memcpy(q, p.q.data_as<float>() + offset, sizeof(float) * p.dim_qk);
       else T::widen(p.q.dtype, p.q.data_as<uint16_t>() + offset, q, p.dim_qk);
       for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= qscale;
-      std::fill(q + p.dim_qk, q + dk(), 0.0f);
       std::fill(s.acc + qi * dv(), s.acc + (qi + 1) * dv(), 0.0f);
       std::fill(s.l + qi * kLanes, s.l + (qi + 1) * kLanes, 0.0f);
-      s.m[qi] = neg_inf;
+      s.m[qi] = -std::numeric_limits<float>::infinity();
       s.lim[qi] = std::min(p.causal_end(i), j_end);
       key_end = std::max(key_end, s.lim[qi]);
     }
-    alignas(64) float lane[kLanes];
-    const int64_t dkp = dk(), dvp = dv();
-    const bool k_in_place = keys_in_place(), v_in_place = values_in_place();
+    const bool v_in_place = values_in_place();
+    const int vecs_v = static_cast<int>(dv() / kLanes);
     for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
       const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
-      for (int c = 0; c < kKeys; ++c) {
-        if (c >= nc) {
-          s.kp[c] = s.vp[c] = s.zero;
-          continue;
-        }
-        s.kp[c] = key_row(p.k, b, hk, j0 + c, p.dim_qk, dkp, k_in_place, s.kbuf + c * dkp);
-        s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dvp, v_in_place, s.vbuf + c * dvp);
+      int64_t n = 0;  // the rows that see a key of this block (causality), packed
+      for (int64_t qi = 0; qi < rows; ++qi) {
+        if (j0 >= s.lim[qi]) continue;
+        s.active[n] = qi;
+        s.qrow[n] = s.q + qi * dk();
+        s.accrow[n++] = s.acc + qi * dv();
       }
-      for (int64_t qi = 0; qi < n; ++qi) {
-        if (j0 >= s.lim[qi]) continue;  // past causality for this query
-        const int64_t h = hk * group() + qi / p.len_q, i = qi % p.len_q;
-        F x = scores(s, s.q + qi * dkp, dkp);
-        for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j0, nc));
-        const int visible = static_cast<int>(std::min<int64_t>(nc, s.lim[qi] - j0));
-        const M keep = static_cast<M>(visible >= kLanes ? (1u << kLanes) - 1 : (1u << visible) - 1);
-        x = S::select(keep, x, S::set1(neg_inf));
-        S::store(lane, x);
-        const float m_old = s.m[qi];
-        float m_new = m_old;
-        for (int c = 0; c < kLanes; ++c) m_new = lane[c] > m_new || std::isnan(lane[c]) ? lane[c] : m_new;
-        // A query that has seen only -inf keeps m = -inf; subtracting 0 instead makes its p 0, not NaN.
-        const float m_use = m_new == neg_inf ? 0.0f : m_new;
-        const F pr = S::exp2(S::sub(x, S::set1(m_use)));
-        S::store(lane, S::exp2(S::set1(m_old - m_use)));
-        const float alpha = lane[0];
-        float* l = s.l + qi * kLanes;
-        S::store(l, S::fmadd(S::load(l), S::set1(alpha), pr));
-        s.m[qi] = m_new;
-        // O = alpha O + sum_c p_c v_c: every key, a zero weight too (0 x inf is NaN, as in P @ V).
-        S::store(s.prob, pr);
-        accumulate_values(s, s.acc + qi * dvp, alpha, nc, dvp);
+      transpose_keys(s, b, hk, j0, nc);
+      for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
+      const int vecs = T::vecs_for(nc);
+      for_row_blocks(n, [&](auto r, int64_t r0) {
+        for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
+          T::template dot_rows_block<r()>(s.scores + r0 * kKeys, s.qrow + r0, s.kt, p.dim_qk, c0);
+      });
+      for (int64_t a = 0; a < n; ++a) {
+        const int64_t row = r_begin + s.active[a];
+        softmax_row(s, a, s.active[a], b, hk * group() + row / p.len_q, row % p.len_q, j0, nc);
       }
-    }
-  }
-
-  // acc = alpha acc + sum_{c < nc} prob[c] v_c over dv floats, four vectors of acc at a time held
-  // in registers across the block's value rows (a row of up to 64 floats is then read whole, in
-  // order); kept in memory between rows, the loads and stores of acc were half the work of a
-  // decoding step whose cache sits in L3.
-  void accumulate_values(const Scratch& s, float* acc, float alpha, int nc, int64_t dv) const {
-    const F scale = S::set1(alpha);
-    int64_t d0 = 0;
-    for (; d0 + 4 * kLanes <= dv; d0 += 4 * kLanes) {
-      F a0 = S::mul(S::load(acc + d0), scale), a1 = S::mul(S::load(acc + d0 + kLanes), scale);
-      F a2 = S::mul(S::load(acc + d0 + 2 * kLanes), scale), a3 = S::mul(S::load(acc + d0 + 3 * kLanes), scale);
-      for (int c = 0; c < nc; ++c) {
-        const F w = S::set1(s.prob[c]);
-        const float* v = s.vp[c] + d0;
-        a0 = S::fmadd(w, S::load(v), a0);
-        a1 = S::fmadd(w, S::load(v + kLanes), a1);
-        a2 = S::fmadd(w, S::load(v + 2 * kLanes), a2);
-        a3 = S::fmadd(w, S::load(v + 3 * kLanes), a3);
-      }
-      S::store(acc + d0, a0);
-      S::store(acc + d0 + kLanes, a1);
-      S::store(acc + d0 + 2 * kLanes, a2);
-      S::store(acc + d0 + 3 * kLanes, a3);
-    }
-    for (; d0 < dv; d0 += kLanes) {
-      F a = S::mul(S::load(acc + d0), scale);
-      for (int c = 0; c < nc; ++c) a = S::fmadd(S::set1(s.prob[c]), S::load(s.vp[c] + d0), a);
-      S::store(acc + d0, a);
+      // O = alpha O + P V: every key of the block, a zero weight too (0 x inf is NaN, as in P @ V).
+      for_row_blocks(n, [&](auto r, int64_t r0) {
+        int c = 0;
+        for (; c + kBlockVecs <= vecs_v; c += kBlockVecs)
+          accumulate_values<r(), kBlockVecs>(s.accrow + r0, s.scores + r0 * kKeys, s.alpha + r0, s.vp, nc, c * kLanes);
+        for (; c < vecs_v; ++c)
+          accumulate_values<r(), 1>(s.accrow + r0, s.scores + r0 * kKeys, s.alpha + r0, s.vp, nc, c * kLanes);
+      });
     }
   }
 
@@ -230,9 +267,9 @@ struct FewQueries {
     return sum;
   }
 
-  // O / l into the output (in its dtype) and the log-sum-exp, for query qi of key/value head (b, hk).
-  void store(int64_t b, int64_t hk, int64_t qi, const float* acc, float m, float l) const {
-    const int64_t h = hk * group() + qi / p.len_q, i = qi % p.len_q;
+  // O / l into the output (in its dtype) and the log-sum-exp, for row `row` of key/value head (b, hk).
+  void store(int64_t b, int64_t hk, int64_t row, const float* acc, float m, float l) const {
+    const int64_t h = hk * group() + row / p.len_q, i = row % p.len_q;
     const float inv_l = l > 0 ? 1.0f / l : 0.0f;
     const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i * o.out_strides[2];
     with_output_elements(o.out, o.out_dtype, offset, [&](auto* out, auto round) {
@@ -247,12 +284,19 @@ struct FewQueries {
   void run() const {
     const int threads = resolve_threads(p.num_threads);
     const int64_t groups = p.batch * p.heads_kv, n = queries(), r = runs();
+    // Rows of a key/value head split into chunks only where heads and runs alone leave threads idle:
+    // each chunk reads the keys and values again.
+    const int64_t wanted = std::min((2 * threads + groups * r - 1) / (groups * r), (n + kBlockRows - 1) / kBlockRows);
+    const int64_t chunk = T::round_up((n + wanted - 1) / wanted, kBlockRows), chunks = (n + chunk - 1) / chunk;
+    auto rows_of = [&](int64_t c) { return std::pair{c * chunk, std::min(n, (c + 1) * chunk)}; };
     if (r == 1) {
-      parallel_for(groups, threads, [&](int64_t g, int) {
-        Scratch s = allocate();
-        run_keys(s, g / p.heads_kv, g % p.heads_kv, 0, p.len_k);
-        for (int64_t qi = 0; qi < n; ++qi)
-          store(g / p.heads_kv, g % p.heads_kv, qi, s.acc + qi * dv(), s.m[qi], lane_sum(s.l + qi * kLanes));
+      parallel_for(groups * chunks, threads, [&](int64_t t, int) {
+        const int64_t g = t / chunks;
+        const auto [r0, r1] = rows_of(t % chunks);
+        Scratch s = allocate(r1 - r0);
+        run_keys(s, g / p.heads_kv, g % p.heads_kv, r0, r1, 0, p.len_k);
+        for (int64_t qi = 0; qi < r1 - r0; ++qi)
+          store(g / p.heads_kv, g % p.heads_kv, r0 + qi, s.acc + qi * dv(), s.m[qi], lane_sum(s.l + qi * kLanes));
       });
       return;
     }
@@ -260,12 +304,14 @@ struct FewQueries {
     // in order: m the largest, and every run's O and l scaled by 2^(m_run - m).
     const Tensor states = Tensor::empty({groups, r, n, state_floats()});  // the count checked there
     float* st = states.data<float>();
-    parallel_for(groups * r, threads, [&](int64_t t, int) {
-      const int64_t g = t / r, run = t % r;
-      Scratch s = allocate();
-      run_keys(s, g / p.heads_kv, g % p.heads_kv, run * kKeysPerRun, std::min(p.len_k, (run + 1) * kKeysPerRun));
-      for (int64_t qi = 0; qi < n; ++qi) {
-        float* state = st + (t * n + qi) * state_floats();
+    parallel_for(groups * r * chunks, threads, [&](int64_t t, int) {
+      const int64_t g = t / (r * chunks), run = t / chunks % r;
+      const auto [r0, r1] = rows_of(t % chunks);
+      Scratch s = allocate(r1 - r0);
+      run_keys(s, g / p.heads_kv, g % p.heads_kv, r0, r1, run * kKeysPerRun,
+               std::min(p.len_k, (run + 1) * kKeysPerRun));
+      for (int64_t qi = 0; qi < r1 - r0; ++qi) {
+        float* state = st + ((g * r + run) * n + r0 + qi) * state_floats();
         std::memcpy(state, s.acc + qi * dv(), sizeof(float) * dv());
         state[dv()] = s.m[qi];
         state[dv() + 1] = lane_sum(s.l + qi * kLanes);
