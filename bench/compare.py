@@ -122,17 +122,22 @@ def bench_sdpa_masked(B, H, L, d, reps, rows):
 
 
 def bench_decode(reps, rows):
-    """One decoding step in fp32: one query per head against a cache of keys and values, with as
-    many key/value heads as query heads, and grouped (GQA, 4 query heads per key/value head).
-    FLOPs as for any forward; the step reads the whole cache, so bytes bound it."""
-    for B, Hq, Hkv, S, d in ((4, 16, 16, 2048, 64), (1, 32, 8, 4096, 128)):
+    """Decoding steps in fp32: one query per head against a cache of keys and values, with as
+    many key/value heads as query heads, and grouped (GQA, 4 query heads per key/value head); and
+    a speculative step, 8 new tokens that see the cache and the tokens before them (a bool mask,
+    causal from the bottom right). FLOPs as for any forward, every (query, key) pair counted; a
+    step reads the whole cache, so bytes bound it."""
+    for B, Hq, Hkv, S, d, Lq in ((4, 16, 16, 2048, 64, 1), (1, 32, 8, 4096, 128, 1), (1, 32, 8, 4096, 128, 8)):
         g = torch.Generator().manual_seed(2)
-        q = torch.randn(B, Hq, 1, d, generator=g)
+        q = torch.randn(B, Hq, Lq, d, generator=g)
         k, v = (torch.randn(B, Hkv, S, d, generator=g) for _ in range(2))
+        mask = torch.ones(Lq, S, dtype=torch.bool).tril(S - Lq) if Lq > 1 else None
         gqa = Hq != Hkv
-        ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
-                                      lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), reps * 3)
-        rows.append(("sdpa decode fp32", f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * S * d))
+        ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa),
+                                      lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa),
+                                      reps * 3)
+        name = "sdpa decode fp32" if Lq == 1 else f"sdpa decode fp32, {Lq} tokens"
+        rows.append((name, f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * Lq * S * d))
 
 
 def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):

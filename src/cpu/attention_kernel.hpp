@@ -80,9 +80,10 @@ void with_input_elements(const void* base, DType dtype, int64_t offset, Read rea
 }
 
 // Up to this many queries per head, the forward runs the decoding kernel (few_queries.hpp), queries
-// as rows and lanes over the keys, rather than tiles with lanes over the queries: on AVX2 it is
-// 1.2-2.4x the tile kernel at 1 to 32 queries (the tile kernel's cost is flat up to 48), and 0.8-0.9x
-// at 48. Where the AMX kernel applies, it keeps the shapes above kFewQueriesPerHeadAmx.
+// as rows and lanes over the keys, rather than tiles with lanes over the queries: on AVX-512 (AMD
+// Zen 4) it took 0.3-0.85x the tile kernel's time at 5 to 32 queries (the tile kernel's cost is flat
+// up to 48), and 1.1-1.2x at 48. Where the AMX kernel applies, it keeps the shapes above
+// kFewQueriesPerHeadAmx.
 constexpr int64_t kFewQueriesPerHead = 32;
 constexpr int64_t kFewQueriesPerHeadAmx = 4;
 

@@ -3,8 +3,10 @@
 // (flash_forward.hpp) puts the queries of one head in the lanes of a 48-wide panel; with a few
 // queries per head most of its lanes compute nothing, and such a step ran at 0.2-0.6x PyTorch's.
 // Here the lanes run over the keys: a block of 48 keys is transposed once into a panel and each
-// query is a broadcast row of the score product (the backward's shape, tile_kernels.hpp), then
-// O += P V takes each probability as a broadcast against value rows read in place. The query
+// query is a broadcast row of the score product (the backward's shape, tile_kernels.hpp), or, with
+// up to 4 queries per key/value head, each score is a dot product of whole rows; then O += P V
+// takes each probability as a broadcast against value rows read in place, the next block's rows
+// asked for ahead. The query
 // heads that share a key/value head (GQA) are rows of the same task, so each key block is read
 // once for all of them. Long caches are split into shape-fixed runs of keys whose partial softmax
 // states are merged in order afterwards; every query row's arithmetic is the same whichever rows
@@ -57,10 +59,17 @@ struct FewQueries {
   int64_t dk() const { return T::round_up(p.dim_qk, kLanes); }
   int64_t dv() const { return T::round_up(p.dim_v, kLanes); }  // value rows padded with zeros to whole vectors
   int64_t state_floats() const { return dv() + 2; }  // a run's partial result per query: O, then m and l
+  // Up to kDotRows queries per key/value head: each score a dot product of whole key rows, as
+  // transposing 48 keys into a panel costs more than that many rows' products. Decided by the
+  // shape, so the bits are too.
+  static constexpr int64_t kDotRows = 4;
+  bool scores_by_dot() const { return queries() <= kDotRows; }
 
   // Key rows are transposed in place when they are float32 of whole 8-float groups, value rows read
   // in place when they are float32 of whole vectors; otherwise a block is widened or copied first.
-  bool keys_in_place() const { return p.k.dtype == DType::f32 && p.dim_qk % 8 == 0; }
+  bool keys_in_place() const {
+    return p.k.dtype == DType::f32 && p.dim_qk % (scores_by_dot() ? kLanes : 8) == 0;
+  }
   bool values_in_place() const { return p.v.dtype == DType::f32 && p.dim_v % kLanes == 0; }
 
   struct Scratch {
@@ -71,18 +80,21 @@ struct FewQueries {
     float* alpha;   // [rows] this block's rescaling of O
     float* scores;  // [rows][kKeys] this block's scores, then probabilities (active rows, packed)
     float* kt;      // [dk8][kKeys] the block's keys transposed: the panel of the score product
-    float* kbuf;    // [kKeys][dk8] key rows widened or copied
+    float* kbuf;    // [kKeys][dk] key rows widened or copied
     float* vbuf;    // [kKeys][dv] value rows widened or copied
-    float* zero;    // [dv]
+    float* zero;    // [max(dk, dv)]
     int64_t* lim;   // [rows] keys [0, lim) visible to each query
     int64_t* active;     // [rows] the rows that see some key of the block, in order
     const float** qrow;  // [rows] their queries
     float** accrow;      // [rows] their accumulators
+    const float* kp[kKeys];  // key rows, when scores are dot products
     const float* vp[kKeys];
   };
 
+  int64_t zeros() const { return std::max(dk(), dv()); }
+
   Scratch allocate(int64_t rows) const {
-    const int64_t floats = rows * (dk() + dv() + 2 + kLanes + kKeys) + dk8() * kKeys + kKeys * (dk8() + dv()) + dv() +
+    const int64_t floats = rows * (dk() + dv() + 2 + kLanes + kKeys) + dk8() * kKeys + kKeys * (dk() + dv()) + zeros() +
                            8 * rows;  // the last: lim, active, qrow, accrow, 8 bytes each
     float* f = static_cast<float*>(thread_scratch(static_cast<size_t>(T::round_up(floats * 4, 64) + 64)));
     Scratch s;
@@ -95,12 +107,12 @@ struct FewQueries {
     s.l = f, f += rows * kLanes;
     s.q = f, f += rows * dk();
     s.acc = f, f += rows * dv();
-    s.kbuf = f, f += kKeys * dk8();
+    s.kbuf = f, f += kKeys * dk();
     s.vbuf = f, f += kKeys * dv();
-    s.zero = f, f += dv();
+    s.zero = f, f += zeros();
     s.m = f, f += rows;
     s.alpha = f;
-    std::memset(s.zero, 0, sizeof(float) * dv());
+    std::memset(s.zero, 0, sizeof(float) * zeros());
     std::memset(s.kt, 0, sizeof(float) * dk8() * kKeys);  // a short block leaves its last columns as they are
     return s;
   }
@@ -137,6 +149,44 @@ struct FewQueries {
     } else {
       for (int c = 0; c < keys; ++c)
         for (int64_t d = 0; d < dk8(); ++d) s.kt[d * kKeys + c] = src[c * stride + d];
+    }
+  }
+
+  // The scores of one query row against kLanes key rows kp[0..kLanes): per key a vector of partial
+  // sums over the head dimension, four keys at a time (independent chains), transposed in
+  // registers so that adding the rows gives one score per lane.
+  F dot_scores(const float* const* kp, const float* q) const {
+    alignas(64) float sums[kLanes * kLanes], turned[kLanes * kLanes];
+    for (int c = 0; c < kLanes; c += 4) {
+      F a0 = S::zero(), a1 = S::zero(), a2 = S::zero(), a3 = S::zero();
+      for (int64_t d0 = 0; d0 < dk(); d0 += kLanes) {
+        const F x = S::load(q + d0);
+        a0 = S::fmadd(S::load(kp[c] + d0), x, a0);
+        a1 = S::fmadd(S::load(kp[c + 1] + d0), x, a1);
+        a2 = S::fmadd(S::load(kp[c + 2] + d0), x, a2);
+        a3 = S::fmadd(S::load(kp[c + 3] + d0), x, a3);
+      }
+      S::store(sums + c * kLanes, a0);
+      S::store(sums + (c + 1) * kLanes, a1);
+      S::store(sums + (c + 2) * kLanes, a2);
+      S::store(sums + (c + 3) * kLanes, a3);
+    }
+    T::transpose_square(sums, turned);
+    F total = S::load(turned);
+    for (int r = 1; r < kLanes; ++r) total = S::add(total, S::load(turned + r * kLanes));
+    return total;
+  }
+
+  // Asks for the key and value rows [j0, j0 + count) of head (b, hk) ahead of their block: a
+  // decoding step streams the cache from memory, and its blocks read rows in 8-row and
+  // vector-wide slices that the hardware prefetchers follow less well (a step of GQA 32/8, S=4096,
+  // d=128 took 1.1-1.2x the time without).
+  [[gnu::always_inline]] void prefetch_keys(int64_t b, int64_t hk, int64_t j0, int64_t count) const {
+    for (const TensorView* t : {&p.k, &p.v}) {
+      const int64_t size = dtype_size(t->dtype), row_bytes = t->shape[3] * size, stride = t->strides[2] * size;
+      const char* rows = static_cast<const char*>(t->data) + (b * t->strides[0] + hk * t->strides[1] + j0 * t->strides[2]) * size;
+      for (int64_t c = 0; c < count; ++c)
+        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(rows + c * stride + x);
     }
   }
 
@@ -222,6 +272,7 @@ struct FewQueries {
       if (p.q.dtype == DType::f32) std::memcpy(q, p.q.data_as<float>() + offset, sizeof(float) * p.dim_qk);
       else T::widen(p.q.dtype, p.q.data_as<uint16_t>() + offset, q, p.dim_qk);
       for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= qscale;
+      std::fill(q + p.dim_qk, q + dk(), 0.0f);
       std::fill(s.acc + qi * dv(), s.acc + (qi + 1) * dv(), 0.0f);
       std::fill(s.l + qi * kLanes, s.l + (qi + 1) * kLanes, 0.0f);
       s.m[qi] = -std::numeric_limits<float>::infinity();
@@ -239,13 +290,24 @@ struct FewQueries {
         s.qrow[n] = s.q + qi * dk();
         s.accrow[n++] = s.acc + qi * dv();
       }
-      transpose_keys(s, b, hk, j0, nc);
+      if (j0 + kKeys < key_end) prefetch_keys(b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
+      if (scores_by_dot()) {
+        for (int c = 0; c < kKeys; ++c)
+          s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), keys_in_place(), s.kbuf + c * dk()) : s.zero;
+      } else {
+        transpose_keys(s, b, hk, j0, nc);
+      }
       for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
       const int vecs = T::vecs_for(nc);
-      for_row_blocks(n, [&](auto r, int64_t r0) {
-        for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
-          T::template dot_rows_block<r()>(s.scores + r0 * kKeys, s.qrow + r0, s.kt, p.dim_qk, c0);
-      });
+      if (scores_by_dot()) {
+        for (int64_t a = 0; a < n; ++a)
+          for (int c = 0; c < nc; c += kLanes) S::store(s.scores + a * kKeys + c, dot_scores(s.kp + c, s.qrow[a]));
+      } else {
+        for_row_blocks(n, [&](auto r, int64_t r0) {
+          for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
+            T::template dot_rows_block<r()>(s.scores + r0 * kKeys, s.qrow + r0, s.kt, p.dim_qk, c0);
+        });
+      }
       for (int64_t a = 0; a < n; ++a) {
         const int64_t row = r_begin + s.active[a];
         softmax_row(s, a, s.active[a], b, hk * group() + row / p.len_q, row % p.len_q, j0, nc);
@@ -253,6 +315,9 @@ struct FewQueries {
       // O = alpha O + P V: every key of the block, a zero weight too (0 x inf is NaN, as in P @ V).
       for_row_blocks(n, [&](auto r, int64_t r0) {
         int c = 0;
+        if constexpr (r() <= 2)  // a row's 4 vectors (a cache line each) at once, read whole
+          for (; c + 4 <= vecs_v; c += 4)
+            accumulate_values<r(), 4>(s.accrow + r0, s.scores + r0 * kKeys, s.alpha + r0, s.vp, nc, c * kLanes);
         for (; c + kBlockVecs <= vecs_v; c += kBlockVecs)
           accumulate_values<r(), kBlockVecs>(s.accrow + r0, s.scores + r0 * kKeys, s.alpha + r0, s.vp, nc, c * kLanes);
         for (; c < vecs_v; ++c)
