@@ -8,6 +8,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config
   libopenblas-dev      # projections: cblas_sgemm
+  libdnnl-dev          # bf16 projections on CPUs with AVX512-BF16 or AMX (oneDNN matmul)
   libgtest-dev         # tests
   libbenchmark-dev     # bench/
   libcli11-dev         # the mha command line

@@ -14,6 +14,8 @@
 
 #include "cpu/dispatch.hpp"
 #include "cpu/few_rows_gemm.hpp"
+#include "module/bf16_matmul.hpp"
+#include "module/linear.hpp"
 #include "module/parameter_set.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
@@ -208,9 +210,14 @@ TEST(ModuleLowPrecision, GivenWeightsKeepTheirDtypeWhateverTheirLayout) {
 // The low-precision module is exactly the float32 module on widened parameters and inputs, with
 // the results rounded once: forward (dropout stream included) and backward, bit for bit. (With
 // more than 64 rows: fewer read the 16-bit weights as they are, summing in another order; the
-// test above holds those to the reference.)
+// test above holds those to the reference. bf16 projections through oneDNN, which also sum in
+// another order, are turned off here and tested below.)
 TEST(ModuleLowPrecision, IsTheFloat32ModuleRoundedOnce) {
   std::mt19937_64 rng(test_seed());
+  mha::detail::disable_bf16_matmul(true);
+  struct Restore {
+    ~Restore() { mha::detail::disable_bf16_matmul(false); }
+  } restore;
   for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
     for (const bool cross : {false, true}) {
       SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (cross ? " cross-attention" : " self-attention"));
@@ -241,6 +248,75 @@ TEST(ModuleLowPrecision, IsTheFloat32ModuleRoundedOnce) {
         }
       }
     }
+  }
+}
+
+// bf16 projections of more than 64 rows through oneDNN's matmul (CPUs with AVX512-BF16): x W^T + b
+// against float64 for inputs whose values are bfloat16, in both row orders and with row strides
+// wider than the rows; the same bits on 1, 2 and 3 threads; inputs that are not bfloat16 values
+// (the attention output) keep the float32 path, bit for bit; and the module through it against
+// the float64 reference. Skipped where the path is not available.
+TEST(ModuleLowPrecision, Bf16ProjectionsThroughOneDnn) {
+  if (!mha::detail::bf16_matmul_available()) GTEST_SKIP() << "oneDNN or AVX512-BF16 not available";
+  std::mt19937_64 rng(test_seed());
+  for (int n = 0; n < 6; ++n) {
+    const int64_t N = 1 + n % 3, L = 70 + 61 * n, in = n % 2 ? 96 : 200, out = n % 3 ? 64 : 300;
+    const bool seq_first = n % 2 == 1;
+    SCOPED_TRACE("case " + std::to_string(n) + ": N=" + std::to_string(N) + " L=" + std::to_string(L) +
+                 " in=" + std::to_string(in) + " out=" + std::to_string(out));
+    const mha::Tensor w = randn({out, in + 8}, rng, mha::DType::bf16);  // rows wider than used
+    const mha::TensorView wv = w.view().slice(1, 0, in);
+    const mha::Tensor bias = randn({out}, rng);
+    const mha::Tensor x16 = randn(seq_first ? mha::Shape{L, N, in} : mha::Shape{N, L, in}, rng, mha::DType::bf16);
+    const mha::Tensor x = widened(seq_first ? x16.view().transpose(0, 1) : x16.view());
+    const mha::TensorView xv = seq_first ? x.view() : x.view();
+    auto project = [&](const mha::TensorView& input, int threads) {
+      mha::Tensor y = mha::Tensor::empty(seq_first ? mha::Shape{L, N, out} : mha::Shape{N, L, out});
+      const mha::TensorView yv = seq_first ? y.view().transpose(0, 1) : y.view();
+      mha::detail::linear(input, wv, bias.data<float>(), yv, threads);
+      return mha::Tensor::copy_of(yv);
+    };
+    const mha::Tensor y = project(xv, 2);
+    double worst = 0;
+    for (int64_t b = 0; b < N; ++b) {
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t o = 0; o < out; o += 7) {
+          double exact = bias.data<float>()[o], magnitude = std::abs(exact);
+          for (int64_t c = 0; c < in; ++c) {
+            const double p = static_cast<double>(x.data<float>()[(b * L + l) * in + c]) *
+                             static_cast<float>(mha::bfloat16::from_bits(w.data<uint16_t>()[o * (in + 8) + c]));
+            exact += p, magnitude += std::abs(p);
+          }
+          // float32 sums of exact products: within in * 2^-24 of the sum of magnitudes
+          worst = std::max(worst, std::abs(y.data<float>()[(b * L + l) * out + o] - exact) / magnitude);
+        }
+      }
+    }
+    EXPECT_LT(worst, static_cast<double>(in) * 0x1p-24);
+    EXPECT_TRUE(same_bits(project(xv, 1), y));
+    EXPECT_TRUE(same_bits(project(xv, 3), y));
+    // Not bfloat16 values: the float32 path, whichever way the switch is set.
+    mha::Tensor rough = mha::Tensor::copy_of(xv);
+    rough.data<float>()[rough.numel() / 2] += 1e-3f;
+    const mha::Tensor with_path = project(rough.view(), 2);
+    mha::detail::disable_bf16_matmul(true);
+    const mha::Tensor without = project(rough.view(), 2);
+    const mha::Tensor sgemm_exact = project(xv, 2);
+    mha::detail::disable_bf16_matmul(false);
+    EXPECT_TRUE(same_bits(with_path, without));
+    EXPECT_LT(rel_error(y, sgemm_exact), static_cast<double>(in) * 0x1p-23);
+  }
+  // The module: in-projections of 111 rows through oneDNN, against the float64 reference.
+  for (const bool cross : {false, true}) {
+    mha::MultiheadAttentionOptions o{.bias = true, .batch_first = cross, .seed = rng(), .dtype = mha::DType::bf16};
+    if (cross) o.kdim = 24, o.vdim = 40;
+    mha::MultiheadAttention m(64, 4, o);
+    const mha::Tensor q = randn({3, 37, 64}, rng, mha::DType::bf16);
+    const mha::Tensor k = cross ? randn({3, 29, 24}, rng, mha::DType::bf16) : q;
+    const mha::Tensor v = cross ? randn({3, 29, 40}, rng, mha::DType::bf16) : q;
+    const mha::ForwardResult ours = m.forward(q, k, v, {});
+    const mha::ForwardResult ref = mha::reference::multihead_attention(m, q, k, v, {}, false);
+    EXPECT_LT(rel_error(ours.output, ref.output), unit_roundoff(mha::DType::bf16) + 1e-5) << "cross " << cross;
   }
 }
 

@@ -3,10 +3,12 @@
 #include "core/parallel_copy.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/few_rows_gemm.hpp"
+#include "module/bf16_matmul.hpp"
 
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -88,16 +90,66 @@ int64_t leading_dim(int64_t ld, int64_t rows, int64_t row_length) {
   return ld;
 }
 
+// How C (m x n) is split into blocks: by the shape alone.
+struct GemmBlocks {
+  int64_t row_block, row_blocks, col_block, col_blocks;
+  explicit GemmBlocks(int64_t m, int64_t n) {
+    row_block = kGemmBlock, row_blocks = (m + row_block - 1) / row_block;
+    const int64_t col_parts = std::clamp<int64_t>((kMinGemmBlocks + row_blocks - 1) / row_blocks, 1,
+                                                  (n + kGemmBlock - 1) / kGemmBlock);
+    col_block = (n + col_parts - 1) / col_parts, col_blocks = (n + col_block - 1) / col_block;
+  }
+};
+
+// C += A B^T with A [m, k] and B [n, k] bfloat16 and C float32, in gemm's blocks, each one
+// single-threaded oneDNN matmul (at most four block shapes, each primitive made once per call).
+void bf16_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+               float* c, int64_t ldc, int threads) {
+  if (m == 0 || n == 0) return;
+  const GemmBlocks g(m, n);
+  std::vector<Bf16MatmulBlock> shapes;  // [full rows, last rows] x [full columns, last columns]
+  for (const int64_t rows : {g.row_block, m - (g.row_blocks - 1) * g.row_block})
+    for (const int64_t cols : {g.col_block, n - (g.col_blocks - 1) * g.col_block})
+      shapes.emplace_back(std::min(rows, m), std::min(cols, n), k, lda, ldb, ldc);
+  parallel_for(g.row_blocks * g.col_blocks, threads, [&](int64_t block, int) {
+    const int64_t bi = block / g.col_blocks, bj = block % g.col_blocks;
+    const int64_t i0 = bi * g.row_block, j0 = bj * g.col_block;
+    shapes[(bi + 1 == g.row_blocks ? 2 : 0) + (bj + 1 == g.col_blocks ? 1 : 0)].run(a + i0 * lda, b + j0 * ldb,
+                                                                                  c + i0 * ldc + j0);
+  });
+}
+
+// dst (bfloat16) = x (float32, [N, L, C]) if every value of x is a bfloat16, whose low 16 bits
+// are zero; false otherwise (dst then holds part of the rows).
+bool narrow_exactly(const TensorView& x, const TensorView& dst, int threads) {
+  const int64_t N = x.shape[0], L = x.shape[1], C = x.shape[2];
+  std::atomic<bool> exact{true};
+  constexpr int64_t kRowsPerTask = 64;
+  parallel_for((N * L + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t task, int) {
+    uint32_t low = 0;
+    for (int64_t r = task * kRowsPerTask; r < std::min(N * L, (task + 1) * kRowsPerTask) && low == 0; ++r) {
+      const int64_t n = r / L, l = r % L;
+      const auto* src = reinterpret_cast<const uint32_t*>(x.data_as<float>() + n * x.strides[0] + l * x.strides[1]);
+      uint16_t* row = static_cast<uint16_t*>(dst.data) + n * dst.strides[0] + l * dst.strides[1];
+      for (int64_t c = 0; c < C; ++c) {
+        const uint32_t bits = src[c * x.strides[2]];
+        low |= bits & 0xffffu;
+        row[c] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+    if (low != 0) exact.store(false, std::memory_order_relaxed);
+  });
+  return exact.load();
+}
+
 }  // namespace
 
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
   if (m == 0 || n == 0) return;
   openblas_set_num_threads(1);  // the blocks below are the parallelism
-  const int64_t row_block = kGemmBlock, row_blocks = (m + row_block - 1) / row_block;
-  const int64_t col_parts = std::clamp<int64_t>((kMinGemmBlocks + row_blocks - 1) / row_blocks, 1,
-                                                (n + kGemmBlock - 1) / kGemmBlock);
-  const int64_t col_block = (n + col_parts - 1) / col_parts, col_blocks = (n + col_block - 1) / col_block;
+  const GemmBlocks g(m, n);
+  const int64_t row_block = g.row_block, row_blocks = g.row_blocks, col_block = g.col_block, col_blocks = g.col_blocks;
   lda = leading_dim(lda, transpose_a ? k : m, transpose_a ? m : k);
   ldb = leading_dim(ldb, transpose_b ? n : k, transpose_b ? k : n);
   ldc = leading_dim(ldc, m, n);
@@ -117,15 +169,15 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, c
   });
 }
 
-RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols) {
+RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols, DType dtype) {
   RowBuffer b;
   const int64_t N = like.shape[0];
   const bool seq_major = N > 1 && like.strides[0] < like.strides[1];
   if (seq_major) {
-    b.storage = Tensor::empty({rows, N, cols});
+    b.storage = Tensor::empty({rows, N, cols}, dtype);
     b.view = b.storage.view().transpose(0, 1);
   } else {
-    b.storage = Tensor::empty({N, rows, cols});
+    b.storage = Tensor::empty({N, rows, cols}, dtype);
     b.view = b.storage.view();
   }
   return b;
@@ -137,9 +189,19 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
   // Up to kFewRows16 rows against a bfloat16/float16 weight read it as it is (few_rows_gemm);
   // more rows widen it once and go through sgemm.
   const bool few_rows = w_in.dtype != DType::f32 && N * L <= kFewRows16 && in > 0;
+  // More rows against a bfloat16 weight, where the CPU has bf16 dot products and every value of x
+  // is a bfloat16 (the bf16 module's widened inputs; not its attention output): x narrowed, which
+  // is exact, and oneDNN's bf16 matmul on the weight as it is. The products are exact and summed
+  // in float32, as sgemm sums them on widened copies, in another order.
+  RowBuffer narrowed;
+  bool bf16_rows = w_in.dtype == DType::bf16 && x_in.dtype == DType::f32 && !few_rows && in > 0 && bf16_matmul_available();
+  if (bf16_rows) {
+    narrowed = rows_like(y, L, in, DType::bf16);  // rows in y's order: the product is one call
+    bf16_rows = narrow_exactly(x_in, narrowed.view, threads);
+  }
   Tensor widened;
   TensorView w = w_in;
-  if (w.dtype != DType::f32 && !few_rows) {
+  if (w.dtype != DType::f32 && !few_rows && !bf16_rows) {
     widened = parallel_copy_of(w, DType::f32, threads);
     w = widened.view();
   }
@@ -155,7 +217,9 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
   auto per_entry = [&](const TensorView& x) { return L == 1 || x.strides[1] >= in; };
   Tensor contiguous;
   TensorView x = x_in;
-  if ((x.strides[2] != 1 && in > 1) || (!few_rows && !one_call(x) && !per_entry(x))) {
+  if (bf16_rows) {
+    x = narrowed.view;
+  } else if ((x.strides[2] != 1 && in > 1) || (!few_rows && !one_call(x) && !per_entry(x))) {
     contiguous = Tensor::copy_of(x, DType::f32);
     x = contiguous.view();
   }
@@ -188,6 +252,18 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
     parallel_for((out + kFewRowsColumns - 1) / kFewRowsColumns, threads, [&](int64_t block, int) {
       few_rows_gemm(isa, g, block * kFewRowsColumns, std::min(out, (block + 1) * kFewRowsColumns));
     });
+    return;
+  }
+  if (bf16_rows) {
+    const auto* xb = static_cast<const uint16_t*>(x.data);
+    const auto* wb = static_cast<const uint16_t*>(w.data);
+    if (one_call(x)) {
+      bf16_gemm(N * L, out, in, xb, ldx, wb, w.strides[0], y.data_as<float>(), ldy, threads);
+    } else {
+      for (int64_t n = 0; n < N; ++n)
+        bf16_gemm(L, out, in, xb + n * x.strides[0], x.strides[1], wb, w.strides[0],
+                  y.data_as<float>() + n * y.strides[0], y.strides[1], threads);
+    }
     return;
   }
   if (one_call(x)) {

@@ -1,4 +1,4 @@
-// y = x W^T + b over [N, L, C] views, through BLAS (OpenBLAS's sgemm).
+// y = x W^T + b over [N, L, C] views, through BLAS (OpenBLAS's sgemm), or oneDNN's bf16 matmul.
 #pragma once
 
 #include "mha/tensor.hpp"
@@ -8,19 +8,20 @@ namespace mha::detail {
 // x: [N, L, in], any strides; w: [out, in] with unit last stride, float32 or (read as float32)
 // bfloat16/float16; bias: [out] or null; y: [N, L, out] with unit last stride. One sgemm when x
 // and y order their (N, L) rows alike with uniform strides, one per batch entry otherwise; up to
-// 64 rows against a 16-bit weight, few_rows_gemm on the weight as it is.
+// 64 rows against a 16-bit weight, few_rows_gemm on the weight as it is; more rows against a
+// bfloat16 weight, with x all bfloat16 values, oneDNN's bf16 matmul where available (bf16_matmul.hpp).
 void linear(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
 
 // C = op(A) op(B) + beta C on row-major matrices (op: transpose or not), through sgemm.
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads);
 
-// A [N, rows, cols] float32 buffer whose (N, rows) memory order matches `like` ([N, L, C]): a
-// sequence-first input gets a sequence-first buffer, so projecting it is a single sgemm.
+// A [N, rows, cols] buffer (float32 unless told) whose (N, rows) memory order matches `like`
+// ([N, L, C]): a sequence-first input gets a sequence-first buffer, so projecting it is a single sgemm.
 struct RowBuffer {
   Tensor storage;
   TensorView view;  // [N, rows, cols]
 };
-RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols);
+RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols, DType dtype = DType::f32);
 
 }  // namespace mha::detail

@@ -1,0 +1,96 @@
+#include "module/bf16_matmul.hpp"
+
+#include "cpu/dispatch.hpp"
+#include "mha/error.hpp"
+
+#if defined(MHA_HAVE_DNNL)
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+#if defined(MHA_HAVE_OPENMP)
+#include <omp.h>
+#endif
+
+#include <atomic>
+
+#include <cpuid.h>
+
+namespace mha::detail {
+
+namespace {
+std::atomic<bool> disabled_for_tests{false};
+
+[[maybe_unused]] bool cpu_has_avx512_bf16() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+}
+}  // namespace
+
+void disable_bf16_matmul(bool disabled) { disabled_for_tests.store(disabled); }
+
+#if defined(MHA_HAVE_DNNL)
+
+bool bf16_matmul_available() {
+  static const bool cpu = cpu_has_avx512_bf16();
+  return cpu && !disabled_for_tests.load() && (active_isa() == Isa::avx512 || active_isa() == Isa::amx);
+}
+
+struct Bf16MatmulBlock::Impl {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::memory::desc a, b, c;
+  dnnl::matmul matmul;
+};
+
+Bf16MatmulBlock::Bf16MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t lda, int64_t ldb, int64_t ldc)
+    : impl_(std::make_unique<Impl>()) {
+  using dt = dnnl::memory::data_type;
+  impl_->a = dnnl::memory::desc({rows, k}, dt::bf16, dnnl::memory::dims{lda, 1});
+  impl_->b = dnnl::memory::desc({k, cols}, dt::bf16, dnnl::memory::dims{1, ldb});  // B^T: B's rows are its columns
+  impl_->c = dnnl::memory::desc({rows, cols}, dt::f32, dnnl::memory::dims{ldc, 1});
+  dnnl::post_ops accumulate;
+  accumulate.append_sum(1.0f);  // c += a b^T: c holds the bias already
+  dnnl::primitive_attr attr;
+  attr.set_post_ops(accumulate);
+  try {
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(impl_->a, impl_->b, impl_->c), attr, impl_->engine);
+    impl_->matmul = dnnl::matmul(pd);
+  } catch (const dnnl::error& e) {
+    throw Error(std::string("internal error: oneDNN could not create a bf16 matmul: ") + e.what());
+  }
+}
+
+void Bf16MatmulBlock::run(const uint16_t* a, const uint16_t* b, float* c) const {
+#if defined(MHA_HAVE_OPENMP)
+  // oneDNN parallelises over OpenMP's team size; one thread, as each block is one task of ours
+  // (and the caller's setting restored: this may be the caller's own thread).
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+#endif
+  dnnl::stream stream(impl_->engine);
+  dnnl::memory ma(impl_->a, impl_->engine, const_cast<uint16_t*>(a));
+  dnnl::memory mb(impl_->b, impl_->engine, const_cast<uint16_t*>(b));
+  dnnl::memory mc(impl_->c, impl_->engine, c);
+  impl_->matmul.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  stream.wait();
+#if defined(MHA_HAVE_OPENMP)
+  omp_set_num_threads(saved);
+#endif
+}
+
+#else  // built without oneDNN
+
+bool bf16_matmul_available() { return false; }
+
+struct Bf16MatmulBlock::Impl {};
+
+Bf16MatmulBlock::Bf16MatmulBlock(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
+  throw Error("internal error: a bf16 matmul was asked of a library built without oneDNN");
+}
+
+void Bf16MatmulBlock::run(const uint16_t*, const uint16_t*, float*) const {}
+
+#endif
+
+Bf16MatmulBlock::~Bf16MatmulBlock() = default;
+Bf16MatmulBlock::Bf16MatmulBlock(Bf16MatmulBlock&&) noexcept = default;
+
+}  // namespace mha::detail
