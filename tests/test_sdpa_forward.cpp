@@ -546,16 +546,16 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
 TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
   std::mt19937_64 rng(test_seed());
   // Up to 32 queries per head: register blocks of every height, a run of keys split over tasks
-  // (Lk > 1008) and short key blocks (Lk % 48), key rows transposed in place (Dk % 8 == 0) and
-  // copied (20), value rows of 1 to 5 vectors.
+  // (Lk > 1008) and short key blocks (Lk % 48, or 16 for dot-product scores on short rows), key rows
+  // transposed in place (Dk % 8 == 0) and copied (20), rows prefetched (128), value rows of 1 to 5 vectors.
   const int64_t key_lengths[] = {1, 5, 16, 17, 100, 1008, 1025, 2100};
   const int64_t query_lengths[] = {1, 2, 3, 4, 5, 7, 13, 32};
-  const int64_t dims[] = {8, 24, 64, 72, 20};
+  const int64_t dims[] = {8, 24, 64, 72, 20, 128};  // 128: rows prefetched
   const int64_t value_dims[] = {16, 40, 48, 80};
   for (int n = 0; n < 64; ++n) {
     const int64_t lq = query_lengths[(n + n / 8) % 8], group = n % 3 == 0 ? 1 : n % 3 == 1 ? 3 : 8, hkv = 1 + n % 2,
                   hq = hkv * group;
-    const int64_t b = 1 + (n / 2) % 2, lk = key_lengths[n % 8], dk = dims[(n / 3) % 5], dv = value_dims[(n / 5) % 4];
+    const int64_t b = 1 + (n / 2) % 2, lk = key_lengths[n % 8], dk = dims[(n / 3) % 6], dv = value_dims[(n / 5) % 4];
     const mha::DType dtype = n % 6 == 4 ? mha::DType::bf16 : n % 6 == 5 ? mha::DType::f16 : mha::DType::f32;
     const mha::Tensor qs = randn({b, lq, hq, dk}, rng, dtype), ks = randn({b, lk, hkv, dk}, rng, dtype),
                       vs = randn({b, lk, hkv, dv}, rng, dtype);

@@ -43,6 +43,7 @@ struct FewQueries {
   // Keys per run of a split cache: runs are tasks of their own (a cache of 4096 keys and 8
   // key/value heads makes 40), merged afterwards. Fixed, so the bits depend on the shape only.
   static constexpr int64_t kKeysPerRun = 21 * kKeys;  // 1008
+  static_assert(kKeysPerRun % kLanes == 0, "runs are whole blocks of either size (block_keys())");
 
   const AttentionProblem& p;
   const ForwardOutputs& o;
@@ -64,6 +65,11 @@ struct FewQueries {
   // shape, so the bits are too.
   static constexpr int64_t kDotRows = 4;
   bool scores_by_dot() const { return queries() <= kDotRows; }
+  // Key rows of 512 bytes and more are prefetched a block ahead, and the blocks are 48 keys; with
+  // shorter rows (d = 64 in float32), prefetching cost more than it saved (a step at B=4 H=16
+  // S=4096 d=64 took 1.4x the time on AVX2), and dot-product scores take blocks of 16 keys.
+  bool prefetches() const { return p.dim_qk * dtype_size(p.k.dtype) >= 512; }
+  int64_t block_keys() const { return scores_by_dot() && !prefetches() ? kLanes : kKeys; }
 
   // Key rows are transposed in place when they are float32 of whole 8-float groups, value rows read
   // in place when they are float32 of whole vectors; otherwise a block is widened or copied first.
@@ -113,7 +119,7 @@ struct FewQueries {
     s.m = f, f += rows;
     s.alpha = f;
     std::memset(s.zero, 0, sizeof(float) * zeros());
-    std::memset(s.kt, 0, sizeof(float) * dk8() * kKeys);  // a short block leaves its last columns as they are
+    if (!scores_by_dot()) std::memset(s.kt, 0, sizeof(float) * dk8() * kKeys);  // a short block leaves its last columns
     return s;
   }
 
@@ -179,8 +185,8 @@ struct FewQueries {
 
   // Asks for the key and value rows [j0, j0 + count) of head (b, hk) ahead of their block: a
   // decoding step streams the cache from memory, and its blocks read rows in 8-row and
-  // vector-wide slices that the hardware prefetchers follow less well (a step of GQA 32/8, S=4096,
-  // d=128 took 1.1-1.2x the time without).
+  // vector-wide slices that the hardware prefetchers follow less well (steps at S=4096 d=128
+  // took 1.1-1.3x the time without).
   [[gnu::always_inline]] void prefetch_keys(int64_t b, int64_t hk, int64_t j0, int64_t count) const {
     for (const TensorView* t : {&p.k, &p.v}) {
       const int64_t size = dtype_size(t->dtype), row_bytes = t->shape[3] * size, stride = t->strides[2] * size;
@@ -281,8 +287,9 @@ struct FewQueries {
     }
     const bool v_in_place = values_in_place();
     const int vecs_v = static_cast<int>(dv() / kLanes);
-    for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
-      const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
+    const int64_t block = block_keys();
+    for (int64_t j0 = j_begin; j0 < key_end; j0 += block) {
+      const int nc = static_cast<int>(std::min<int64_t>(block, key_end - j0));
       int64_t n = 0;  // the rows that see a key of this block (causality), packed
       for (int64_t qi = 0; qi < rows; ++qi) {
         if (j0 >= s.lim[qi]) continue;
@@ -290,7 +297,7 @@ struct FewQueries {
         s.qrow[n] = s.q + qi * dk();
         s.accrow[n++] = s.acc + qi * dv();
       }
-      if (j0 + kKeys < key_end) prefetch_keys(b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
+      if (prefetches() && j0 + block < key_end) prefetch_keys(b, hk, j0 + block, std::min(block, key_end - j0 - block));
       if (scores_by_dot()) {
         for (int c = 0; c < kKeys; ++c)
           s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), keys_in_place(), s.kbuf + c * dk()) : s.zero;
