@@ -268,8 +268,8 @@ TEST(ModuleLowPrecision, Bf16ProjectionsThroughOneDnn) {
     const mha::TensorView wv = w.view().slice(1, 0, in);
     const mha::Tensor bias = randn({out}, rng);
     const mha::Tensor x16 = randn(seq_first ? mha::Shape{L, N, in} : mha::Shape{N, L, in}, rng, mha::DType::bf16);
-    const mha::Tensor x = widened(seq_first ? x16.view().transpose(0, 1) : x16.view());
-    const mha::TensorView xv = seq_first ? x.view() : x.view();
+    const mha::Tensor x = widened(x16);  // [L, N, in] or [N, L, in] in memory, as x16
+    const mha::TensorView xv = seq_first ? x.view().transpose(0, 1) : x.view();  // [N, L, in]
     auto project = [&](const mha::TensorView& input, int threads) {
       mha::Tensor y = mha::Tensor::empty(seq_first ? mha::Shape{L, N, out} : mha::Shape{N, L, out});
       const mha::TensorView yv = seq_first ? y.view().transpose(0, 1) : y.view();
@@ -283,7 +283,7 @@ TEST(ModuleLowPrecision, Bf16ProjectionsThroughOneDnn) {
         for (int64_t o = 0; o < out; o += 7) {
           double exact = bias.data<float>()[o], magnitude = std::abs(exact);
           for (int64_t c = 0; c < in; ++c) {
-            const double p = static_cast<double>(x.data<float>()[(b * L + l) * in + c]) *
+            const double p = static_cast<double>(x.data<float>()[b * xv.strides[0] + l * xv.strides[1] + c]) *
                              static_cast<float>(mha::bfloat16::from_bits(w.data<uint16_t>()[o * (in + 8) + c]));
             exact += p, magnitude += std::abs(p);
           }
