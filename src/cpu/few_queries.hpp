@@ -3,12 +3,12 @@
 // (flash_forward.hpp) puts the queries of one head in the lanes of a 48-wide panel; with a few
 // queries per head most of its lanes compute nothing, and such a step ran at 0.2-0.6x PyTorch's.
 // Here the lanes run over the keys: a block of 48 keys is transposed once into a panel and each
-// query is a broadcast row of the score product (the backward's shape, tile_kernels.hpp), or, with
-// up to 4 queries per key/value head, each score is a dot product of whole rows; then O += P V
-// takes each probability as a broadcast against value rows read in place, the next block's rows
-// asked for ahead. The query
-// heads that share a key/value head (GQA) are rows of the same task, so each key block is read
-// once for all of them. Long caches are split into shape-fixed runs of keys whose partial softmax
+// query is a broadcast row of the score product (the backward's shape, tile_kernels.hpp), with an
+// online softmax per block; then O += P V takes each probability as a broadcast against value rows
+// read in place. With up to 4 queries per key/value head (dot mode), each score is a dot product
+// of whole rows instead, and a run's keys are read in one pass, its softmax taken whole, then its
+// values read in another pass (no rescaling per block). The query heads that share a key/value
+// head (GQA) are rows of the same task, so each key block is read once for all of them. Long caches are split into shape-fixed runs of keys whose partial softmax
 // states are merged in order afterwards; every query row's arithmetic is the same whichever rows
 // share its register block or task, so the bits depend on the shape only, not on the thread
 // count. Internal linkage: each ISA's file compiles its own copy.
@@ -40,10 +40,12 @@ struct FewQueries {
   static constexpr int kKeys = T::kWidth;  // keys per block: the lanes of one panel (48)
   static constexpr int kBlockRows = T::kBlockRows, kBlockVecs = T::kBlockVecs;
   static constexpr int64_t kMaxQueriesPerHead = kFewQueriesPerHead;
-  // Keys per run of a split cache: runs are tasks of their own (a cache of 4096 keys and 8
-  // key/value heads makes 40), merged afterwards. Fixed, so the bits depend on the shape only.
+  // Most keys per run of a split cache: runs are tasks of their own (a cache of 4096 keys and 8
+  // key/value heads makes 40), merged afterwards. The runs of a cache are as even as whole blocks
+  // allow (2048 keys: 720, 720 and 608, not 1008, 1008 and 32), so that the last tasks are not
+  // the longest; the split depends on the shape only, and so do the bits.
   static constexpr int64_t kKeysPerRun = 21 * kKeys;  // 1008
-  static_assert(kKeysPerRun % kLanes == 0, "runs are whole blocks of either size (block_keys())");
+  static_assert(kKeysPerRun % kLanes == 0, "a run's scores are whole vectors (run_keys_by_dot)");
 
   const AttentionProblem& p;
   const ForwardOutputs& o;
@@ -56,6 +58,7 @@ struct FewQueries {
   int64_t group() const { return p.heads_q / p.heads_kv; }
   int64_t queries() const { return group() * p.len_q; }  // per key/value head: query (h, i) is row (h % group) * Lq + i
   int64_t runs() const { return (p.len_k + kKeysPerRun - 1) / kKeysPerRun; }
+  int64_t keys_per_run() const { return T::round_up((p.len_k + runs() - 1) / runs(), kKeys); }  // <= kKeysPerRun
   int64_t dk8() const { return T::round_up(p.dim_qk, 8); }  // key rows are transposed 8 x 8
   int64_t dk() const { return T::round_up(p.dim_qk, kLanes); }
   int64_t dv() const { return T::round_up(p.dim_v, kLanes); }  // value rows padded with zeros to whole vectors
@@ -65,11 +68,13 @@ struct FewQueries {
   // shape, so the bits are too.
   static constexpr int64_t kDotRows = 4;
   bool scores_by_dot() const { return queries() <= kDotRows; }
-  // Key rows of 512 bytes and more are prefetched a block ahead, and the blocks are 48 keys; with
-  // shorter rows (d = 64 in float32), prefetching cost more than it saved (a step at B=4 H=16
-  // S=4096 d=64 took 1.4x the time on AVX2), and dot-product scores take blocks of 16 keys.
+  // The panel schedule prefetches key rows of 512 bytes and more a block ahead; with shorter rows
+  // (d = 64 in float32), prefetching next to its panel transposes cost more than it saved (a step
+  // at B=4 H=16 S=4096 d=64 took 1.4x the time on AVX2). Dot mode reads keys, then values, each
+  // in one sequential pass, and asks for rows kDotPrefetchKeys ahead whatever their length (48
+  // to 96 keys measured best on AVX2, 0.90-0.95x the time of no prefetch at d=64 and 128).
   bool prefetches() const { return p.dim_qk * dtype_size(p.k.dtype) >= 512; }
-  int64_t block_keys() const { return scores_by_dot() && !prefetches() ? kLanes : kKeys; }
+  static constexpr int64_t kDotPrefetchKeys = 64;
 
   // Key rows are transposed in place when they are float32 of whole 8-float groups, value rows read
   // in place when they are float32 of whole vectors; otherwise a block is widened or copied first.
@@ -84,7 +89,7 @@ struct FewQueries {
     float* m;       // [rows] running max (base 2)
     float* l;       // [rows][kLanes] running sums, one per lane, added up at the end
     float* alpha;   // [rows] this block's rescaling of O
-    float* scores;  // [rows][kKeys] this block's scores, then probabilities (active rows, packed)
+    float* scores;  // [rows][score_stride()]: the block's (or, in dot mode, the run's) scores, then probabilities
     float* kt;      // [dk8][kKeys] the block's keys transposed: the panel of the score product
     float* kbuf;    // [kKeys][dk] key rows widened or copied
     float* vbuf;    // [kKeys][dv] value rows widened or copied
@@ -98,9 +103,11 @@ struct FewQueries {
   };
 
   int64_t zeros() const { return std::max(dk(), dv()); }
+  // Dot mode keeps a whole run's scores per row (two passes over the run, no online rescaling).
+  int64_t score_stride() const { return scores_by_dot() ? kKeysPerRun : kKeys; }
 
   Scratch allocate(int64_t rows) const {
-    const int64_t floats = rows * (dk() + dv() + 2 + kLanes + kKeys) + dk8() * kKeys + kKeys * (dk() + dv()) + zeros() +
+    const int64_t floats = rows * (dk() + dv() + 2 + kLanes + score_stride()) + dk8() * kKeys + kKeys * (dk() + dv()) + zeros() +
                            8 * rows;  // the last: lim, active, qrow, accrow, 8 bytes each
     float* f = static_cast<float*>(thread_scratch(static_cast<size_t>(T::round_up(floats * 4, 64) + 64)));
     Scratch s;
@@ -109,7 +116,7 @@ struct FewQueries {
     s.qrow = reinterpret_cast<const float**>(f), f += 2 * rows;
     s.accrow = reinterpret_cast<float**>(f), f += 2 * rows;
     s.kt = f, f += dk8() * kKeys;
-    s.scores = f, f += rows * kKeys;
+    s.scores = f, f += rows * score_stride();
     s.l = f, f += rows * kLanes;
     s.q = f, f += rows * dk();
     s.acc = f, f += rows * dv();
@@ -159,10 +166,12 @@ struct FewQueries {
   }
 
   // The scores of one query row against kLanes key rows kp[0..kLanes): per key a vector of partial
-  // sums over the head dimension, four keys at a time (independent chains), transposed in
-  // registers so that adding the rows gives one score per lane.
+  // sums over the head dimension, four keys at a time (independent chains), then each vector's
+  // lanes added: by a tree of horizontal adds where the ISA has one (S::sum4), else by transposing
+  // the kLanes vectors in memory and adding the rows.
   F dot_scores(const float* const* kp, const float* q) const {
     alignas(64) float sums[kLanes * kLanes], turned[kLanes * kLanes];
+    constexpr bool kSum4 = requires(F x, float* out) { S::sum4(x, x, x, x, out); };
     for (int c = 0; c < kLanes; c += 4) {
       F a0 = S::zero(), a1 = S::zero(), a2 = S::zero(), a3 = S::zero();
       for (int64_t d0 = 0; d0 < dk(); d0 += kLanes) {
@@ -172,28 +181,30 @@ struct FewQueries {
         a2 = S::fmadd(S::load(kp[c + 2] + d0), x, a2);
         a3 = S::fmadd(S::load(kp[c + 3] + d0), x, a3);
       }
-      S::store(sums + c * kLanes, a0);
-      S::store(sums + (c + 1) * kLanes, a1);
-      S::store(sums + (c + 2) * kLanes, a2);
-      S::store(sums + (c + 3) * kLanes, a3);
+      if constexpr (kSum4) {
+        S::sum4(a0, a1, a2, a3, turned + c);
+      } else {
+        S::store(sums + c * kLanes, a0);
+        S::store(sums + (c + 1) * kLanes, a1);
+        S::store(sums + (c + 2) * kLanes, a2);
+        S::store(sums + (c + 3) * kLanes, a3);
+      }
     }
+    if constexpr (kSum4) return S::load(turned);
     T::transpose_square(sums, turned);
     F total = S::load(turned);
     for (int r = 1; r < kLanes; ++r) total = S::add(total, S::load(turned + r * kLanes));
     return total;
   }
 
-  // Asks for the key and value rows [j0, j0 + count) of head (b, hk) ahead of their block: a
-  // decoding step streams the cache from memory, and its blocks read rows in 8-row and
-  // vector-wide slices that the hardware prefetchers follow less well (steps at S=4096 d=128
-  // took 1.1-1.3x the time without).
-  [[gnu::always_inline]] void prefetch_keys(int64_t b, int64_t hk, int64_t j0, int64_t count) const {
-    for (const TensorView* t : {&p.k, &p.v}) {
-      const int64_t size = dtype_size(t->dtype), row_bytes = t->shape[3] * size, stride = t->strides[2] * size;
-      const char* rows = static_cast<const char*>(t->data) + (b * t->strides[0] + hk * t->strides[1] + j0 * t->strides[2]) * size;
-      for (int64_t c = 0; c < count; ++c)
-        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(rows + c * stride + x);
-    }
+  // Asks for rows [j0, j0 + count) of head (b, hk) of k or v ahead of their block: a decoding step
+  // streams the cache from memory, and its blocks read rows in 8-row and vector-wide slices that
+  // the hardware prefetchers follow less well (steps at S=4096 d=128 took 1.1-1.3x the time without).
+  [[gnu::always_inline]] void prefetch_rows(const TensorView& t, int64_t b, int64_t hk, int64_t j0, int64_t count) const {
+    const int64_t size = dtype_size(t.dtype), row_bytes = t.shape[3] * size, stride = t.strides[2] * size;
+    const char* rows = static_cast<const char*>(t.data) + (b * t.strides[0] + hk * t.strides[1] + j0 * t.strides[2]) * size;
+    for (int64_t c = 0; c < count; ++c)
+      for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(rows + c * stride + x);
   }
 
   // fn(integral_constant<R>, r0) over `rows` rows in register blocks of kBlockRows, the last one short.
@@ -207,10 +218,11 @@ struct FewQueries {
     }(std::make_integer_sequence<int, kBlockRows - 1>{});
   }
 
-  // acc_r[c0..] = alpha_r acc_r[c0..] + sum_{j < nc} prob_r[j] v_j[c0..] for R rows and V vectors.
+  // acc_r[c0..] = alpha_r acc_r[c0..] + sum_{j < nc} prob_r[j] v_j[c0..] for R rows and V vectors,
+  // prob_r at prob + r * stride.
   template <int R, int V>
-  static void accumulate_values(float* const* acc, const float* prob, const float* alpha, const float* const* vp,
-                                int nc, int64_t c0) {
+  static void accumulate_values(float* const* acc, const float* prob, int64_t stride, const float* alpha,
+                                const float* const* vp, int nc, int64_t c0) {
     F a[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) a[r][v] = S::mul(S::load(acc[r] + c0 + v * kLanes), S::set1(alpha[r]));
@@ -219,7 +231,7 @@ struct FewQueries {
       F w[V];
       for (int v = 0; v < V; ++v) w[v] = S::load(vp[j] + c0 + v * kLanes);
       for (int r = 0; r < R; ++r) {
-        const F x = S::set1(prob[r * kKeys + j]);
+        const F x = S::set1(prob[r * stride + j]);
         for (int v = 0; v < V; ++v) a[r][v] = S::fmadd(x, w[v], a[r][v]);
       }
     } while (++j < nc);
@@ -264,14 +276,29 @@ struct FewQueries {
     s.m[qi] = m_new;
   }
 
-  // Keys [j_begin, j_end) for rows [r_begin, r_end) of key/value head (b, hk). Leaves O, m and the
-  // lane sums of each row in the scratch, indexed from r_begin.
-  void run_keys(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
-                int64_t j_end) const {
-    const int64_t rows = r_end - r_begin;
+  // O += P V for the n rows accrow[0..n) (scaled first by alpha) over nc value rows vp[0..nc),
+  // the probabilities of row r at prob + r * stride.
+  void accumulate_rows(const Scratch& s, int64_t n, const float* prob, int64_t stride, int nc) const {
+    const int vecs_v = static_cast<int>(dv() / kLanes);
+    for_row_blocks(n, [&](auto r, int64_t r0) {
+      int c = 0;
+      if constexpr (r() <= 2)  // a row's 4 vectors (a cache line each) at once, read whole
+        for (; c + 4 <= vecs_v; c += 4)
+          accumulate_values<r(), 4>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, s.vp, nc, c * kLanes);
+      for (; c + kBlockVecs <= vecs_v; c += kBlockVecs)
+        accumulate_values<r(), kBlockVecs>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, s.vp, nc, c * kLanes);
+      for (; c < vecs_v; ++c)
+        accumulate_values<r(), 1>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, s.vp, nc, c * kLanes);
+    });
+  }
+
+  // Row qi's queries (scaled), zero O and sums, m = -inf and its key limit, for rows [r_begin,
+  // r_end) of key/value head (b, hk) over keys [j_begin, j_end); returns the end of the keys any row sees.
+  int64_t start_rows(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
+                     int64_t j_end) const {
     const float qscale = static_cast<float>(p.scale) * kLog2e;
     int64_t key_end = j_begin;
-    for (int64_t qi = 0; qi < rows; ++qi) {
+    for (int64_t qi = 0; qi < r_end - r_begin; ++qi) {
       const int64_t h = hk * group() + (r_begin + qi) / p.len_q, i = (r_begin + qi) % p.len_q;
       const int64_t offset = b * p.q.strides[0] + h * p.q.strides[1] + i * p.q.strides[2];
       float* q = s.q + qi * dk();
@@ -285,11 +312,19 @@ struct FewQueries {
       s.lim[qi] = std::min(p.causal_end(i), j_end);
       key_end = std::max(key_end, s.lim[qi]);
     }
+    return key_end;
+  }
+
+  // Keys [j_begin, j_end) for rows [r_begin, r_end) of key/value head (b, hk). Leaves O, m and the
+  // lane sums of each row in the scratch, indexed from r_begin.
+  void run_keys(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
+                int64_t j_end) const {
+    if (scores_by_dot()) return run_keys_by_dot(s, b, hk, r_begin, r_end, j_begin, j_end);
+    const int64_t rows = r_end - r_begin;
+    const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end);
     const bool v_in_place = values_in_place();
-    const int vecs_v = static_cast<int>(dv() / kLanes);
-    const int64_t block = block_keys();
-    for (int64_t j0 = j_begin; j0 < key_end; j0 += block) {
-      const int nc = static_cast<int>(std::min<int64_t>(block, key_end - j0));
+    for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
+      const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
       int64_t n = 0;  // the rows that see a key of this block (causality), packed
       for (int64_t qi = 0; qi < rows; ++qi) {
         if (j0 >= s.lim[qi]) continue;
@@ -297,40 +332,90 @@ struct FewQueries {
         s.qrow[n] = s.q + qi * dk();
         s.accrow[n++] = s.acc + qi * dv();
       }
-      if (prefetches() && j0 + block < key_end) prefetch_keys(b, hk, j0 + block, std::min(block, key_end - j0 - block));
-      if (scores_by_dot()) {
-        for (int c = 0; c < kKeys; ++c)
-          s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), keys_in_place(), s.kbuf + c * dk()) : s.zero;
-      } else {
-        transpose_keys(s, b, hk, j0, nc);
+      if (prefetches() && j0 + kKeys < key_end) {
+        prefetch_rows(p.k, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
+        prefetch_rows(p.v, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
       }
+      transpose_keys(s, b, hk, j0, nc);
       for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
       const int vecs = T::vecs_for(nc);
-      if (scores_by_dot()) {
-        for (int64_t a = 0; a < n; ++a)
-          for (int c = 0; c < nc; c += kLanes) S::store(s.scores + a * kKeys + c, dot_scores(s.kp + c, s.qrow[a]));
-      } else {
-        for_row_blocks(n, [&](auto r, int64_t r0) {
-          for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
-            T::template dot_rows_block<r()>(s.scores + r0 * kKeys, s.qrow + r0, s.kt, p.dim_qk, c0);
-        });
-      }
+      for_row_blocks(n, [&](auto r, int64_t r0) {
+        for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
+          T::template dot_rows_block<r()>(s.scores + r0 * kKeys, s.qrow + r0, s.kt, p.dim_qk, c0);
+      });
       for (int64_t a = 0; a < n; ++a) {
         const int64_t row = r_begin + s.active[a];
         softmax_row(s, a, s.active[a], b, hk * group() + row / p.len_q, row % p.len_q, j0, nc);
       }
       // O = alpha O + P V: every key of the block, a zero weight too (0 x inf is NaN, as in P @ V).
-      for_row_blocks(n, [&](auto r, int64_t r0) {
-        int c = 0;
-        if constexpr (r() <= 2)  // a row's 4 vectors (a cache line each) at once, read whole
-          for (; c + 4 <= vecs_v; c += 4)
-            accumulate_values<r(), 4>(s.accrow + r0, s.scores + r0 * kKeys, s.alpha + r0, s.vp, nc, c * kLanes);
-        for (; c + kBlockVecs <= vecs_v; c += kBlockVecs)
-          accumulate_values<r(), kBlockVecs>(s.accrow + r0, s.scores + r0 * kKeys, s.alpha + r0, s.vp, nc, c * kLanes);
-        for (; c < vecs_v; ++c)
-          accumulate_values<r(), 1>(s.accrow + r0, s.scores + r0 * kKeys, s.alpha + r0, s.vp, nc, c * kLanes);
-      });
+      accumulate_rows(s, n, s.scores, kKeys, nc);
     }
+  }
+
+  // Dot mode: up to kDotRows rows, each score a dot product of whole rows, in two passes over the
+  // run rather than an online softmax per block: every score of the run (masks added), then per
+  // row its max, probabilities and sum, then O = P V with the accumulators held across the run's
+  // value rows. With so few rows the per-block rescaling and reductions cost more than the products.
+  void run_keys_by_dot(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
+                       int64_t j_end) const {
+    const int64_t rows = r_end - r_begin, stride = kKeysPerRun;
+    const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end);
+    if (key_end == j_begin) return;
+    const int64_t count = key_end - j_begin;  // <= kKeysPerRun
+    const int64_t ahead = kDotPrefetchKeys;
+    for (int64_t j0 = j_begin; j0 < key_end; j0 += kLanes) {
+      const int nc = static_cast<int>(std::min<int64_t>(kLanes, key_end - j0));
+      if (j0 + ahead < key_end) prefetch_rows(p.k, b, hk, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
+      for (int c = 0; c < kLanes; ++c)
+        s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), keys_in_place(), s.kbuf + c * dk()) : s.zero;
+      for (int64_t qi = 0; qi < rows; ++qi) S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores(s.kp, s.q + qi * dk()));
+    }
+    for (int64_t qi = 0; qi < rows; ++qi) {
+      const int64_t row = r_begin + qi;
+      softmax_run(s, qi, b, hk * group() + row / p.len_q, row % p.len_q, j_begin, count);
+      s.accrow[qi] = s.acc + qi * dv();
+      s.alpha[qi] = 1.0f;
+    }
+    // O = P V over every key any row sees: a zero weight too (0 x inf is NaN, as in P @ V). In
+    // slices of kLanes value rows, which stay in L1 while the row blocks sweep them a few vectors
+    // at a time (slices of 48 rows took 1.1-1.2x the time on AVX2, of 32 1.05x).
+    const bool v_in_place = values_in_place();
+    for (int64_t j0 = j_begin; j0 < key_end; j0 += kLanes) {
+      const int nc = static_cast<int>(std::min<int64_t>(kLanes, key_end - j0));
+      if (j0 + ahead < key_end) prefetch_rows(p.v, b, hk, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
+      for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
+      accumulate_rows(s, rows, s.scores + (j0 - j_begin), stride, nc);
+    }
+  }
+
+  // The softmax of row qi (query i of head h) over a run's `count` scores from key j_begin: masks
+  // added, keys past the row's limit at -inf; leaves the probabilities in the row, m and the lane sums.
+  void softmax_run(Scratch& s, int64_t qi, int64_t b, int64_t h, int64_t i, int64_t j_begin, int64_t count) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    float* row = s.scores + qi * kKeysPerRun;
+    const int64_t visible = std::max<int64_t>(0, s.lim[qi] - j_begin);
+    bool nan = false;
+    F top = S::set1(neg_inf);
+    for (int64_t c = 0; c < count; c += kLanes) {
+      const int cols = static_cast<int>(std::min<int64_t>(kLanes, count - c));
+      F x = S::load(row + c);
+      for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j_begin + c, cols));
+      const int64_t keep = std::clamp<int64_t>(visible - c, 0, kLanes);
+      x = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x, S::set1(neg_inf));
+      nan = nan || !S::all(S::eq(x, x));
+      top = S::max(top, x);
+      S::store(row + c, x);
+    }
+    const float m = nan ? std::numeric_limits<float>::quiet_NaN() : S::reduce_max(top);
+    const F m_use = S::set1(m == neg_inf ? 0.0f : m);  // a row that sees no key: p = 0, not NaN
+    F sum = S::zero();
+    for (int64_t c = 0; c < count; c += kLanes) {
+      const F pr = S::exp2(S::sub(S::load(row + c), m_use));
+      S::store(row + c, pr);
+      sum = S::add(sum, pr);
+    }
+    S::store(s.l + qi * kLanes, sum);
+    s.m[qi] = m;
   }
 
   float lane_sum(const float* l) const {
@@ -380,8 +465,8 @@ struct FewQueries {
       const int64_t g = t / (r * chunks), run = t / chunks % r;
       const auto [r0, r1] = rows_of(t % chunks);
       Scratch s = allocate(r1 - r0);
-      run_keys(s, g / p.heads_kv, g % p.heads_kv, r0, r1, run * kKeysPerRun,
-               std::min(p.len_k, (run + 1) * kKeysPerRun));
+      run_keys(s, g / p.heads_kv, g % p.heads_kv, r0, r1, run * keys_per_run(),
+               std::min(p.len_k, (run + 1) * keys_per_run()));
       for (int64_t qi = 0; qi < r1 - r0; ++qi) {
         float* state = st + ((g * r + run) * n + r0 + qi) * state_floats();
         std::memcpy(state, s.acc + qi * dv(), sizeof(float) * dv());

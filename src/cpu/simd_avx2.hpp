@@ -44,6 +44,15 @@ struct Avx2 {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
   }
 
+  // out[0..4) = the sums of the lanes of a, b, c and d: a tree of horizontal adds, in registers
+  // (dot products of whole rows, few_queries.hpp).
+  static void sum4(F a, F b, F c, F d, float* out) {
+    const __m256 ab = _mm256_hadd_ps(_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi));
+    const __m256 cd = _mm256_hadd_ps(_mm256_add_ps(c.lo, c.hi), _mm256_add_ps(d.lo, d.hi));
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);  // lanes 0-3: the low halves' sums, 4-7: the high ones'
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
+
   // A lane mask from bits: lane i is all ones where bit i is set.
   static __m256 lanes_of(uint32_t bits) {
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
