@@ -547,7 +547,7 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
   std::mt19937_64 rng(test_seed());
   // Up to 32 queries per head: register blocks of every height, a run of keys split over tasks
   // (Lk > 1008) and short key blocks (Lk % 48, or a run's last vector of scores in dot mode, up to
-  // 4 queries per key/value head), key rows transposed in place (Dk % 8 == 0) and copied (20), rows
+  // 8 queries per key/value head), key rows transposed in place (Dk % 8 == 0) and copied (20), rows
   // prefetched (128), value rows of 1 to 5 vectors.
   const int64_t key_lengths[] = {1, 5, 16, 17, 100, 1008, 1025, 2100};
   const int64_t query_lengths[] = {1, 2, 3, 4, 5, 7, 13, 32};
@@ -598,16 +598,18 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
       EXPECT_LT(rel_error(g.value, r.value, floor), 1e-4);
     }
   }
-  // Dot mode where a run's rows see different keys: bottom-right causal rows end at keys 1007 to
-  // 1010, so the second run (keys from 1008) has rows that see none of it, one key, and more.
-  for (int n = 0; n < 6; ++n) {
-    const int64_t lq = n % 2 == 0 ? 4 : 2, hkv = 2, group = n % 2 == 0 ? 1 : 2, lk = 1010, dk = n < 2 ? 64 : n < 4 ? 128 : 20;
-    const mha::DType dtype = n < 4 ? mha::DType::f32 : mha::DType::bf16;
+  // Dot mode (up to 8 queries per key/value head) where the rows of a task see different keys:
+  // bottom-right causal rows with fewer keys than queries (rows that see none, one key, and more),
+  // and a cache split into runs; prefetched and copied key rows.
+  for (int n = 0; n < 8; ++n) {
+    const int64_t lq = n % 2 == 0 ? 8 : 4, hkv = 2, group = n % 2 == 0 ? 1 : 2, lk = n < 4 ? 5 : 1500;
+    const int64_t dk = n % 4 < 2 ? 64 : n % 4 == 2 ? 128 : 20;
+    const mha::DType dtype = n == 3 ? mha::DType::bf16 : mha::DType::f32;
     const mha::Tensor q = randn({1, hkv * group, lq, dk}, rng, dtype), k = randn({1, hkv, lk, dk}, rng, dtype),
                       v = randn({1, hkv, lk, 48}, rng, dtype), mask = randn({lq, lk}, rng);
     mha::SdpaOptions o{.attn_mask = mask.view(), .is_causal = true, .enable_gqa = true};
     o.causal_alignment = mha::CausalAlignment::BottomRight;
-    SCOPED_TRACE("run boundary case " + std::to_string(n));
+    SCOPED_TRACE("dot mode case " + std::to_string(n));
     const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, o);
     o.num_threads = 1;
     EXPECT_TRUE(mha_test::same_bits(out, mha::scaled_dot_product_attention(q, k, v, o)));

@@ -5,7 +5,7 @@
 // Here the lanes run over the keys: a block of 48 keys is transposed once into a panel and each
 // query is a broadcast row of the score product (the backward's shape, tile_kernels.hpp), with an
 // online softmax per block; then O += P V takes each probability as a broadcast against value rows
-// read in place. With up to 4 queries per key/value head (dot mode), each score is a dot product
+// read in place. With up to 8 queries per key/value head (dot mode), each score is a dot product
 // of whole rows instead, and a run's keys are read in one pass, its softmax taken whole, then its
 // values read in another pass (no rescaling per block). The query heads that share a key/value
 // head (GQA) are rows of the same task, so each key block is read once for all of them. Long caches are split into shape-fixed runs of keys whose partial softmax
@@ -64,9 +64,10 @@ struct FewQueries {
   int64_t dv() const { return T::round_up(p.dim_v, kLanes); }  // value rows padded with zeros to whole vectors
   int64_t state_floats() const { return dv() + 2; }  // a run's partial result per query: O, then m and l
   // Up to kDotRows queries per key/value head: each score a dot product of whole key rows, as
-  // transposing 48 keys into a panel costs more than that many rows' products. Decided by the
-  // shape, so the bits are too.
-  static constexpr int64_t kDotRows = 4;
+  // transposing 48 keys into a panel and rescaling per block cost more than that many rows'
+  // products (on AVX2, 8 rows: 0.70-0.85x the panel's time at caches of 2048-4096 keys, level at
+  // 512; 16 rows: 1.15x at 512). Decided by the shape, so the bits are too.
+  static constexpr int64_t kDotRows = 8;
   bool scores_by_dot() const { return queries() <= kDotRows; }
   // The panel schedule prefetches key rows of 512 bytes and more a block ahead; with shorter rows
   // (d = 64 in float32), prefetching next to its panel transposes cost more than it saved (a step
