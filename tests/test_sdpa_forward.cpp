@@ -547,7 +547,7 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
   std::mt19937_64 rng(test_seed());
   // Up to 32 queries per head: register blocks of every height, a run of keys split over tasks
   // (Lk > 1008) and short key blocks (Lk % 48, or a run's last vector of scores in dot mode, up to
-  // 8 queries per key/value head), key rows transposed in place (Dk % 8 == 0) and copied (20), rows
+  // 8 or 4 queries per key/value head), key rows transposed in place (Dk % 8 == 0) and copied (20), rows
   // prefetched (128), value rows of 1 to 5 vectors.
   const int64_t key_lengths[] = {1, 5, 16, 17, 100, 1008, 1025, 2100};
   const int64_t query_lengths[] = {1, 2, 3, 4, 5, 7, 13, 32};
@@ -598,8 +598,8 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
       EXPECT_LT(rel_error(g.value, r.value, floor), 1e-4);
     }
   }
-  // Dot mode (up to 8 queries per key/value head) where the rows of a task see different keys:
-  // bottom-right causal rows with fewer keys than queries (rows that see none, one key, and more),
+  // Dot mode (up to 8 queries per key/value head on AVX2, 4 elsewhere) where the rows of a task
+  // see different keys: bottom-right causal rows with fewer keys than queries (rows that see none, one key, and more),
   // and a cache split into runs; prefetched and copied key rows.
   for (int n = 0; n < 8; ++n) {
     const int64_t lq = n % 2 == 0 ? 8 : 4, hkv = 2, group = n % 2 == 0 ? 1 : 2, lk = n < 4 ? 5 : 1500;

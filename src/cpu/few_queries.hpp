@@ -5,7 +5,7 @@
 // Here the lanes run over the keys: a block of 48 keys is transposed once into a panel and each
 // query is a broadcast row of the score product (the backward's shape, tile_kernels.hpp), with an
 // online softmax per block; then O += P V takes each probability as a broadcast against value rows
-// read in place. With up to 8 queries per key/value head (dot mode), each score is a dot product
+// read in place. With up to 8 (AVX2) or 4 queries per key/value head (dot mode), each score is a dot product
 // of whole rows instead, and a run's keys are read in one pass, its softmax taken whole, then its
 // values read in another pass (no rescaling per block). The query heads that share a key/value
 // head (GQA) are rows of the same task, so each key block is read once for all of them. Long caches are split into shape-fixed runs of keys whose partial softmax
@@ -65,9 +65,12 @@ struct FewQueries {
   int64_t state_floats() const { return dv() + 2; }  // a run's partial result per query: O, then m and l
   // Up to kDotRows queries per key/value head: each score a dot product of whole key rows, as
   // transposing 48 keys into a panel and rescaling per block cost more than that many rows'
-  // products (on AVX2, 8 rows: 0.70-0.85x the panel's time at caches of 2048-4096 keys, level at
-  // 512; 16 rows: 1.15x at 512). Decided by the shape, so the bits are too.
-  static constexpr int64_t kDotRows = 8;
+  // products. Where the partial sums are added in registers (S::sum4; AVX2), 8 rows: 0.70-0.85x
+  // the panel's time at caches of 2048-4096 keys, level at 512 (16 rows: 1.15x at 512). Where
+  // they go through a transpose in memory, once per row and 16 keys, 4 rows (measured on AVX-512
+  // with the one-pass schedule). Decided by the ISA and the shape, so the bits are too.
+  static constexpr bool kSum4 = requires(F x, float* out) { S::sum4(x, x, x, x, out); };
+  static constexpr int64_t kDotRows = kSum4 ? 8 : 4;
   bool scores_by_dot() const { return queries() <= kDotRows; }
   // The panel schedule prefetches key rows of 512 bytes and more a block ahead; with shorter rows
   // (d = 64 in float32), prefetching next to its panel transposes cost more than it saved (a step
@@ -172,7 +175,6 @@ struct FewQueries {
   // the kLanes vectors in memory and adding the rows.
   F dot_scores(const float* const* kp, const float* q) const {
     alignas(64) float sums[kLanes * kLanes], turned[kLanes * kLanes];
-    constexpr bool kSum4 = requires(F x, float* out) { S::sum4(x, x, x, x, out); };
     for (int c = 0; c < kLanes; c += 4) {
       F a0 = S::zero(), a1 = S::zero(), a2 = S::zero(), a3 = S::zero();
       for (int64_t d0 = 0; d0 < dk(); d0 += kLanes) {
