@@ -121,23 +121,29 @@ def bench_sdpa_masked(B, H, L, d, reps, rows):
         rows.append((f"sdpa fwd fp32 {name}", f"B={B} H={H} L={L} d={d}", ours, theirs, flops))
 
 
-def bench_decode(reps, rows):
-    """Decoding steps in fp32: one query per head against a cache of keys and values, with as
-    many key/value heads as query heads, and grouped (GQA, 4 query heads per key/value head); and
-    a speculative step, 8 new tokens that see the cache and the tokens before them (a bool mask,
-    causal from the bottom right). FLOPs as for any forward, every (query, key) pair counted; a
-    step reads the whole cache, so bytes bound it."""
-    for B, Hq, Hkv, S, d, Lq in ((4, 16, 16, 2048, 64, 1), (1, 32, 8, 4096, 128, 1), (1, 32, 8, 4096, 128, 8)):
+def bench_decode(reps, rows, dtypes):
+    """Decoding steps: one query per head against a cache of keys and values, with as many
+    key/value heads as query heads, and grouped (GQA, 4 query heads per key/value head); and a
+    speculative step, 8 new tokens that see the cache and the tokens before them (a bool mask,
+    causal from the bottom right). In fp32, and one step with a bf16 cache. FLOPs as for any
+    forward, every (query, key) pair counted; a step reads the whole cache, so bytes bound it."""
+    shapes = [(B, Hq, Hkv, S, d, Lq, "fp32") for B, Hq, Hkv, S, d, Lq in
+              ((4, 16, 16, 2048, 64, 1), (1, 32, 8, 4096, 128, 1), (1, 32, 8, 4096, 128, 8))]
+    shapes.append((4, 16, 16, 2048, 64, 1, "bf16"))
+    for B, Hq, Hkv, S, d, Lq, name in shapes:
+        if name not in dtypes:
+            continue
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         g = torch.Generator().manual_seed(2)
-        q = torch.randn(B, Hq, Lq, d, generator=g)
-        k, v = (torch.randn(B, Hkv, S, d, generator=g) for _ in range(2))
+        q = torch.randn(B, Hq, Lq, d, generator=g).to(dtype)
+        k, v = (torch.randn(B, Hkv, S, d, generator=g).to(dtype) for _ in range(2))
         mask = torch.ones(Lq, S, dtype=torch.bool).tril(S - Lq) if Lq > 1 else None
         gqa = Hq != Hkv
         ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa),
                                       lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa),
                                       reps * 3)
-        name = "sdpa decode fp32" if Lq == 1 else f"sdpa decode fp32, {Lq} tokens"
-        rows.append((name, f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * Lq * S * d))
+        op = f"sdpa decode {name}" if Lq == 1 else f"sdpa decode {name}, {Lq} tokens"
+        rows.append((op, f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * Lq * S * d))
 
 
 def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):
@@ -309,8 +315,8 @@ def main():
                                                          args.threads, args.reps)
             if d == args.dims[0] and "fp32" in args.dtypes:
                 bench_sdpa_masked(args.batch, args.heads, L, d, args.reps, rows)
-    if not args.no_sdpa and "fp32" in args.dtypes:
-        bench_decode(args.reps, rows)
+    if not args.no_sdpa:
+        bench_decode(args.reps, rows, args.dtypes)
     if not args.no_module:
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
