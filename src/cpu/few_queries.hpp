@@ -5,13 +5,14 @@
 // Here the lanes run over the keys: a block of 48 keys is transposed once into a panel and each
 // query is a broadcast row of the score product (the backward's shape, tile_kernels.hpp), with an
 // online softmax per block; then O += P V takes each probability as a broadcast against value rows
-// read in place. With up to 8 (AVX2) or 4 queries per key/value head (dot mode), each score is a dot product
-// of whole rows instead, and a run's keys are read in one pass, its softmax taken whole, then its
-// values read in another pass (no rescaling per block). The query heads that share a key/value
-// head (GQA) are rows of the same task, so each key block is read once for all of them. Long caches are split into shape-fixed runs of keys whose partial softmax
-// states are merged in order afterwards; every query row's arithmetic is the same whichever rows
-// share its register block or task, so the bits depend on the shape only, not on the thread
-// count. Internal linkage: each ISA's file compiles its own copy.
+// read in place. With up to 8 (AVX2) or 4 queries per key/value head (dot mode), each score is a
+// dot product of whole rows instead, and a run's keys are read in one pass, its softmax taken
+// whole, then its values read in another pass (no rescaling per block); 16-bit rows are widened as
+// they are loaded. The query heads that share a key/value head (GQA) are rows of the same task, so
+// each key block is read once for all of them. Long caches are split into shape-fixed runs of keys
+// whose partial softmax states are merged in order afterwards; every query row's arithmetic is the
+// same whichever rows share its register block or task, so the bits depend on the shape only, not
+// on the thread count. Internal linkage: each ISA's file compiles its own copy.
 #pragma once
 
 #include <algorithm>
@@ -389,10 +390,10 @@ struct FewQueries {
     }
   }
 
-  // Dot mode: up to kDotRows rows, each score a dot product of whole rows, in two passes over the
-  // run rather than an online softmax per block: every score of the run (masks added), then per
-  // row its max, probabilities and sum, then O = P V with the accumulators held across the run's
-  // value rows. With so few rows the per-block rescaling and reductions cost more than the products.
+  // Dot mode: up to kDotRows rows, each score a dot product of whole rows, in passes over the run
+  // rather than an online softmax per block: every score of the run, then per row its masks, max,
+  // probabilities and sum, then O = P V with the accumulators held across each slice of value
+  // rows. With so few rows the per-block rescaling and reductions cost more than the products.
   void run_keys_by_dot(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
                        int64_t j_end) const {
     const int64_t rows = r_end - r_begin, stride = kKeysPerRun;
