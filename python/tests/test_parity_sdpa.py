@@ -143,3 +143,50 @@ def test_torch_in_torch_out_and_errors():
         mha.scaled_dot_product_attention([1.0], q, q)
     with pytest.raises(ValueError, match="dropout_p"):
         mha.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
+
+
+def test_decoding_matches_torch(parity_seed):
+    """A few queries per head against a long cache: the decoding kernel's shapes (up to 32 queries,
+    caches split into runs past 1008 keys), in float32 and with bfloat16 and float16 tensors as
+    inference engines keep their caches, against PyTorch in float64 on the same (rounded) values.
+    Tolerances: float32 1e-5 of the largest value (as above); bfloat16 1e-2 and float16 2e-3, the
+    rounding of the output to 8 and 11 significant bits plus the float32 arithmetic's."""
+    rng = np.random.default_rng([parity_seed, 3])
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+    for n in range(48):
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[n % 3]
+        hkv = int(rng.integers(1, 3))
+        group = int(rng.choice([1, 2, 4]))
+        B, Lq = int(rng.integers(1, 3)), int(rng.choice([1, 1, 2, 3, 4, 8, 13, 32]))
+        Lk = int(rng.choice([1, 17, 300, 1008, 1500, 2100]))
+        Dk, Dv = int(rng.choice([16, 20, 64, 128])), int(rng.choice([16, 48, 64]))
+        q = torch.randn(B, hkv * group, Lq, Dk, generator=gen).to(dtype)
+        k = torch.randn(B, hkv, Lk, Dk, generator=gen).to(dtype)
+        v = torch.randn(B, hkv, Lk, Dv, generator=gen).to(dtype)
+        if rng.random() < 0.3:  # [B, L, H, D] storage, viewed as [B, H, L, D]
+            k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+        causal = Lq > 1 and rng.random() < 0.6
+        mask = None
+        if rng.random() < 0.4:
+            mask = torch.randn(Lq, Lk, generator=gen) if rng.random() < 0.5 else torch.rand(B, 1, 1, Lk, generator=gen) < 0.9
+        ours = mha.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                causal_alignment="bottom_right", enable_gqa=group > 1)
+        assert ours.dtype == dtype and ours.shape == (B, hkv * group, Lq, Dv)
+        ref_mask = None if mask is None else (mask if mask.dtype == torch.bool else mask.double())
+        if causal:
+            visible = torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+            ref_mask = visible if ref_mask is None else (
+                ref_mask & visible if ref_mask.dtype == torch.bool else ref_mask.masked_fill(~visible, -np.inf))
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=ref_mask,
+                                             enable_gqa=group > 1)
+        alive = torch.ones(ref.shape[:-1], dtype=torch.bool)
+        if ref_mask is not None:
+            m = ref_mask if ref_mask.dtype == torch.bool else ~torch.isneginf(ref_mask)
+            alive = m.expand(B, hkv * group, Lq, Lk).any(-1)
+        assert torch.all(ours[~alive] == 0), f"case {n}: rows that see no key are not zero"
+        scale = max(ref[alive].abs().max().item(), 0.1 * v.double().abs().max().item()) if alive.any() else 1.0
+        err = ((ours.double() - ref)[alive].abs().max().item() / scale) if alive.any() else 0.0
+        assert err <= tolerance[dtype], (
+            f"case {n}: relative error {err:.3e} for {dtype} B={B} H={hkv * group}/{hkv} Lq={Lq} Lk={Lk} "
+            f"Dk={Dk} Dv={Dv} causal={causal} mask={None if mask is None else mask.dtype}")
