@@ -64,6 +64,31 @@ void sdpa_backward(benchmark::State& state) {
   state.counters["FLOPS"] = flops_counter(2.5 * mha::attention_flops(batch, heads, len, len, dim, dim, causal));
 }
 
+// Args: B, Hq, Hkv, S, d, Lq, bf16 (0: float32). A decoding step: Lq new queries per head against a
+// cache of S keys and values (Hkv key/value heads; fewer than Hq is grouped-query attention), causal
+// from the bottom right (each new token sees the cache and the tokens before it). A step reads the
+// whole cache once, so the bytes counter (the cache's size per call) says more than the FLOPs.
+void sdpa_decode(benchmark::State& state) {
+  const int64_t batch = state.range(0), heads = state.range(1), kv_heads = state.range(2), cache = state.range(3);
+  const int64_t dim = state.range(4), queries = state.range(5);
+  const mha::DType dtype = state.range(6) != 0 ? mha::DType::bf16 : mha::DType::f32;
+  std::mt19937_64 rng(45);
+  auto input = [&](int64_t h, int64_t l) { return mha::Tensor::copy_of(random_normal({batch, h, l, dim}, rng), dtype); };
+  const mha::Tensor q = input(heads, queries), k = input(kv_heads, cache), v = input(kv_heads, cache);
+  const mha::Tensor out = mha::Tensor::empty({batch, heads, queries, dim}, dtype);
+  const mha::SdpaOptions options{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight,
+                                 .enable_gqa = kv_heads != heads};
+  for (auto _ : state) {
+    mha::scaled_dot_product_attention_into(q, k, v, out, options);
+    benchmark::ClobberMemory();
+  }
+  const double cache_bytes = 2.0 * batch * kv_heads * cache * dim * static_cast<double>(mha::dtype_size(dtype));
+  state.counters["bytes"] = benchmark::Counter(cache_bytes, benchmark::Counter::kIsIterationInvariantRate,
+                                               benchmark::Counter::kIs1024);
+  state.counters["FLOPS"] = flops_counter(mha::attention_flops(batch, heads, queries, cache, dim, dim, true,
+                                                               mha::CausalAlignment::BottomRight));
+}
+
 // Args: E, H, B, L. Self-attention without weights (need_weights=false), the fast path of a
 // transformer layer; FLOPs include the four E x E projections.
 void module_forward(benchmark::State& state) {
@@ -98,6 +123,13 @@ void register_benchmarks() {
     for (const int64_t dim : {64, 128})
       for (const int64_t causal : {0, 1}) backward->Args({4, 16, len, dim, causal, 0});
   for (const int64_t len : {128, 2048}) backward->Args({4, 16, len, 64, 0, 1});  // bf16 training
+
+  auto* decode = benchmark::RegisterBenchmark("SDPA_decode", sdpa_decode);
+  decode->ArgNames({"B", "Hq", "Hkv", "S", "d", "Lq", "bf16"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (const int64_t bf16 : {0, 1}) decode->Args({4, 16, 16, 2048, 64, 1, bf16});  // one token, a cache in memory
+  decode->Args({4, 16, 16, 512, 64, 1, 0});                                          // a cache that fits in L3
+  decode->Args({1, 32, 8, 4096, 128, 1, 0});                                         // grouped heads
+  decode->Args({1, 32, 8, 4096, 128, 8, 0});                                         // speculative: 8 tokens
 
   auto* module = benchmark::RegisterBenchmark("MHA_module_forward", module_forward);
   module->ArgNames({"E", "H", "B", "L"})->UseRealTime()->Unit(benchmark::kMillisecond);

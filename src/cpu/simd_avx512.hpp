@@ -70,9 +70,11 @@ struct Avx512 {
   static M lt_i(U a, U b) { return _mm512_cmp_epi32_mask(a, b, _MM_CMPINT_LT); }
 
   // kLanes bfloat16 / float16 values (as bits) straight into a register, exactly.
+  // (The zero-masking forms with every lane set: GCC 12's unmasked ones start from an "undefined"
+  // register that -Wuninitialized reports wherever they are inlined.)
   static F load_bf16(const uint16_t* p) {
-    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    const __m512i x = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, x, 16));
   }
   static F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
