@@ -80,9 +80,6 @@ struct FewQueries {
   // to 96 keys measured best on AVX2, 0.90-0.95x the time of no prefetch at d=64 and 128).
   bool prefetches() const { return p.dim_qk * dtype_size(p.k.dtype) >= 512; }
   static constexpr int64_t kDotPrefetchKeys = 64;
-  // Dot mode reads bfloat16 and float16 rows of whole vectors in place, widening each vector as it
-  // is loaded, for every row of the task: on AVX2, 0.60-0.72x the time of widening each block
-  // into a buffer first at one or two rows, 0.78-0.97x at 4 and 8.
 
   // Key rows are transposed in place when they are float32 of whole 8-float groups, value rows read
   // in place when they are float32 of whole vectors; otherwise a block is widened or copied first.
@@ -180,7 +177,9 @@ struct FewQueries {
     }
   }
 
-  // How rows are read: float32, or bfloat16 / float16 widened as they are loaded.
+  // How rows are read: float32, or bfloat16 / float16 widened as they are loaded. Dot mode reads
+  // 16-bit rows of whole vectors in place this way, whatever its row count: on AVX2, 0.60-0.72x the
+  // time of widening each block into a buffer first at one or two rows, 0.78-0.97x at 4 and 8.
   struct AsF32 {
     using E = float;
     static F load(const float* x) { return S::load(x); }
