@@ -101,9 +101,28 @@ def _torch():
     return torch
 
 
+def _loaded_torch():
+    """torch if the program has imported it (an input can be a tensor only then), else None:
+    a lookup, where _torch() would import it. Called several times per call, so it must be cheap."""
+    return _sys.modules.get("torch")
+
+
 def _is_torch(x: Any) -> bool:
-    torch = _torch()
+    torch = _loaded_torch()
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+_numpy_viewable = None
+
+
+def _viewable_by_numpy(torch, dtype) -> bool:
+    """Whether numpy can view a tensor of this dtype (bfloat16 cannot). Such tensors are handed
+    to the extension as numpy arrays sharing their memory, about 1 us each, where a tensor goes
+    through torch's __dlpack__ at about 3 (a decoding step on a small cache takes tens of us)."""
+    global _numpy_viewable
+    if _numpy_viewable is None:
+        _numpy_viewable = {torch.float32, torch.float16, torch.bool}
+    return dtype in _numpy_viewable
 
 
 def _as_array(x: Any, name: str, allow_none: bool = False):
@@ -114,10 +133,18 @@ def _as_array(x: Any, name: str, allow_none: bool = False):
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got None")
     if isinstance(x, _np.ndarray):
         return x
-    if _is_torch(x):
-        if x.device.type != "cpu":
+    torch = _loaded_torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if not x.is_cpu:
             raise ValueError(f"{name}: expected a CPU tensor, got one on device '{x.device}'")
-        return x.detach()
+        if x.requires_grad:
+            x = x.detach()
+        if _viewable_by_numpy(torch, x.dtype):
+            try:
+                return x.numpy()
+            except (RuntimeError, TypeError):  # a conjugate or negative view, say: the tensor itself
+                pass
+        return x
     if isinstance(x, (list, tuple, float, int)):
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}; "
                         "wrap it with numpy.asarray(..., dtype=numpy.float32)")
@@ -158,9 +185,13 @@ def _tensor_of(array: _np.ndarray):
 
 def _needs_grad(*xs) -> bool:
     """Whether PyTorch autograd must see this call: a torch input requires grad, grad mode is on."""
-    torch = _torch()
-    return (torch is not None and torch.is_grad_enabled()
-            and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs))
+    torch = _loaded_torch()
+    if torch is None or not torch.is_grad_enabled():
+        return False
+    for x in xs:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return True
+    return False
 
 
 def _new_seed() -> int:
