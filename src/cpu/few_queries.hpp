@@ -178,8 +178,9 @@ struct FewQueries {
   }
 
   // How rows are read: float32, or bfloat16 / float16 widened as they are loaded. Dot mode reads
-  // 16-bit rows of whole vectors in place this way, whatever its row count: on AVX2, 0.60-0.72x the
-  // time of widening each block into a buffer first at one or two rows, 0.78-0.97x at 4 and 8.
+  // 16-bit rows of whole vectors in place this way, whatever its row count: on AVX2, 0.60-0.73x the
+  // time of widening each block into a buffer first at one or two rows, 0.78-1.04x at 4 and 8
+  // (level at worst, so no row threshold).
   struct AsF32 {
     using E = float;
     static F load(const float* x) { return S::load(x); }
