@@ -402,6 +402,7 @@ struct FewQueries {
     const int64_t count = key_end - j_begin;  // <= kKeysPerRun
     const int64_t ahead = kDotPrefetchKeys;
     const auto zero16 = reinterpret_cast<const uint16_t*>(s.zero);  // as many zero bits as dk and dv need
+    const bool k_in_place = keys_in_place();  // (out of the loop: it divides, twice)
     with_loader(p.k.dtype, p.dim_qk % kLanes == 0, [&](auto loader) {
       using L = decltype(loader);
       for (int64_t j0 = j_begin; j0 < key_end; j0 += kLanes) {
@@ -410,7 +411,7 @@ struct FewQueries {
         const typename L::E* const* kp;
         if constexpr (std::is_same_v<L, AsF32>) {
           for (int c = 0; c < kLanes; ++c)
-            s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), keys_in_place(), s.kbuf + c * dk()) : s.zero;
+            s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), k_in_place, s.kbuf + c * dk()) : s.zero;
           kp = s.kp;
         } else {
           for (int c = 0; c < kLanes; ++c) s.kp16[c] = c < nc ? row16(p.k, b, hk, j0 + c) : zero16;
