@@ -116,17 +116,21 @@ _numpy_viewable = None
 
 
 def _viewable_by_numpy(torch, dtype) -> bool:
-    """Whether numpy can view a tensor of this dtype (bfloat16 cannot). Such tensors are handed
-    to the extension as numpy arrays sharing their memory, about 1 us each, where a tensor goes
-    through torch's __dlpack__ at about 3 (a decoding step on a small cache takes tens of us)."""
+    """Whether numpy can view a tensor of this dtype (bfloat16 cannot)."""
     global _numpy_viewable
     if _numpy_viewable is None:
         _numpy_viewable = {torch.float32, torch.float16, torch.bool}
     return dtype in _numpy_viewable
 
 
-def _as_array(x: Any, name: str, allow_none: bool = False):
-    """An object the extension reads without a copy: a numpy array or a CPU torch tensor."""
+def _as_array(x: Any, name: str, allow_none: bool = False, once: bool = False):
+    """An object the extension reads without a copy: a numpy array, a CPU torch tensor, or with
+    `once` (the result is handed to one extension call and dropped) a DLPack capsule of the tensor.
+
+    Per tensor, a capsule from torch's C exporter costs about 0.7 us, a numpy view about 2 and the
+    tensor's own __dlpack__ about 3.4 (a decoding step on a small cache takes tens of us). A
+    capsule can be read only once, so results that are kept or passed on (autograd's saved
+    inputs, loaded parameters) are numpy views, or the tensor itself for bfloat16."""
     if x is None:
         if allow_none:
             return None
@@ -139,11 +143,13 @@ def _as_array(x: Any, name: str, allow_none: bool = False):
             raise ValueError(f"{name}: expected a CPU tensor, got one on device '{x.device}'")
         if x.requires_grad:
             x = x.detach()
-        if _viewable_by_numpy(torch, x.dtype):
-            try:
+        try:
+            if once:
+                return _to_dlpack(torch)(x)
+            if _viewable_by_numpy(torch, x.dtype):
                 return x.numpy()
-            except (RuntimeError, TypeError):  # a conjugate or negative view, say: the tensor itself
-                pass
+        except (RuntimeError, TypeError, BufferError):  # a conjugate or negative view, say: the tensor itself
+            pass
         return x
     if isinstance(x, (list, tuple, float, int)):
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}; "
@@ -151,13 +157,27 @@ def _as_array(x: Any, name: str, allow_none: bool = False):
     raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
+_dlpack_exporter = None
+
+
+def _to_dlpack(torch):
+    global _dlpack_exporter
+    if _dlpack_exporter is None:
+        from torch.utils.dlpack import to_dlpack  # noqa: PLC0415 - torch is loaded already
+        _dlpack_exporter = to_dlpack
+    return _dlpack_exporter
+
+
 def _like(template: Any, array: Optional[_np.ndarray]):
     """The output in the kind of the input: a torch tensor sharing memory, or the numpy array."""
-    if array is None or not _is_torch(template):
+    if array is None or isinstance(template, _np.ndarray):
         return array
-    out = _torch().from_numpy(array)
-    if template.dtype == _torch().bfloat16:  # numpy has no bfloat16: it came back as its bits
-        out = out.view(_torch().bfloat16)
+    torch = _loaded_torch()
+    if torch is None or not isinstance(template, torch.Tensor):
+        return array
+    out = torch.from_numpy(array)
+    if template.dtype is torch.bfloat16:  # numpy has no bfloat16: it came back as its bits
+        out = out.view(torch.bfloat16)
     return out
 
 
@@ -186,11 +206,12 @@ def _tensor_of(array: _np.ndarray):
 def _needs_grad(*xs) -> bool:
     """Whether PyTorch autograd must see this call: a torch input requires grad, grad mode is on."""
     torch = _loaded_torch()
-    if torch is None or not torch.is_grad_enabled():
+    if torch is None:
         return False
-    for x in xs:
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            return True
+    tensor = torch.Tensor
+    for x in xs:  # a plain loop: a generator in any() cost twice the time, per call
+        if isinstance(x, tensor) and x.requires_grad:
+            return torch.is_grad_enabled()
     return False
 
 
@@ -213,15 +234,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     With need_weights=True, returns (output, weights) instead of the output.
     """
     _auto_threading()
-    q = _as_array(query, "query")
-    k = _as_array(key, "key")
-    v = _as_array(value, "value")
-    m = _as_array(attn_mask, "attn_mask", allow_none=True)
+    grad = _needs_grad(query, key, value, attn_mask)
+    q = _as_array(query, "query", once=True)  # each feeds one extension call at most
+    k = _as_array(key, "key", once=True)
+    v = _as_array(value, "value", once=True)
+    m = _as_array(attn_mask, "attn_mask", allow_none=True, once=True)
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
-    if _needs_grad(query, key, value, attn_mask):
+    if grad:
         from .autograd import SdpaFunction
         if attn_mask is not None and attn_mask.requires_grad and attn_mask.dtype != _torch().float32:
             raise ValueError("attn_mask: only a float32 (additive) mask can require grad")
@@ -309,9 +331,10 @@ class MultiheadAttention:
             return self._forward_autograd(query, key, value, key_padding_mask, need_weights, attn_mask,
                                           average_attn_weights, is_causal, dropout_seed, num_threads)
         out, weights = self._m.forward(
-            _as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"),
-            _as_array(key_padding_mask, "key_padding_mask", allow_none=True), bool(need_weights),
-            _as_array(attn_mask, "attn_mask", allow_none=True), bool(average_attn_weights), bool(is_causal),
+            _as_array(query, "query", once=True), _as_array(key, "key", once=True),
+            _as_array(value, "value", once=True),
+            _as_array(key_padding_mask, "key_padding_mask", allow_none=True, once=True), bool(need_weights),
+            _as_array(attn_mask, "attn_mask", allow_none=True, once=True), bool(average_attn_weights), bool(is_causal),
             dropout_seed, int(num_threads))
         return _like(query, out), _like(query, weights)
 
