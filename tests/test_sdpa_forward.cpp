@@ -412,14 +412,15 @@ TEST_P(EveryIsa, UnpackedFloat32RowsGiveTheBitsOfPackedCopies) {
 // masks, both causal alignments with rows that see no key, dropout, a score ramp that raises the
 // max by hundreds across key blocks (the first blocks' weights flush to zero, as they should) or
 // rows whose first key block is masked out, unpacked rows copied in chunks of whole batch
-// entries, and bfloat16 inputs.
+// entries, bfloat16 inputs, and decoding (2 queries of 2 heads per key/value head, dot mode, over
+// 1500 keys in runs: per-head weights averaged afterwards whatever the threads).
 TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
   std::mt19937_64 rng(test_seed());
-  for (int variant = 0; variant < 5; ++variant) {
-    const int64_t group = variant == 0 ? 2 : 1, hkv = variant == 4 ? 3 : 2, hq = hkv * group;
+  for (int variant = 0; variant < 6; ++variant) {
+    const int64_t group = variant == 0 || variant == 5 ? 2 : 1, hkv = variant == 4 ? 3 : 2, hq = hkv * group;
     const int64_t b = variant == 4 ? 1 : variant == 3 ? 2 : 3;
-    const int64_t lq = variant == 3 ? 300 : variant == 4 ? 530 : variant == 2 ? 90 : 100;
-    const int64_t lk = variant == 2 ? 200 : variant == 3 ? 150 : 70;
+    const int64_t lq = variant == 3 ? 300 : variant == 4 ? 530 : variant == 2 ? 90 : variant == 5 ? 2 : 100;
+    const int64_t lk = variant == 2 ? 200 : variant == 3 ? 150 : variant == 5 ? 1500 : 70;
     const int64_t dk = variant % 2 ? 24 : 40, dv = variant % 2 ? 16 : 40;
     const mha::DType dtype = variant == 4 ? mha::DType::bf16 : mha::DType::f32;
     const mha::Tensor qs = randn({b, lq, hq, dk}, rng, dtype), ks = randn({b, lk, hkv, dk}, rng, dtype),
@@ -437,6 +438,7 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
       o.attn_mask = mask.view();
     }
     if (variant == 3) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;  // Lq > Lk: empty rows
+    if (variant == 5) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight, o.attn_mask = mask.view();
     SCOPED_TRACE("variant " + std::to_string(variant));
     mha::detail::AttentionProblem p = mha::detail::make_sdpa_problem(q, k, v, o, mha::detail::InputDtypes::low_precision);
 
@@ -545,6 +547,9 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
 // through the backward's gradients; fully masked rows give zeros; a NaN query gives a NaN row.
 TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
   std::mt19937_64 rng(test_seed());
+  // Rows per key/value head in dot mode (few_queries.hpp: kDotRows), where the weights are
+  // computed with the output (the same output bits as without them); past it, the tile kernel.
+  const int64_t dot_rows = GetParam() == mha::detail::Isa::avx2 ? 8 : 4;
   // Up to 32 queries per head: register blocks of every height, a run of keys split over tasks
   // (Lk > 1008) and short key blocks (Lk % 48, or a run's last vector of scores in dot mode, up to
   // 8 or 4 queries per key/value head), key rows transposed in place (Dk % 8 == 0) and copied (20), rows
@@ -598,18 +603,21 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
       EXPECT_LT(rel_error(g.value, r.value, floor), 1e-4);
     }
   }
-  // Dot mode (up to 8 queries per key/value head on AVX2, 4 elsewhere) where the rows of a task
-  // see different keys: bottom-right causal rows with fewer keys than queries (rows that see none, one key, and more),
-  // and a cache split into runs; prefetched and copied key rows; 16-bit rows of whole vectors read
-  // in place (float16 keys and values, bfloat16 values) and widened first (bfloat16 keys of 20).
+  // Dot mode (up to 8 queries per key/value head on AVX2, 4 elsewhere; all of them here) where the
+  // rows of a task see different keys: bottom-right causal rows with fewer keys than queries (rows
+  // that see none, one key, and more), and a cache split into runs; prefetched and copied key rows;
+  // 16-bit rows of whole vectors read in place (float16 keys and values, bfloat16 values) and
+  // widened first (bfloat16 keys of 20).
   for (int n = 0; n < 8; ++n) {
-    const int64_t lq = n % 2 == 0 ? 8 : 4, hkv = 2, group = n % 2 == 0 ? 1 : 2, lk = n < 4 ? 5 : 1500;
+    const int64_t lq = n % 2 == 0 ? dot_rows : dot_rows / 2, hkv = 2, group = n % 2 == 0 ? 1 : 2, lk = n < 4 ? 3 : 1500;
     const int64_t dk = n % 4 < 2 ? 64 : n % 4 == 2 ? 128 : 20;
     const mha::DType dtype = n == 3 ? mha::DType::bf16 : n == 5 ? mha::DType::f16 : mha::DType::f32;
     const mha::Tensor q = randn({1, hkv * group, lq, dk}, rng, dtype), k = randn({1, hkv, lk, dk}, rng, dtype),
                       v = randn({1, hkv, lk, 48}, rng, dtype), mask = randn({lq, lk}, rng);
     mha::SdpaOptions o{.attn_mask = mask.view(), .is_causal = true, .enable_gqa = true};
-    o.causal_alignment = mha::CausalAlignment::BottomRight;
+    // Top-left in cases 3, 6 and 7: the rows see the first Lq keys only, so a run has keys no row
+    // of it sees, and with 1500 keys the second run none at all.
+    if (n % 4 != 3 && n != 6) o.causal_alignment = mha::CausalAlignment::BottomRight;
     SCOPED_TRACE("dot mode case " + std::to_string(n));
     const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, o);
     o.num_threads = 1;
@@ -619,6 +627,25 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
                              : dtype == mha::DType::f16 ? 2e-3
                                                         : score_tolerance(q, k, 1.0 / std::sqrt(double(dk)));
     EXPECT_LT(rel_error(out, ref.output), tolerance);
+    // The weights come from dot mode too (the same output bits as without them): each run's
+    // probabilities scaled once the row's statistics are final, rows that see no key all zero.
+    // Odd cases write them through a view with the keys' stride not 1 ([B, Lk, Hq, Lq] storage).
+    if (n % 2 == 0) {
+      const mha::AttentionWithWeights w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+      EXPECT_TRUE(mha_test::same_bits(w.output, out));
+      EXPECT_LT(rel_error(w.weights, ref.weights), tolerance);
+    } else {
+      const int64_t hq = hkv * group;
+      const mha::Tensor storage = mha::Tensor::empty({1, lk, hq, lq}, dtype), got = mha::Tensor::empty({1, hq, lq, 48}, dtype);
+      const mha::TensorView weights = storage.view().permute({0, 2, 3, 1});
+      mha::Tensor nan = mha::Tensor::empty({1, lk, hq, lq});
+      std::fill_n(nan.data<float>(), nan.numel(), NAN);
+      std::memcpy(storage.view().data, mha::Tensor::copy_of(nan.view(), dtype).view().data,
+                  storage.numel() * mha::dtype_size(dtype));  // so that every weight must be written
+      mha::scaled_dot_product_attention_into(q, k, v, got.view(), o, weights);
+      EXPECT_TRUE(mha_test::same_bits(got, out));
+      EXPECT_LT(rel_error(weights, ref.weights), tolerance);
+    }
   }
   // Rows with no visible key are zeros with an infinite log-sum-exp; a NaN query makes its row NaN.
   mha::Tensor q = randn({2, 3, 2, 24}, rng), k = randn({2, 1, 1500, 24}, rng), v = randn({2, 1, 1500, 16}, rng);
@@ -634,6 +661,16 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
       for (int64_t d = 0; d < 16; ++d) {
         const float x = saved.output.at({1, h, i, d});
         EXPECT_EQ(std::isnan(x), h == 2 && i == 1) << h << " " << i << " " << d;
+      }
+  // Their weights likewise: zero rows, and a NaN row (in dot mode where the ISA takes 6 rows).
+  const mha::AttentionWithWeights w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+  if (3 * 2 <= dot_rows) EXPECT_TRUE(mha_test::same_bits(w.output, saved.output));
+  for (int64_t e = 0; e < 3 * 2 * 1500; ++e) EXPECT_EQ(w.weights.data<float>()[e], 0.0f) << e;
+  for (int64_t h = 0; h < 3; ++h)
+    for (int64_t i = 0; i < 2; ++i)
+      for (int64_t j = 0; j < 1500; j += 7) {
+        const float x = w.weights.at({1, h, i, j});
+        EXPECT_EQ(std::isnan(x), h == 2 && i == 1) << h << " " << i << " " << j;
       }
 }
 

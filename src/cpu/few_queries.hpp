@@ -51,9 +51,14 @@ struct FewQueries {
   const AttentionProblem& p;
   const ForwardOutputs& o;
 
-  // Dropout and the weights matrix stay with the tile kernel.
+  // Dropout stays with the tile kernel, and so do the weights outside dot mode (the panel schedule
+  // rescales its blocks online and keeps none of their probabilities). Dot mode has each run's
+  // probabilities whole: it writes them as weights, scaled once the row's statistics are final.
+  // The head average (average_weights) is the caller's (FlashForward::run_then_average): here,
+  // o.weights only.
   static bool applies(const AttentionProblem& p, const ForwardOutputs& o) {
-    return p.len_q <= kMaxQueriesPerHead && p.dropout_p == 0 && o.weights == nullptr && o.average_weights == nullptr;
+    if (p.len_q > kMaxQueriesPerHead || p.dropout_p != 0) return false;
+    return (o.weights == nullptr && o.average_weights == nullptr) || p.heads_q / p.heads_kv * p.len_q <= kDotRows;
   }
 
   int64_t group() const { return p.heads_q / p.heads_kv; }
@@ -63,7 +68,8 @@ struct FewQueries {
   int64_t dk8() const { return T::round_up(p.dim_qk, 8); }  // key rows are transposed 8 x 8
   int64_t dk() const { return T::round_up(p.dim_qk, kLanes); }
   int64_t dv() const { return T::round_up(p.dim_v, kLanes); }  // value rows padded with zeros to whole vectors
-  int64_t state_floats() const { return dv() + 2; }  // a run's partial result per query: O, then m and l
+  // A run's partial result per query: O, then m, l and (with weights) how many of its keys the task saw.
+  int64_t state_floats() const { return dv() + 3; }
   // Up to kDotRows queries per key/value head: each score a dot product of whole key rows, as
   // transposing 48 keys into a panel and rescaling per block cost more than that many rows'
   // products. Where the partial sums are added in registers (S::sum4; AVX2), 8 rows: 0.70-0.85x
@@ -107,6 +113,7 @@ struct FewQueries {
     const float* vp[kKeys];
     const uint16_t* kp16[kKeys];  // bfloat16 or float16 rows read in place (dot mode)
     const uint16_t* vp16[kKeys];
+    int64_t seen = 0;  // dot mode: keys [j_begin, j_begin + seen) of the last run had their probabilities in `scores`
   };
 
   int64_t zeros() const { return std::max(dk(), dv()); }
@@ -398,6 +405,7 @@ struct FewQueries {
                        int64_t j_end) const {
     const int64_t rows = r_end - r_begin, stride = kKeysPerRun;
     const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end);
+    s.seen = key_end - j_begin;
     if (key_end == j_begin) return;
     const int64_t count = key_end - j_begin;  // <= kKeysPerRun
     const int64_t ahead = kDotPrefetchKeys;
@@ -483,6 +491,39 @@ struct FewQueries {
     return sum;
   }
 
+  // Row `row` of key/value head (b, hk) of the weights: its first element; columns o.weights_strides[3] apart.
+  float* weights_row(int64_t b, int64_t hk, int64_t row) const {
+    const int64_t h = hk * group() + row / p.len_q, i = row % p.len_q;
+    return o.weights + b * o.weights_strides[0] + h * o.weights_strides[1] + i * o.weights_strides[2];
+  }
+
+  // Weights [j_begin, j_end) of a row, from dot mode's run: its probabilities (relative to the
+  // run's max) times `factor` for the first `count` keys, zero past them (keys no row of the task
+  // sees). One pass of writes: with one run the factor is 1/l; with several, 1 and the merge scales.
+  void write_weights(int64_t b, int64_t hk, int64_t row, const float* prob, int64_t j_begin, int64_t count,
+                     int64_t j_end, float factor) const {
+    float* w = weights_row(b, hk, row);
+    const int64_t sc = o.weights_strides[3];
+    if (sc == 1) {  // the usual [B, H, Lq, Lk]: loops the compiler vectorises (a causal row is mostly zeros)
+      for (int64_t j = 0; j < count; ++j) w[j_begin + j] = prob[j] * factor;
+      std::fill(w + j_begin + count, w + j_end, 0.0f);
+      return;
+    }
+    for (int64_t j = 0; j < count; ++j) w[(j_begin + j) * sc] = prob[j] * factor;
+    for (int64_t j = j_begin + count; j < j_end; ++j) w[j * sc] = 0.0f;
+  }
+
+  // Weights [j_begin, j_end) of a row times `factor`: 2^(m_run - m) / l once the row's m and l are final.
+  void scale_weights(int64_t b, int64_t hk, int64_t row, int64_t j_begin, int64_t j_end, float factor) const {
+    float* w = weights_row(b, hk, row);
+    const int64_t sc = o.weights_strides[3];
+    if (sc == 1) {
+      for (int64_t j = j_begin; j < j_end; ++j) w[j] *= factor;
+      return;
+    }
+    for (int64_t j = j_begin; j < j_end; ++j) w[j * sc] *= factor;
+  }
+
   // O / l into the output (in its dtype) and the log-sum-exp, for row `row` of key/value head (b, hk).
   void store(int64_t b, int64_t hk, int64_t row, const float* acc, float m, float l) const {
     const int64_t h = hk * group() + row / p.len_q, i = row % p.len_q;
@@ -511,8 +552,13 @@ struct FewQueries {
         const auto [r0, r1] = rows_of(t % chunks);
         Scratch s = allocate(r1 - r0);
         run_keys(s, g / p.heads_kv, g % p.heads_kv, r0, r1, 0, p.len_k);
-        for (int64_t qi = 0; qi < r1 - r0; ++qi)
-          store(g / p.heads_kv, g % p.heads_kv, r0 + qi, s.acc + qi * dv(), s.m[qi], lane_sum(s.l + qi * kLanes));
+        for (int64_t qi = 0; qi < r1 - r0; ++qi) {
+          const float l = lane_sum(s.l + qi * kLanes);
+          store(g / p.heads_kv, g % p.heads_kv, r0 + qi, s.acc + qi * dv(), s.m[qi], l);
+          if (o.weights != nullptr)
+            write_weights(g / p.heads_kv, g % p.heads_kv, r0 + qi, s.scores + qi * kKeysPerRun, 0, s.seen, p.len_k,
+                          l > 0 ? 1.0f / l : 0.0f);
+        }
       });
       return;
     }
@@ -524,13 +570,16 @@ struct FewQueries {
       const int64_t g = t / (r * chunks), run = t / chunks % r;
       const auto [r0, r1] = rows_of(t % chunks);
       Scratch s = allocate(r1 - r0);
-      run_keys(s, g / p.heads_kv, g % p.heads_kv, r0, r1, run * keys_per_run(),
-               std::min(p.len_k, (run + 1) * keys_per_run()));
+      const int64_t j_begin = run * keys_per_run(), j_end = std::min(p.len_k, (run + 1) * keys_per_run());
+      run_keys(s, g / p.heads_kv, g % p.heads_kv, r0, r1, j_begin, j_end);
       for (int64_t qi = 0; qi < r1 - r0; ++qi) {
         float* state = st + ((g * r + run) * n + r0 + qi) * state_floats();
         std::memcpy(state, s.acc + qi * dv(), sizeof(float) * dv());
         state[dv()] = s.m[qi];
         state[dv() + 1] = lane_sum(s.l + qi * kLanes);
+        state[dv() + 2] = static_cast<float>(s.seen);  // <= kKeysPerRun: exact
+        if (o.weights != nullptr)
+          write_weights(g / p.heads_kv, g % p.heads_kv, r0 + qi, s.scores + qi * kKeysPerRun, j_begin, s.seen, j_end, 1.0f);
       }
     });
     parallel_for(groups, threads, [&](int64_t g, int) {
@@ -549,6 +598,14 @@ struct FewQueries {
           for (int64_t d = 0; d < dv(); ++d) acc[d] += x[d] * factor;
         }
         store(g / p.heads_kv, g % p.heads_kv, qi, acc, m, l);
+        if (o.weights != nullptr) {
+          const float inv_l = l > 0 ? 1.0f / l : 0.0f;
+          for (int64_t run = 0; run < r; ++run) {  // only the keys its task saw: the rest are zeros
+            const int64_t j_begin = run * keys_per_run(), seen = static_cast<int64_t>(state(run)[dv() + 2]);
+            scale_weights(g / p.heads_kv, g % p.heads_kv, qi, j_begin, j_begin + seen,
+                          std::exp2(state(run)[dv()] - m_use) * inv_l);
+          }
+        }
       }
     });
   }

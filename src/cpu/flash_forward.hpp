@@ -502,8 +502,10 @@ struct FlashForward {
   }
 
   void run() const {
-    if (FewQueries<S>::applies(p, o)) return FewQueries<S>{p, o}.run();  // decoding
     const int threads = resolve_threads(p.num_threads);
+    if (FewQueries<S>::applies(p, o)) {  // decoding; the head average from its per-head weights
+      return o.average_weights != nullptr ? run_then_average(threads) : FewQueries<S>{p, o}.run();
+    }
     if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
     if (!mask_columns.done) {
       std::vector<Tensor> storage;
