@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cpu/exp2_polynomial.hpp"
 #include "cpu/transpose_avx.hpp"
 #include "mha/dtype.hpp"
 
@@ -38,8 +39,8 @@ struct Avx512 {
   // 2^x, with results below 2^-100 flushed to zero: they cannot change a softmax whose largest
   // term is 1, and letting them reach the subnormal range costs a microcode assist per lane (a
   // masked score, -inf, would otherwise land there). With n the nearest integer to x and
-  // f = x - n in [-0.5, 0.5], 2^f is its degree-7 Taylor polynomial (truncation error < 5e-9
-  // relative, below float rounding), scaled by 2^n exactly with vscalefps.
+  // f = x - n in [-0.5, 0.5], 2^f is the minimax polynomial kExp2Poly (1.9e-9 relative, below
+  // float rounding), scaled by 2^n exactly with vscalefps.
   static F exp2(F x) {
     const M tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.0f), _CMP_LT_OQ);  // also true for -inf
     // The constant first: max/min return their second operand when either is NaN, so a NaN
@@ -48,14 +49,13 @@ struct Avx512 {
     x = _mm512_min_ps(_mm512_set1_ps(128.0f), x);
     const F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm512_sub_ps(x, n);
-    F p = _mm512_set1_ps(1.5252733804059840e-5f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-4f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    F p = _mm512_set1_ps(kExp2Poly[6]);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[5]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[4]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[3]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[2]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[1]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[0]));
     return _mm512_maskz_scalef_ps(static_cast<M>(~tiny), p, n);
   }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
