@@ -543,7 +543,7 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
 // in runs of 1008 keys merged afterwards, a group's rows split into chunks where tasks are few.
 // Against the reference on every ISA: 1-32 queries, groups of 1-8 heads, caches from 1 key to 3 runs, head
 // dimensions that are not whole vectors, float32/bfloat16/float16, every mask kind and broadcast,
-// both causal alignments, [B, L, H, D] views; the same bits on 1 and 3 threads; the log-sum-exp
+// both causal alignments, dropout, [B, L, H, D] views; the same bits on 1 and 3 threads; the log-sum-exp
 // through the backward's gradients; fully masked rows give zeros; a NaN query gives a NaN row.
 TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
   std::mt19937_64 rng(test_seed());
@@ -577,9 +577,10 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
     if (kind > 0) o.attn_mask = mask.view();
     if (n % 5 == 1) o.is_causal = true;
     if (n % 5 == 2) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
+    if (n % 5 == 3 || n % 9 == 2) o.dropout_p = 0.3, o.dropout_seed = rng();  // the reference draws the same mask
     SCOPED_TRACE("case " + std::to_string(n) + ": Lq=" + std::to_string(lq) + " group=" + std::to_string(group) +
                  " Lk=" + std::to_string(lk) + " Dk=" + std::to_string(dk) + " " + std::string(mha::dtype_name(dtype)) +
-                 " mask=" + std::to_string(kind));
+                 " mask=" + std::to_string(kind) + " dropout=" + std::to_string(o.dropout_p));
     const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, o);
     o.num_threads = 1;
     const mha::Tensor one = mha::scaled_dot_product_attention(q, k, v, o);
@@ -618,6 +619,8 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
     // Top-left in cases 3, 6 and 7: the rows see the first Lq keys only, so a run has keys no row
     // of it sees, and with 1500 keys the second run none at all.
     if (n % 4 != 3 && n != 6) o.causal_alignment = mha::CausalAlignment::BottomRight;
+    // Dropout in cases 2, 5 and 7: the weights returned are the dropped ones, as PyTorch's are.
+    if (n == 2 || n == 5 || n == 7) o.dropout_p = 0.25, o.dropout_seed = rng();
     SCOPED_TRACE("dot mode case " + std::to_string(n));
     const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, o);
     o.num_threads = 1;

@@ -72,6 +72,7 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
   const Device device = parse_device(o.device);
   const DType dtype = parse_dtype(o.dtype);
   if (!device.is_cpu() && o.weights) throw UsageError("--weights: the GPU kernel never forms the weights; drop --weights");
+  if (!device.is_cpu() && o.dropout > 0) throw UsageError("--dropout: the GPU kernel has no dropout; drop --dropout");
   const Tensor q = random_input({s.batch, s.heads, s.len_q, s.dim}, rng, dtype, device);
   const Tensor k = random_input({s.batch, s.kv_heads, s.len_k, s.dim}, rng, dtype, device);
   const Tensor v = random_input({s.batch, s.kv_heads, s.len_k, s.dim_v}, rng, dtype, device);
@@ -84,7 +85,11 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
     weights_view = weights_buffer.view();
   }
   const SdpaOptions options{
-      .is_causal = s.causal, .causal_alignment = s.alignment, .enable_gqa = s.kv_heads != s.heads};
+      .is_causal = s.causal,
+      .causal_alignment = s.alignment,
+      .enable_gqa = s.kv_heads != s.heads,
+      .dropout_p = o.dropout,
+      .dropout_seed = o.seed};
   // Tensors are captured by value: the call shares, and so keeps alive, their storage. On the GPU
   // the call waits for the kernel, so that the time is its run, not its launch.
   w.call = [q, k, v, out, weights_buffer, weights_view, options, device] {
@@ -110,8 +115,8 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   const int64_t embed_dim = s.heads * s.dim;
   const DType dtype = parse_dtype(o.dtype);
   auto attn = std::make_shared<MultiheadAttention>(embed_dim, s.heads,
-                                                   MultiheadAttentionOptions{.seed = o.seed, .dtype = dtype});
-  attn->eval();
+                                                   MultiheadAttentionOptions{.dropout = o.dropout, .seed = o.seed, .dtype = dtype});
+  attn->train(o.dropout > 0);  // dropout acts in training mode only
   Workload w;
   const Tensor query = random_input({s.len_q, s.batch, embed_dim}, rng, dtype, Device::cpu());
   // Equal lengths: self-attention on one tensor, the module's common case. Otherwise the keys and
@@ -128,7 +133,7 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   return w;
 }
 
-std::string shape_line(const BenchShape& s, bool weights) {
+std::string shape_line(const BenchShape& s, bool weights, double dropout) {
   std::ostringstream line;
   line << "B=" << s.batch << " Hq=" << s.heads << " Hkv=" << s.kv_heads << " Lq=" << s.len_q << " Lk=" << s.len_k
        << " Dk=" << s.dim << " Dv=" << s.dim_v << ' ';
@@ -138,6 +143,7 @@ std::string shape_line(const BenchShape& s, bool weights) {
     line << "causal (" << (s.alignment == CausalAlignment::BottomRight ? "bottom-right" : "top-left") << ")";
   }
   if (weights) line << ", with weights";
+  if (dropout > 0) line << ", dropout " << dropout;
   return line.str();
 }
 
@@ -149,6 +155,7 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
     << ", \"len_q\": " << s.len_q << ", \"len_k\": " << s.len_k << ", \"dim\": " << s.dim << ", \"dim_v\": " << s.dim_v
     << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\"}"
     << ", \"op\": \"" << (o.module ? "module" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
+    << ", \"dropout\": " << o.dropout
     << ", \"dtype\": \"" << o.dtype << "\", \"device\": \"" << o.device << "\""
     << ", \"threads\": " << get_num_threads() << ", \"isa\": \"" << cpu_isa() << "\", \"reps\": " << o.reps
     << ", \"ms_median\": " << t.median_ms << ", \"ms_min\": " << t.min_ms << ", \"flops\": " << std::fixed
@@ -192,7 +199,7 @@ int run_bench(const BenchOptions& o) {
   }
   const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {
-    std::printf("shape    %s\n", shape_line(s, o.weights).c_str());
+    std::printf("shape    %s\n", shape_line(s, o.weights, o.dropout).c_str());
     std::printf("op       %s, ISA %s, threads: %d\n", w.description.c_str(), cpu_isa().c_str(), get_num_threads());
     std::fflush(stdout);  // before the progress display on stderr
   }

@@ -39,6 +39,7 @@ struct BenchOptions {
   int warmup = 1;
   bool module = false;   // time MultiheadAttention.forward with embed_dim = heads * dim
   bool weights = false;  // also return the attention weights
+  double dropout = 0.0;  // dropout probability on the weights (the module in training mode)
   bool json = false;
   uint64_t seed = 1;
   std::string dtype = "float32";  // or bfloat16, float16 (the GPU kernel takes these two)

@@ -64,6 +64,9 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   bench->add_option("--warmup", o.warmup, "Untimed calls before timing")->capture_default_str()->check(at_least(0));
   bench->add_flag("--module", o.module, "Time MultiheadAttention.forward (embed_dim = heads * dim) instead of SDPA");
   bench->add_flag("--weights", o.weights, "Also return the attention weights (materialises Lq x Lk per head)");
+  bench->add_option("--dropout", o.dropout, "Dropout probability on the attention weights (the module in training mode)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   bench->add_flag("--json", o.json, "Print one JSON object on stdout instead of text");
   bench->add_option("--seed", o.seed, "Seed of the random inputs")->capture_default_str();
   bench->add_option("--dtype", o.dtype, "Input dtype")

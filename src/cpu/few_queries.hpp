@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +24,7 @@
 #include <type_traits>
 
 #include "core/attention_problem.hpp"
+#include "core/dropout.hpp"
 #include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
@@ -36,6 +38,7 @@ template <class S>
 struct FewQueries {
   using F = typename S::F;
   using M = typename S::M;
+  using U = typename S::U;
   using T = Tiles<S>;
   static constexpr int kLanes = S::kLanes;
   static constexpr int kKeys = T::kWidth;  // keys per block: the lanes of one panel (48)
@@ -51,13 +54,13 @@ struct FewQueries {
   const AttentionProblem& p;
   const ForwardOutputs& o;
 
-  // Dropout stays with the tile kernel, and so do the weights outside dot mode (the panel schedule
-  // rescales its blocks online and keeps none of their probabilities). Dot mode has each run's
+  // The weights stay with the tile kernel outside dot mode (the panel schedule rescales its blocks
+  // online and keeps none of their probabilities). Dropout runs in both schedules (dropped()). Dot mode has each run's
   // probabilities whole: it writes them as weights, scaled once the row's statistics are final.
   // The head average (average_weights) is the caller's (FlashForward::run_then_average): here,
   // o.weights only.
   static bool applies(const AttentionProblem& p, const ForwardOutputs& o) {
-    if (p.len_q > kMaxQueriesPerHead || p.dropout_p != 0) return false;
+    if (p.len_q > kMaxQueriesPerHead) return false;
     return (o.weights == nullptr && o.average_weights == nullptr) || p.heads_q / p.heads_kv * p.len_q <= kDotRows;
   }
 
@@ -106,6 +109,8 @@ struct FewQueries {
     float* vbuf;    // [kKeys][dv] value rows widened or copied
     float* zero;    // [max(dk, dv)]
     int64_t* lim;   // [rows] keys [0, lim) visible to each query
+    uint32_t* key_lo;  // [rows] dropout row keys (core/dropout.hpp)
+    uint32_t* key_hi;
     int64_t* active;     // [rows] the rows that see some key of the block, in order
     const float** qrow;  // [rows] their queries
     float** accrow;      // [rows] their accumulators
@@ -122,7 +127,7 @@ struct FewQueries {
 
   Scratch allocate(int64_t rows) const {
     const int64_t floats = rows * (dk() + dv() + 2 + kLanes + score_stride()) + dk8() * kKeys + kKeys * (dk() + dv()) + zeros() +
-                           8 * rows;  // the last: lim, active, qrow, accrow, 8 bytes each
+                           10 * rows;  // the last: lim, active, qrow, accrow (8 bytes each), the dropout keys
     float* f = static_cast<float*>(thread_scratch(static_cast<size_t>(T::round_up(floats * 4, 64) + 64)));
     Scratch s;
     s.lim = reinterpret_cast<int64_t*>(f), f += 2 * rows;  // first: the buffer's start is aligned for 8 bytes
@@ -138,6 +143,8 @@ struct FewQueries {
     s.vbuf = f, f += kKeys * dv();
     s.zero = f, f += zeros();
     s.m = f, f += rows;
+    s.key_lo = reinterpret_cast<uint32_t*>(f), f += rows;
+    s.key_hi = reinterpret_cast<uint32_t*>(f), f += rows;
     s.alpha = f;
     std::memset(s.zero, 0, sizeof(float) * zeros());
     if (!scores_by_dot()) std::memset(s.kt, 0, sizeof(float) * dk8() * kKeys);  // a short block leaves its last columns
@@ -312,8 +319,8 @@ struct FewQueries {
     F sum = S::mul(S::load(s.l + qi * kLanes), S::set1(lane[0]));
     for (int v = 0; v < nv; ++v) {
       const F pr = S::exp2(S::sub(x[v], S::set1(m_use)));
-      S::store(row + v * kLanes, pr);
       sum = S::add(sum, pr);
+      S::store(row + v * kLanes, p.dropout_p > 0 ? dropped(s, qi, j0 + v * kLanes, pr) : pr);
     }
     S::store(s.l + qi * kLanes, sum);
     s.m[qi] = m_new;
@@ -337,6 +344,22 @@ struct FewQueries {
     });
   }
 
+  // Dropout after the softmax, with the mask of core/dropout.hpp (a function of seed, row and key,
+  // so every kernel and the reference draw the same): probabilities pr of keys [j, j + kLanes) of
+  // row qi kept and scaled by 1 / (1 - p), or zeroed. The row's sum is taken before, from pr: the
+  // softmax normalises over every key, and dropout acts on its result (as the weights returned show).
+  F dropped(const Scratch& s, int64_t qi, int64_t j, F pr) const {
+    static constexpr auto kLaneIndex = [] {
+      std::array<uint32_t, kLanes> lanes{};
+      for (int c = 0; c < kLanes; ++c) lanes[c] = static_cast<uint32_t>(c);
+      return lanes;
+    }();
+    const U keys = S::add_u(S::set1_u(static_cast<uint32_t>(j)), S::load_u(kLaneIndex.data()));
+    const U bits = T::dropout_bits(keys, S::set1_u(s.key_lo[qi]), S::set1_u(s.key_hi[qi]));
+    const M keep = S::ge_u(bits, S::set1_u(dropout_threshold(p.dropout_p)));
+    return S::select(keep, S::mul(pr, S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)))), S::zero());
+  }
+
   // Row qi's queries (scaled), zero O and sums, m = -inf and its key limit, for rows [r_begin,
   // r_end) of key/value head (b, hk) over keys [j_begin, j_end); returns the end of the keys any row sees.
   int64_t start_rows(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
@@ -355,6 +378,10 @@ struct FewQueries {
       std::fill(s.l + qi * kLanes, s.l + (qi + 1) * kLanes, 0.0f);
       s.m[qi] = -std::numeric_limits<float>::infinity();
       s.lim[qi] = std::min(p.causal_end(i), j_end);
+      if (p.dropout_p > 0) {
+        const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i));
+        s.key_lo[qi] = key.lo, s.key_hi[qi] = key.hi;
+      }
       key_end = std::max(key_end, s.lim[qi]);
     }
     return key_end;
@@ -476,10 +503,11 @@ struct FewQueries {
     const float m = nan ? std::numeric_limits<float>::quiet_NaN() : S::reduce_max(top);
     const F m_use = S::set1(m == neg_inf ? 0.0f : m);  // a row that sees no key: p = 0, not NaN
     F sum = S::zero();
+    const bool dropout = p.dropout_p > 0;
     for (int64_t c = 0; c < count; c += kLanes) {
       const F pr = S::exp2(S::sub(S::load(row + c), m_use));
-      S::store(row + c, pr);
       sum = S::add(sum, pr);
+      S::store(row + c, dropout ? dropped(s, qi, j_begin + c, pr) : pr);
     }
     S::store(s.l + qi * kLanes, sum);
     s.m[qi] = m;
