@@ -168,6 +168,23 @@ struct Tiles {
     }
   }
   static void transpose_panel(const float* src, float* dst) { transpose<kWidth>(src, dst); }   // kWidth x kWidth
+
+  // dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols: 8 x 8 blocks in
+  // registers where the SIMD layer has them, the ragged edges (and the portable layer) one by one.
+  static void transpose_rect(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+                             int64_t cols) {
+    int64_t r0 = 0;
+    if constexpr (requires { S::transpose8x8(src, int64_t{0}, dst, int64_t{0}); }) {
+      for (; r0 + 8 <= rows; r0 += 8) {
+        int64_t c0 = 0;
+        for (; c0 + 8 <= cols; c0 += 8) S::transpose8x8(src + r0 * src_stride + c0, src_stride, dst + c0 * dst_stride + r0, dst_stride);
+        for (; c0 < cols; ++c0)
+          for (int64_t r = r0; r < r0 + 8; ++r) dst[c0 * dst_stride + r] = src[r * src_stride + c0];
+      }
+    }
+    for (; r0 < rows; ++r0)
+      for (int64_t c = 0; c < cols; ++c) dst[c * dst_stride + r0] = src[r0 * src_stride + c];
+  }
   static void transpose_square(const float* src, float* dst) { transpose<kLanes>(src, dst); }  // kLanes x kLanes
 
   // log2(e) * mask(b, h, i, j0 + c) for c < nc, zero past them, as one vector: read along the
