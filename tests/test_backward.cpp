@@ -4,6 +4,7 @@
 // thread counts. Fresh seeds each run (printed; MHA_TEST_SEED replays one).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -297,6 +298,91 @@ TEST(SdpaBackward, ReferenceMatchesFiniteDifferences) {
     worst = std::max(worst, std::abs((plus - minus) / (2.0 * h) - r.attn_mask.data<double>()[i]));
   }
   EXPECT_LT(worst / max_abs(r.attn_mask), 1e-3);
+}
+
+// Up to 16 query rows per key/value head (few_queries_backward.hpp: rows as queries, lanes over
+// keys): 1-16 queries, groups of 1-8 heads, key lengths around the 16-key blocks and the 1024-key
+// chunks (a top-left causal chunk that no row sees: zero gradients), head dimensions that are not
+// whole vectors, every mask kind, dropout, [B, L, H, D] views; on every ISA against the reference,
+// the same bits on 1 and 3 threads, and bfloat16 / float16 the float32 kernel's bits rounded once.
+TEST(SdpaBackward, FewRowsPerKeyValueHeadMatchReference) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t key_lengths[] = {1, 16, 17, 200, 1024, 1025, 2100};
+  const int64_t query_lengths[] = {1, 2, 3, 8};
+  const int64_t dims[] = {64, 20, 128, 40};
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    for (int n = 0; n < 28; ++n) {
+      const int64_t lq = n % 8 == 3 ? 16 : query_lengths[n % 4];
+      const int64_t group = lq >= 8 ? 1 : lq == 3 ? 2 : n % 3 == 0 ? 8 / lq : 1 + n % 2;
+      const int64_t hkv = 1 + n % 2, hq = hkv * group, b = 1 + (n / 4) % 2, lk = key_lengths[n % 7];
+      const int64_t dk = dims[n % 4], dv = dims[(n + 1) % 4];
+      const mha::DType dtype = n % 5 == 3 ? mha::DType::bf16 : n % 5 == 4 ? mha::DType::f16 : mha::DType::f32;
+      const mha::Tensor qs = randn({b, lq, hq, dk}, rng), ks = randn({b, lk, hkv, dk}, rng), vs = randn({b, lk, hkv, dv}, rng);
+      const mha::Tensor gs = randn({b, lq, hq, dv}, rng);
+      auto as = [&](const mha::Tensor& t) { return mha::Tensor::copy_of(t.view().transpose(1, 2), dtype); };
+      const mha::Tensor q = as(qs), k = as(ks), v = as(vs), g = as(gs);
+      mha::Tensor mask;
+      mha::SdpaOptions o{.enable_gqa = true};
+      const int kind = n % 3;
+      if (kind == 1) {
+        mask = randn({lq, lk}, rng);
+        for (int64_t e = 0; e < mask.numel(); ++e)
+          if (e % 7 == 3) mask.data<float>()[e] = -INFINITY;
+      }
+      if (kind == 2) {
+        mask = mha::Tensor::empty({b, 1, 1, lk}, mha::DType::boolean);
+        for (int64_t e = 0; e < mask.numel(); ++e) mask.data<uint8_t>()[e] = e % 5 != 1;
+      }
+      if (kind > 0) o.attn_mask = mask.view();
+      if (n % 4 == 1) o.is_causal = true;  // top-left: the rows see their first keys only
+      if (n % 4 == 2) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
+      if (n % 6 == 5) o.dropout_p = 0.3, o.dropout_seed = rng();
+      SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " case " + std::to_string(n) + ": Lq=" + std::to_string(lq) +
+                   " group=" + std::to_string(group) + " Lk=" + std::to_string(lk) + " Dk=" + std::to_string(dk) +
+                   " Dv=" + std::to_string(dv) + " " + std::string(mha::dtype_name(dtype)) + " mask=" +
+                   std::to_string(kind) + " dropout=" + std::to_string(o.dropout_p));
+      // Views of [B, L, H, D] storage, as a batch-first caller passes them.
+      const mha::Tensor qb = mha::Tensor::copy_of(q.view().transpose(1, 2)), kb = mha::Tensor::copy_of(k.view().transpose(1, 2)),
+                        vb = mha::Tensor::copy_of(v.view().transpose(1, 2));
+      const mha::TensorView qv = qb.view().transpose(1, 2), kv = kb.view().transpose(1, 2), vv = vb.view().transpose(1, 2);
+      const auto saved = mha::scaled_dot_product_attention_for_training(qv, kv, vv, o);
+      const auto grads = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o);
+      o.num_threads = 1;
+      const auto one = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o);
+      o.num_threads = 3;
+      const auto three = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o);
+      for (const auto& [x, y] : {std::pair{&one, &grads}, std::pair{&three, &grads}}) {
+        EXPECT_TRUE(same_bits(x->query, y->query));
+        EXPECT_TRUE(same_bits(x->key, y->key));
+        EXPECT_TRUE(same_bits(x->value, y->value));
+      }
+      if (dtype != mha::DType::f32) {  // the float32 kernel on widened copies, each gradient rounded once
+        auto wide = [](const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); };
+        const mha::AttentionForTraining saved32{wide(saved.output), saved.lse};
+        const auto g32 = mha::scaled_dot_product_attention_backward(wide(q), wide(k), wide(v), saved32, wide(g), o);
+        EXPECT_TRUE(same_bits(grads.query, mha::Tensor::copy_of(g32.query, dtype)));
+        EXPECT_TRUE(same_bits(grads.key, mha::Tensor::copy_of(g32.key, dtype)));
+        EXPECT_TRUE(same_bits(grads.value, mha::Tensor::copy_of(g32.value, dtype)));
+        continue;
+      }
+      const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, g, o);
+      mha::Tensor g_magnitude = g.clone();  // as in MatchesFloat64ReferenceOnEveryIsa: the floor of a cancelling gradient
+      for (int64_t e = 0; e < g_magnitude.numel(); ++e) g_magnitude.data<float>()[e] = std::fabs(g_magnitude.data<float>()[e]);
+      const auto magnitude = mha::reference::scaled_dot_product_attention_backward(q, k, v, g_magnitude, o);
+      const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value), max_abs(magnitude.value)});
+      EXPECT_LT(rel_error(grads.query, r.query, floor), 1e-4);
+      EXPECT_LT(rel_error(grads.key, r.key, floor), 1e-4);
+      EXPECT_LT(rel_error(grads.value, r.value, floor), 1e-4);
+      if (n % 4 == 1) {  // top-left causal: keys past the last row's are exactly zero
+        for (int64_t j = lq; j < lk; j += 97) {
+          EXPECT_EQ(grads.key.at({0, 0, j, 0}), 0.0) << j;
+          EXPECT_EQ(grads.value.at({0, 0, j, dv - 1}), 0.0) << j;
+        }
+      }
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
 }
 
 TEST(SdpaBackward, BitIdenticalAcrossRunsAndThreadCounts) {

@@ -219,12 +219,13 @@ struct FewQueries {
   // sums over the head dimension, four keys at a time (independent chains), then each vector's
   // lanes added: by a tree of horizontal adds where the ISA has one (S::sum4), else by transposing
   // the kLanes vectors in memory and adding the rows.
+  // `width` (a multiple of kLanes) is the padded row length (dk()); the backward of few rows shares it.
   template <class L>
-  F dot_scores(const typename L::E* const* kp, const float* q) const {
+  static F dot_scores(const typename L::E* const* kp, const float* q, int64_t width) {
     alignas(64) float sums[kLanes * kLanes], turned[kLanes * kLanes];
     for (int c = 0; c < kLanes; c += 4) {
       F a0 = S::zero(), a1 = S::zero(), a2 = S::zero(), a3 = S::zero();
-      for (int64_t d0 = 0; d0 < dk(); d0 += kLanes) {
+      for (int64_t d0 = 0; d0 < width; d0 += kLanes) {
         const F x = S::load(q + d0);
         a0 = S::fmadd(L::load(kp[c] + d0), x, a0);
         a1 = S::fmadd(L::load(kp[c + 1] + d0), x, a1);
@@ -453,7 +454,7 @@ struct FewQueries {
           kp = s.kp16;
         }
         for (int64_t qi = 0; qi < rows; ++qi)
-          S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<L>(kp, s.q + qi * dk()));
+          S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<L>(kp, s.q + qi * dk(), dk()));
       }
     });
     for (int64_t qi = 0; qi < rows; ++qi) {

@@ -33,6 +33,7 @@
 #include "core/host_memory.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cpu/few_queries_backward.hpp"
 #include "cpu/tile_kernels.hpp"
 
 namespace mha::detail {
@@ -518,6 +519,7 @@ struct FlashBackward {
   }
 
   void run() const {
+    if (FewQueriesBackward<S>::applies(p, out)) return FewQueriesBackward<S>{p, in, out}.run();
     const int threads = resolve_threads(p.num_threads);
     // Many head groups and no score gradient to write: one pass per group. Otherwise two passes,
     // over key blocks then query blocks, which split the sequence too. The choice depends on the
