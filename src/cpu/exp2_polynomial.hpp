@@ -16,4 +16,14 @@ inline constexpr float kExp2Poly[7] = {
     0.00015345812158740183f,
 };
 
+// kExp2Poly at f by Horner's rule, for any vector type: fmadd(a, b, c) = a * b + c, set1(x) a
+// vector of x. Evaluated the same way on every ISA, so the layers differ only in their rounding
+// of the reduced argument and the scaling by 2^n.
+template <class V, class Fmadd, class Set1>
+inline V exp2_polynomial(V f, Fmadd fmadd, Set1 set1) {
+  V p = set1(kExp2Poly[6]);
+  for (int i = 5; i >= 0; --i) p = fmadd(p, f, set1(kExp2Poly[i]));
+  return p;
+}
+
 } // namespace mha::detail

@@ -16,7 +16,6 @@
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -350,13 +349,7 @@ struct FewQueries {
   // row qi kept and scaled by 1 / (1 - p), or zeroed. The row's sum is taken before, from pr: the
   // softmax normalises over every key, and dropout acts on its result (as the weights returned show).
   F dropped(const Scratch& s, int64_t qi, int64_t j, F pr) const {
-    static constexpr auto kLaneIndex = [] {
-      std::array<uint32_t, kLanes> lanes{};
-      for (int c = 0; c < kLanes; ++c) lanes[c] = static_cast<uint32_t>(c);
-      return lanes;
-    }();
-    const U keys = S::add_u(S::set1_u(static_cast<uint32_t>(j)), S::load_u(kLaneIndex.data()));
-    const U bits = T::dropout_bits(keys, S::set1_u(s.key_lo[qi]), S::set1_u(s.key_hi[qi]));
+    const U bits = T::dropout_bits(T::lane_indices(j), S::set1_u(s.key_lo[qi]), S::set1_u(s.key_hi[qi]));
     const M keep = S::ge_u(bits, S::set1_u(dropout_threshold(p.dropout_p)));
     return S::select(keep, S::mul(pr, S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)))), S::zero());
   }

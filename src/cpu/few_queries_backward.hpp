@@ -165,12 +165,7 @@ struct FewQueriesBackward {
   // Pd and dS of every row against keys [j0, j0 + nc) (kp, vp: kLanes rows, zero past nc).
   void probabilities_and_score_gradients(Scratch& s, int64_t b, int64_t hk, int64_t j0, int nc, const float* const* kp,
                                          const float* const* vp) const {
-    static constexpr auto kLaneIndex = [] {
-      std::array<uint32_t, kLanes> lanes{};
-      for (int c = 0; c < kLanes; ++c) lanes[c] = static_cast<uint32_t>(c);
-      return lanes;
-    }();
-    const U keys = S::add_u(S::set1_u(static_cast<uint32_t>(j0)), S::load_u(kLaneIndex.data()));
+    const U keys = T::lane_indices(j0);
     const bool dropout = p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));

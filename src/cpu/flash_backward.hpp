@@ -169,11 +169,7 @@ struct FlashBackward {
 
   // The key index of every lane of a 48-key panel starting at j0.
   static void key_lanes(int64_t j0, U* jv) {
-    for (int c = 0; c < kVecs; ++c) {
-      alignas(64) uint32_t idx[kLanes];
-      for (int l = 0; l < kLanes; ++l) idx[l] = static_cast<uint32_t>(j0 + c * kLanes + l);
-      jv[c] = S::load_u(idx);
-    }
+    for (int c = 0; c < kVecs; ++c) jv[c] = T::lane_indices(j0 + c * kLanes);
   }
 
   // Rows of queries i0.. against a 48-key panel starting at j0 (lanes jv), with base-2 scores in pt and

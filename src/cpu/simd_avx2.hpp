@@ -80,13 +80,8 @@ struct Avx2 {
     x = _mm256_min_ps(_mm256_set1_ps(128.0f), x);
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(kExp2Poly[6]);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[5]));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[4]));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[3]));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[2]));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[1]));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[0]));
+    const __m256 p = exp2_polynomial(f, [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); },
+                                     [](float c) { return _mm256_set1_ps(c); });
     // 2^n for n in [-100, 128]: n = 128 gives the bits of infinity, right for x >= 128 and a
     // factor of at most 1.42 early for x in [127.5, 128) (softmax arguments are never above 0).
     // Maximum relative error 7.7e-8 below that (tests/test_exp2.cpp).

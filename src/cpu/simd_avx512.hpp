@@ -49,13 +49,8 @@ struct Avx512 {
     x = _mm512_min_ps(_mm512_set1_ps(128.0f), x);
     const F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm512_sub_ps(x, n);
-    F p = _mm512_set1_ps(kExp2Poly[6]);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[5]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[4]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[3]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[2]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[1]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[0]));
+    const F p = exp2_polynomial(f, [](F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); },
+                                [](float c) { return _mm512_set1_ps(c); });
     return _mm512_maskz_scalef_ps(static_cast<M>(~tiny), p, n);
   }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }

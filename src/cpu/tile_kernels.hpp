@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 
@@ -257,6 +258,16 @@ struct Tiles {
         for (int c = 0; c < nc; ++c) add(tile + (jj0 + c) * col_step + ii0, S::load(turned + c * kLanes));
       }
     }
+  }
+
+  // j, j + 1, ..., j + kLanes - 1: the key (or row) index of each lane.
+  static U lane_indices(int64_t j) {
+    static constexpr auto kLaneIndex = [] {
+      std::array<uint32_t, kLanes> lanes{};
+      for (int c = 0; c < kLanes; ++c) lanes[c] = static_cast<uint32_t>(c);
+      return lanes;
+    }();
+    return S::add_u(S::set1_u(static_cast<uint32_t>(j)), S::load_u(kLaneIndex.data()));
   }
 
   // The dropout hash of core/dropout.hpp, on 16 keys (or 16 rows) at once.
