@@ -146,6 +146,26 @@ def bench_decode(reps, rows, dtypes):
         rows.append((op, f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * Lq * S * d))
 
 
+def bench_pooling(reps, rows):
+    """Attention pooling in training: one learned query per head (a class token) over the 197
+    tokens of a ViT-B/16 image, forward and backward through autograd on both sides, without and
+    with dropout. FLOPs: the forward's, and 2.5x that for the backward."""
+    B, H, Lk, d = 32, 12, 197, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, 1, d, generator=g).requires_grad_()
+    k, v = (torch.randn(B, H, Lk, d, generator=g).requires_grad_() for _ in range(2))
+    go = torch.randn(B, H, 1, d, generator=g)
+
+    def step(sdpa, p):
+        return lambda: torch.autograd.grad(sdpa(q, k, v, dropout_p=p), (q, k, v), go)
+
+    for p in (0.0, 0.1):
+        ours, theirs = paired_medians(step(mha.scaled_dot_product_attention, p),
+                                      step(F.scaled_dot_product_attention, p), reps * 3)
+        op = "sdpa fwd+bwd fp32, 1 query" + (f", dropout {p}" if p else "")
+        rows.append((op, f"B={B} H={H} Lk={Lk} d={d}", ours, theirs, 3.5 * 4.0 * B * H * Lk * d))
+
+
 def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):
     """mha.nn.MultiheadAttention (the drop-in torch.nn.Module, its per-call copy of the parameters
     into the kernels included) against torch.nn.MultiheadAttention, both in `dtype`; with
@@ -239,7 +259,7 @@ def plot(rows, path):
         sys.exit(f"--plot needs matplotlib ({sys.executable} -m pip install matplotlib; make bench installs it)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    plotted = lambda op: op.startswith("sdpa") and "mask" not in op and "decode" not in op  # the table only
+    plotted = lambda op: op.startswith("sdpa") and not any(w in op for w in ("mask", "decode", "query"))  # the table only
     ops = sorted({op for op, *_ in rows if plotted(op)})
     series = {}
     for op, shape, ours, theirs, flops in rows:
@@ -317,6 +337,8 @@ def main():
                 bench_sdpa_masked(args.batch, args.heads, L, d, args.reps, rows)
     if not args.no_sdpa:
         bench_decode(args.reps, rows, args.dtypes)
+        if "fp32" in args.dtypes:
+            bench_pooling(args.reps, rows)
     if not args.no_module:
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
