@@ -159,6 +159,23 @@ struct FlashBackward {
     T::transpose_rect(acc, kPanel, dst, strides[2], width, n);
   }
 
+  // panel[d * 48 + r] = scale * element d of row l0 + r of head (b, h) of t, for r < n: 8 x 8
+  // register transposes where the rows are read in place, else row by row through `slot` (t.width
+  // floats) as they are copied or widened. The same products either way.
+  void transposed_panel(const Operand& t, int64_t b, int64_t h, int64_t l0, int64_t n, float* panel, float scale,
+                        float* slot) const {
+    if (!copies(t)) {
+      const Rows rows = all_rows(t, b, h, 0, nullptr);
+      T::transpose_rect(rows.at(l0), rows.stride, panel, kPanel, n, t.width);
+      if (scale != 1.0f) scale_panel(panel, t.width, n, scale);
+      return;
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      const float* x = row(t, b, h, l0 + r, slot);
+      for (int64_t d = 0; d < t.width; ++d) panel[d * kPanel + r] = x[d] * scale;
+    }
+  }
+
   // The first n columns (rounded up to whole vectors) of `rows` rows of a [rows][48] panel, times scale.
   static void scale_panel(float* panel, int64_t rows, int64_t n, float scale) {
     const F factor = S::set1(scale);
@@ -243,12 +260,8 @@ struct FlashBackward {
     const float* zero_row = gt + kBlock * kPanel;
     float* q_slots = gt + kBlock * kPanel + std::max(dk, dv) + kLanes;  // [kBlock][Dk] widened rows
     float* g_slots = q_slots + kBlock * dk;                             // [kBlock][Dv]
-    for (int64_t jj = 0; jj < nk; ++jj) {  // (the slots are free until the query loop)
-      const float* kr = row(k_rows(), b, hk, j0 + jj, q_slots);
-      const float* vr = row(v_rows(), b, hk, j0 + jj, g_slots);
-      for (int64_t d = 0; d < dk; ++d) kt[d * kPanel + jj] = kr[d] * qk_scale;
-      for (int64_t d = 0; d < dv; ++d) vt[d * kPanel + jj] = vr[d];
-    }
+    transposed_panel(k_rows(), b, hk, j0, nk, kt, qk_scale, q_slots);  // (the slots are free until the query loop)
+    transposed_panel(v_rows(), b, hk, j0, nk, vt, 1.0f, g_slots);
     U jv[kVecs];
     key_lanes(j0, jv);
     const int vecs = T::vecs_for(nk);  // the last block of a short sequence skips its empty vectors
@@ -302,12 +315,8 @@ struct FlashBackward {
     const float* zero_row = reinterpret_cast<const float*>(key_hi + kPanel);
     float* k_slots = reinterpret_cast<float*>(key_hi + kPanel) + std::max(dk, dv) + kLanes;  // [kBlock][Dk]
     float* v_slots = k_slots + kBlock * dk;                                                  // [kBlock][Dv]
-    for (int64_t ii = 0; ii < ni; ++ii) {  // (the slots are free until the key loop)
-      const float* qr = row(q_rows(), b, h, i0 + ii, k_slots);
-      const float* gr = row(grad_out_rows(), b, h, i0 + ii, v_slots);
-      for (int64_t d = 0; d < dk; ++d) qt[d * kPanel + ii] = qr[d] * qk_scale;
-      for (int64_t d = 0; d < dv; ++d) got[d * kPanel + ii] = gr[d];
-    }
+    transposed_panel(q_rows(), b, h, i0, ni, qt, qk_scale, k_slots);  // (the slots are free until the key loop)
+    transposed_panel(grad_out_rows(), b, h, i0, ni, got, 1.0f, v_slots);
     for (int64_t ii = 0; ii < kPanel; ++ii) {
       const int64_t i = i0 + ii;
       const bool real = ii < ni;
@@ -408,15 +417,7 @@ struct FlashBackward {
       const int64_t j0 = kb * kPanel, nk = std::min<int64_t>(kPanel, p.len_k - j0);
       T::transpose_rect(keys.at(j0), keys.stride, kt_all + kb * panel_k, kPanel, nk, dk);
       scale_panel(kt_all + kb * panel_k, dk, nk, qk_scale);
-      if (!copies(v_rows())) {
-        const Rows values = all_rows(v_rows(), b, hk, p.len_k, nullptr);
-        T::transpose_rect(values.at(j0), values.stride, vt_all + kb * panel_v, kPanel, nk, dv);
-        continue;
-      }
-      for (int64_t jj = 0; jj < nk; ++jj) {
-        const float* vr = row(v_rows(), b, hk, j0 + jj, g_widened);
-        for (int64_t d = 0; d < dv; ++d) vt_all[kb * panel_v + d * kPanel + jj] = vr[d];
-      }
+      transposed_panel(v_rows(), b, hk, j0, nk, vt_all + kb * panel_v, 1.0f, g_widened);
     }
     const float* qrows[kPanel];
     const float* grows[kPanel];
