@@ -326,17 +326,12 @@ struct FlashForward {
       for (int64_t d = 0; d < p.dim_qk; ++d)
         for (int64_t ii = rows; ii < kBlockQ; ++ii) s.qt[d * kBlockQ + ii] = 0.0f;
     } else {
-      // 8 x 8 squares transposed in registers (8 rows at a time: rows a multiple of 4 KiB apart
-      // share their L1 sets, and a column-wise read of 48 of them missed L1 on every element),
-      // then scaled; element by element, the transpose took 10-20% of a forward at L=128.
-      std::memset(s.qt, 0, sizeof(float) * p.dim_qk * kBlockQ);
-      T::transpose_rect(p.q.data_as<float>() + q_offset, p.q.strides[2], s.qt, kBlockQ, rows, p.dim_qk);
-      const F factor = S::set1(qscale);
-      for (int64_t d = 0; d < p.dim_qk; ++d)
-        for (int c = 0; c < kBlockQ / kLanes; ++c) {
-          float* x = s.qt + d * kBlockQ + c * kLanes;
-          S::store(x, S::mul(S::load(x), factor));
-        }
+      // Row by row: rows a multiple of 4 KiB apart share their L1 sets, and a column-wise read
+      // of 48 of them missed L1 on every element.
+      const float* qb = p.q.data_as<float>() + q_offset;
+      for (int64_t ii = 0; ii < kBlockQ; ++ii)
+        for (int64_t d = 0; d < p.dim_qk; ++d)
+          s.qt[d * kBlockQ + ii] = ii < rows ? qb[ii * p.q.strides[2] + d] * qscale : 0.0f;
     }
     std::memset(s.ot, 0, sizeof(float) * p.dim_v * kBlockQ);
     for (int64_t ii = 0; ii < kBlockQ; ++ii) {
@@ -366,18 +361,8 @@ struct FlashForward {
 
   // O = O^T / l for the task's rows, in the output's dtype: bfloat16 and float16 are rounded here,
   // once, as a float32 output copied into them afterwards would be.
-  // float32 rows of unit stride: O^T scaled in place, then transposed 8 x 8 in registers.
   void store_output(const Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows) const {
     const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i0 * o.out_strides[2];
-    if (o.out_dtype == DType::f32 && o.out_strides[3] == 1) {
-      for (int64_t d = 0; d < p.dim_v; ++d)
-        for (int c = 0; c < T::vecs_for(rows); ++c) {
-          float* x = s.ot + d * kBlockQ + c * kLanes;
-          S::store(x, S::mul(S::load(x), S::load(s.l + c * kLanes)));
-        }
-      T::transpose_rect(s.ot, kBlockQ, static_cast<float*>(o.out) + offset, o.out_strides[2], p.dim_v, rows);
-      return;
-    }
     with_output_elements(o.out, o.out_dtype, offset, [&](auto* out, auto round) {
       for (int64_t ii = 0; ii < rows; ++ii)
         for (int64_t d = 0; d < p.dim_v; ++d)
