@@ -13,6 +13,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -607,6 +608,37 @@ TEST(ModuleBackward, BitIdenticalAcrossThreadCountsAndErrors) {
   m.forward(x, x, x, {}, &ctx);
   EXPECT_THROW(m.backward(ctx, randn({70, 3, 31}, rng)), mha::Error);
   EXPECT_THROW(first.parameter("nope"), mha::Error);
+}
+
+// Input gradients left out (InputGradients) are undefined and cost nothing; what is computed has
+// the bits of the full backward: cross-attention with kdim/vdim (separate projection weights) and
+// self-attention (the packed in_proj_weight), float32 and bfloat16.
+TEST(ModuleBackward, InputGradientsLeftOutAreUndefinedAndTheRestUnchanged) {
+  std::mt19937_64 rng(test_seed());
+  for (const mha::DType dtype : {mha::DType::f32, mha::DType::bf16}) {
+    for (const bool cross : {true, false}) {
+      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (cross ? " cross" : " self"));
+      const int64_t kdim = cross ? 12 : 16;
+      mha::MultiheadAttention m(16, 2, {.kdim = kdim, .vdim = kdim, .batch_first = true, .seed = 5, .dtype = dtype});
+      const mha::Tensor q = mha::Tensor::copy_of(randn({3, 2, 16}, rng), dtype);
+      const mha::Tensor kv = cross ? mha::Tensor::copy_of(randn({3, 40, kdim}, rng), dtype) : q;
+      const mha::Tensor grad = mha::Tensor::copy_of(randn({3, 2, 16}, rng), dtype);
+      mha::ForwardContext ctx;
+      m.forward(q, kv, kv, {.need_weights = false}, &ctx);
+      const mha::ModuleGradients all = m.backward(ctx, grad);
+      for (const mha::InputGradients wanted : {mha::InputGradients{true, false, false}, mha::InputGradients{false, false, true},
+                                               mha::InputGradients{false, false, false}}) {
+        const mha::ModuleGradients some = m.backward(ctx, grad, wanted);
+        for (const auto& [on, got, full] : {std::tuple{wanted.query, &some.query, &all.query},
+                                            std::tuple{wanted.key, &some.key, &all.key},
+                                            std::tuple{wanted.value, &some.value, &all.value}}) {
+          EXPECT_EQ(got->defined(), on);
+          if (on) EXPECT_TRUE(same_bits(*got, *full));
+        }
+        for (const auto& [name, t] : some.parameters) EXPECT_TRUE(same_bits(t, all.parameter(name))) << name;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -88,8 +88,16 @@ class ForwardContext {
 
 // Gradients of a scalar loss with respect to the inputs and every parameter, given the gradient of
 // the output. (The returned attention weights are not differentiated.)
+// Which input gradients a backward computes (the parameters' always). An input that needs none
+// (a frozen encoder's output fed as key and value, as autograd's needs_input_grad says) saves its
+// projection's dX = dY W product, the largest step of a cross-attention backward over a long
+// sequence. Those left out are undefined tensors in ModuleGradients.
+struct InputGradients {
+  bool query = true, key = true, value = true;
+};
+
 struct ModuleGradients {
-  Tensor query, key, value;                                 // shaped like the inputs
+  Tensor query, key, value;                                 // shaped like the inputs (or undefined: InputGradients)
   std::vector<std::pair<std::string, Tensor>> parameters;  // the names and order of named_parameters()
   const Tensor& parameter(const std::string& name) const;
 };
@@ -113,7 +121,8 @@ class MultiheadAttention {
   // not the parameters: backward reads this module's parameters as they are now, so they must be
   // the values the forward ran with.
   // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
-  ModuleGradients backward(const ForwardContext& context, const TensorView& grad_output) const;
+  ModuleGradients backward(const ForwardContext& context, const TensorView& grad_output,
+                           const InputGradients& wanted = {}) const;
 
   // The same forward and backward reading `parameters` instead of the module's own, which are
   // left alone (as torch.func.functional_call runs a module with other tensors): a PyTorch
@@ -126,7 +135,7 @@ class MultiheadAttention {
                              const TensorView& value, const ForwardOptions& options = {},
                              ForwardContext* context = nullptr) const;
   ModuleGradients backward_with(const ParameterViews& parameters, const ForwardContext& context,
-                                const TensorView& grad_output) const;
+                                const TensorView& grad_output, const InputGradients& wanted = {}) const;
 
   ForwardResult operator()(const TensorView& query, const TensorView& key, const TensorView& value,
                            const ForwardOptions& options = {}) const {
@@ -176,17 +185,19 @@ class MultiheadAttention {
                             const TensorView& key, const TensorView& value, const ForwardOptions& options,
                             ForwardContext* context) const;
   ModuleGradients backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
-                               const ForwardContext& context, const TensorView& grad_output) const;
+                               const ForwardContext& context, const TensorView& grad_output,
+                               const InputGradients& wanted) const;
   ForwardResult forward_float32(const detail::ParameterSet& parameters, const TensorView& query, const TensorView& key,
                                 const TensorView& value, const ForwardOptions& options, ForwardContext* context) const;
   ModuleGradients backward_float32(const detail::ParameterSet& parameters, const ForwardContext& context,
-                                   const TensorView& grad_output) const;
+                                   const TensorView& grad_output, const InputGradients& wanted) const;
   // bfloat16/float16 modules: the float32 forward and backward on widened copies.
   ForwardResult forward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                       const TensorView& query, const TensorView& key, const TensorView& value,
                                       const ForwardOptions& options, ForwardContext* context) const;
   ModuleGradients backward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
-                                         const ForwardContext& context, const TensorView& grad_output) const;
+                                         const ForwardContext& context, const TensorView& grad_output,
+                                         const InputGradients& wanted) const;
   // The dropout seed of the next call that brings none (the module's stream, advanced per call).
   uint64_t next_dropout_seed() const;
 

@@ -75,8 +75,12 @@ class ModuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, grad_weights):
         params = ctx.saved_tensors  # autograd's check that none changed in place since the forward
+        # Input gradients only where autograd needs them: a key and value that need none (a frozen
+        # encoder's output) save their projections' dX products.
         dq, dk, dv, dparams = ctx.module.backward(ctx.context, grad_output.detach().contiguous(),
-                                                  {name: p.detach() for name, p in zip(ctx.names, params)})
+                                                  {name: p.detach() for name, p in zip(ctx.names, params)},
+                                                  tuple(ctx.needs_input_grad[3:6]))
         ctx.context = None  # free the saved activations
         param_grads = [_tensor(dparams[name]) for name in ctx.names]
-        return (None, None, None, _tensor(dq), _tensor(dk), _tensor(dv), None, None, *param_grads)
+        dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
+        return (None, None, None, dq, dk, dv, None, None, *param_grads)

@@ -126,9 +126,12 @@ def test_module_gradients_match_torch(chunk, parity_seed, parity_count):
             shape = (N, length, width) if c["batch_first"] else (length, N, width)
             return torch.from_numpy(rng.standard_normal(shape if c["batched"] else (length, width)))
 
-        query = seq(L, E).requires_grad_()
-        key = seq(S, c["kdim"] or E).requires_grad_() if c["cross"] else query
-        value = seq(S, c["vdim"] or E).requires_grad_() if c["cross"] else query
+        # In cross-attention an input may need no gradient (a frozen encoder's output): ours then
+        # computes none (autograd's needs_input_grad), and the others are unchanged.
+        wanted = [bool(rng.random() < 0.7) for _ in range(3)] if c["cross"] else [True] * 3
+        query = seq(L, E).requires_grad_(wanted[0])
+        key = seq(S, c["kdim"] or E).requires_grad_(wanted[1]) if c["cross"] else query
+        value = seq(S, c["vdim"] or E).requires_grad_(wanted[2]) if c["cross"] else query
         kpm = None
         if rng.random() < 0.5:
             m = rng.random((N, S) if c["batched"] else (S,)) < 0.3
@@ -144,14 +147,17 @@ def test_module_gradients_match_torch(chunk, parity_seed, parity_count):
         g = torch.from_numpy(rng.standard_normal(tuple(ref_out.shape)))
         ref_out.backward(g)
 
-        q32 = query.detach().float().requires_grad_()
-        k32 = key.detach().float().requires_grad_() if c["cross"] else q32
-        v32 = value.detach().float().requires_grad_() if c["cross"] else q32
+        q32 = query.detach().float().requires_grad_(wanted[0])
+        k32 = key.detach().float().requires_grad_(wanted[1]) if c["cross"] else q32
+        v32 = value.detach().float().requires_grad_(wanted[2]) if c["cross"] else q32
         out, _ = ours(q32, k32, v32, key_padding_mask=kpm, attn_mask=None if attn_mask is None else attn_mask.float(),
                       need_weights=need_weights)
         assert rel(out.detach(), ref_out.detach()) <= 1e-5, c
         out.backward(g.float())
-        pairs = [(q32, query, "query")] + ([(k32, key, "key"), (v32, value, "value")] if c["cross"] else [])
+        inputs = [(q32, query, "query")] + ([(k32, key, "key"), (v32, value, "value")] if c["cross"] else [])
+        for a, b, name in inputs:
+            assert (a.grad is None) == (b.grad is None), f"{name}: requires_grad {a.requires_grad}"
+        pairs = [(a, b, name) for a, b, name in inputs if b.grad is not None]
         pairs += [(p, rp, name) for (name, p), (_, rp) in zip(ours.named_parameters(), ref.named_parameters())]
         floor = case_floor([b for _, b, _ in pairs])
         for a, b, name in pairs:

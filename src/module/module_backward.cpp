@@ -55,29 +55,32 @@ const Tensor& ModuleGradients::parameter(const std::string& name) const {
   throw Error("ModuleGradients::parameter: no gradient named '" + name + "'");
 }
 
-ModuleGradients MultiheadAttention::backward(const ForwardContext& context, const TensorView& grad_output) const {
-  return backward_any(parameters_for_call(nullptr, "backward"), context, grad_output);
+ModuleGradients MultiheadAttention::backward(const ForwardContext& context, const TensorView& grad_output,
+                                             const InputGradients& wanted) const {
+  return backward_any(parameters_for_call(nullptr, "backward"), context, grad_output, wanted);
 }
 
 ModuleGradients MultiheadAttention::backward_with(const ParameterViews& parameters, const ForwardContext& context,
-                                                  const TensorView& grad_output) const {
-  return backward_any(parameters_for_call(&parameters, "backward_with"), context, grad_output);
+                                                  const TensorView& grad_output, const InputGradients& wanted) const {
+  return backward_any(parameters_for_call(&parameters, "backward_with"), context, grad_output, wanted);
 }
 
 ModuleGradients MultiheadAttention::backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
-                                                 const ForwardContext& context, const TensorView& grad_output) const {
+                                                 const ForwardContext& context, const TensorView& grad_output,
+                                                 const InputGradients& wanted) const {
   if (context.empty()) throw Error("backward: the context is empty; pass it to forward(..., &context) first");
   if (context.state_->module_dtype != options_.dtype) {
     throw Error("backward: the context comes from a " + std::string(dtype_name(context.state_->module_dtype)) +
                 " forward, but the module's parameters are now " + std::string(dtype_name(options_.dtype)));
   }
-  if (options_.dtype != DType::f32) return backward_low_precision(parameters, context, grad_output);
+  if (options_.dtype != DType::f32) return backward_low_precision(parameters, context, grad_output, wanted);
   const detail::ParameterSet set = detail::float32_parameters(parameters, context.state_->problem.num_threads);
-  return backward_float32(set, context, grad_output);
+  return backward_float32(set, context, grad_output, wanted);
 }
 
 ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet& parameters,
-                                                     const ForwardContext& context, const TensorView& grad_output) const {
+                                                     const ForwardContext& context, const TensorView& grad_output,
+                                                     const InputGradients& wanted) const {
   const ForwardContext::State& st = *context.state_;
   require_cpu(grad_output, "grad_output");
   if (grad_output.sizes() != st.output_shape || grad_output.dtype != DType::f32) {
@@ -153,32 +156,39 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
                                                       : batch_major_rows(c.value, threads);
   const Rows dk_rows = batch_major_rows(dk.view().slice(1, 0, S), threads);
   const Rows dv_rows = batch_major_rows(dv.view().slice(1, 0, S), threads);
-  Tensor dxq = Tensor::empty({N, L, E}), dxk = Tensor::empty({N, S, kdim_}), dxv = Tensor::empty({N, S, vdim_});
+  // The input gradients asked for (dX = dY W); the weights' gradients whatever is asked.
+  Tensor dxq = wanted.query ? Tensor::empty({N, L, E}) : Tensor(),
+         dxk = wanted.key ? Tensor::empty({N, S, kdim_}) : Tensor(),
+         dxv = wanted.value ? Tensor::empty({N, S, vdim_}) : Tensor();
+  auto data = [](Tensor& t) { return t.defined() ? t.data<float>() : nullptr; };
   float* din_bias = grad_of("in_proj_bias");
   if (qkv_same_embed_dim()) {
     const float* w = parameters.data("in_proj_weight");
     float* dw = grad_of("in_proj_weight");
-    linear_backward(xq.data, dq.data<float>(), w, N * L, E, E, dxq.data<float>(), dw, din_bias, threads);
-    linear_backward(xk.data, dk_rows.data, w + E * E, N * S, E, E, dxk.data<float>(), dw + E * E,
+    linear_backward(xq.data, dq.data<float>(), w, N * L, E, E, data(dxq), dw, din_bias, threads);
+    linear_backward(xk.data, dk_rows.data, w + E * E, N * S, E, E, data(dxk), dw + E * E,
                     din_bias ? din_bias + E : nullptr, threads);
-    linear_backward(xv.data, dv_rows.data, w + 2 * E * E, N * S, E, E, dxv.data<float>(),
-                    dw + 2 * E * E, din_bias ? din_bias + 2 * E : nullptr, threads);
+    linear_backward(xv.data, dv_rows.data, w + 2 * E * E, N * S, E, E, data(dxv), dw + 2 * E * E,
+                    din_bias ? din_bias + 2 * E : nullptr, threads);
   } else {
     linear_backward(xq.data, dq.data<float>(), parameters.data("q_proj_weight"), N * L, E, E,
-                    dxq.data<float>(), grad_of("q_proj_weight"), din_bias, threads);
+                    data(dxq), grad_of("q_proj_weight"), din_bias, threads);
     linear_backward(xk.data, dk_rows.data, parameters.data("k_proj_weight"), N * S, kdim_, E,
-                    dxk.data<float>(), grad_of("k_proj_weight"), din_bias ? din_bias + E : nullptr, threads);
+                    data(dxk), grad_of("k_proj_weight"), din_bias ? din_bias + E : nullptr, threads);
     linear_backward(xv.data, dv_rows.data, parameters.data("v_proj_weight"), N * S, vdim_, E,
-                    dxv.data<float>(), grad_of("v_proj_weight"), din_bias ? din_bias + 2 * E : nullptr, threads);
+                    data(dxv), grad_of("v_proj_weight"), din_bias ? din_bias + 2 * E : nullptr, threads);
   }
 
   // 5. Input gradients in the caller's layout.
-  g.query = Tensor::empty(st.query_shape);
-  g.key = Tensor::empty(st.key_shape);
-  g.value = Tensor::empty(st.value_shape);
-  detail::parallel_copy_into(dxq, as_nle(g.query.view()), threads);
-  detail::parallel_copy_into(dxk, as_nle(g.key.view()), threads);
-  detail::parallel_copy_into(dxv, as_nle(g.value.view()), threads);
+  auto input_gradient = [&](const Tensor& dx, const Shape& shape) {
+    if (!dx.defined()) return Tensor();
+    Tensor t = Tensor::empty(shape);
+    detail::parallel_copy_into(dx, as_nle(t.view()), threads);
+    return t;
+  };
+  g.query = input_gradient(dxq, st.query_shape);
+  g.key = input_gradient(dxk, st.key_shape);
+  g.value = input_gradient(dxv, st.value_shape);
   g.parameters = std::move(grads);
   return g;
 }

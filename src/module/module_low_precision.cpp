@@ -57,7 +57,7 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
 
 ModuleGradients MultiheadAttention::backward_low_precision(
     const std::vector<std::pair<std::string, TensorView>>& parameters, const ForwardContext& context,
-    const TensorView& grad_output) const {
+    const TensorView& grad_output, const InputGradients& wanted) const {
   require_cpu(grad_output, "grad_output");
   if (grad_output.dtype != options_.dtype) {
     throw Error("grad_output: expected dtype " + std::string(dtype_name(options_.dtype)) +
@@ -68,8 +68,10 @@ ModuleGradients MultiheadAttention::backward_low_precision(
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);
   const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads);
   const Tensor grad = detail::parallel_copy_of(grad_output, DType::f32, threads);
-  ModuleGradients g = wide.backward_float32(wide_parameters, context, grad.view());
-  auto round = [&](Tensor& t) { t = detail::parallel_copy_of(t.view(), options_.dtype, threads); };
+  ModuleGradients g = wide.backward_float32(wide_parameters, context, grad.view(), wanted);
+  auto round = [&](Tensor& t) {
+    if (t.defined()) t = detail::parallel_copy_of(t.view(), options_.dtype, threads);
+  };
   round(g.query);
   round(g.key);
   round(g.value);
