@@ -79,8 +79,7 @@ struct FewQueriesBackward {
     const int64_t n = rows(), widest = std::max(dk(), dv());
     const int64_t floats = n * (3 * dk() + dv() + 2 * kLanes + 2 + 4) + kLanes * (dk() + dv()) + 2 * widest;
     float* f = static_cast<float*>(thread_scratch(static_cast<size_t>(T::round_up(floats * 4, 64) + 64)));
-    Scratch s;
-    s.lim = reinterpret_cast<int64_t*>(f), f += 2 * n;  // first: the buffer's start is aligned for 8 bytes
+    Scratch s;  // whole vectors first, so that they stay 64-byte aligned; lim last, at a multiple of 16 bytes
     s.qs = f, f += n * dk();
     s.q = f, f += n * dk();
     s.go = f, f += n * dv();
@@ -94,7 +93,8 @@ struct FewQueriesBackward {
     s.lse2 = f, f += n;
     s.delta = f, f += n;
     s.key_lo = reinterpret_cast<uint32_t*>(f), f += n;
-    s.key_hi = reinterpret_cast<uint32_t*>(f);
+    s.key_hi = reinterpret_cast<uint32_t*>(f), f += n;
+    s.lim = reinterpret_cast<int64_t*>(f);
     std::memset(s.zero, 0, sizeof(float) * widest);
     return s;
   }
