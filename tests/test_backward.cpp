@@ -610,24 +610,39 @@ TEST(ModuleBackward, BitIdenticalAcrossThreadCountsAndErrors) {
   EXPECT_THROW(first.parameter("nope"), mha::Error);
 }
 
-// Input gradients left out (InputGradients) are undefined and cost nothing; what is computed has
-// the bits of the full backward: cross-attention with kdim/vdim (separate projection weights) and
-// self-attention (the packed in_proj_weight), float32 and bfloat16.
-TEST(ModuleBackward, InputGradientsLeftOutAreUndefinedAndTheRestUnchanged) {
+// Gradients left out (WantedGradients: inputs that need none, frozen parameters) are undefined
+// and cost nothing; what is computed has the bits of the full backward: cross-attention with
+// kdim/vdim (separate projection weights) and self-attention (the packed in_proj_weight), float32
+// and bfloat16, with bias_k/bias_v.
+TEST(ModuleBackward, GradientsLeftOutAreUndefinedAndTheRestUnchanged) {
   std::mt19937_64 rng(test_seed());
   for (const mha::DType dtype : {mha::DType::f32, mha::DType::bf16}) {
     for (const bool cross : {true, false}) {
       SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (cross ? " cross" : " self"));
       const int64_t kdim = cross ? 12 : 16;
-      mha::MultiheadAttention m(16, 2, {.kdim = kdim, .vdim = kdim, .batch_first = true, .seed = 5, .dtype = dtype});
+      mha::MultiheadAttention m(
+          16, 2, {.add_bias_kv = true, .kdim = kdim, .vdim = kdim, .batch_first = true, .seed = 5, .dtype = dtype});
       const mha::Tensor q = mha::Tensor::copy_of(randn({3, 2, 16}, rng), dtype);
       const mha::Tensor kv = cross ? mha::Tensor::copy_of(randn({3, 40, kdim}, rng), dtype) : q;
       const mha::Tensor grad = mha::Tensor::copy_of(randn({3, 2, 16}, rng), dtype);
       mha::ForwardContext ctx;
       m.forward(q, kv, kv, {.need_weights = false}, &ctx);
       const mha::ModuleGradients all = m.backward(ctx, grad);
-      for (const mha::InputGradients wanted : {mha::InputGradients{true, false, false}, mha::InputGradients{false, false, true},
-                                               mha::InputGradients{false, false, false}}) {
+      const std::vector<std::string> weights =
+          cross ? std::vector<std::string>{"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"}
+                : std::vector<std::string>{"in_proj_weight", "out_proj.weight"};
+      std::vector<std::string> every;
+      for (const auto& [name, t] : all.parameters) every.push_back(name);
+      const std::vector<mha::WantedGradients> cases = {
+          {true, false, false, {}},
+          {false, false, true, {}},
+          {false, false, false, {}},
+          {true, true, true, weights},  // fine-tuning around a frozen attention
+          {false, false, false, weights},  // the biases alone
+          {false, true, false, {"out_proj.bias", "bias_k", weights[1]}},
+          {true, false, true, every},
+      };
+      for (const mha::WantedGradients& wanted : cases) {
         const mha::ModuleGradients some = m.backward(ctx, grad, wanted);
         for (const auto& [on, got, full] : {std::tuple{wanted.query, &some.query, &all.query},
                                             std::tuple{wanted.key, &some.key, &all.key},
@@ -635,8 +650,14 @@ TEST(ModuleBackward, InputGradientsLeftOutAreUndefinedAndTheRestUnchanged) {
           EXPECT_EQ(got->defined(), on);
           if (on) EXPECT_TRUE(same_bits(*got, *full));
         }
-        for (const auto& [name, t] : some.parameters) EXPECT_TRUE(same_bits(t, all.parameter(name))) << name;
+        ASSERT_EQ(some.parameters.size(), all.parameters.size());
+        for (const auto& [name, t] : some.parameters) {
+          const bool frozen = std::count(wanted.frozen_parameters.begin(), wanted.frozen_parameters.end(), name) > 0;
+          EXPECT_EQ(t.defined(), !frozen) << name;
+          if (!frozen) EXPECT_TRUE(same_bits(t, all.parameter(name))) << name;
+        }
       }
+      EXPECT_THROW(m.backward(ctx, grad, {.frozen_parameters = {"in_proj.weight"}}), mha::Error);
     }
   }
 }

@@ -88,17 +88,20 @@ class ForwardContext {
 
 // Gradients of a scalar loss with respect to the inputs and every parameter, given the gradient of
 // the output. (The returned attention weights are not differentiated.)
-// Which input gradients a backward computes (the parameters' always). An input that needs none
-// (a frozen encoder's output fed as key and value, as autograd's needs_input_grad says) saves its
-// projection's dX = dY W product, the largest step of a cross-attention backward over a long
-// sequence. Those left out are undefined tensors in ModuleGradients.
-struct InputGradients {
+// Which gradients a backward computes, all by default. An input that needs none (a frozen
+// encoder's output fed as key and value, as autograd's needs_input_grad says) saves its
+// projection's dX = dY W product; a frozen parameter (fine-tuning that keeps the attention's
+// weights fixed, requires_grad false) saves its dW = dY^T X product, half the projections'
+// backward FLOPs when every weight is frozen. Those left out are undefined tensors in
+// ModuleGradients.
+struct WantedGradients {
   bool query = true, key = true, value = true;
+  std::vector<std::string> frozen_parameters;  // names from named_parameters()
 };
 
 struct ModuleGradients {
-  Tensor query, key, value;                                 // shaped like the inputs (or undefined: InputGradients)
-  std::vector<std::pair<std::string, Tensor>> parameters;  // the names and order of named_parameters()
+  Tensor query, key, value;                                 // shaped like the inputs (or undefined: WantedGradients)
+  std::vector<std::pair<std::string, Tensor>> parameters;  // named_parameters() order (frozen: undefined)
   const Tensor& parameter(const std::string& name) const;
 };
 
@@ -122,7 +125,7 @@ class MultiheadAttention {
   // the values the forward ran with.
   // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
   ModuleGradients backward(const ForwardContext& context, const TensorView& grad_output,
-                           const InputGradients& wanted = {}) const;
+                           const WantedGradients& wanted = {}) const;
 
   // The same forward and backward reading `parameters` instead of the module's own, which are
   // left alone (as torch.func.functional_call runs a module with other tensors): a PyTorch
@@ -135,7 +138,7 @@ class MultiheadAttention {
                              const TensorView& value, const ForwardOptions& options = {},
                              ForwardContext* context = nullptr) const;
   ModuleGradients backward_with(const ParameterViews& parameters, const ForwardContext& context,
-                                const TensorView& grad_output, const InputGradients& wanted = {}) const;
+                                const TensorView& grad_output, const WantedGradients& wanted = {}) const;
 
   ForwardResult operator()(const TensorView& query, const TensorView& key, const TensorView& value,
                            const ForwardOptions& options = {}) const {
@@ -186,18 +189,18 @@ class MultiheadAttention {
                             ForwardContext* context) const;
   ModuleGradients backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                const ForwardContext& context, const TensorView& grad_output,
-                               const InputGradients& wanted) const;
+                               const WantedGradients& wanted) const;
   ForwardResult forward_float32(const detail::ParameterSet& parameters, const TensorView& query, const TensorView& key,
                                 const TensorView& value, const ForwardOptions& options, ForwardContext* context) const;
   ModuleGradients backward_float32(const detail::ParameterSet& parameters, const ForwardContext& context,
-                                   const TensorView& grad_output, const InputGradients& wanted) const;
+                                   const TensorView& grad_output, const WantedGradients& wanted) const;
   // bfloat16/float16 modules: the float32 forward and backward on widened copies.
   ForwardResult forward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                       const TensorView& query, const TensorView& key, const TensorView& value,
                                       const ForwardOptions& options, ForwardContext* context) const;
   ModuleGradients backward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                          const ForwardContext& context, const TensorView& grad_output,
-                                         const InputGradients& wanted) const;
+                                         const WantedGradients& wanted) const;
   // The dropout seed of the next call that brings none (the module's stream, advanced per call).
   uint64_t next_dropout_seed() const;
 

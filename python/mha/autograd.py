@@ -51,7 +51,8 @@ class SdpaFunction(torch.autograd.Function):
 
 
 class ModuleFunction(torch.autograd.Function):
-    """MultiheadAttention.forward with gradients for the inputs and every parameter. The module's
+    """MultiheadAttention.forward with gradients for the inputs and the parameters that need them
+    (a frozen parameter's is neither computed nor returned). The module's
     parameters enter as tensors (after the flags), so that autograd hands their gradients back,
     and the C++ module reads them where they are (forward_with/backward_with), in the forward and
     again in the backward. They are saved for backward, as PyTorch's module saves its weights:
@@ -75,12 +76,13 @@ class ModuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, grad_weights):
         params = ctx.saved_tensors  # autograd's check that none changed in place since the forward
-        # Input gradients only where autograd needs them: a key and value that need none (a frozen
-        # encoder's output) save their projections' dX products.
+        # Gradients only where autograd needs them: a key and value that need none (a frozen
+        # encoder's output) save their projections' dX products, a frozen parameter its dW.
+        frozen = [name for name, needed in zip(ctx.names, ctx.needs_input_grad[8:]) if not needed]
         dq, dk, dv, dparams = ctx.module.backward(ctx.context, grad_output.detach().contiguous(),
                                                   {name: p.detach() for name, p in zip(ctx.names, params)},
-                                                  tuple(ctx.needs_input_grad[3:6]))
+                                                  tuple(ctx.needs_input_grad[3:6]), frozen)
         ctx.context = None  # free the saved activations
-        param_grads = [_tensor(dparams[name]) for name in ctx.names]
+        param_grads = [_tensor(dparams[name]) if name in dparams else None for name in ctx.names]
         dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
         return (None, None, None, dq, dk, dv, None, None, *param_grads)

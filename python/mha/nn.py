@@ -106,7 +106,10 @@ class MultiheadAttention(nn.Module):
         params = self._parameters_for_call()
         seed = int(torch.randint(0, 2**62, (1,)).item()) if self.training and self.dropout > 0 else None
         flags = (bool(need_weights), bool(average_attn_weights), bool(is_causal), seed, 0)
-        if not torch.is_grad_enabled():
+        tensors = (query, key, value, *params.values())
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            # Nothing to differentiate (inference, or a module and inputs all frozen): no
+            # activations saved for a backward that will not come.
             out, weights = self._impl.forward(query.detach(), key.detach(), value.detach(),
                                               None if key_padding_mask is None else key_padding_mask.detach(),
                                               flags[0], None if attn_mask is None else attn_mask.detach(),

@@ -133,21 +133,23 @@ std::tuple<NumpyArray, std::optional<NumpyArray>, mha::ForwardContext> module_fo
   return {to_numpy(r.output), w, std::move(context)};
 }
 
-// The input gradients as arrays, None where `wanted` (query, key, value) left one out.
+// The gradients as arrays: an input's None where `wanted` (query, key, value) left it out, and
+// no entry for a parameter named in `frozen`.
 using MaybeArray = std::optional<NumpyArray>;
 std::tuple<MaybeArray, MaybeArray, MaybeArray, std::unordered_map<std::string, NumpyArray>> module_backward(
     const mha::MultiheadAttention& m, const mha::ForwardContext& context, const Array& grad_output,
-    const ParameterArrays& params, std::tuple<bool, bool, bool> wanted) {
+    const ParameterArrays& params, std::tuple<bool, bool, bool> wanted, std::vector<std::string> frozen) {
   const mha::TensorView g = view_of(grad_output, "grad_output");
   const std::optional<mha::ParameterViews> p = parameter_views(params);
-  const mha::InputGradients inputs{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted)};
+  const mha::WantedGradients inputs{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted), std::move(frozen)};
   mha::ModuleGradients r;
   {
     nb::gil_scoped_release release;
     r = p ? m.backward_with(*p, context, g, inputs) : m.backward(context, g, inputs);
   }
   std::unordered_map<std::string, NumpyArray> grads;
-  for (const auto& [name, t] : r.parameters) grads.emplace(name, to_numpy(t));
+  for (const auto& [name, t] : r.parameters)
+    if (t.defined()) grads.emplace(name, to_numpy(t));
   auto maybe = [](const mha::Tensor& t) { return t.defined() ? MaybeArray(to_numpy(t)) : std::nullopt; };
   return {maybe(r.query), maybe(r.key), maybe(r.value), grads};
 }
@@ -274,7 +276,8 @@ NB_MODULE(_mha, m) {
            nb::arg("average_attn_weights"), nb::arg("is_causal"), nb::arg("dropout_seed").none(),
            nb::arg("num_threads"), nb::arg("params").none() = nb::none())
       .def("backward", &module_backward, nb::arg("context"), nb::arg("grad_output"),
-           nb::arg("params").none() = nb::none(), nb::arg("wanted") = std::make_tuple(true, true, true))
+           nb::arg("params").none() = nb::none(), nb::arg("wanted") = std::make_tuple(true, true, true),
+           nb::arg("frozen") = std::vector<std::string>())
       .def("train", &mha::MultiheadAttention::train, nb::arg("on"))
       .def_prop_ro("training", &mha::MultiheadAttention::is_training)
       .def_prop_ro("embed_dim", &mha::MultiheadAttention::embed_dim)

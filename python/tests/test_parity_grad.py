@@ -121,6 +121,12 @@ def test_module_gradients_match_torch(chunk, parity_seed, parity_count):
                                          add_zero_attn=c["add_zero_attn"], kdim=c["kdim"], vdim=c["vdim"],
                                          batch_first=c["batch_first"])
         ours.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+        # Some parameters frozen (fine-tuning around a fixed attention): ours neither computes nor
+        # returns their gradients, as PyTorch does not.
+        for (_, p), (_, rp) in zip(ours.named_parameters(), ref.named_parameters()):
+            if rng.random() < 0.25:
+                p.requires_grad_(False)
+                rp.requires_grad_(False)
 
         def seq(length, width):
             shape = (N, length, width) if c["batch_first"] else (length, N, width)
@@ -145,7 +151,8 @@ def test_module_gradients_match_torch(chunk, parity_seed, parity_count):
             warnings.simplefilter("ignore")
             ref_out, _ = ref(query, key, value, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights)
         g = torch.from_numpy(rng.standard_normal(tuple(ref_out.shape)))
-        ref_out.backward(g)
+        if ref_out.requires_grad:
+            ref_out.backward(g)
 
         q32 = query.detach().float().requires_grad_(wanted[0])
         k32 = key.detach().float().requires_grad_(wanted[1]) if c["cross"] else q32
@@ -153,16 +160,40 @@ def test_module_gradients_match_torch(chunk, parity_seed, parity_count):
         out, _ = ours(q32, k32, v32, key_padding_mask=kpm, attn_mask=None if attn_mask is None else attn_mask.float(),
                       need_weights=need_weights)
         assert rel(out.detach(), ref_out.detach()) <= 1e-5, c
+        assert out.requires_grad == ref_out.requires_grad
+        if not out.requires_grad:  # everything frozen: nothing to differentiate
+            continue
         out.backward(g.float())
         inputs = [(q32, query, "query")] + ([(k32, key, "key"), (v32, value, "value")] if c["cross"] else [])
-        for a, b, name in inputs:
+        params = [(p, rp, name) for (name, p), (_, rp) in zip(ours.named_parameters(), ref.named_parameters())]
+        for a, b, name in inputs + params:
             assert (a.grad is None) == (b.grad is None), f"{name}: requires_grad {a.requires_grad}"
-        pairs = [(a, b, name) for a, b, name in inputs if b.grad is not None]
-        pairs += [(p, rp, name) for (name, p), (_, rp) in zip(ours.named_parameters(), ref.named_parameters())]
+        pairs = [(a, b, name) for a, b, name in inputs + params if b.grad is not None]
         floor = case_floor([b for _, b, _ in pairs])
         for a, b, name in pairs:
             err = rel(a.grad, b.grad, floor)
             assert err <= TOL, f"{name} gradient: relative error {err:.2e} for {c}"
+
+
+def test_frozen_module_passes_gradients_through(parity_seed):
+    """Every parameter frozen (an adapter trained around a fixed attention): the inputs' gradients
+    match PyTorch's, no parameter gets one; with the inputs frozen too, nothing is saved and the
+    output needs no gradient."""
+    rng = np.random.default_rng([parity_seed, 9])
+    torch.manual_seed(int(rng.integers(2**31)))
+    ref = torch.nn.MultiheadAttention(24, 3, batch_first=True).double().requires_grad_(False)
+    ours = mha.nn.MultiheadAttention(24, 3, batch_first=True)
+    ours.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    ours.requires_grad_(False)
+    x = torch.from_numpy(rng.standard_normal((2, 7, 24))).requires_grad_()
+    g = torch.from_numpy(rng.standard_normal((2, 7, 24)))
+    ref(x, x, x, need_weights=False)[0].backward(g)
+    x32 = x.detach().float().requires_grad_()
+    ours(x32, x32, x32, need_weights=False)[0].backward(g.float())
+    assert rel(x32.grad, x.grad) <= TOL
+    assert all(p.grad is None for p in ours.parameters())
+    out, _ = ours(x32.detach(), x32.detach(), x32.detach(), need_weights=False)
+    assert not out.requires_grad and out.grad_fn is None
 
 
 def test_loss_falls_with_torch_optimizer(parity_seed):

@@ -3,6 +3,7 @@
 //   A = attention(Q, K, V)     ->  dQ, dK, dV by the fused backward (bias_k/bias_v rows included)
 //   Q = X_q W_q^T + b_q, ...   ->  dX_q = dQ W_q,  dW_q = dQ^T X_q,  db_q = sum dQ, ...
 // Every matrix is taken batch-major and contiguous ([N * L, C]) so each step is one sgemm.
+#include <algorithm>
 #include <cstring>
 
 #include "core/parallel_copy.hpp"
@@ -19,7 +20,7 @@ namespace {
 // (batch_first inputs, the unpadded key rows), else a copy.
 struct Rows {
   Tensor copy;
-  const float* data;
+  const float* data = nullptr;
 };
 Rows batch_major_rows(const TensorView& t, int threads) {
   if (t.is_contiguous()) return {Tensor(), t.data_as<const float>()};
@@ -35,11 +36,12 @@ void add_column_sums(const float* m, int64_t rows, int64_t cols, float* out) {
 }
 
 // Gradients through y = x W^T + b, for x [rows, in] and dy [rows, out] contiguous:
-// dx = dy W (when dx is not null), dW = dy^T x, db = sum dy (when db is not null).
+// dx = dy W, dW = dy^T x, db = sum dy, each where its destination is not null (an input that
+// needs no gradient, a frozen weight or bias).
 void linear_backward(const float* x, const float* dy, const float* w, int64_t rows, int64_t in, int64_t out,
                      float* dx, float* dw, float* db, int threads) {
   if (dx) detail::gemm(false, false, rows, in, out, dy, out, w, in, 0.0f, dx, in, threads);
-  detail::gemm(true, false, out, in, rows, dy, out, x, in, 0.0f, dw, in, threads);
+  if (dw) detail::gemm(true, false, out, in, rows, dy, out, x, in, 0.0f, dw, in, threads);
   if (db) {
     std::memset(db, 0, sizeof(float) * out);
     add_column_sums(dy, rows, out, db);
@@ -55,20 +57,44 @@ const Tensor& ModuleGradients::parameter(const std::string& name) const {
   throw Error("ModuleGradients::parameter: no gradient named '" + name + "'");
 }
 
+namespace {
+
+// wanted.frozen_parameters must name parameters of this call.
+void check_frozen_names(const WantedGradients& wanted, const std::vector<std::pair<std::string, TensorView>>& parameters) {
+  for (const std::string& frozen : wanted.frozen_parameters) {
+    bool known = false;
+    std::string names;
+    for (const auto& [name, view] : parameters) {
+      known = known || name == frozen;
+      names += (names.empty() ? "" : ", ") + name;
+    }
+    if (!known) {
+      throw Error("wanted.frozen_parameters: expected names of this module's parameters (" + names + "), got '" +
+                  frozen + "'");
+    }
+  }
+}
+
+// The pointer into `t`, or null for an offset into an undefined (frozen) gradient.
+float* offset_or_null(float* t, int64_t offset) { return t ? t + offset : nullptr; }
+
+}  // namespace
+
 ModuleGradients MultiheadAttention::backward(const ForwardContext& context, const TensorView& grad_output,
-                                             const InputGradients& wanted) const {
+                                             const WantedGradients& wanted) const {
   return backward_any(parameters_for_call(nullptr, "backward"), context, grad_output, wanted);
 }
 
 ModuleGradients MultiheadAttention::backward_with(const ParameterViews& parameters, const ForwardContext& context,
-                                                  const TensorView& grad_output, const InputGradients& wanted) const {
+                                                  const TensorView& grad_output, const WantedGradients& wanted) const {
   return backward_any(parameters_for_call(&parameters, "backward_with"), context, grad_output, wanted);
 }
 
 ModuleGradients MultiheadAttention::backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                                  const ForwardContext& context, const TensorView& grad_output,
-                                                 const InputGradients& wanted) const {
+                                                 const WantedGradients& wanted) const {
   if (context.empty()) throw Error("backward: the context is empty; pass it to forward(..., &context) first");
+  check_frozen_names(wanted, parameters);
   if (context.state_->module_dtype != options_.dtype) {
     throw Error("backward: the context comes from a " + std::string(dtype_name(context.state_->module_dtype)) +
                 " forward, but the module's parameters are now " + std::string(dtype_name(options_.dtype)));
@@ -80,7 +106,7 @@ ModuleGradients MultiheadAttention::backward_any(const std::vector<std::pair<std
 
 ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet& parameters,
                                                      const ForwardContext& context, const TensorView& grad_output,
-                                                     const InputGradients& wanted) const {
+                                                     const WantedGradients& wanted) const {
   const ForwardContext::State& st = *context.state_;
   require_cpu(grad_output, "grad_output");
   if (grad_output.sizes() != st.output_shape || grad_output.dtype != DType::f32) {
@@ -99,19 +125,24 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
 
   ModuleGradients g;
   std::vector<std::pair<std::string, Tensor>> grads;
-  for (const auto& [name, t] : parameters.views) grads.emplace_back(name, Tensor::zeros(t.sizes()));
+  auto frozen = [&](const std::string& name) {
+    return std::find(wanted.frozen_parameters.begin(), wanted.frozen_parameters.end(), name) !=
+           wanted.frozen_parameters.end();
+  };
+  for (const auto& [name, t] : parameters.views) grads.emplace_back(name, frozen(name) ? Tensor() : Tensor::zeros(t.sizes()));
   auto grad_of = [&](const std::string& name) -> float* {
     for (auto& [n, t] : grads)
-      if (n == name) return t.data<float>();
+      if (n == name) return t.defined() ? t.data<float>() : nullptr;
     return nullptr;
   };
 
   // 1. Output projection.
   const Rows dy = batch_major_rows(as_nle(grad_output), threads);  // [N, L, E]
-  const Rows a = batch_major_rows(as_nle(st.attn.view()), threads);
+  float* dw_out = grad_of("out_proj.weight");
+  const Rows a = dw_out ? batch_major_rows(as_nle(st.attn.view()), threads) : Rows{};
   Tensor da = Tensor::empty({N, L, E});
-  linear_backward(a.data, dy.data, parameters.data("out_proj.weight"), N * L, E, E,
-                  da.data<float>(), grad_of("out_proj.weight"), grad_of("out_proj.bias"), threads);
+  linear_backward(a.data, dy.data, parameters.data("out_proj.weight"), N * L, E, E, da.data<float>(), dw_out,
+                  grad_of("out_proj.bias"), threads);
 
   // 2. Attention, through the fused backward.
   Tensor dq = Tensor::empty({N, L, E}), dk = Tensor::empty({N, St, E}), dv = Tensor::empty({N, St, E});
@@ -138,46 +169,56 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
 
   // 3. bias_k and bias_v receive the gradient of their appended row, summed over the batch.
   if (options_.add_bias_kv) {
-    float* gk = grad_of("bias_k");
-    float* gv = grad_of("bias_v");
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t e = 0; e < E; ++e) {
-        gk[e] += dk.data<float>()[(n * St + S) * E + e];
-        gv[e] += dv.data<float>()[(n * St + S) * E + e];
-      }
+    for (const auto& [name, d] : {std::pair{"bias_k", &dk}, std::pair{"bias_v", &dv}}) {
+      float* grad = grad_of(name);
+      if (grad == nullptr) continue;  // frozen
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t e = 0; e < E; ++e) grad[e] += d->data<float>()[(n * St + S) * E + e];
+    }
   }
 
-  // 4. Input projections. The inputs are the forward's own copies, viewed [N, L, C].
-  //    Self-attention's one input is copied once, not three times.
-  const Rows xq = batch_major_rows(c.query, threads);
-  const Rows xk = detail::same_view(c.key, c.query) ? xq : batch_major_rows(c.key, threads);
-  const Rows xv = detail::same_view(c.value, c.query) ? xq
-                  : detail::same_view(c.value, c.key) ? xk
-                                                      : batch_major_rows(c.value, threads);
-  const Rows dk_rows = batch_major_rows(dk.view().slice(1, 0, S), threads);
-  const Rows dv_rows = batch_major_rows(dv.view().slice(1, 0, S), threads);
-  // The input gradients asked for (dX = dY W); the weights' gradients whatever is asked.
-  Tensor dxq = wanted.query ? Tensor::empty({N, L, E}) : Tensor(),
-         dxk = wanted.key ? Tensor::empty({N, S, kdim_}) : Tensor(),
-         dxv = wanted.value ? Tensor::empty({N, S, vdim_}) : Tensor();
-  auto data = [](Tensor& t) { return t.defined() ? t.data<float>() : nullptr; };
-  float* din_bias = grad_of("in_proj_bias");
-  if (qkv_same_embed_dim()) {
-    const float* w = parameters.data("in_proj_weight");
-    float* dw = grad_of("in_proj_weight");
-    linear_backward(xq.data, dq.data<float>(), w, N * L, E, E, data(dxq), dw, din_bias, threads);
-    linear_backward(xk.data, dk_rows.data, w + E * E, N * S, E, E, data(dxk), dw + E * E,
-                    din_bias ? din_bias + E : nullptr, threads);
-    linear_backward(xv.data, dv_rows.data, w + 2 * E * E, N * S, E, E, data(dxv), dw + 2 * E * E,
-                    din_bias ? din_bias + 2 * E : nullptr, threads);
-  } else {
-    linear_backward(xq.data, dq.data<float>(), parameters.data("q_proj_weight"), N * L, E, E,
-                    data(dxq), grad_of("q_proj_weight"), din_bias, threads);
-    linear_backward(xk.data, dk_rows.data, parameters.data("k_proj_weight"), N * S, kdim_, E,
-                    data(dxk), grad_of("k_proj_weight"), din_bias ? din_bias + E : nullptr, threads);
-    linear_backward(xv.data, dv_rows.data, parameters.data("v_proj_weight"), N * S, vdim_, E,
-                    data(dxv), grad_of("v_proj_weight"), din_bias ? din_bias + 2 * E : nullptr, threads);
+  // 4. Input projections: the input gradients asked for (dX = dY W) and the gradients of the
+  //    parameters not frozen (dW = dY^T X, db = sum dY). The inputs X, the forward's own copies
+  //    viewed [N, L, C], are made batch-major only for a weight gradient, and self-attention's
+  //    one input once, not three times.
+  struct Projection {
+    const TensorView& x;
+    TensorView dy;  // [N, rows, E]
+    int64_t rows, in;
+    const float* w;
+    float* dw;
+    float* db;
+    Tensor dx;
+  };
+  const bool packed = qkv_same_embed_dim();
+  const float* w_in = packed ? parameters.data("in_proj_weight") : nullptr;
+  float* dw_in = packed ? grad_of("in_proj_weight") : nullptr;
+  float* db_in = grad_of("in_proj_bias");
+  auto input_grad = [&](bool on, int64_t rows, int64_t width) { return on ? Tensor::empty({N, rows, width}) : Tensor(); };
+  Projection projections[3] = {
+      {c.query, dq.view(), L, E, packed ? w_in : parameters.data("q_proj_weight"),
+       packed ? dw_in : grad_of("q_proj_weight"), db_in, input_grad(wanted.query, L, E)},
+      {c.key, dk.view().slice(1, 0, S), S, kdim_, packed ? w_in + E * E : parameters.data("k_proj_weight"),
+       packed ? offset_or_null(dw_in, E * E) : grad_of("k_proj_weight"), offset_or_null(db_in, E),
+       input_grad(wanted.key, S, kdim_)},
+      {c.value, dv.view().slice(1, 0, S), S, vdim_, packed ? w_in + 2 * E * E : parameters.data("v_proj_weight"),
+       packed ? offset_or_null(dw_in, 2 * E * E) : grad_of("v_proj_weight"), offset_or_null(db_in, 2 * E),
+       input_grad(wanted.value, S, vdim_)},
+  };
+  std::vector<std::pair<const TensorView*, Rows>> inputs;  // one batch-major copy per distinct input
+  inputs.reserve(3);
+  auto rows_of = [&](const TensorView& x) {
+    for (const auto& [seen, rows] : inputs)
+      if (detail::same_view(*seen, x)) return rows.data;
+    return inputs.emplace_back(&x, batch_major_rows(x, threads)).second.data;
+  };
+  for (Projection& pr : projections) {
+    float* dx = pr.dx.defined() ? pr.dx.data<float>() : nullptr;
+    if (dx == nullptr && pr.dw == nullptr && pr.db == nullptr) continue;
+    const Rows dy = batch_major_rows(pr.dy, threads);
+    linear_backward(pr.dw ? rows_of(pr.x) : nullptr, dy.data, pr.w, N * pr.rows, pr.in, E, dx, pr.dw, pr.db, threads);
   }
+  const Tensor &dxq = projections[0].dx, &dxk = projections[1].dx, &dxv = projections[2].dx;
 
   // 5. Input gradients in the caller's layout.
   auto input_gradient = [&](const Tensor& dx, const Shape& shape) {

@@ -57,7 +57,7 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
 
 ModuleGradients MultiheadAttention::backward_low_precision(
     const std::vector<std::pair<std::string, TensorView>>& parameters, const ForwardContext& context,
-    const TensorView& grad_output, const InputGradients& wanted) const {
+    const TensorView& grad_output, const WantedGradients& wanted) const {
   require_cpu(grad_output, "grad_output");
   if (grad_output.dtype != options_.dtype) {
     throw Error("grad_output: expected dtype " + std::string(dtype_name(options_.dtype)) +
