@@ -195,7 +195,9 @@ void fuzz_sdpa(FuzzInput& in) {
       mha::Tensor g = saved.output.clone();
       const mha::TensorView gv = in.flag() ? g.view() : grad.view;
       if (!tiny(grad) && gv.data == grad.view.data) return;
-      const auto grads = mha::scaled_dot_product_attention_backward(q.view, k.view, v.view, saved, gv, o, mask_grad);
+      mha::SdpaGradientsWanted wanted{.attn_mask = mask_grad};
+      if (in.flag()) wanted.query = in.flag(), wanted.key = in.flag(), wanted.value = in.flag();  // some left out
+      const auto grads = mha::scaled_dot_product_attention_backward(q.view, k.view, v.view, saved, gv, o, wanted);
       check_finite_any(grads.query);
       check_finite_any(grads.key);
       check_finite_any(grads.value);

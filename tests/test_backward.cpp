@@ -610,6 +610,49 @@ TEST(ModuleBackward, BitIdenticalAcrossThreadCountsAndErrors) {
   EXPECT_THROW(first.parameter("nope"), mha::Error);
 }
 
+// SDPA gradients left out (SdpaGradientsWanted) are undefined, and the others keep the full
+// backward's bits, in every schedule: one pass per head group (16 groups or more), the two passes
+// (fewer), the few-row kernel (one or two key chunks), and the two passes with a mask gradient.
+TEST(SdpaBackward, GradientsLeftOutAreUndefinedAndTheRestUnchanged) {
+  std::mt19937_64 rng(test_seed());
+  struct Shape {
+    int64_t b, hq, hkv, lq, lk, d;
+  };
+  const Shape shapes[] = {{4, 4, 4, 50, 70, 16}, {1, 2, 1, 37, 53, 24}, {2, 4, 2, 3, 1100, 32}, {1, 2, 2, 1, 40, 8}};
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    for (int n = 0; n < 8; ++n) {
+      const Shape& sh = shapes[n % 4];
+      const mha::DType dtype = n == 5 ? mha::DType::bf16 : mha::DType::f32;
+      const bool mask_grad = n == 6 || n == 7;
+      const mha::Tensor q = mha::Tensor::copy_of(randn({sh.b, sh.hq, sh.lq, sh.d}, rng), dtype),
+                        k = mha::Tensor::copy_of(randn({sh.b, sh.hkv, sh.lk, sh.d}, rng), dtype),
+                        v = mha::Tensor::copy_of(randn({sh.b, sh.hkv, sh.lk, sh.d + 8}, rng), dtype),
+                        g = mha::Tensor::copy_of(randn({sh.b, sh.hq, sh.lq, sh.d + 8}, rng), dtype);
+      const mha::Tensor mask = randn({sh.lq, sh.lk}, rng);
+      mha::SdpaOptions o{.is_causal = n == 3, .enable_gqa = true};
+      if (n % 4 == 2) o.dropout_p = 0.2, o.dropout_seed = rng();
+      if (mask_grad) o.attn_mask = mask.view();
+      SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " case " + std::to_string(n));
+      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+      const auto all = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o, mask_grad);
+      for (int bits = 0; bits < 8; ++bits) {
+        const mha::SdpaGradientsWanted wanted{(bits & 1) != 0, (bits & 2) != 0, (bits & 4) != 0, mask_grad};
+        const auto some = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o, wanted);
+        for (const auto& [on, got, full] : {std::tuple{wanted.query, &some.query, &all.query},
+                                            std::tuple{wanted.key, &some.key, &all.key},
+                                            std::tuple{wanted.value, &some.value, &all.value}}) {
+          EXPECT_EQ(got->defined(), on) << "wanted " << bits;
+          if (on) EXPECT_TRUE(same_bits(*got, *full)) << "wanted " << bits;
+        }
+        ASSERT_EQ(some.attn_mask.has_value(), mask_grad);
+        if (mask_grad) EXPECT_TRUE(same_bits(*some.attn_mask, *all.attn_mask)) << "wanted " << bits;
+      }
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
 // Gradients left out (WantedGradients: inputs that need none, frozen parameters) are undefined
 // and cost nothing; what is computed has the bits of the full backward: cross-attention with
 // kdim/vdim (separate projection weights) and self-attention (the packed in_proj_weight), float32

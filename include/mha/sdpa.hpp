@@ -69,8 +69,16 @@ AttentionForTraining scaled_dot_product_attention_for_training(const TensorView&
                                                                const TensorView& v, const SdpaOptions& options = {});
 
 struct AttentionGradients {
-  Tensor query, key, value;       // shaped like q, k, v, in their dtype
+  Tensor query, key, value;       // shaped like q, k, v, in their dtype (undefined when not wanted)
   std::optional<Tensor> attn_mask;  // shaped like the mask, when asked for (float masks only)
+};
+// Which gradients a backward computes. Each of dQ = dS K, dK = dS^T Q and dV = P^T dO is a fifth
+// of the backward's products, and the two-pass schedule (few heads) runs a whole pass for dK and
+// dV and another for dQ: keys and values that need no gradient (a frozen encoder's, a cached
+// prefix) skip theirs, as autograd's needs_input_grad says. The mask's gradient only on request.
+struct SdpaGradientsWanted {
+  bool query = true, key = true, value = true;
+  bool attn_mask = false;  // a float32 (additive) attn_mask's
 };
 // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
 // With GQA, key and value gradients are summed over the query heads of each group; with a mask
@@ -79,7 +87,12 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
                                                          const AttentionForTraining& saved,
                                                          const TensorView& grad_output,
                                                          const SdpaOptions& options = {},
-                                                         bool attn_mask_grad = false);
+                                                         const SdpaGradientsWanted& wanted = {});
+// The same with every input's gradient, and the mask's when attn_mask_grad.
+AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                         const AttentionForTraining& saved,
+                                                         const TensorView& grad_output, const SdpaOptions& options,
+                                                         bool attn_mask_grad);
 
 // Floating-point operations of one forward call: 2 * (Dk + Dv) per (query, key) pair that takes
 // part, times B * Hq. Without causality that is 4 * B * Hq * Lq * Lk * D for Dk = Dv = D; a causal

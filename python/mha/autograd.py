@@ -43,11 +43,13 @@ class SdpaFunction(torch.autograd.Function):
         mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
         # The incoming gradient in the output's dtype (autograd may hand over another one).
         grad = grad_output.detach().to(out.dtype)
+        # Only the gradients autograd needs: keys and values that need none (a frozen encoder's, a
+        # cached prefix) skip their products, dK = dS^T Q and dV = P^T dO.
         dq, dk, dv, dm = _mha.sdpa_backward(query, key, value, out, lse, grad, _detached(attn_mask), dropout_p,
                                             is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads,
-                                            mask_grad)
-        return (_tensor(dq), _tensor(dk), _tensor(dv), torch.from_numpy(dm) if mask_grad else None,
-                None, None, None, None, None, None, None)
+                                            mask_grad, tuple(ctx.needs_input_grad[:3]))
+        dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
+        return (dq, dk, dv, torch.from_numpy(dm) if mask_grad else None, None, None, None, None, None, None, None)
 
 
 class ModuleFunction(torch.autograd.Function):

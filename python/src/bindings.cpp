@@ -184,11 +184,13 @@ std::pair<NumpyArray, NumpyArray> sdpa_train(const Array& query, const Array& ke
   return {to_numpy(r.output), to_numpy(r.lse)};
 }
 
-std::tuple<NumpyArray, NumpyArray, NumpyArray, std::optional<NumpyArray>> sdpa_backward(
+// The gradients of query, key and value (None where `wanted` left one out) and of a float mask
+// (when attn_mask_grad).
+std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_backward(
     const Array& query, const Array& key, const Array& value, const Array& output, const Array& lse,
     const Array& grad_output, const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int num_threads,
-    bool attn_mask_grad) {
+    bool attn_mask_grad, std::tuple<bool, bool, bool> wanted) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
@@ -199,11 +201,12 @@ std::tuple<NumpyArray, NumpyArray, NumpyArray, std::optional<NumpyArray>> sdpa_b
   mha::AttentionGradients r;
   {
     nb::gil_scoped_release release;
-    r = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o, attn_mask_grad);
+    r = mha::scaled_dot_product_attention_backward(
+        q, k, v, saved, g, o,
+        mha::SdpaGradientsWanted{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted), attn_mask_grad});
   }
-  std::optional<NumpyArray> dm;
-  if (r.attn_mask) dm = to_numpy(*r.attn_mask);
-  return {to_numpy(r.query), to_numpy(r.key), to_numpy(r.value), dm};
+  auto maybe = [](const mha::Tensor& t) { return t.defined() ? MaybeArray(to_numpy(t)) : std::nullopt; };
+  return {maybe(r.query), maybe(r.key), maybe(r.value), r.attn_mask ? maybe(*r.attn_mask) : std::nullopt};
 }
 
 ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, const std::optional<Array>& attn_mask,
@@ -344,7 +347,8 @@ NB_MODULE(_mha, m) {
   m.def("sdpa_backward", &sdpa_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("output"),
         nb::arg("lse"), nb::arg("grad_output"), nb::arg("attn_mask").none(), nb::arg("dropout_p"),
         nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"),
-        nb::arg("bottom_right"), nb::arg("num_threads"), nb::arg("attn_mask_grad"));
+        nb::arg("bottom_right"), nb::arg("num_threads"), nb::arg("attn_mask_grad"),
+        nb::arg("wanted") = std::make_tuple(true, true, true));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
   m.def("cpu_isa", &mha::cpu_isa);

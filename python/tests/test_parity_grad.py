@@ -41,9 +41,12 @@ def sdpa_case(rng):
     Dk, Dv = int(rng.integers(1, 20)), int(rng.integers(1, 20))
     lead = (B, hq)[4 - rank:] if rank > 2 else ()
     lead_kv = (B, hkv)[4 - rank:] if rank > 2 else ()
-    q = torch.from_numpy(rng.standard_normal(lead + (Lq, Dk))).requires_grad_()
-    k = torch.from_numpy(rng.standard_normal(lead_kv + (Lk, Dk))).requires_grad_()
-    v = torch.from_numpy(rng.standard_normal(lead_kv + (Lk, Dv))).requires_grad_()
+    # Some inputs need no gradient (frozen keys and values, a fixed query): ours then computes none.
+    needs = [bool(rng.random() < 0.8) for _ in range(3)]
+    needs[int(rng.integers(3))] = True
+    q = torch.from_numpy(rng.standard_normal(lead + (Lq, Dk))).requires_grad_(needs[0])
+    k = torch.from_numpy(rng.standard_normal(lead_kv + (Lk, Dk))).requires_grad_(needs[1])
+    v = torch.from_numpy(rng.standard_normal(lead_kv + (Lk, Dv))).requires_grad_(needs[2])
     mask = None
     kind = rng.choice(["none", "float", "bool"])
     if kind != "none":
@@ -86,6 +89,7 @@ def test_sdpa_gradients_match_torch(chunk, parity_seed, parity_count):
                  "key": s * q.abs().max().item() * q.shape[-2] * ds_noise, "attn_mask": ds_noise}
         for ours, theirs, name in zip(leaves, (q, k, v, mask), ("query", "key", "value", "attn_mask")):
             if theirs is None or not theirs.requires_grad:
+                assert ours is None or ours.grad is None, name
                 continue
             denom = max(theirs.grad.abs().max().item(), floor)
             err = (ours.grad.double() - theirs.grad).abs().max().item()

@@ -169,6 +169,15 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
                                                          const AttentionForTraining& saved,
                                                          const TensorView& grad_output, const SdpaOptions& options,
                                                          bool attn_mask_grad) {
+  return scaled_dot_product_attention_backward(q, k, v, saved, grad_output, options,
+                                               SdpaGradientsWanted{.attn_mask = attn_mask_grad});
+}
+
+AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                         const AttentionForTraining& saved,
+                                                         const TensorView& grad_output, const SdpaOptions& options,
+                                                         const SdpaGradientsWanted& wanted) {
+  const bool attn_mask_grad = wanted.attn_mask;
   require_cpu(q, "query");  // the GPU backward is not part of this build
   const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
   require_cpu(grad_output, "grad_output");
@@ -187,9 +196,9 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   // row once, as it stores it: the bits of the float32 kernel on widened copies, without the
   // copies. A mask's gradient stays float32, the mask's dtype.
   AttentionGradients g;
-  g.query = Tensor::empty(q.sizes(), q.dtype);
-  g.key = Tensor::empty(k.sizes(), q.dtype);
-  g.value = Tensor::empty(v.sizes(), q.dtype);
+  if (wanted.query) g.query = Tensor::empty(q.sizes(), q.dtype);
+  if (wanted.key) g.key = Tensor::empty(k.sizes(), q.dtype);
+  if (wanted.value) g.value = Tensor::empty(v.sizes(), q.dtype);
   detail::BackwardInputs in;
   const TensorView o4 = detail::as_4d(saved.output, "saved.output");
   in.out = o4.data;
@@ -201,15 +210,17 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   set_strides(g4, in.grad_out_strides);
   in.lse = saved.lse.data<float>();
   detail::BackwardOutputs out;
-  const TensorView dq = detail::as_4d(g.query, "query"), dk = detail::as_4d(g.key, "key"),
-                   dv = detail::as_4d(g.value, "value");
   out.grad_dtype = q.dtype;
-  out.dq = dq.data;
-  set_strides(dq, out.dq_strides);
-  out.dk = dk.data;
-  set_strides(dk, out.dk_strides);
-  out.dv = dv.data;
-  set_strides(dv, out.dv_strides);
+  // Each gradient wanted, as a 4-d view (a null pointer for one that is not: its products are skipped).
+  auto output = [](const Tensor& t, const char* name, void** data, int64_t* strides) {
+    if (!t.defined()) return;
+    const TensorView v4 = detail::as_4d(t, name);
+    *data = v4.data;
+    set_strides(v4, strides);
+  };
+  output(g.query, "query", &out.dq, out.dq_strides);
+  output(g.key, "key", &out.dk, out.dk_strides);
+  output(g.value, "value", &out.dv, out.dv_strides);
   Tensor dscores;
   if (attn_mask_grad) {
     dscores = Tensor::empty({p.batch, p.heads_q, p.len_q, p.len_k});

@@ -24,6 +24,7 @@ void fill_zero(E* base, const int64_t* shape, const int64_t* strides) {
 }
 // An output of float32 or a 16-bit dtype (all-zero bits are +0 in bfloat16 and float16 alike).
 void fill_zero(void* base, DType dtype, const int64_t* shape, const int64_t* strides) {
+  if (base == nullptr) return;  // a gradient nobody wants
   if (dtype == DType::f32) fill_zero(static_cast<float*>(base), shape, strides);
   else fill_zero(static_cast<uint16_t*>(base), shape, strides);
 }
@@ -154,10 +155,6 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   std::vector<Tensor> copies;
   AttentionProblem p = with_unit_row_strides(problem, copies);
   for (TensorView* t : {&p.q, &p.k, &p.v}) stand_in_if_empty(*t);
-  BackwardOutputs outs = out;
-  stand_in_if_null(outs.dq, outs.dq_strides);
-  stand_in_if_null(outs.dk, outs.dk_strides);
-  stand_in_if_null(outs.dv, outs.dv_strides);
   BackwardInputs inputs = in;
   const int64_t* gs = in.grad_out_strides;
   if (gs[3] != 1 && p.dim_v > 1) {  // rows of unit stride for the kernel, in the gradient's dtype
@@ -186,9 +183,9 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   inputs.delta = dl;
   switch (active_isa()) {
     case Isa::amx:
-    case Isa::avx512: flash_backward_avx512(p, inputs, outs); break;
-    case Isa::avx2: flash_backward_avx2(p, inputs, outs); break;
-    case Isa::portable: flash_backward_portable(p, inputs, outs); break;
+    case Isa::avx512: flash_backward_avx512(p, inputs, out); break;
+    case Isa::avx2: flash_backward_avx2(p, inputs, out); break;
+    case Isa::portable: flash_backward_portable(p, inputs, out); break;
   }
 }
 

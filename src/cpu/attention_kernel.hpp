@@ -40,7 +40,9 @@ struct BackwardInputs {
 
 // Where a backward writes: dq [B, Hq, Lq, Dk], dk [B, Hkv, Lk, Dk], dv [B, Hkv, Lk, Dv] of
 // grad_dtype (bfloat16 and float16 rounded once, as each row is stored), and when not null the
-// float32 gradient of the scores, dscores [B, Hq, Lq, Lk] (what an additive mask receives).
+// float32 gradient of the scores, dscores [B, Hq, Lq, Lk] (what an additive mask receives). A null
+// dq, dk or dv is a gradient nobody wants: its product (dQ = dS K, dK = dS^T Q, dV = Pd^T dO) is
+// not computed.
 struct BackwardOutputs {
   DType grad_dtype = DType::f32;
   void* dq = nullptr;

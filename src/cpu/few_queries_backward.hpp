@@ -207,12 +207,16 @@ struct FewQueriesBackward {
       }
       probabilities_and_score_gradients(s, b, hk, j0, nc, kp, vp);
       for (int c = 0; c < nc; ++c) {
-        weighted_rows(s.row, s.prob, c, s.go, n, dv());  // dV_j = sum_r Pd_rj dO_r
-        store_row(out.dv, out.dv_strides, b, hk, j0 + c, s.row, p.dim_v, 1.0f);
-        weighted_rows(s.row, s.grad, c, s.q, n, dk());   // dK_j = scale sum_r dS_rj q_r
-        store_row(out.dk, out.dk_strides, b, hk, j0 + c, s.row, p.dim_qk, scale);
+        if (out.dv) {
+          weighted_rows(s.row, s.prob, c, s.go, n, dv());  // dV_j = sum_r Pd_rj dO_r
+          store_row(out.dv, out.dv_strides, b, hk, j0 + c, s.row, p.dim_v, 1.0f);
+        }
+        if (out.dk) {
+          weighted_rows(s.row, s.grad, c, s.q, n, dk());  // dK_j = scale sum_r dS_rj q_r
+          store_row(out.dk, out.dk_strides, b, hk, j0 + c, s.row, p.dim_qk, scale);
+        }
       }
-      for (int64_t qi = 0; qi < n; ++qi) {  // dQ_r += sum_j dS_rj k_j
+      for (int64_t qi = 0; out.dq && qi < n; ++qi) {  // dQ_r += sum_j dS_rj k_j
         float* dq = s.dq + qi * dk();
         const float* w = s.grad + qi * kLanes;
         for (int64_t d0 = 0; d0 < dk(); d0 += kLanes) {
@@ -224,12 +228,13 @@ struct FewQueriesBackward {
     }
     // Keys no row sees get zero gradients.
     for (int64_t j = std::max(key_end, j_begin); j < j_end; ++j) {
-      store_row(out.dv, out.dv_strides, b, hk, j, s.zero, p.dim_v, 1.0f);
-      store_row(out.dk, out.dk_strides, b, hk, j, s.zero, p.dim_qk, 1.0f);
+      if (out.dv) store_row(out.dv, out.dv_strides, b, hk, j, s.zero, p.dim_v, 1.0f);
+      if (out.dk) store_row(out.dk, out.dk_strides, b, hk, j, s.zero, p.dim_qk, 1.0f);
     }
   }
 
   void store_dq(int64_t b, int64_t hk, int64_t qi, const float* dq) const {
+    if (out.dq == nullptr) return;
     const int64_t h = hk * group() + qi / p.len_q, i = qi % p.len_q;
     store_row(out.dq, out.dq_strides, b, h, i, dq, p.dim_qk, static_cast<float>(p.scale));
   }
@@ -246,15 +251,15 @@ struct FewQueriesBackward {
       return;
     }
     // Chunks of keys as tasks, each leaving its rows' dQ partial sums; then added in chunk order.
-    const Tensor partial = Tensor::empty({groups, nc, n, dk()});
-    float* part = partial.data<float>();
+    const Tensor partial = out.dq ? Tensor::empty({groups, nc, n, dk()}) : Tensor();
+    float* part = out.dq ? partial.data<float>() : nullptr;
     parallel_for(groups * nc, threads, [&](int64_t t, int) {
       const int64_t g = t / nc, c = t % nc;
       Scratch s = allocate();
       run_keys(s, g / p.heads_kv, g % p.heads_kv, c * kKeysPerChunk, std::min(p.len_k, (c + 1) * kKeysPerChunk));
-      std::memcpy(part + t * n * dk(), s.dq, sizeof(float) * n * dk());
+      if (part) std::memcpy(part + t * n * dk(), s.dq, sizeof(float) * n * dk());
     });
-    parallel_for(groups, threads, [&](int64_t g, int) {
+    parallel_for(part ? groups : 0, threads, [&](int64_t g, int) {
       float* sum = static_cast<float*>(thread_scratch(sizeof(float) * static_cast<size_t>(dk())));
       for (int64_t qi = 0; qi < n; ++qi) {
         std::fill(sum, sum + dk(), 0.0f);

@@ -286,12 +286,12 @@ struct FlashBackward {
         }
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
         probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, j0, jv, vecs);
-        T::accumulate_call(dvt, grows, pt, ni, dv, vecs);  // dV^T += dO^T Pd
-        T::accumulate_call(dkt, qrows, gt, ni, dk, vecs);  // dK^T += Q^T dS
+        if (out.dv) T::accumulate_call(dvt, grows, pt, ni, dv, vecs);  // dV^T += dO^T Pd
+        if (out.dk) T::accumulate_call(dkt, qrows, gt, ni, dk, vecs);  // dK^T += Q^T dS
       }
     }
-    store_grad_rows(out.dk, out.dk_strides, b, hk, j0, nk, dkt, dk, static_cast<float>(p.scale));
-    store_grad_rows(out.dv, out.dv_strides, b, hk, j0, nk, dvt, dv, 1.0f);
+    if (out.dk) store_grad_rows(out.dk, out.dk_strides, b, hk, j0, nk, dkt, dk, static_cast<float>(p.scale));
+    if (out.dv) store_grad_rows(out.dv, out.dv_strides, b, hk, j0, nk, dvt, dv, 1.0f);
   }
 
   // Pass B: dQ (and dS, when asked) of queries [i0, i0 + 48) of query head h.
@@ -373,7 +373,7 @@ struct FlashBackward {
           for (int64_t jj = 0; jj < nj; ++jj) dsr[(j0 + jj) * out.dscores_strides[3]] = st[jj * kPanel + ii];
         }
       }
-      T::accumulate_call(dqt, krows, st, nj, dk, vecs);  // dQ^T += K^T dS^T
+      if (out.dq) T::accumulate_call(dqt, krows, st, nj, dk, vecs);  // dQ^T += K^T dS^T
     }
     if (out.dscores) {  // keys no query of the task sees
       for (int64_t ii = 0; ii < ni; ++ii) {
@@ -382,7 +382,7 @@ struct FlashBackward {
         for (int64_t j = key_end; j < p.len_k; ++j) dsr[j * out.dscores_strides[3]] = 0.0f;
       }
     }
-    store_grad_rows(out.dq, out.dq_strides, b, h, i0, ni, dqt, dk, static_cast<float>(p.scale));
+    if (out.dq) store_grad_rows(out.dq, out.dq_strides, b, h, i0, ni, dqt, dk, static_cast<float>(p.scale));
   }
 
   // One pass for a whole key/value head group (used when there are enough groups to keep every
@@ -462,21 +462,23 @@ struct FlashBackward {
           }
           // Every row past ni is zeroed (over key_vecs), so the transpose below holds no stale dS.
           probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, j0, jv, key_vecs);
-          T::accumulate_call(dvt_all + kb * panel_v, grows, pt, ni, dv, key_vecs);  // dV^T += dO^T Pd
-          T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, ni, dk, key_vecs);  // dK^T += Q^T dS
-          T::transpose_panel(gt, st);                                               // dS^T, for dQ
-          T::accumulate_call(dqt_all + (i0 / kPanel) * panel_k, krows, st, nk, dk, query_vecs);  // dQ^T += K^T dS^T
+          if (out.dv) T::accumulate_call(dvt_all + kb * panel_v, grows, pt, ni, dv, key_vecs);  // dV^T += dO^T Pd
+          if (out.dk) T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, ni, dk, key_vecs);  // dK^T += Q^T dS
+          if (out.dq) {
+            T::transpose_panel(gt, st);  // dS^T, for dQ^T += K^T dS^T
+            T::accumulate_call(dqt_all + (i0 / kPanel) * panel_k, krows, st, nk, dk, query_vecs);
+          }
         }
       }
-      for (int64_t i0 = 0; i0 < p.len_q; i0 += kPanel) {
+      for (int64_t i0 = 0; out.dq && i0 < p.len_q; i0 += kPanel) {
         store_grad_rows(out.dq, out.dq_strides, b, h, i0, std::min<int64_t>(kPanel, p.len_q - i0),
                         dqt_all + (i0 / kPanel) * panel_k, dk, static_cast<float>(p.scale));
       }
     }
     for (int64_t kb = 0; kb < nkb; ++kb) {
       const int64_t j0 = kb * kPanel, nk = std::min<int64_t>(kPanel, p.len_k - j0);
-      store_grad_rows(out.dk, out.dk_strides, b, hk, j0, nk, dkt_all + kb * panel_k, dk, static_cast<float>(p.scale));
-      store_grad_rows(out.dv, out.dv_strides, b, hk, j0, nk, dvt_all + kb * panel_v, dv, 1.0f);
+      if (out.dk) store_grad_rows(out.dk, out.dk_strides, b, hk, j0, nk, dkt_all + kb * panel_k, dk, static_cast<float>(p.scale));
+      if (out.dv) store_grad_rows(out.dv, out.dv_strides, b, hk, j0, nk, dvt_all + kb * panel_v, dv, 1.0f);
     }
   }
 
@@ -516,6 +518,7 @@ struct FlashBackward {
   }
 
   void run() const {
+    if (!out.dq && !out.dk && !out.dv && !out.dscores) return;  // nothing wanted
     if (FewQueriesBackward<S>::applies(p, out)) return FewQueriesBackward<S>{p, in, out}.run();
     const int threads = resolve_threads(p.num_threads);
     // Many head groups and no score gradient to write: one pass per group. Otherwise two passes,
@@ -530,13 +533,14 @@ struct FlashBackward {
                    [&](int64_t t, int) { with_tiles.group_task(t / p.heads_kv, t % p.heads_kv); });
       return;
     }
+    // Each pass runs only for the gradients it writes.
     const int64_t key_blocks = (p.len_k + kPanel - 1) / kPanel;
-    parallel_for(p.batch * p.heads_kv * key_blocks, threads, [&](int64_t t, int) {
+    parallel_for(out.dk || out.dv ? p.batch * p.heads_kv * key_blocks : 0, threads, [&](int64_t t, int) {
       const int64_t bh = t / key_blocks;
       keys_task(bh / p.heads_kv, bh % p.heads_kv, (t % key_blocks) * kPanel);
     });
     const int64_t query_blocks = (p.len_q + kPanel - 1) / kPanel;
-    parallel_for(p.batch * p.heads_q * query_blocks, threads, [&](int64_t t, int) {
+    parallel_for(out.dq || out.dscores ? p.batch * p.heads_q * query_blocks : 0, threads, [&](int64_t t, int) {
       const int64_t qb = query_blocks - 1 - t % query_blocks;  // long causal rows first
       const int64_t bh = t / query_blocks;
       queries_task(bh / p.heads_q, bh % p.heads_q, qb * kPanel);

@@ -144,51 +144,17 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   linear_backward(a.data, dy.data, parameters.data("out_proj.weight"), N * L, E, E, da.data<float>(), dw_out,
                   grad_of("out_proj.bias"), threads);
 
-  // 2. Attention, through the fused backward.
-  Tensor dq = Tensor::empty({N, L, E}), dk = Tensor::empty({N, St, E}), dv = Tensor::empty({N, St, E});
-  detail::BackwardInputs in;
-  const TensorView heads_out = as_nle(st.attn.view()).split_dim(2, H).transpose(1, 2);
-  in.out = heads_out.data_as<float>();
-  const TensorView heads_grad = da.view().split_dim(2, H).transpose(1, 2);
-  in.grad_out = heads_grad.data_as<float>();
-  in.lse = st.lse.data<float>();
-  detail::BackwardOutputs out;
-  const TensorView dqh = dq.view().split_dim(2, H).transpose(1, 2), dkh = dk.view().split_dim(2, H).transpose(1, 2),
-                   dvh = dv.view().split_dim(2, H).transpose(1, 2);
-  out.dq = dqh.data_as<float>();
-  out.dk = dkh.data_as<float>();
-  out.dv = dvh.data_as<float>();
-  for (int d = 0; d < 4; ++d) {
-    in.out_strides[d] = heads_out.strides[d];
-    in.grad_out_strides[d] = heads_grad.strides[d];
-    out.dq_strides[d] = dqh.strides[d];
-    out.dk_strides[d] = dkh.strides[d];
-    out.dv_strides[d] = dvh.strides[d];
-  }
-  detail::run_attention_backward(p, in, out);
-
-  // 3. bias_k and bias_v receive the gradient of their appended row, summed over the batch.
-  if (options_.add_bias_kv) {
-    for (const auto& [name, d] : {std::pair{"bias_k", &dk}, std::pair{"bias_v", &dv}}) {
-      float* grad = grad_of(name);
-      if (grad == nullptr) continue;  // frozen
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t e = 0; e < E; ++e) grad[e] += d->data<float>()[(n * St + S) * E + e];
-    }
-  }
-
-  // 4. Input projections: the input gradients asked for (dX = dY W) and the gradients of the
-  //    parameters not frozen (dW = dY^T X, db = sum dY). The inputs X, the forward's own copies
-  //    viewed [N, L, C], are made batch-major only for a weight gradient, and self-attention's
-  //    one input once, not three times.
+  // The input projections' gradients wanted: dX = dY W for the inputs asked for, dW = dY^T X and
+  // db = sum dY for the parameters not frozen. The attention's dQ, dK, dV are computed only where
+  // one of them (or bias_k / bias_v, from the appended row) needs it.
   struct Projection {
     const TensorView& x;
-    TensorView dy;  // [N, rows, E]
     int64_t rows, in;
     const float* w;
     float* dw;
     float* db;
     Tensor dx;
+    bool needs_dy() const { return dx.defined() || dw != nullptr || db != nullptr; }
   };
   const bool packed = qkv_same_embed_dim();
   const float* w_in = packed ? parameters.data("in_proj_weight") : nullptr;
@@ -196,15 +162,54 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   float* db_in = grad_of("in_proj_bias");
   auto input_grad = [&](bool on, int64_t rows, int64_t width) { return on ? Tensor::empty({N, rows, width}) : Tensor(); };
   Projection projections[3] = {
-      {c.query, dq.view(), L, E, packed ? w_in : parameters.data("q_proj_weight"),
-       packed ? dw_in : grad_of("q_proj_weight"), db_in, input_grad(wanted.query, L, E)},
-      {c.key, dk.view().slice(1, 0, S), S, kdim_, packed ? w_in + E * E : parameters.data("k_proj_weight"),
+      {c.query, L, E, packed ? w_in : parameters.data("q_proj_weight"), packed ? dw_in : grad_of("q_proj_weight"),
+       db_in, input_grad(wanted.query, L, E)},
+      {c.key, S, kdim_, packed ? w_in + E * E : parameters.data("k_proj_weight"),
        packed ? offset_or_null(dw_in, E * E) : grad_of("k_proj_weight"), offset_or_null(db_in, E),
        input_grad(wanted.key, S, kdim_)},
-      {c.value, dv.view().slice(1, 0, S), S, vdim_, packed ? w_in + 2 * E * E : parameters.data("v_proj_weight"),
+      {c.value, S, vdim_, packed ? w_in + 2 * E * E : parameters.data("v_proj_weight"),
        packed ? offset_or_null(dw_in, 2 * E * E) : grad_of("v_proj_weight"), offset_or_null(db_in, 2 * E),
        input_grad(wanted.value, S, vdim_)},
   };
+  float* d_bias_k = options_.add_bias_kv ? grad_of("bias_k") : nullptr;
+  float* d_bias_v = options_.add_bias_kv ? grad_of("bias_v") : nullptr;
+
+  // 2. Attention, through the fused backward.
+  auto attention_grad = [&](bool on, int64_t rows) { return on ? Tensor::empty({N, rows, E}) : Tensor(); };
+  const Tensor dq = attention_grad(projections[0].needs_dy(), L),
+               dk = attention_grad(projections[1].needs_dy() || d_bias_k, St),
+               dv = attention_grad(projections[2].needs_dy() || d_bias_v, St);
+  detail::BackwardInputs in;
+  const TensorView heads_out = as_nle(st.attn.view()).split_dim(2, H).transpose(1, 2);
+  in.out = heads_out.data_as<float>();
+  const TensorView heads_grad = da.view().split_dim(2, H).transpose(1, 2);
+  in.grad_out = heads_grad.data_as<float>();
+  in.lse = st.lse.data<float>();
+  for (int d = 0; d < 4; ++d) {
+    in.out_strides[d] = heads_out.strides[d];
+    in.grad_out_strides[d] = heads_grad.strides[d];
+  }
+  detail::BackwardOutputs out;
+  auto heads_of = [&](const Tensor& t, void** data, int64_t* strides) {  // null: not wanted
+    if (!t.defined()) return;
+    const TensorView v = t.view().split_dim(2, H).transpose(1, 2);
+    *data = v.data;
+    for (int d = 0; d < 4; ++d) strides[d] = v.strides[d];
+  };
+  heads_of(dq, &out.dq, out.dq_strides);
+  heads_of(dk, &out.dk, out.dk_strides);
+  heads_of(dv, &out.dv, out.dv_strides);
+  detail::run_attention_backward(p, in, out);
+
+  // 3. bias_k and bias_v receive the gradient of their appended row, summed over the batch.
+  for (const auto& [grad, d] : {std::pair{d_bias_k, &dk}, std::pair{d_bias_v, &dv}}) {
+    if (grad == nullptr) continue;  // frozen, or no such parameter
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) grad[e] += d->data<float>()[(n * St + S) * E + e];
+  }
+
+  // 4. Input projections. The inputs X, the forward's own copies viewed [N, L, C], are made
+  //    batch-major only for a weight gradient, and self-attention's one input once, not three times.
   std::vector<std::pair<const TensorView*, Rows>> inputs;  // one batch-major copy per distinct input
   inputs.reserve(3);
   auto rows_of = [&](const TensorView& x) {
@@ -212,11 +217,13 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
       if (detail::same_view(*seen, x)) return rows.data;
     return inputs.emplace_back(&x, batch_major_rows(x, threads)).second.data;
   };
-  for (Projection& pr : projections) {
-    float* dx = pr.dx.defined() ? pr.dx.data<float>() : nullptr;
-    if (dx == nullptr && pr.dw == nullptr && pr.db == nullptr) continue;
-    const Rows dy = batch_major_rows(pr.dy, threads);
-    linear_backward(pr.dw ? rows_of(pr.x) : nullptr, dy.data, pr.w, N * pr.rows, pr.in, E, dx, pr.dw, pr.db, threads);
+  const Tensor* attention_grads[3] = {&dq, &dk, &dv};
+  for (int i = 0; i < 3; ++i) {
+    Projection& pr = projections[i];
+    if (!pr.needs_dy()) continue;
+    const Rows dy = batch_major_rows(attention_grads[i]->view().slice(1, 0, pr.rows), threads);  // [N, rows, E]
+    linear_backward(pr.dw ? rows_of(pr.x) : nullptr, dy.data, pr.w, N * pr.rows, pr.in, E,
+                    pr.dx.defined() ? pr.dx.data<float>() : nullptr, pr.dw, pr.db, threads);
   }
   const Tensor &dxq = projections[0].dx, &dxk = projections[1].dx, &dxv = projections[2].dx;
 
