@@ -37,8 +37,9 @@ class MultiheadAttention(nn.Module):
         dtype = dtype or torch.float32
         # The C++ module validates the options and runs the kernels on this module's parameters,
         # which it reads in place at every call (forward_with); it holds none of its own.
-        self._impl = _mha._Module(int(embed_dim), int(num_heads), float(dropout), bool(bias), bool(add_bias_kv),
-                                  bool(add_zero_attn), kdim, vdim, bool(batch_first), 0, own_parameters=False)
+        self._impl_options = (int(embed_dim), int(num_heads), float(dropout), bool(bias), bool(add_bias_kv),
+                              bool(add_zero_attn), kdim, vdim, bool(batch_first))
+        self._impl = self._new_impl()
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
         self.kdim, self.vdim = self._impl.kdim, self._impl.vdim
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
@@ -66,6 +67,21 @@ class MultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None  # plain attributes, as in PyTorch
         self._reset_parameters()
+
+    def _new_impl(self):
+        return _mha._Module(*self._impl_options, 0, own_parameters=False)
+
+    # copy.deepcopy, pickle and torch.save(module): the C++ module holds nothing but the options
+    # (the parameters are this module's tensors; its dtype and training mode are set at each call),
+    # so it is left out of the state and built again from the options.
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_impl", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._impl = self._new_impl()
 
     def _reset_parameters(self):
         """PyTorch's initialisation: xavier-uniform projections, zero biases, xavier-normal bias_k/v."""

@@ -160,6 +160,37 @@ def test_one_nn_module_in_several_threads(rng):
         assert torch.equal(out, out_e) and torch.equal(grad, grad_e)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_nn_module_copies_and_pickles(rng, how):
+    """copy.deepcopy (EMA weights, a best-so-far model) and torch.save of a whole model work as
+    with PyTorch's module: the copy computes the same outputs and gradients with its own
+    parameters, keeps the options, the dtype and the training mode, and trains on its own."""
+    import copy
+    import io
+
+    m = mha.nn.MultiheadAttention(24, 3, dropout=0.2, kdim=10, vdim=7, batch_first=True, dtype=torch.bfloat16).eval()
+    if how == "deepcopy":
+        c = copy.deepcopy(m)
+    else:
+        buffer = io.BytesIO()
+        torch.save(m, buffer)
+        buffer.seek(0)
+        c = torch.load(buffer, weights_only=False)
+    assert not c.training and c.batch_first and (c.kdim, c.vdim, c.dropout) == (10, 7, 0.2)
+    q = torch.from_numpy(rng.standard_normal((2, 5, 24))).to(torch.bfloat16)
+    k = torch.from_numpy(rng.standard_normal((2, 6, 10))).to(torch.bfloat16)
+    v = torch.from_numpy(rng.standard_normal((2, 6, 7))).to(torch.bfloat16)
+    for module in (m, c):
+        out, w = module(q, k, v)
+        out.float().square().sum().backward()
+    assert torch.equal(m(q, k, v)[0], c(q, k, v)[0])
+    for (name, p), (_, pc) in zip(m.named_parameters(), c.named_parameters()):
+        assert p.data_ptr() != pc.data_ptr() and torch.equal(p.grad, pc.grad), name
+    with torch.no_grad():
+        c.q_proj_weight.add_(1.0)
+    assert not torch.equal(m(q, k, v)[0], c(q, k, v)[0])
+
+
 def test_dropout_is_reproducible_by_seed(rng):
     q = rng.standard_normal((1, 2, 9, 8)).astype(np.float32)
     a = mha.scaled_dot_product_attention(q, q, q, dropout_p=0.5, dropout_seed=3)
