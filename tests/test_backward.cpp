@@ -684,6 +684,7 @@ TEST(ModuleBackward, GradientsLeftOutAreUndefinedAndTheRestUnchanged) {
           {false, false, false, weights},  // the biases alone
           {false, true, false, {"out_proj.bias", "bias_k", weights[1]}},
           {true, false, true, every},
+          {false, false, false, every},  // nothing: no backward runs
       };
       for (const mha::WantedGradients& wanted : cases) {
         const mha::ModuleGradients some = m.backward(ctx, grad, wanted);

@@ -136,14 +136,6 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
     return nullptr;
   };
 
-  // 1. Output projection.
-  const Rows dy = batch_major_rows(as_nle(grad_output), threads);  // [N, L, E]
-  float* dw_out = grad_of("out_proj.weight");
-  const Rows a = dw_out ? batch_major_rows(as_nle(st.attn.view()), threads) : Rows{};
-  Tensor da = Tensor::empty({N, L, E});
-  linear_backward(a.data, dy.data, parameters.data("out_proj.weight"), N * L, E, E, da.data<float>(), dw_out,
-                  grad_of("out_proj.bias"), threads);
-
   // The input projections' gradients wanted: dX = dY W for the inputs asked for, dW = dY^T X and
   // db = sum dY for the parameters not frozen. The attention's dQ, dK, dV are computed only where
   // one of them (or bias_k / bias_v, from the appended row) needs it.
@@ -173,33 +165,45 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   };
   float* d_bias_k = options_.add_bias_kv ? grad_of("bias_k") : nullptr;
   float* d_bias_v = options_.add_bias_kv ? grad_of("bias_v") : nullptr;
+  const bool attention_runs = projections[0].needs_dy() || projections[1].needs_dy() || projections[2].needs_dy() ||
+                              d_bias_k || d_bias_v;
+
+  // 1. Output projection (dA only when the attention's backward runs).
+  const Rows dy = batch_major_rows(as_nle(grad_output), threads);  // [N, L, E]
+  float* dw_out = grad_of("out_proj.weight");
+  const Rows a = dw_out ? batch_major_rows(as_nle(st.attn.view()), threads) : Rows{};
+  Tensor da = attention_runs ? Tensor::empty({N, L, E}) : Tensor();
+  linear_backward(a.data, dy.data, parameters.data("out_proj.weight"), N * L, E, E,
+                  da.defined() ? da.data<float>() : nullptr, dw_out, grad_of("out_proj.bias"), threads);
 
   // 2. Attention, through the fused backward.
   auto attention_grad = [&](bool on, int64_t rows) { return on ? Tensor::empty({N, rows, E}) : Tensor(); };
   const Tensor dq = attention_grad(projections[0].needs_dy(), L),
                dk = attention_grad(projections[1].needs_dy() || d_bias_k, St),
                dv = attention_grad(projections[2].needs_dy() || d_bias_v, St);
-  detail::BackwardInputs in;
-  const TensorView heads_out = as_nle(st.attn.view()).split_dim(2, H).transpose(1, 2);
-  in.out = heads_out.data_as<float>();
-  const TensorView heads_grad = da.view().split_dim(2, H).transpose(1, 2);
-  in.grad_out = heads_grad.data_as<float>();
-  in.lse = st.lse.data<float>();
-  for (int d = 0; d < 4; ++d) {
-    in.out_strides[d] = heads_out.strides[d];
-    in.grad_out_strides[d] = heads_grad.strides[d];
+  if (attention_runs) {
+    detail::BackwardInputs in;
+    const TensorView heads_out = as_nle(st.attn.view()).split_dim(2, H).transpose(1, 2);
+    in.out = heads_out.data_as<float>();
+    const TensorView heads_grad = da.view().split_dim(2, H).transpose(1, 2);
+    in.grad_out = heads_grad.data_as<float>();
+    in.lse = st.lse.data<float>();
+    for (int d = 0; d < 4; ++d) {
+      in.out_strides[d] = heads_out.strides[d];
+      in.grad_out_strides[d] = heads_grad.strides[d];
+    }
+    detail::BackwardOutputs out;
+    auto heads_of = [&](const Tensor& t, void** data, int64_t* strides) {  // null: not wanted
+      if (!t.defined()) return;
+      const TensorView v = t.view().split_dim(2, H).transpose(1, 2);
+      *data = v.data;
+      for (int d = 0; d < 4; ++d) strides[d] = v.strides[d];
+    };
+    heads_of(dq, &out.dq, out.dq_strides);
+    heads_of(dk, &out.dk, out.dk_strides);
+    heads_of(dv, &out.dv, out.dv_strides);
+    detail::run_attention_backward(p, in, out);
   }
-  detail::BackwardOutputs out;
-  auto heads_of = [&](const Tensor& t, void** data, int64_t* strides) {  // null: not wanted
-    if (!t.defined()) return;
-    const TensorView v = t.view().split_dim(2, H).transpose(1, 2);
-    *data = v.data;
-    for (int d = 0; d < 4; ++d) strides[d] = v.strides[d];
-  };
-  heads_of(dq, &out.dq, out.dq_strides);
-  heads_of(dk, &out.dk, out.dk_strides);
-  heads_of(dv, &out.dv, out.dv_strides);
-  detail::run_attention_backward(p, in, out);
 
   // 3. bias_k and bias_v receive the gradient of their appended row, summed over the batch.
   for (const auto& [grad, d] : {std::pair{d_bias_k, &dk}, std::pair{d_bias_v, &dv}}) {
