@@ -219,6 +219,13 @@ def _new_seed() -> int:
     return _random.getrandbits(64)
 
 
+def _compiling() -> bool:
+    """Whether torch.compile / torch.export is tracing this call (then the kernels enter the graph
+    as the custom operators of ops.py)."""
+    torch = _sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False, *, dropout_seed: Optional[int] = None,
@@ -232,7 +239,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     "top_left" (PyTorch's) or "bottom_right" (the last query sees every key). Fully masked rows
     give zeros. dropout_seed fixes the dropout mask (a fresh one is drawn when None).
     With need_weights=True, returns (output, weights) instead of the output.
+    Under torch.compile (and torch.export) the call is one node of the graph, forward and backward
+    (the operator mha::sdpa_train); with need_weights=True the graph breaks around it.
     """
+    if not need_weights and _compiling():
+        return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+                            causal_alignment, num_threads)
     _auto_threading()
     grad = _needs_grad(query, key, value, attn_mask)
     q = _as_array(query, "query", once=True)  # each feeds one extension call at most
@@ -262,6 +274,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if need_weights:
         return _like(query, out), _like(query, weights)
     return _like(query, out)
+
+
+def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+                 causal_alignment, num_threads):
+    from . import ops
+
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    if attn_mask is not None and attn_mask.requires_grad and attn_mask.dtype != _sys.modules["torch"].float32:
+        raise ValueError("attn_mask: only a float32 (additive) mask can require grad")
+    out, _ = ops.sdpa_train(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                            None if scale is None else float(scale), bool(enable_gqa),
+                            ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right",
+                            int(num_threads))
+    return out
 
 
 class MultiheadAttention:
@@ -409,3 +436,7 @@ def __getattr__(name: str):
         import importlib
         return importlib.import_module(".nn", __name__)
     raise AttributeError(f"module 'mha' has no attribute {name!r}")
+
+
+if "torch" in _sys.modules:  # the custom operators, registered before anything is compiled
+    from . import ops as _ops  # noqa: E402,F401

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import _mha, _auto_threading
+from . import ops as _ops  # noqa: F401 - the custom operators, registered with torch
 from .autograd import ModuleFunction, _tensor
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -1,0 +1,97 @@
+"""The fused SDPA as PyTorch custom operators (torch.library), for torch.compile and torch.export.
+
+Inside a compiled region, mha.scaled_dot_product_attention becomes one node of the graph,
+mha::sdpa_train, whose fake implementation gives the output's shape without running anything; its
+gradient is the node mha::sdpa_backward (the C++ backward, only the gradients autograd needs).
+Outside compiled code the same function runs the autograd path of autograd.py, which costs fewer
+microseconds per call (the dispatcher is not crossed).
+
+The dropout seed is a tensor operand (a compiled graph draws a fresh one per call, as eager does),
+holding the 64-bit seed's two's-complement bits.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import _auto_threading, _mha
+from .autograd import _tensor
+
+_U64 = 1 << 64
+
+
+def _seed_value(seed: torch.Tensor) -> int:
+    return int(seed.item()) % _U64
+
+
+def seed_tensor(dropout_seed: Optional[int], dropout_p: float) -> torch.Tensor:
+    """The seed operand: the caller's seed, or a fresh one per call where dropout runs."""
+    if dropout_seed is None:
+        if dropout_p > 0:
+            return torch.randint(0, 1 << 62, (), dtype=torch.int64)
+        dropout_seed = 0
+    seed = int(dropout_seed) % _U64
+    return torch.tensor(seed - _U64 if seed >= 1 << 63 else seed, dtype=torch.int64)
+
+
+@torch.library.custom_op("mha::sdpa_train", mutates_args=(), device_types="cpu")
+def sdpa_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+               dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
+               bottom_right: bool, num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The output [..., Hq, L, Ev] and the row log-sum-exp [..., Hq, L] (float32) of the training forward."""
+    _auto_threading()
+    out, lse = _mha.sdpa_train(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                               _seed_value(dropout_seed), bottom_right, num_threads)
+    return _tensor(out), torch.from_numpy(lse)
+
+
+@sdpa_train.register_fake
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads):
+    rows = query.shape[:-1]
+    return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("mha::sdpa_backward", mutates_args=(), device_types="cpu")
+def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
+                  is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
+                  bottom_right: bool, num_threads: int, wanted: List[bool]) -> List[torch.Tensor]:
+    """The gradients of query, key, value and a float mask, in that order; one not in `wanted` (four
+    flags) is an empty tensor and is not computed."""
+    dq, dk, dv, dm = _mha.sdpa_backward(query, key, value, out, lse, grad_output.to(out.dtype).contiguous(),
+                                        attn_mask, dropout_p, is_causal, scale, enable_gqa, _seed_value(dropout_seed),
+                                        bottom_right, num_threads, bool(wanted[3]), tuple(bool(w) for w in wanted[:3]))
+    # (each left-out slot its own empty tensor: a custom operator's outputs may not alias)
+    return [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)] + [
+        torch.from_numpy(dm) if dm is not None else query.new_empty(0, dtype=torch.float32)]
+
+
+@sdpa_backward.register_fake
+def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+      bottom_right, num_threads, wanted):
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
+             for t, w in zip((query, key, value), wanted[:3])]
+    mask = attn_mask.new_empty(attn_mask.shape, dtype=torch.float32) if wanted[3] else query.new_empty(0, dtype=torch.float32)
+    return grads + [mask]
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
+    ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, num_threads)
+    ctx.mask_is_float = attn_mask is not None and attn_mask.dtype == torch.float32
+
+
+def _backward(ctx, grad_output, grad_lse):
+    query, key, value, attn_mask, out, lse, dropout_seed = ctx.saved_tensors
+    dropout_p, is_causal, scale, enable_gqa, bottom_right, num_threads = ctx.options
+    wanted = [bool(n) for n in ctx.needs_input_grad[:3]] + [ctx.mask_is_float and bool(ctx.needs_input_grad[3])]
+    grads = torch.ops.mha.sdpa_backward(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
+                                        scale, enable_gqa, dropout_seed, bottom_right, num_threads, wanted)
+    return (*(g if w else None for g, w in zip(grads, wanted)), None, None, None, None, None, None, None)
+
+
+sdpa_train.register_autograd(_backward, setup_context=_setup_context)
