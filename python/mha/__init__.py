@@ -423,6 +423,20 @@ class MultiheadAttention:
         m.train(module.training)
         return m
 
+    # copy.deepcopy and pickle: the options, dtype, training mode and parameters travel (the
+    # parameters in float32, which holds every bfloat16/float16 value exactly); the copy draws its
+    # own dropout masks, and gradients of earlier calls (`grad`) stay with the original.
+    def __getstate__(self) -> Dict[str, Any]:
+        options = (self.embed_dim, self.num_heads, self.dropout, self.bias, self.add_bias_kv, self.add_zero_attn,
+                   self.kdim, self.vdim, self.batch_first)
+        parameters = {name: a.astype(_np.float32) for name, a in self.state_dict().items()}
+        return {"options": options, "dtype": self.dtype, "training": self.training, "parameters": parameters}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(*state["options"], dtype=state["dtype"])
+        self.load_state_dict(state["parameters"])
+        self.train(state["training"])
+
     def __repr__(self) -> str:
         return (f"mha.MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"dropout={self.dropout}, bias={self.bias}, add_bias_kv={self.add_bias_kv}, "

@@ -191,6 +191,27 @@ def test_nn_module_copies_and_pickles(rng, how):
     assert not torch.equal(m(q, k, v)[0], c(q, k, v)[0])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_numpy_level_module_copies_and_pickles(rng, dtype):
+    """mha.MultiheadAttention (parameters held in C++): copy.deepcopy and pickle keep the options,
+    the dtype, the training mode and the parameters' exact values; the copy is independent."""
+    import copy
+    import pickle
+
+    m = mha.MultiheadAttention(16, 2, kdim=5, vdim=7, add_bias_kv=True, batch_first=True, dtype=dtype).eval()
+    tdtype = getattr(torch, dtype)
+    q = torch.from_numpy(rng.standard_normal((2, 3, 16))).to(tdtype)
+    k = torch.from_numpy(rng.standard_normal((2, 4, 5))).to(tdtype)
+    v = torch.from_numpy(rng.standard_normal((2, 4, 7))).to(tdtype)
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert repr(c) == repr(m) and not c.training
+        assert torch.equal(c(q, k, v)[0], m(q, k, v)[0])
+        state = c.state_dict()
+        state["bias_k"] = state["bias_k"] + 1
+        c.load_state_dict(state)
+        assert not torch.equal(c(q, k, v)[0], m(q, k, v)[0])
+
+
 def test_dropout_is_reproducible_by_seed(rng):
     q = rng.standard_normal((1, 2, 9, 8)).astype(np.float32)
     a = mha.scaled_dot_product_attention(q, q, q, dropout_p=0.5, dropout_seed=3)
