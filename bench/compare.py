@@ -184,13 +184,15 @@ def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):
     rows.append((f"module fwd {name}", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
 
 
-def bench_module_training(E, H, B, L, reps, rows):
+def bench_module_training(E, H, B, L, reps, rows, frozen=False):
     """One training step of the module in fp32: forward, then backward into the input and every
-    parameter. FLOPs: the forward's, plus 2.5x its attention and 2x its projections."""
+    parameter. FLOPs: the forward's, plus 2.5x its attention and 2x its projections. `frozen`: the
+    module's parameters need no gradient (fine-tuning around a fixed attention), so the backward
+    has only the input's; FLOPs then count the projections' dX products alone."""
     import mha.nn
     torch.manual_seed(0)
-    ref = torch.nn.MultiheadAttention(E, H, batch_first=True)
-    ours = mha.nn.MultiheadAttention(E, H, batch_first=True)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True).requires_grad_(not frozen)
+    ours = mha.nn.MultiheadAttention(E, H, batch_first=True).requires_grad_(not frozen)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(B, L, E, requires_grad=True)
     g = torch.randn(B, L, E)
@@ -199,9 +201,10 @@ def bench_module_training(E, H, B, L, reps, rows):
         out, _ = module(x, x, x, need_weights=False)
         out.backward(g)
 
-    flops = 3.5 * attention_flops(B, H, L, E // H, False) + 3 * 4 * 2.0 * B * L * E * E
+    flops = 3.5 * attention_flops(B, H, L, E // H, False) + (2 if frozen else 3) * 4 * 2.0 * B * L * E * E
     ours_t, torch_t = paired_medians(lambda: step(ours), lambda: step(ref), reps)
-    rows.append(("module train fp32", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
+    rows.append(("module train fp32" + (", frozen weights" if frozen else ""), f"E={E} H={H} B={B} L={L}", ours_t,
+                 torch_t, flops))
 
 
 FMA_PEAK_DEFAULT = Path(__file__).resolve().parent.parent / "build" / "bench" / "fma_peak"
@@ -344,6 +347,7 @@ def main():
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows, need_weights=True)
         bench_module_training(1024, 16, 4, 512, args.reps, rows)
+        bench_module_training(1024, 16, 4, 512, args.reps, rows, frozen=True)
     ceiling = fma_ceiling(args.fma_peak, args.threads)
     # bf16 runs on AMX where the CPU has it; elsewhere it is float32 arithmetic on widened copies.
     amx = "amx" in mha.cpu_isa()
