@@ -19,8 +19,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from . import _mha, _auto_threading
-from . import ops as _ops  # noqa: F401 - the custom operators, registered with torch
+from . import _mha, _auto_threading, _compiling
+from . import ops as _ops
 from .autograd import ModuleFunction, _tensor
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -84,6 +84,19 @@ class MultiheadAttention(nn.Module):
         super().__setstate__(state)
         self._impl = self._new_impl()
 
+    def _traced_inference(self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal):
+        """Under torch.compile / torch.export with nothing to differentiate: one graph node, the
+        custom operator mha::multihead_attention (a training call breaks the graph around it)."""
+        params = self._checked_parameters()
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = _ops.multihead_attention(
+            query, key, value, key_padding_mask, attn_mask, list(params.values()), ",".join(params),
+            [self.embed_dim, self.num_heads, self.kdim, self.vdim], self.dropout,
+            [self.in_proj_bias is not None, self.bias_k is not None, self.add_zero_attn, self.batch_first,
+             self.training], bool(need_weights), bool(average), bool(is_causal),
+            _ops.seed_tensor(None, dropout_p))
+        return out, weights if need_weights else None
+
     def _reset_parameters(self):
         """PyTorch's initialisation: xavier-uniform projections, zero biases, xavier-normal bias_k/v."""
         if self._qkv_same_embed_dim:
@@ -99,15 +112,20 @@ class MultiheadAttention(nn.Module):
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
 
-    def _parameters_for_call(self):
-        """The parameters a call reads where they are, by name; the C++ module takes their dtype
-        (after a .to(dtype)) and this module's training mode."""
+    def _checked_parameters(self):
+        """The parameters by name, all of one supported dtype."""
         params = dict(self.named_parameters())
         dtypes = {p.dtype for p in params.values()}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
             raise ValueError("parameters: expected one dtype among torch.float32, torch.bfloat16 and torch.float16, "
                              f"got {sorted(str(d) for d in dtypes)}")
-        dtype = _DTYPES[next(iter(dtypes))]
+        return params
+
+    def _parameters_for_call(self):
+        """The parameters a call reads where they are, by name; the C++ module takes their dtype
+        (after a .to(dtype)) and this module's training mode."""
+        params = self._checked_parameters()
+        dtype = _DTYPES[next(iter(params.values())).dtype]
         if self._impl.dtype != dtype:
             self._impl.to(dtype)
         if self._impl.training != self.training:  # (no write while another thread may be computing)
@@ -119,6 +137,10 @@ class MultiheadAttention(nn.Module):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if _compiling() and not (torch.is_grad_enabled() and any(t.requires_grad for t in
+                                                                 (query, key, value, *self.parameters()))):
+            return self._traced_inference(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                          average_attn_weights, is_causal)
         _auto_threading()
         params = self._parameters_for_call()
         seed = int(torch.randint(0, 2**62, (1,)).item()) if self.training and self.dropout > 0 else None

@@ -4,7 +4,10 @@ Inside a compiled region, mha.scaled_dot_product_attention becomes one node of t
 mha::sdpa_train, whose fake implementation gives the output's shape without running anything; its
 gradient is the node mha::sdpa_backward (the C++ backward, only the gradients autograd needs).
 Outside compiled code the same function runs the autograd path of autograd.py, which costs fewer
-microseconds per call (the dispatcher is not crossed).
+microseconds per call (the dispatcher is not crossed). mha.nn.MultiheadAttention with nothing to
+differentiate (inference) is the node mha::multihead_attention; a training call of the module keeps
+its autograd.Function, around which the graph breaks (its backward needs the forward's C++
+context, which is not a tensor).
 
 The dropout seed is a tensor operand (a compiled graph draws a fresh one per call, as eager does),
 holding the 64-bit seed's two's-complement bits.
@@ -95,3 +98,38 @@ def _backward(ctx, grad_output, grad_lse):
 
 
 sdpa_train.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("mha::multihead_attention", mutates_args=(), device_types="cpu")
+def multihead_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                        parameters: List[torch.Tensor], names: str, sizes: List[int], dropout: float,
+                        flags: List[bool], need_weights: bool, average_attn_weights: bool, is_causal: bool,
+                        dropout_seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """mha.nn.MultiheadAttention's forward without autograd (inference), on the parameters given by
+    name (`names`: comma-separated, in their order). sizes: embed_dim, num_heads, kdim, vdim; flags: bias, add_bias_kv, add_zero_attn,
+    batch_first, training. The weights are an empty tensor unless need_weights."""
+    _auto_threading()
+    embed_dim, num_heads, kdim, vdim = sizes
+    bias, add_bias_kv, add_zero_attn, batch_first, training = flags
+    module = _mha._Module(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
+                          0, own_parameters=False)
+    module.to(str(parameters[0].dtype).removeprefix("torch."))
+    module.train(training)
+    seed = _seed_value(dropout_seed) if training and dropout > 0 else None
+    out, weights = module.forward(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                  is_causal, seed, 0, dict(zip(names.split(","), parameters)))
+    return _tensor(out), query.new_empty(0) if weights is None else _tensor(weights)
+
+
+@multihead_attention.register_fake
+def _(query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, need_weights,
+      average_attn_weights, is_causal, dropout_seed):
+    if not need_weights:
+        return query.new_empty(query.shape), query.new_empty(0)
+    num_heads, (_, add_bias_kv, add_zero_attn, batch_first, _) = sizes[1], flags
+    batched = query.dim() == 3
+    length = query.shape[1 if batched and batch_first else 0]
+    keys = key.shape[1 if batched and batch_first else 0] + int(add_bias_kv) + int(add_zero_attn)
+    shape = ([query.shape[0 if batch_first else 1]] if batched else []) + ([] if average_attn_weights else [num_heads])
+    return query.new_empty(query.shape), query.new_empty((*shape, length, keys))

@@ -15,6 +15,22 @@ def rng(parity_seed):
     return np.random.default_rng([parity_seed, 11])
 
 
+def _expect_fake_like_real(op, args):
+    """The fake implementation's outputs have the real outputs' shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake_of(mode, x):
+        if isinstance(x, torch.Tensor):
+            return mode.from_tensor(x)
+        return [fake_of(mode, y) for y in x] if isinstance(x, list) else x
+
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*[fake_of(mode, a) for a in args])
+    for r, f in zip(real, fake):
+        assert (r.shape, r.dtype) == (f.shape, f.dtype), (r.shape, r.dtype, f.shape, f.dtype)
+
+
 def test_custom_operators_pass_opcheck(rng):
     """PyTorch's own checks of a custom operator: schema, autograd registration, fake (meta)
     implementation against the real one, and AOT dispatch with dynamic shapes."""
@@ -32,6 +48,7 @@ def test_custom_operators_pass_opcheck(rng):
     for args in cases:
         result = torch.library.opcheck(torch.ops.mha.sdpa_train.default, args)
         assert all(v == "SUCCESS" for v in result.values()), result
+        _expect_fake_like_real(torch.ops.mha.sdpa_train.default, args)
 
 
 def test_sdpa_compiles_into_one_graph(rng):
@@ -86,3 +103,62 @@ def test_export_holds_the_operator(rng):
     exported = torch.export.export(Attention(), (q, k, v))
     assert torch.ops.mha.sdpa_train.default in {n.target for n in exported.graph.nodes}
     assert torch.equal(exported.module()(q, k, v), mha.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def _module_case(rng):
+    batch_first, batched = bool(rng.random() < 0.5), bool(rng.random() < 0.8)
+    kdim = int(rng.integers(3, 9)) if rng.random() < 0.4 else None
+    options = dict(batch_first=batch_first, kdim=kdim, vdim=kdim, add_bias_kv=bool(rng.random() < 0.3),
+                   add_zero_attn=bool(rng.random() < 0.3), bias=bool(rng.random() < 0.8))
+    N, L, S = int(rng.integers(1, 3)), int(rng.integers(1, 9)), int(rng.integers(1, 9))
+
+    def seq(length, width):
+        shape = ((N, length) if batch_first else (length, N)) if batched else (length,)
+        return torch.from_numpy(rng.standard_normal((*shape, width))).float()
+
+    q, k, v = seq(L, 16), seq(S, kdim or 16), seq(S, kdim or 16)
+    kpm = torch.from_numpy(rng.random((N, S) if batched else (S,)) < 0.3) if rng.random() < 0.5 else None
+    if kpm is not None:
+        kpm[..., 0] = False  # key 0 stays visible
+    mask = torch.from_numpy(rng.standard_normal((L, S))).float() if rng.random() < 0.4 else None
+    return options, (q, k, v), dict(key_padding_mask=kpm, attn_mask=mask, need_weights=bool(rng.random() < 0.6),
+                                    average_attn_weights=bool(rng.random() < 0.5))
+
+
+def test_module_inference_compiles_into_one_graph(rng):
+    """mha.nn.MultiheadAttention with nothing to differentiate: one node, mha::multihead_attention,
+    with the eager call's bits (output and weights), batched or not, with masks, bias_kv, zero_attn,
+    kdim/vdim, and in bfloat16."""
+    for n in range(8):
+        options, inputs, call = _module_case(rng)
+        dtype = torch.bfloat16 if n % 4 == 3 else torch.float32
+        m = mha.nn.MultiheadAttention(16, 2, dtype=dtype, **options).eval()
+        inputs = [t.to(dtype) for t in inputs]
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v: m(q, k, v, **call), backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            (out, weights), (e_out, e_weights) = compiled(*inputs), m(*inputs, **call)
+        assert torch.equal(out, e_out), (options, call)
+        assert (weights is None) == (e_weights is None) and (weights is None or torch.equal(weights, e_weights))
+        # PyTorch's checks of the operator, its fake implementation's shapes against the real ones
+        # included (with the weights, averaged or not).
+        args = (*inputs, call["key_padding_mask"], call["attn_mask"], list(m.parameters()),
+                ",".join(name for name, _ in m.named_parameters()), [16, 2, m.kdim, m.vdim], 0.0,
+                [options["bias"], options["add_bias_kv"], options["add_zero_attn"], options["batch_first"], False],
+                True, n % 2 == 0, False, ops.seed_tensor(0, 0.0))
+        with torch.no_grad():
+            result = torch.library.opcheck(torch.ops.mha.multihead_attention.default, args)
+            assert all(v == "SUCCESS" for v in result.values()), (result, options)
+            _expect_fake_like_real(torch.ops.mha.multihead_attention.default, args)
+
+
+def test_module_dropout_under_compile_draws_fresh_masks(rng):
+    m = mha.nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True).train()
+    x = torch.from_numpy(rng.standard_normal((2, 9, 16))).float()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: m(x, x, x, need_weights=False)[0], backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert not torch.equal(compiled(x), compiled(x))
+        m.eval()
+        torch._dynamo.reset()
+        assert torch.equal(compiled(x), m(x, x, x, need_weights=False)[0])
