@@ -453,4 +453,7 @@ def __getattr__(name: str):
 
 
 if "torch" in _sys.modules:  # the custom operators, registered before anything is compiled
-    from . import ops as _ops  # noqa: E402,F401
+    try:
+        from . import ops as _ops  # noqa: E402,F401
+    except ImportError:  # torch < 2.4: numpy and eager torch calls still work
+        pass

@@ -22,6 +22,10 @@ import torch
 from . import _auto_threading, _mha
 from .autograd import _tensor
 
+if not hasattr(torch.library, "custom_op"):
+    raise ImportError(f"mha's PyTorch integration (mha.nn, torch.compile) needs torch >= 2.4 (torch.library.custom_op), "
+                      f"found torch {torch.__version__}")
+
 _U64 = 1 << 64
 
 
