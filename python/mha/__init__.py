@@ -223,7 +223,8 @@ def _compiling() -> bool:
     """Whether torch.compile / torch.export is tracing this call (then the kernels enter the graph
     as the custom operators of ops.py)."""
     torch = _sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
+    # (torch < 2.4 has no custom operators: its compiled code breaks the graph around the call)
+    return torch is not None and hasattr(torch.library, "custom_op") and torch.compiler.is_compiling()
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
