@@ -348,15 +348,17 @@ TEST(SdpaBackward, FewRowsPerKeyValueHeadMatchReference) {
                         vb = mha::Tensor::copy_of(v.view().transpose(1, 2));
       const mha::TensorView qv = qb.view().transpose(1, 2), kv = kb.view().transpose(1, 2), vv = vb.view().transpose(1, 2);
       const auto saved = mha::scaled_dot_product_attention_for_training(qv, kv, vv, o);
-      const auto grads = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o);
+      const bool mask_grad = kind == 1;  // the float mask's gradient too (dS, written by the row kernel)
+      const auto grads = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o, mask_grad);
       o.num_threads = 1;
-      const auto one = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o);
+      const auto one = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o, mask_grad);
       o.num_threads = 3;
-      const auto three = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o);
+      const auto three = mha::scaled_dot_product_attention_backward(qv, kv, vv, saved, g, o, mask_grad);
       for (const auto& [x, y] : {std::pair{&one, &grads}, std::pair{&three, &grads}}) {
         EXPECT_TRUE(same_bits(x->query, y->query));
         EXPECT_TRUE(same_bits(x->key, y->key));
         EXPECT_TRUE(same_bits(x->value, y->value));
+        if (mask_grad) EXPECT_TRUE(same_bits(*x->attn_mask, *y->attn_mask));
       }
       if (dtype != mha::DType::f32) {  // the float32 kernel on widened copies, each gradient rounded once
         auto wide = [](const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); };
@@ -375,6 +377,11 @@ TEST(SdpaBackward, FewRowsPerKeyValueHeadMatchReference) {
       EXPECT_LT(rel_error(grads.query, r.query, floor), 1e-4);
       EXPECT_LT(rel_error(grads.key, r.key, floor), 1e-4);
       EXPECT_LT(rel_error(grads.value, r.value, floor), 1e-4);
+      if (mask_grad) {  // dS: zero where the mask is -inf, and where causality hides the key
+        // A row that sees one key has dS = P (dP - D) = 0 exactly, which float32 leaves as a
+        // rounding residue of dP's size: the floor is the other gradients'.
+        EXPECT_LT(rel_error(*grads.attn_mask, r.attn_mask, std::max(floor, 0.05 * max_abs(r.attn_mask))), 1e-4);
+      }
       if (n % 4 == 1) {  // top-left causal: keys past the last row's are exactly zero
         for (int64_t j = lq; j < lk; j += 97) {
           EXPECT_EQ(grads.key.at({0, 0, j, 0}), 0.0) << j;

@@ -8,7 +8,8 @@
 // then each key's dV = sum_r Pd_r dO_r and dK = scale sum_r dS_r q_r over the group's rows (the
 // key's only writer), and dQ_r += dS_r K. Keys, values and their gradients are read and written
 // once, in rows. Long sequences split into shape-fixed chunks of keys whose dQ partial sums are
-// added in order afterwards, so the bits depend on the shape only, not on the thread count.
+// added in order afterwards, so the bits depend on the shape only, not on the thread count. A mask
+// gradient (dscores) is each row's dS, stored as it is formed.
 #pragma once
 
 #include <algorithm>
@@ -47,8 +48,8 @@ struct FewQueriesBackward {
   const BackwardInputs& in;
   const BackwardOutputs& out;
 
-  static bool applies(const AttentionProblem& p, const BackwardOutputs& out) {
-    return out.dscores == nullptr && p.heads_q / p.heads_kv * p.len_q <= kMaxRows;
+  static bool applies(const AttentionProblem& p) {
+    return p.heads_q / p.heads_kv * p.len_q <= kMaxRows;
   }
 
   int64_t group() const { return p.heads_q / p.heads_kv; }
@@ -186,7 +187,15 @@ struct FewQueriesBackward {
       }
       S::store(s.prob + qi * kLanes, pd);
       S::store(s.grad + qi * kLanes, S::mul(pr, S::sub(dp, S::set1(s.delta[qi]))));
+      if (out.dscores) store_score_gradients(b, h, i, j0, s.grad + qi * kLanes, nc);
     }
+  }
+
+  // dS of row (b, h, i) for keys [j0, j0 + n): what an additive mask receives (zeros for null `ds`).
+  void store_score_gradients(int64_t b, int64_t h, int64_t i, int64_t j0, const float* ds, int64_t n) const {
+    const int64_t* st = out.dscores_strides;
+    float* row = out.dscores + b * st[0] + h * st[1] + i * st[2] + j0 * st[3];
+    for (int64_t c = 0; c < n; ++c) row[c * st[3]] = ds ? ds[c] : 0.0f;
   }
 
   // Keys [j_begin, j_end) of key/value head (b, hk): their dK and dV rows stored, the rows' dQ
@@ -230,6 +239,11 @@ struct FewQueriesBackward {
     for (int64_t j = std::max(key_end, j_begin); j < j_end; ++j) {
       if (out.dv) store_row(out.dv, out.dv_strides, b, hk, j, s.zero, p.dim_v, 1.0f);
       if (out.dk) store_row(out.dk, out.dk_strides, b, hk, j, s.zero, p.dim_qk, 1.0f);
+    }
+    if (out.dscores && key_end < j_end) {
+      const int64_t first = std::max(key_end, j_begin);
+      for (int64_t qi = 0; qi < n; ++qi)
+        store_score_gradients(b, hk * group() + qi / p.len_q, qi % p.len_q, first, nullptr, j_end - first);
     }
   }
 

@@ -519,7 +519,7 @@ struct FlashBackward {
 
   void run() const {
     if (!out.dq && !out.dk && !out.dv && !out.dscores) return;  // nothing wanted
-    if (FewQueriesBackward<S>::applies(p, out)) return FewQueriesBackward<S>{p, in, out}.run();
+    if (FewQueriesBackward<S>::applies(p)) return FewQueriesBackward<S>{p, in, out}.run();
     const int threads = resolve_threads(p.num_threads);
     // Many head groups and no score gradient to write: one pass per group. Otherwise two passes,
     // over key blocks then query blocks, which split the sequence too. The choice depends on the
