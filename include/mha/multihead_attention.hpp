@@ -86,7 +86,7 @@ class ForwardContext {
   std::unique_ptr<State> state_;
 };
 
-// Gradients of a scalar loss with respect to the inputs and every parameter, given the gradient of
+// Gradients of a scalar loss with respect to the inputs and the parameters, given the gradient of
 // the output. (The returned attention weights are not differentiated.)
 // Which gradients a backward computes, all by default. An input that needs none (a frozen
 // encoder's output fed as key and value, as autograd's needs_input_grad says) saves its

@@ -111,8 +111,9 @@ def multihead_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         flags: List[bool], need_weights: bool, average_attn_weights: bool, is_causal: bool,
                         dropout_seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """mha.nn.MultiheadAttention's forward without autograd (inference), on the parameters given by
-    name (`names`: comma-separated, in their order). sizes: embed_dim, num_heads, kdim, vdim; flags: bias, add_bias_kv, add_zero_attn,
-    batch_first, training. The weights are an empty tensor unless need_weights."""
+    name (`names`: comma-separated, in their order). sizes: embed_dim, num_heads, kdim, vdim;
+    flags: bias, add_bias_kv, add_zero_attn, batch_first, training. The weights are an empty tensor
+    unless need_weights."""
     _auto_threading()
     embed_dim, num_heads, kdim, vdim = sizes
     bias, add_bias_kv, add_zero_attn, batch_first, training = flags

@@ -62,16 +62,12 @@ namespace {
 // wanted.frozen_parameters must name parameters of this call.
 void check_frozen_names(const WantedGradients& wanted, const std::vector<std::pair<std::string, TensorView>>& parameters) {
   for (const std::string& frozen : wanted.frozen_parameters) {
-    bool known = false;
+    const bool known = std::any_of(parameters.begin(), parameters.end(), [&](const auto& p) { return p.first == frozen; });
+    if (known) continue;
     std::string names;
-    for (const auto& [name, view] : parameters) {
-      known = known || name == frozen;
-      names += (names.empty() ? "" : ", ") + name;
-    }
-    if (!known) {
-      throw Error("wanted.frozen_parameters: expected names of this module's parameters (" + names + "), got '" +
-                  frozen + "'");
-    }
+    for (const auto& [name, view] : parameters) names += (names.empty() ? "" : ", ") + name;
+    throw Error("wanted.frozen_parameters: expected names of this module's parameters (" + names + "), got '" +
+                frozen + "'");
   }
 }
 
