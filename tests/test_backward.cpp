@@ -713,4 +713,79 @@ TEST(ModuleBackward, GradientsLeftOutAreUndefinedAndTheRestUnchanged) {
   }
 }
 
+// A context rebuilt from its activations (restore_context, for callers that keep only tensors
+// between the forward and the backward) gives the backward of the forward's own context, bit for
+// bit: self-attention sequence-first (the packed buffer's activations are copies) and batch-first,
+// cross-attention with kdim/vdim, bfloat16, masks, bias_k/bias_v, zero attention, causal, dropout,
+// unbatched inputs, and activations handed back as strided views.
+TEST(ModuleBackward, RestoredContextGivesTheBitsOfTheForwardsOwn) {
+  std::mt19937_64 rng(test_seed());
+  struct Case {
+    bool cross, batch_first, batched, masks, low_precision;
+  };
+  const Case cases[] = {{false, false, true, false, false}, {false, true, true, true, false},
+                        {true, true, true, true, false},   {true, false, true, false, true},
+                        {false, false, false, true, true}, {true, false, false, false, false}};
+  for (const Case& cs : cases) {
+    const mha::DType dtype = cs.low_precision ? mha::DType::bf16 : mha::DType::f32;
+    const int64_t E = 24, H = 3, N = 2, L = 9, S = cs.cross ? 13 : 9, kdim = cs.cross ? 10 : E;
+    SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (cs.cross ? " cross" : " self") +
+                 (cs.batch_first ? " batch_first" : "") + (cs.batched ? "" : " unbatched") + (cs.masks ? " masks" : ""));
+    mha::MultiheadAttention m(E, H,
+                              {.dropout = 0.25, .add_bias_kv = cs.masks, .add_zero_attn = cs.masks, .kdim = kdim,
+                               .vdim = kdim, .batch_first = cs.batch_first, .seed = rng(), .dtype = dtype});
+    auto input = [&](int64_t len, int64_t width) {
+      const mha::Shape shape = !cs.batched ? mha::Shape{len, width}
+                               : cs.batch_first ? mha::Shape{N, len, width} : mha::Shape{len, N, width};
+      return mha::Tensor::copy_of(randn(shape, rng), dtype);
+    };
+    const mha::Tensor q = input(L, E), kv = cs.cross ? input(S, kdim) : q, grad = input(L, E);
+    const mha::Tensor attn_mask = randn({L, S}, rng);
+    mha::Tensor padding = mha::Tensor::zeros(cs.batched ? mha::Shape{N, S} : mha::Shape{S}, mha::DType::boolean);
+    padding.data<bool>()[1] = true;
+    mha::ForwardOptions o{.need_weights = false, .is_causal = cs.masks, .dropout_seed = rng(), .num_threads = 2};
+    if (cs.masks) o.attn_mask = attn_mask.view(), o.key_padding_mask = padding.view();
+    mha::SavedActivations saved;
+    mha::ModuleGradients own;
+    {
+      mha::ForwardContext ctx;
+      m.forward(q, kv, kv, o, &ctx);
+      own = m.backward(ctx, grad);
+      saved = ctx.activations();
+    }  // the activations outlive the context
+    const mha::ForwardContext restored = m.restore_context(q, kv, kv, o, saved.views());
+    const mha::ModuleGradients again = m.backward(restored, grad);
+    EXPECT_TRUE(same_bits(again.query, own.query));
+    EXPECT_TRUE(same_bits(again.key, own.key));
+    for (const auto& [name, t] : again.parameters) EXPECT_TRUE(same_bits(t, own.parameter(name))) << name;
+    // Strided activations (every other row of a wider buffer) are read as they are: the same bits.
+    const mha::Tensor wide = mha::Tensor::zeros({2 * saved.q.numel()});
+    const mha::TensorView q_rows(wide.data<float>(), mha::DType::f32, saved.q.sizes(),
+                                 {2 * saved.q.size(1) * E, 2 * E, 1});
+    mha::copy_into(saved.q, q_rows);
+    mha::ActivationViews strided = saved.views();
+    strided.q = q_rows;
+    const mha::ModuleGradients from_strided = m.backward(m.restore_context(q, kv, kv, o, strided), grad);
+    EXPECT_TRUE(same_bits(from_strided.query, own.query));
+  }
+
+  // Errors: activations that do not fit the call, a missing dropout seed, an empty context.
+  mha::MultiheadAttention m(16, 2, {.dropout = 0.1, .seed = 4});
+  const mha::Tensor x = randn({5, 2, 16}, rng);
+  mha::ForwardContext ctx;
+  m.forward(x, x, x, {.dropout_seed = 3}, &ctx);
+  const mha::SavedActivations saved = ctx.activations();
+  mha::ActivationViews short_keys = saved.views();
+  short_keys.k = saved.k.view().slice(1, 0, 4);
+  EXPECT_THROW(m.restore_context(x, x, x, {.dropout_seed = 3}, short_keys), mha::Error);
+  const mha::Tensor lse_bf16 = mha::Tensor::copy_of(saved.lse, mha::DType::bf16);
+  mha::ActivationViews wrong_dtype = saved.views();
+  wrong_dtype.lse = lse_bf16.view();
+  EXPECT_THROW(m.restore_context(x, x, x, {.dropout_seed = 3}, wrong_dtype), mha::Error);
+  EXPECT_THROW(m.restore_context(x, x, x, {}, saved.views()), mha::Error);  // dropout without its seed
+  m.eval();
+  EXPECT_NO_THROW(m.restore_context(x, x, x, {}, saved.views()));  // no dropout in eval mode: no seed needed
+  EXPECT_THROW(mha::ForwardContext().activations(), mha::Error);
+}
+
 }  // namespace

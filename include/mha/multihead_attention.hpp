@@ -72,6 +72,19 @@ struct ForwardResult {
 // What a training forward keeps for the backward: the inputs, the projections, the attention
 // output and the per-row log-sum-exp of the scores (never the L x S matrix), the masks and the
 // dropout seed. Owns copies of everything, so the caller's inputs need not outlive it.
+// A training forward's activations as tensors (float32), for callers that keep tensors rather
+// than objects between a forward and its backward: a compiled PyTorch graph saves tensors only.
+// MultiheadAttention::restore_context builds the context again from them.
+struct ActivationViews {
+  TensorView q, k, v;  // the projections [N, L, E], [N, S', E], [N, S', E] (S': keys + bias_k/zero rows)
+  TensorView attn;     // the attention output before out_proj, shaped like the module's output
+  TensorView lse;      // the log-sum-exp of each row of scores, [N, H, L]
+};
+struct SavedActivations {
+  Tensor q, k, v, attn, lse;  // as in ActivationViews
+  ActivationViews views() const { return {q.view(), k.view(), v.view(), attn.view(), lse.view()}; }
+};
+
 class ForwardContext {
  public:
   ForwardContext();
@@ -79,6 +92,8 @@ class ForwardContext {
   ForwardContext(ForwardContext&&) noexcept;
   ForwardContext& operator=(ForwardContext&&) noexcept;
   bool empty() const { return state_ == nullptr; }
+  // The activations, contiguous; shared with the context where it holds them so, else copied.
+  SavedActivations activations() const;
   struct State;
 
  private:
@@ -126,6 +141,13 @@ class MultiheadAttention {
   // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
   ModuleGradients backward(const ForwardContext& context, const TensorView& grad_output,
                            const WantedGradients& wanted = {}) const;
+  // The context forward(query, key, value, options, &context) filled, built again from its
+  // activations() without computing anything, for a backward. It reads the inputs, the masks and
+  // the activations where they are (a bfloat16/float16 module widens the inputs), so they must
+  // outlive it unchanged. options must be the forward's: its masks, is_causal and num_threads,
+  // and its dropout seed where dropout ran (training mode, dropout > 0), which is then required.
+  ForwardContext restore_context(const TensorView& query, const TensorView& key, const TensorView& value,
+                                 const ForwardOptions& options, const ActivationViews& activations) const;
 
   // The same forward and backward reading `parameters` instead of the module's own, which are
   // left alone (as torch.func.functional_call runs a module with other tensors): a PyTorch
@@ -201,6 +223,8 @@ class MultiheadAttention {
   ModuleGradients backward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                          const ForwardContext& context, const TensorView& grad_output,
                                          const WantedGradients& wanted) const;
+  ForwardContext restore_float32(const TensorView& query, const TensorView& key, const TensorView& value,
+                                 const ForwardOptions& options, const ActivationViews& activations) const;
   // The dropout seed of the next call that brings none (the module's stream, advanced per call).
   uint64_t next_dropout_seed() const;
 

@@ -167,7 +167,7 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   // 1. Output projection (dA only when the attention's backward runs).
   const Rows dy = batch_major_rows(as_nle(grad_output), threads);  // [N, L, E]
   float* dw_out = grad_of("out_proj.weight");
-  const Rows a = dw_out ? batch_major_rows(as_nle(st.attn.view()), threads) : Rows{};
+  const Rows a = dw_out ? batch_major_rows(as_nle(st.attn), threads) : Rows{};
   Tensor da = attention_runs ? Tensor::empty({N, L, E}) : Tensor();
   linear_backward(a.data, dy.data, parameters.data("out_proj.weight"), N * L, E, E,
                   da.defined() ? da.data<float>() : nullptr, dw_out, grad_of("out_proj.bias"), threads);
@@ -179,11 +179,11 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
                dv = attention_grad(projections[2].needs_dy() || d_bias_v, St);
   if (attention_runs) {
     detail::BackwardInputs in;
-    const TensorView heads_out = as_nle(st.attn.view()).split_dim(2, H).transpose(1, 2);
+    const TensorView heads_out = as_nle(st.attn).split_dim(2, H).transpose(1, 2);
     in.out = heads_out.data_as<float>();
     const TensorView heads_grad = da.view().split_dim(2, H).transpose(1, 2);
     in.grad_out = heads_grad.data_as<float>();
-    in.lse = st.lse.data<float>();
+    in.lse = st.lse.data_as<const float>();
     for (int d = 0; d < 4; ++d) {
       in.out_strides[d] = heads_out.strides[d];
       in.grad_out_strides[d] = heads_grad.strides[d];

@@ -1,5 +1,7 @@
 #include "module/module_call.hpp"
 
+#include <cmath>
+
 namespace mha::detail {
 namespace {
 
@@ -179,6 +181,25 @@ MaskTerms module_mask_terms(const ModuleCall& c, int64_t num_heads) {
     out.terms[out.count++] = t;
   }
   return out;
+}
+
+AttentionProblem module_attention_problem(const ModuleCall& c, const MaskTerms& masks, int64_t num_heads,
+                                          const TensorView& q, const TensorView& k, const TensorView& v, int threads) {
+  const int64_t H = num_heads, hd = q.shape[2] / H;
+  AttentionProblem p;
+  p.batch = c.batch;
+  p.heads_q = p.heads_kv = H;
+  p.len_q = c.len_q;
+  p.len_k = c.total_keys();
+  p.dim_qk = p.dim_v = hd;
+  p.q = q.split_dim(2, H).transpose(1, 2);
+  p.k = k.split_dim(2, H).transpose(1, 2);
+  p.v = v.split_dim(2, H).transpose(1, 2);
+  for (int i = 0; i < masks.count; ++i) p.add_mask(masks.terms[i]);
+  p.causal = masks.causal;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  p.num_threads = threads;
+  return p;
 }
 
 Shape module_output_shape(const ModuleCall& c, const MultiheadAttention& m, bool batch_first) {

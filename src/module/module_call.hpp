@@ -48,6 +48,21 @@ struct MaskTerms {
 };
 MaskTerms module_mask_terms(const ModuleCall& call, int64_t num_heads);
 
+// The attention of a module call: the projections q [N, L, E], k and v [N, St, E] viewed as
+// heads [N, H, *, E/H], the masks' terms, scale 1/sqrt(E/H); no dropout (the caller's to set).
+AttentionProblem module_attention_problem(const ModuleCall& call, const MaskTerms& masks, int64_t num_heads,
+                                          const TensorView& q, const TensorView& k, const TensorView& v, int threads);
+
+// A bfloat16/float16 module's call on float32 copies: the inputs widened (self-attention's one
+// tensor once, so the float32 module still sees self-attention) and float masks of the module's
+// dtype widened; `options` views the copies.
+struct WidenedCall {
+  Tensor query, key, value, attn_mask, key_padding_mask;
+  ForwardOptions options;
+};
+WidenedCall widened_call(const TensorView& query, const TensorView& key, const TensorView& value,
+                         const ForwardOptions& options, DType module_dtype, int threads);
+
 // The shape of the module's output for this call: like query, with embed_dim features.
 Shape module_output_shape(const ModuleCall& call, const MultiheadAttention& m, bool batch_first);
 // The shape of the returned weights: [N, L, S'] averaged or [N, H, L, S'], without N if unbatched.

@@ -85,7 +85,7 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
   }
   const detail::ModuleCall c = detail::validate_module_call(*this, query, key, value, options);
   const int threads = detail::resolve_threads(options.num_threads);
-  const int64_t E = embed_dim_, H = num_heads_, hd = head_dim();
+  const int64_t E = embed_dim_, H = num_heads_;
   const int64_t N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
   const float* in_bias = options_.bias ? parameters.data("in_proj_bias") : nullptr;
 
@@ -139,24 +139,12 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
     return options_.batch_first ? t : t.transpose(0, 1);
   };
   const Tensor attn = Tensor::empty(result.output.sizes());
-  detail::AttentionProblem p;
-  p.batch = N;
-  p.heads_q = p.heads_kv = H;
-  p.len_q = L;
-  p.len_k = St;
-  p.dim_qk = p.dim_v = hd;
-  p.q = q.split_dim(2, H).transpose(1, 2);
-  p.k = k.split_dim(2, H).transpose(1, 2);
-  p.v = v.split_dim(2, H).transpose(1, 2);
   detail::MaskTerms masks = detail::module_mask_terms(c, H);
-  for (int i = 0; i < masks.count; ++i) p.add_mask(masks.terms[i]);
-  p.causal = masks.causal;
-  p.scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  detail::AttentionProblem p = detail::module_attention_problem(c, masks, H, q, k, v, threads);
   p.dropout_p = training_ ? options_.dropout : 0.0;
   if (p.dropout_p > 0) {
     p.dropout_seed = options.dropout_seed ? *options.dropout_seed : next_dropout_seed();
   }
-  p.num_threads = threads;
 
   detail::ForwardOutputs o;
   const TensorView heads_out = as_nle(attn.view()).split_dim(2, H).transpose(1, 2);
@@ -191,12 +179,9 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
   if (st) {
     st->call = c;
     st->masks = std::move(masks);
-    st->q_buf = std::move(q_buf), st->k_buf = std::move(k_buf), st->v_buf = std::move(v_buf);
-    st->q = q, st->k = k, st->v = v;
-    st->attn = attn;
-    st->lse = lse;
+    st->q = q, st->k = k, st->v = v, st->attn = attn.view(), st->lse = lse.view();
+    st->storage = {q_buf.storage, k_buf.storage, v_buf.storage, attn, lse};
     st->problem = p;
-    st->packed_self_attention = packed;
     st->query_shape = query_in.sizes(), st->key_shape = key_in.sizes(), st->value_shape = value_in.sizes();
     st->output_shape = result.output.sizes();
     context->state_ = std::move(st);

@@ -18,6 +18,25 @@
 
 namespace mha {
 
+detail::WidenedCall detail::widened_call(const TensorView& query, const TensorView& key, const TensorView& value,
+                                         const ForwardOptions& options, DType module_dtype, int threads) {
+  auto widen = [&](const TensorView& t) { return parallel_copy_of(t, DType::f32, threads); };
+  WidenedCall w;
+  w.query = widen(query);
+  w.key = same_view(key, query) ? w.query : widen(key);
+  w.value = same_view(value, key) ? w.key : same_view(value, query) ? w.query : widen(value);
+  w.options = options;
+  if (options.attn_mask && options.attn_mask->dtype == module_dtype) {
+    w.attn_mask = Tensor::copy_of(*options.attn_mask, DType::f32);
+    w.options.attn_mask = w.attn_mask.view();
+  }
+  if (options.key_padding_mask && options.key_padding_mask->dtype == module_dtype) {
+    w.key_padding_mask = Tensor::copy_of(*options.key_padding_mask, DType::f32);
+    w.options.key_padding_mask = w.key_padding_mask.view();
+  }
+  return w;
+}
+
 ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                                         const TensorView& query, const TensorView& key,
                                                         const TensorView& value, const ForwardOptions& options,
@@ -29,26 +48,12 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
   // a few rows (a decoding step), which is one pass over half the bytes.
   const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads, true);
 
-  // Self-attention passes one tensor three times; its widened copy is shared the same way, so the
-  // float32 module still sees self-attention (and projects with one packed GEMM).
-  auto widen = [&](const TensorView& t) { return detail::parallel_copy_of(t, DType::f32, threads); };
-  const Tensor q = widen(query);
-  const Tensor k = detail::same_view(key, query) ? q : widen(key);
-  const Tensor v = detail::same_view(value, key) ? k : detail::same_view(value, query) ? q : widen(value);
-  ForwardOptions o = options;
-  Tensor attn_mask, key_padding_mask;  // float masks in the module's dtype, widened
-  if (o.attn_mask && o.attn_mask->dtype == options_.dtype) {
-    attn_mask = Tensor::copy_of(*o.attn_mask, DType::f32);
-    o.attn_mask = attn_mask.view();
-  }
-  if (o.key_padding_mask && o.key_padding_mask->dtype == options_.dtype) {
-    key_padding_mask = Tensor::copy_of(*o.key_padding_mask, DType::f32);
-    o.key_padding_mask = key_padding_mask.view();
-  }
+  detail::WidenedCall wide_call = detail::widened_call(query, key, value, options, options_.dtype, threads);
+  ForwardOptions& o = wide_call.options;
   // This module's dropout stream, not the temporary one's.
   if (training_ && options_.dropout > 0 && !o.dropout_seed) o.dropout_seed = next_dropout_seed();
 
-  ForwardResult r = wide.forward_float32(wide_parameters, q.view(), k.view(), v.view(), o, context);
+  ForwardResult r = wide.forward_float32(wide_parameters, wide_call.query, wide_call.key, wide_call.value, o, context);
   r.output = detail::parallel_copy_of(r.output.view(), options_.dtype, threads);
   if (r.weights) r.weights = detail::parallel_copy_of(r.weights->view(), options_.dtype, threads);
   if (context != nullptr) context->state_->module_dtype = options_.dtype;
