@@ -84,17 +84,19 @@ class MultiheadAttention(nn.Module):
         super().__setstate__(state)
         self._impl = self._new_impl()
 
-    def _traced_inference(self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal):
-        """Under torch.compile / torch.export with nothing to differentiate: one graph node, the
-        custom operator mha::multihead_attention (a training call breaks the graph around it)."""
+    def _traced(self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal):
+        """Under torch.compile / torch.export: one graph node, the custom operator
+        mha::multihead_attention with nothing to differentiate, else mha::multihead_attention_train
+        (whose gradient is the node mha::multihead_attention_backward)."""
         params = self._checked_parameters()
         dropout_p = self.dropout if self.training else 0.0
-        out, weights = _ops.multihead_attention(
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *params.values()))
+        op = _ops.multihead_attention_train if training else _ops.multihead_attention
+        out, weights, *_ = op(
             query, key, value, key_padding_mask, attn_mask, list(params.values()), ",".join(params),
             [self.embed_dim, self.num_heads, self.kdim, self.vdim], self.dropout,
             [self.in_proj_bias is not None, self.bias_k is not None, self.add_zero_attn, self.batch_first,
-             self.training], bool(need_weights), bool(average), bool(is_causal),
-            _ops.seed_tensor(None, dropout_p))
+             self.training], bool(need_weights), bool(average), bool(is_causal), _ops.seed_tensor(None, dropout_p))
         return out, weights if need_weights else None
 
     def _reset_parameters(self):
@@ -137,10 +139,9 @@ class MultiheadAttention(nn.Module):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-        if _compiling() and not (torch.is_grad_enabled() and any(t.requires_grad for t in
-                                                                 (query, key, value, *self.parameters()))):
-            return self._traced_inference(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                          average_attn_weights, is_causal)
+        if _compiling():
+            return self._traced(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                is_causal)
         _auto_threading()
         params = self._parameters_for_call()
         seed = int(torch.randint(0, 2**62, (1,)).item()) if self.training and self.dropout > 0 else None

@@ -3,11 +3,12 @@
 Inside a compiled region, mha.scaled_dot_product_attention becomes one node of the graph,
 mha::sdpa_train, whose fake implementation gives the output's shape without running anything; its
 gradient is the node mha::sdpa_backward (the C++ backward, only the gradients autograd needs).
-Outside compiled code the same function runs the autograd path of autograd.py, which costs fewer
-microseconds per call (the dispatcher is not crossed). mha.nn.MultiheadAttention with nothing to
-differentiate (inference) is the node mha::multihead_attention; a training call of the module keeps
-its autograd.Function, around which the graph breaks (its backward needs the forward's C++
-context, which is not a tensor).
+mha.nn.MultiheadAttention is the node mha::multihead_attention with nothing to differentiate
+(inference), else mha::multihead_attention_train, which also returns the activations its backward
+needs as tensors (the projections, the attention output, the row log-sum-exp; a compiled graph
+saves tensors, not the C++ context) for mha::multihead_attention_backward, which rebuilds the
+context from them. Outside compiled code the same functions run the autograd paths of
+autograd.py, which cost fewer microseconds per call (the dispatcher is not crossed).
 
 The dropout seed is a tensor operand (a compiled graph draws a fresh one per call, as eager does),
 holding the 64-bit seed's two's-complement bits.
@@ -115,13 +116,8 @@ def multihead_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     flags: bias, add_bias_kv, add_zero_attn, batch_first, training. The weights are an empty tensor
     unless need_weights."""
     _auto_threading()
-    embed_dim, num_heads, kdim, vdim = sizes
-    bias, add_bias_kv, add_zero_attn, batch_first, training = flags
-    module = _mha._Module(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
-                          0, own_parameters=False)
-    module.to(str(parameters[0].dtype).removeprefix("torch."))
-    module.train(training)
-    seed = _seed_value(dropout_seed) if training and dropout > 0 else None
+    module = _module(sizes, dropout, flags, parameters[0].dtype)
+    seed = _seed_value(dropout_seed) if flags[4] and dropout > 0 else None
     out, weights = module.forward(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                                   is_causal, seed, 0, dict(zip(names.split(","), parameters)))
     return _tensor(out), query.new_empty(0) if weights is None else _tensor(weights)
@@ -130,11 +126,122 @@ def multihead_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 @multihead_attention.register_fake
 def _(query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, need_weights,
       average_attn_weights, is_causal, dropout_seed):
+    return _fake_module_outputs(query, key, sizes, flags, need_weights, average_attn_weights)
+
+
+def _fake_module_outputs(query, key, sizes, flags, need_weights, average_attn_weights):
+    """The output and the weights (empty unless need_weights) a module call returns, as fakes."""
     if not need_weights:
         return query.new_empty(query.shape), query.new_empty(0)
-    num_heads, (_, add_bias_kv, add_zero_attn, batch_first, _) = sizes[1], flags
+    batch, length, keys, heads = _call_sizes(query, key, sizes, flags)
+    shape = ([batch] if query.dim() == 3 else []) + ([] if average_attn_weights else [heads])
+    return query.new_empty(query.shape), query.new_empty((*shape, length, keys))
+
+
+def _module(sizes, dropout, flags, dtype):
+    """A C++ module with the options of the call (it holds no parameters: they come by name)."""
+    embed_dim, num_heads, kdim, vdim = sizes
+    bias, add_bias_kv, add_zero_attn, batch_first, training = flags
+    module = _mha._Module(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
+                          0, own_parameters=False)
+    module.to(str(dtype).removeprefix("torch."))
+    module.train(training)
+    return module
+
+
+def _call_sizes(query, key, sizes, flags):
+    """N, L, the total keys S' (with the bias_k and zero-attention rows) and H of a module call."""
+    _, add_bias_kv, add_zero_attn, batch_first, _ = flags
     batched = query.dim() == 3
+    batch = query.shape[0 if batch_first else 1] if batched else 1
     length = query.shape[1 if batched and batch_first else 0]
     keys = key.shape[1 if batched and batch_first else 0] + int(add_bias_kv) + int(add_zero_attn)
-    shape = ([query.shape[0 if batch_first else 1]] if batched else []) + ([] if average_attn_weights else [num_heads])
-    return query.new_empty(query.shape), query.new_empty((*shape, length, keys))
+    return batch, length, keys, sizes[1]
+
+
+@torch.library.custom_op("mha::multihead_attention_train", mutates_args=(), device_types="cpu")
+def multihead_attention_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                              parameters: List[torch.Tensor], names: str, sizes: List[int], dropout: float,
+                              flags: List[bool], need_weights: bool, average_attn_weights: bool, is_causal: bool,
+                              dropout_seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor]:
+    """The training forward of mha.nn.MultiheadAttention (arguments as for multihead_attention):
+    the output, the weights (empty unless need_weights) and the activations of its backward,
+    float32: the projections q [N, L, E], k and v [N, S', E], the attention output before out_proj
+    (shaped like the output) and the row log-sum-exp [N, H, L]."""
+    _auto_threading()
+    module = _module(sizes, dropout, flags, parameters[0].dtype)
+    seed = _seed_value(dropout_seed) if flags[4] and dropout > 0 else None
+    out, weights, context = module.forward_train(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                                 average_attn_weights, is_causal, seed, 0,
+                                                 dict(zip(names.split(","), parameters)))
+    activations = [torch.from_numpy(a) for a in context.activations()]
+    return (_tensor(out), query.new_empty(0) if weights is None else _tensor(weights), *activations)
+
+
+@multihead_attention_train.register_fake
+def _(query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, need_weights,
+      average_attn_weights, is_causal, dropout_seed):
+    out, weights = _fake_module_outputs(query, key, sizes, flags, need_weights, average_attn_weights)
+    batch, length, keys, heads = _call_sizes(query, key, sizes, flags)
+    f32 = dict(dtype=torch.float32)
+    return (out, weights, query.new_empty((batch, length, sizes[0]), **f32),
+            query.new_empty((batch, keys, sizes[0]), **f32), query.new_empty((batch, keys, sizes[0]), **f32),
+            query.new_empty(query.shape, **f32), query.new_empty((batch, heads, length), **f32))
+
+
+@torch.library.custom_op("mha::multihead_attention_backward", mutates_args=(), device_types="cpu")
+def multihead_attention_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                 value: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+                                 attn_mask: Optional[torch.Tensor], parameters: List[torch.Tensor], names: str,
+                                 sizes: List[int], dropout: float, flags: List[bool], is_causal: bool,
+                                 dropout_seed: torch.Tensor, activations: List[torch.Tensor],
+                                 wanted: List[bool]) -> List[torch.Tensor]:
+    """The gradients of query, key, value and each parameter (in `names` order) of the training
+    forward that returned `activations`; one not in `wanted` (three input flags, then one per
+    parameter) is an empty tensor and is not computed."""
+    _auto_threading()
+    module = _module(sizes, dropout, flags, parameters[0].dtype)
+    seed = _seed_value(dropout_seed) if flags[4] and dropout > 0 else None
+    names = names.split(",")
+    frozen = [name for name, w in zip(names, wanted[3:]) if not w]
+    dq, dk, dv, dparams = module.backward_restored(query, key, value, key_padding_mask, attn_mask, is_causal, seed, 0,
+                                                   tuple(activations), grad_output.to(query.dtype).contiguous(),
+                                                   dict(zip(names, parameters)), tuple(bool(w) for w in wanted[:3]),
+                                                   frozen)
+    inputs = [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)]
+    return inputs + [_tensor(dparams[name]) if name in dparams else query.new_empty(0) for name in names]
+
+
+@multihead_attention_backward.register_fake
+def _(grad_output, query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, is_causal,
+      dropout_seed, activations, wanted):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
+            for t, w in zip((query, key, value, *parameters), wanted)]
+
+
+def _module_setup_context(ctx, inputs, output):
+    (query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, _, _, is_causal,
+     dropout_seed) = inputs
+    ctx.save_for_backward(query, key, value, key_padding_mask, attn_mask, dropout_seed, *output[2:], *parameters)
+    ctx.options = (names, sizes, dropout, flags, is_causal)
+    ctx.mark_non_differentiable(*output[1:])  # the weights (as in eager mode) and the activations
+
+
+def _module_backward(ctx, grad_output, grad_weights, *grad_activations):
+    query, key, value, key_padding_mask, attn_mask, dropout_seed, *saved = ctx.saved_tensors
+    activations, parameters = saved[:5], saved[5:]
+    names, sizes, dropout, flags, is_causal = ctx.options
+    needs = ctx.needs_input_grad
+    wanted = [bool(n) for n in needs[:3]] + [bool(n) for n in needs[5]]
+    grads = torch.ops.mha.multihead_attention_backward(grad_output, query, key, value, key_padding_mask, attn_mask,
+                                                       list(parameters), names, sizes, dropout, flags, is_causal,
+                                                       dropout_seed, list(activations), wanted)
+    inputs = [g if w else None for g, w in zip(grads[:3], wanted[:3])]
+    params = [g if w else None for g, w in zip(grads[3:], wanted[3:])]
+    return (*inputs, None, None, params, None, None, None, None, None, None, None, None)
+
+
+multihead_attention_train.register_autograd(_module_backward, setup_context=_module_setup_context)

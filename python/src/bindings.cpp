@@ -154,6 +154,29 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, std::unordered_map<std::string, N
   return {maybe(r.query), maybe(r.key), maybe(r.value), grads};
 }
 
+// The backward of a training forward whose context was kept as tensors (activations(), below):
+// the context is rebuilt from them and the forward's inputs and options, then the backward runs.
+std::tuple<MaybeArray, MaybeArray, MaybeArray, std::unordered_map<std::string, NumpyArray>> module_backward_restored(
+    const mha::MultiheadAttention& m, const Array& query, const Array& key, const Array& value,
+    const std::optional<Array>& key_padding_mask, const std::optional<Array>& attn_mask, bool is_causal,
+    std::optional<uint64_t> dropout_seed, int num_threads, std::tuple<Array, Array, Array, Array, Array> activations,
+    const Array& grad_output, const ParameterArrays& params, std::tuple<bool, bool, bool> wanted,
+    std::vector<std::string> frozen) {
+  const mha::ForwardOptions o =
+      forward_options(key_padding_mask, false, attn_mask, true, is_causal, dropout_seed, num_threads);
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  const auto& [aq, ak, av, attn, lse] = activations;
+  const mha::ActivationViews saved{view_of(aq, "activations.q"), view_of(ak, "activations.k"),
+                                   view_of(av, "activations.v"), view_of(attn, "activations.attn"),
+                                   view_of(lse, "activations.lse")};
+  mha::ForwardContext context;
+  {
+    nb::gil_scoped_release release;  // the arrays keep the inputs and activations alive meanwhile
+    context = m.restore_context(q, k, v, o, saved);
+  }
+  return module_backward(m, context, grad_output, params, wanted, std::move(frozen));
+}
+
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
                               std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right,
                               int num_threads) {
@@ -247,7 +270,11 @@ NB_MODULE(_mha, m) {
     }
   });
 
-  nb::class_<mha::ForwardContext>(m, "_Context");
+  nb::class_<mha::ForwardContext>(m, "_Context")
+      .def("activations", [](const mha::ForwardContext& self) {
+        const mha::SavedActivations a = self.activations();
+        return std::make_tuple(to_numpy(a.q), to_numpy(a.k), to_numpy(a.v), to_numpy(a.attn), to_numpy(a.lse));
+      });
 
   nb::class_<mha::MultiheadAttention>(m, "_Module")
       .def(
@@ -281,6 +308,10 @@ NB_MODULE(_mha, m) {
       .def("backward", &module_backward, nb::arg("context"), nb::arg("grad_output"),
            nb::arg("params").none() = nb::none(), nb::arg("wanted") = std::make_tuple(true, true, true),
            nb::arg("frozen") = std::vector<std::string>())
+      .def("backward_restored", &module_backward_restored, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+           nb::arg("key_padding_mask").none(), nb::arg("attn_mask").none(), nb::arg("is_causal"),
+           nb::arg("dropout_seed").none(), nb::arg("num_threads"), nb::arg("activations"), nb::arg("grad_output"),
+           nb::arg("params").none(), nb::arg("wanted"), nb::arg("frozen"))
       .def("train", &mha::MultiheadAttention::train, nb::arg("on"))
       .def_prop_ro("training", &mha::MultiheadAttention::is_training)
       .def_prop_ro("embed_dim", &mha::MultiheadAttention::embed_dim)

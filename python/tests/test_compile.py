@@ -1,5 +1,6 @@
-"""mha.scaled_dot_product_attention inside torch.compile and torch.export: one graph node (the
-custom operator mha::sdpa_train), no graph break, the same results and gradients as eager."""
+"""mha.scaled_dot_product_attention and mha.nn.MultiheadAttention inside torch.compile and
+torch.export: one graph node each (the custom operators of mha/ops.py), no graph break, the same
+results and gradients as eager."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 import mha
 from mha import ops
+from torch._dynamo.backends.registry import lookup_backend
 
 
 @pytest.fixture
@@ -162,3 +164,77 @@ def test_module_dropout_under_compile_draws_fresh_masks(rng):
         m.eval()
         torch._dynamo.reset()
         assert torch.equal(compiled(x), m(x, x, x, need_weights=False)[0])
+
+
+def test_module_training_compiles_into_one_graph(rng):
+    """mha.nn.MultiheadAttention with gradients to compute: one node, mha::multihead_attention_train,
+    whose backward node rebuilds the C++ context from the saved activations; the output, the
+    weights and every gradient (inputs and parameters that need one, frozen ones left out) have
+    the eager call's bits, in float32 and bfloat16."""
+    for n in range(8):
+        options, inputs, call = _module_case(rng)
+        dtype = torch.bfloat16 if n % 4 == 3 else torch.float32
+        m = mha.nn.MultiheadAttention(16, 2, dtype=dtype, **options).train()
+        for p in m.parameters():
+            p.requires_grad_(bool(rng.random() < 0.7))
+        self_attention = n % 3 == 0 and inputs[0].shape == inputs[1].shape  # (then L = S, no kdim)
+        inputs = [t.to(dtype).requires_grad_(bool(rng.random() < 0.6)) for t in inputs]
+        if self_attention:
+            inputs = [inputs[0]] * 3
+        grad = torch.from_numpy(rng.standard_normal(inputs[0].shape)).to(dtype)
+
+        def step(q, k, v):
+            out, weights = m(q, k, v, **call)
+            return (out.float() * grad).sum(), out, weights
+
+        torch._dynamo.reset()
+        traced = set()
+
+        def backend(graph, example_inputs):
+            traced.update(node.target for node in graph.graph.nodes)
+            return lookup_backend("aot_eager")(graph, example_inputs)
+
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
+        (c_loss, c_out, c_w), (e_loss, e_out, e_w) = compiled(*inputs), step(*inputs)
+        training = any(t.requires_grad for t in [*inputs, *m.parameters()])
+        op = torch.ops.mha.multihead_attention_train if training else torch.ops.mha.multihead_attention
+        assert op.default in traced or op in traced, traced
+        assert torch.equal(c_out, e_out), (options, call)
+        assert (c_w is None) == (e_w is None) and (c_w is None or torch.equal(c_w, e_w))
+        assert c_w is None or not c_w.requires_grad  # the weights are not differentiated, as in eager mode
+        leaves = list({id(t): t for t in [*inputs, *m.parameters()] if t.requires_grad}.values())
+        if not leaves:
+            continue
+        for a, b in zip(torch.autograd.grad(c_loss, leaves), torch.autograd.grad(e_loss, leaves)):
+            assert torch.equal(a, b), (n, options, call)
+
+
+def test_module_training_operator(rng):
+    """mha::multihead_attention_train by itself: PyTorch's operator checks (autograd registration,
+    fake shapes against the real ones, AOT dispatch), and with dropout the gradients of the eager
+    autograd function for the same seed (the seed reaches the rebuilt context)."""
+    for n in range(4):
+        options, inputs, call = _module_case(rng)
+        m = mha.nn.MultiheadAttention(16, 2, dropout=0.3, **options).train()
+        inputs = [t.requires_grad_() for t in inputs]
+        seed = int(rng.integers(2**62))
+        names = ",".join(name for name, _ in m.named_parameters())
+        args = (*inputs, call["key_padding_mask"], call["attn_mask"], list(m.parameters()), names,
+                [16, 2, m.kdim, m.vdim], 0.3,
+                [options["bias"], options["add_bias_kv"], options["add_zero_attn"], options["batch_first"], True],
+                call["need_weights"], call["average_attn_weights"], False, ops.seed_tensor(seed, 0.3))
+        result = torch.library.opcheck(torch.ops.mha.multihead_attention_train.default, args)
+        assert all(v == "SUCCESS" for v in result.values()), (result, options)
+        _expect_fake_like_real(torch.ops.mha.multihead_attention_train.default, args)
+
+        out = torch.ops.mha.multihead_attention_train(*args)[0]
+        grad = torch.from_numpy(rng.standard_normal(out.shape)).float()
+        leaves = [*inputs, *m.parameters()]
+        got = torch.autograd.grad((out * grad).sum(), leaves)
+        e_out, _ = mha.autograd.ModuleFunction.apply(
+            m._impl, [name for name, _ in m.named_parameters()],
+            (call["need_weights"], call["average_attn_weights"], False, seed, 0), *inputs,
+            call["key_padding_mask"], call["attn_mask"], *m.parameters())
+        assert torch.equal(out, e_out)
+        for a, b in zip(got, torch.autograd.grad((e_out * grad).sum(), leaves)):
+            assert torch.equal(a, b)
