@@ -241,11 +241,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     give zeros. dropout_seed fixes the dropout mask (a fresh one is drawn when None).
     With need_weights=True, returns (output, weights) instead of the output.
     Under torch.compile (and torch.export) the call is one node of the graph, forward and backward
-    (the operator mha::sdpa_train); with need_weights=True the graph breaks around it.
+    (the operator mha::sdpa_train; the weights come from mha::sdpa_with_weights).
     """
-    if not need_weights and _compiling():
+    if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                            causal_alignment, num_threads)
+                            causal_alignment, num_threads, need_weights)
     _auto_threading()
     grad = _needs_grad(query, key, value, attn_mask)
     q = _as_array(query, "query", once=True)  # each feeds one extension call at most
@@ -278,18 +278,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 
 
 def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                 causal_alignment, num_threads):
+                 causal_alignment, num_threads, need_weights):
     from . import ops
 
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
     if attn_mask is not None and attn_mask.requires_grad and attn_mask.dtype != _sys.modules["torch"].float32:
         raise ValueError("attn_mask: only a float32 (additive) mask can require grad")
-    out, _ = ops.sdpa_train(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-                            None if scale is None else float(scale), bool(enable_gqa),
-                            ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right",
-                            int(num_threads))
-    return out
+    # (one seed for both operators: the weights are those of the output's dropout mask)
+    args = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
+            ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right", int(num_threads))
+    if need_weights and not _needs_grad(query, key, value, attn_mask):
+        return ops.sdpa_with_weights(query, key, value, attn_mask, *args)
+    out, _ = ops.sdpa_train(query, key, value, attn_mask, *args)
+    if not need_weights:
+        return out
+    detached = (None if t is None else t.detach() for t in (query, key, value, attn_mask))
+    return out, ops.sdpa_with_weights(*detached, *args)[1]
 
 
 class MultiheadAttention:

@@ -105,6 +105,25 @@ def _backward(ctx, grad_output, grad_lse):
 sdpa_train.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("mha::sdpa_with_weights", mutates_args=(), device_types="cpu")
+def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                      dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
+                      dropout_seed: torch.Tensor, bottom_right: bool, num_threads: int) -> Tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """The output and the attention weights [..., Hq, L, S] (after dropout), in the inputs' dtype;
+    not differentiated (a training call takes its output from mha::sdpa_train)."""
+    _auto_threading()
+    out, weights = _mha.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                             _seed_value(dropout_seed), True, bottom_right, num_threads)
+    return _tensor(out), _tensor(weights)
+
+
+@sdpa_with_weights.register_fake
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads):
+    rows = query.shape[:-1]
+    return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
+
+
 @torch.library.custom_op("mha::multihead_attention", mutates_args=(), device_types="cpu")
 def multihead_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],

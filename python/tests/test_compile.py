@@ -85,6 +85,45 @@ def test_sdpa_compiles_into_one_graph(rng):
             assert (c_out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
+def test_sdpa_with_weights_compiles_into_one_graph(rng):
+    """need_weights=True under fullgraph=True: the weights from mha::sdpa_with_weights (the same
+    dropout mask as the output's), output, weights and gradients with the eager bits; the
+    operator passes opcheck, its fake shapes those of the real outputs."""
+    for n in range(4):
+        dtype = torch.bfloat16 if n == 3 else torch.float32
+        B, H, L, S, D = 2, 2, int(rng.integers(1, 12)), int(rng.integers(1, 12)), 8
+        grad = n % 2 == 0
+        q, k, v = (torch.from_numpy(rng.standard_normal(s)).to(dtype).requires_grad_(grad)
+                   for s in ((B, H, L, D), (B, H, S, D), (B, H, S, D + 4)))
+        mask = torch.from_numpy(rng.standard_normal((L, S))).float() if n == 1 else None
+        seed, dropout = int(rng.integers(2**63)), 0.3 if n < 3 else 0.0
+
+        def call(q, k, v):
+            return mha.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, dropout_seed=seed,
+                                                    is_causal=n == 2, need_weights=True)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+        (out, weights), (e_out, e_weights) = compiled(q, k, v), call(q, k, v)
+        assert torch.equal(out, e_out) and torch.equal(weights, e_weights) and weights.dtype == dtype
+        if n == 0:  # a fresh seed per call, the same one for the output and the weights
+            seed, fixed = None, seed
+            fresh_out, fresh_weights = compiled(q, k, v)
+            assert not torch.equal(fresh_out, e_out)
+            assert torch.allclose(fresh_out, fresh_weights @ v, rtol=1e-5, atol=1e-5)
+            seed = fixed
+        if grad:
+            g = torch.from_numpy(rng.standard_normal(out.shape)).to(dtype)
+            for a, b in zip(torch.autograd.grad((out * g).sum(), (q, k, v)),
+                            torch.autograd.grad((e_out * g).sum(), (q, k, v))):
+                assert torch.equal(a, b)
+        args = (q.detach(), k.detach(), v.detach(), mask, dropout, n == 2, None, False, ops.seed_tensor(seed, dropout),
+                False, 0)
+        result = torch.library.opcheck(torch.ops.mha.sdpa_with_weights.default, args)
+        assert all(v == "SUCCESS" for v in result.values()), result
+        _expect_fake_like_real(torch.ops.mha.sdpa_with_weights.default, args)
+
+
 def test_compiled_dropout_draws_a_fresh_mask_per_call(rng):
     q = torch.from_numpy(rng.standard_normal((1, 2, 16, 8))).float()
     torch._dynamo.reset()
