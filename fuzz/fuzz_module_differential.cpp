@@ -212,5 +212,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (size_t i = 0; i < g.parameters.size(); ++i) {
     check(("gradient of " + g.parameters[i].first).c_str(), g.parameters[i].second, gc.parameters[i].second, call);
   }
+
+  // 4. The contiguous call's context rebuilt from its activations, over the inputs in their
+  //    fuzzed layouts (as a compiled graph's backward rebuilds it).
+  const mha::SavedActivations saved = ctx_contiguous.activations();
+  const auto gr = m.backward_with(given, m.restore_context(q, k, v, f, saved.views()), grad);
+  check("query gradient (restored context)", gr.query, gc.query, call);
+  for (size_t i = 0; i < gr.parameters.size(); ++i) {
+    check(("gradient of " + gr.parameters[i].first + " (restored context)").c_str(), gr.parameters[i].second,
+          gc.parameters[i].second, call);
+  }
   return 0;
 }
