@@ -97,7 +97,65 @@ class MultiheadAttention(nn.Module):
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
 
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> "MultiheadAttention":
+        """A module with the options and training mode of `module`, holding its very parameters
+        (the same torch.nn.Parameter objects: an optimizer built over them keeps working, and
+        either module sees the other's updates)."""
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module: expected a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        dtype = module.out_proj.weight.dtype
+        ours = cls(module.embed_dim, module.num_heads, dropout=module.dropout, bias=module.in_proj_bias is not None,
+                   add_bias_kv=module.bias_k is not None, add_zero_attn=module.add_zero_attn, kdim=module.kdim,
+                   vdim=module.vdim, batch_first=module.batch_first, device="cpu",
+                   dtype=dtype if dtype in _call.DTYPES else None)
+        for name, param in module.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            setattr(ours.get_submodule(owner) if owner else ours, leaf, param)
+        return ours.train(module.training)
+
+    def merge_masks(self, attn_mask, key_padding_mask, query):
+        """torch.nn.MultiheadAttention.merge_masks, which TransformerEncoderLayer's inference fast
+        path calls (then PyTorch's fused kernel runs on this module's parameters; with
+        torch.backends.mha.set_fastpath_enabled(False) the layer calls this module instead).
+        Returns (mask, type): key_padding_mask alone is type 1; with attn_mask ([L, L] or
+        [N * H, L, L]) both become [N, H, L, L], added, type 2."""
+        if attn_mask is None:
+            return key_padding_mask, None if key_padding_mask is None else 1
+        batch, length = query.shape[0], query.shape[1]
+        if attn_mask.dim() == 3:
+            merged = attn_mask.view(batch, -1, length, length)
+        else:
+            merged = attn_mask.view(1, 1, length, length).expand(batch, self.num_heads, -1, -1)
+        if key_padding_mask is not None:
+            merged = merged + key_padding_mask.view(batch, 1, 1, length).expand(-1, self.num_heads, -1, -1)
+        return merged, 2
+
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        return _call.run(self._impl, self._impl_options, dict(self.named_parameters()), self.training, query, key,
-                         value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
+        return _call.run(self._current_impl(), self._impl_options, dict(self.named_parameters()), self.training,
+                         query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                         is_causal)
+
+    def _current_impl(self):
+        """The C++ module, built again where the attributes PyTorch's module reads at each call
+        (dropout, batch_first, add_zero_attn) were changed since."""
+        o = self._impl_options
+        if (self.dropout, self.batch_first, self.add_zero_attn) != (o.dropout, o.batch_first, o.add_zero_attn):
+            self._impl_options = o._replace(dropout=float(self.dropout), batch_first=bool(self.batch_first),
+                                            add_zero_attn=bool(self.add_zero_attn))
+            self._impl = self._new_impl()
+        return self._impl
+
+
+def replace_attention(model: nn.Module) -> nn.Module:
+    """Every torch.nn.MultiheadAttention inside `model` (its own class, not a subclass) replaced in
+    place by an mha.nn.MultiheadAttention holding the same parameters (from_torch); returns
+    `model` (itself replaced when it is one)."""
+    if type(model) is nn.MultiheadAttention:
+        return MultiheadAttention.from_torch(model)
+    for name, child in list(model.named_modules()):
+        if type(child) is nn.MultiheadAttention:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, leaf, MultiheadAttention.from_torch(child))
+    return model

@@ -1,0 +1,138 @@
+"""mha.nn.MultiheadAttention inside PyTorch's own models: from_torch (sharing the parameters),
+replace_attention over Transformer encoders and decoders, the attributes PyTorch's module reads at
+each call, and merge_masks (the encoder layer's inference fast path). Ours in float32 against the
+same model with PyTorch's module, also in float32: tolerance 1e-5 of the largest value for outputs
+and 1e-4 for gradients (as in the parity suites: both sides round, through a few layers)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import mha
+
+
+@pytest.fixture
+def rng(parity_seed):
+    return np.random.default_rng([parity_seed, 31])
+
+
+def _rel(a, b):
+    return (a.double() - b.double()).abs().max().item() / max(b.abs().max().item(), 1e-30)
+
+
+def _no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(m, (torch.nn.MultiheadAttention, mha.nn.MultiheadAttention)):
+            m.dropout = 0.0  # read at each call, by both modules
+    return model
+
+
+def test_from_torch_shares_the_parameters(rng):
+    torch.manual_seed(int(rng.integers(2**31)))
+    for options in (dict(), dict(kdim=5, vdim=7, add_bias_kv=True), dict(bias=False, batch_first=True)):
+        theirs = torch.nn.MultiheadAttention(12, 3, **options).eval()
+        ours = mha.nn.MultiheadAttention.from_torch(theirs)
+        assert not ours.training
+        assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+        assert all(a is b for a, b in zip(ours.parameters(), theirs.parameters()))
+        # An optimizer over PyTorch's module trains ours too.
+        optimizer = torch.optim.SGD(theirs.parameters(), lr=0.1)
+        q = torch.from_numpy(rng.standard_normal((4, 2, 12))).float()
+        kv = [torch.from_numpy(rng.standard_normal((6, 2, options.get(d, 12)))).float() for d in ("kdim", "vdim")]
+        if options.get("batch_first"):
+            q, kv = q.transpose(0, 1), [t.transpose(0, 1) for t in kv]
+        theirs(q, *kv)[0].sum().backward()
+        optimizer.step()
+        out, theirs_out = ours(q, *kv)[0], theirs(q, *kv)[0]
+        assert _rel(out, theirs_out) <= 1e-5
+    with pytest.raises(TypeError, match="module"):
+        mha.nn.MultiheadAttention.from_torch(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_replaced_transformer_trains_and_infers_as_pytorchs(rng, kind):
+    """Every attention of a Transformer encoder or decoder replaced: training outputs and every
+    gradient, and inference with PyTorch's fast path on (the encoder layer's fused kernel then
+    runs on the shared parameters, through merge_masks) and off (our module runs)."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    E, H, N, L, S = 16, 4, 3, 7, 5
+    if kind == "encoder":
+        theirs = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(E, H, dim_feedforward=32,
+                                                                              batch_first=True), 2)
+    else:
+        theirs = torch.nn.TransformerDecoder(torch.nn.TransformerDecoderLayer(E, H, dim_feedforward=32,
+                                                                              batch_first=True), 2)
+    ours = mha.nn.replace_attention(copy.deepcopy(theirs))
+    replaced = [m for m in ours.modules() if isinstance(m, mha.nn.MultiheadAttention)]
+    assert len(replaced) == (2 if kind == "encoder" else 4)
+    assert not any(type(m) is torch.nn.MultiheadAttention for m in ours.modules())
+    _no_dropout(theirs), _no_dropout(ours)
+
+    x = torch.from_numpy(rng.standard_normal((N, L, E))).float().requires_grad_()
+    memory = torch.from_numpy(rng.standard_normal((N, S, E))).float()
+    kpm = torch.zeros(N, L, dtype=torch.bool)
+    kpm[1, L - 2:] = True  # left-aligned padding: the encoder's nested-tensor path may take it
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(L)
+
+    def run(model, x):
+        if kind == "encoder":
+            return model(x, src_key_padding_mask=kpm)
+        return model(x, memory, tgt_mask=causal, tgt_key_padding_mask=kpm)
+
+    for model in (theirs, ours):
+        model.train()
+    out, ref = run(ours, x), run(theirs, x)
+    assert _rel(out, ref) <= 1e-5
+    g = torch.from_numpy(rng.standard_normal(out.shape)).float()
+    params = [x] + list(theirs.parameters())
+    ours_params = [x] + list(ours.parameters())
+    for name, a, b in zip(["x"] + [n for n, _ in theirs.named_parameters()],
+                          torch.autograd.grad((out * g).sum(), ours_params),
+                          torch.autograd.grad((ref * g).sum(), params)):
+        assert _rel(a, b) <= 1e-4, name
+
+    for model in (theirs, ours):
+        model.eval()
+    with torch.no_grad():
+        for fast in (True, False):
+            torch.backends.mha.set_fastpath_enabled(fast)
+            try:
+                out, ref = run(ours, x), run(theirs, x)
+            finally:
+                torch.backends.mha.set_fastpath_enabled(True)
+            assert _rel(out.to_padded_tensor(0.0) if out.is_nested else out,
+                        ref.to_padded_tensor(0.0) if ref.is_nested else ref) <= 1e-5, fast
+
+
+def test_attributes_read_at_each_call(rng):
+    """dropout, batch_first and add_zero_attn changed after construction take effect, as in
+    PyTorch's module (which reads them in forward)."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    theirs = torch.nn.MultiheadAttention(8, 2, dropout=0.5)
+    ours = mha.nn.MultiheadAttention.from_torch(theirs)
+    x = torch.from_numpy(rng.standard_normal((5, 2, 8))).float()
+    for m in (theirs, ours):
+        m.dropout, m.add_zero_attn = 0.0, True  # training mode: only the dropout made calls differ
+    assert _rel(ours(x, x, x)[0], theirs(x, x, x)[0]) <= 1e-5
+    for m in (theirs, ours):
+        m.batch_first = True
+    assert _rel(ours(x, x, x)[0], theirs(x, x, x)[0]) <= 1e-5
+
+
+def test_merge_masks_matches_pytorchs(rng):
+    theirs = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    ours = mha.nn.MultiheadAttention.from_torch(theirs)
+    q = torch.zeros(3, 5, 8)
+    kpm = torch.from_numpy(rng.random((3, 5)) < 0.3)
+    for attn_mask in (None, torch.from_numpy(rng.standard_normal((5, 5))).float(),
+                      torch.from_numpy(rng.standard_normal((6, 5, 5))).float()):
+        for key_padding_mask in (None, kpm, torch.where(kpm, -1e9, 0.0)):
+            if attn_mask is not None and key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
+                continue  # (PyTorch adds the two: a float mask and a bool one do not mix there)
+            a, a_type = ours.merge_masks(attn_mask, key_padding_mask, q)
+            b, b_type = theirs.merge_masks(attn_mask, key_padding_mask, q)
+            assert a_type == b_type and (a is None) == (b is None) and (a is None or torch.equal(a, b))
