@@ -136,3 +136,18 @@ def test_merge_masks_matches_pytorchs(rng):
             a, a_type = ours.merge_masks(attn_mask, key_padding_mask, q)
             b, b_type = theirs.merge_masks(attn_mask, key_padding_mask, q)
             assert a_type == b_type and (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+def test_tensors_it_cannot_read_are_clear_errors(rng):
+    m = mha.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.from_numpy(rng.standard_normal((2, 3, 8))).float()
+    nested = torch.nested.nested_tensor([x[0], x[1, :2]])
+    with pytest.raises(ValueError, match="query: nested"):
+        m(nested, nested, nested)
+    with pytest.raises(ValueError, match="key: expected a CPU tensor"):
+        m(x, x.to("meta"), x)
+    with pytest.raises(ValueError, match="attn_mask: expected a dense"):
+        m(x, x, x, attn_mask=torch.zeros(3, 3).to_sparse())
+    with pytest.raises(ValueError, match="out_proj.weight: expected a CPU tensor"):
+        m.out_proj.to("meta")
+        m(x, x, x)

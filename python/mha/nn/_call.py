@@ -42,6 +42,19 @@ def checked_dtype(params: Dict[str, torch.Tensor]) -> torch.dtype:
     return next(iter(dtypes))
 
 
+def _check_dense_cpu(name: str, x) -> None:
+    """A clear error for what the C++ module cannot read: nested, sparse, or not in host memory."""
+    if x is None or not isinstance(x, torch.Tensor):
+        return
+    if x.is_nested:
+        raise ValueError(f"{name}: nested tensors are not supported; pad them (to_padded_tensor) and pass "
+                         "key_padding_mask")
+    if x.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
+    if x.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got one on device '{x.device}'")
+
+
 def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool, query, key, value,
         key_padding_mask, need_weights: bool, attn_mask, average_attn_weights: bool, is_causal: bool):
     """(output, weights or None) of the C++ module `impl` (options `options`; None: a new one for
@@ -50,6 +63,9 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    for name, x in (("query", query), ("key", key), ("value", value), ("key_padding_mask", key_padding_mask),
+                    ("attn_mask", attn_mask), *params.items()):
+        _check_dense_cpu(name, x)
     dtype = checked_dtype(params)
     if _compiling():
         return _traced(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
