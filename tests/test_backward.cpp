@@ -788,4 +788,52 @@ TEST(ModuleBackward, RestoredContextGivesTheBitsOfTheForwardsOwn) {
   EXPECT_THROW(mha::ForwardContext().activations(), mha::Error);
 }
 
+// A float mask of bfloat16 or float16 (PyTorch's usual mask for a bfloat16 model) is its float32
+// values: forward, training forward and every gradient have the bits of the float32 mask of the
+// same values, a broadcast (stride-0) one too; the mask's gradient comes back in its dtype, the
+// float32 one rounded once. A float64 mask is an error naming attn_mask.
+TEST(SdpaBackward, LowPrecisionFloatMasksAreTheirFloat32Values) {
+  std::mt19937_64 rng(test_seed());
+  for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+    for (const bool expanded : {false, true}) {
+      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (expanded ? " expanded" : ""));
+      const mha::Tensor q = mha::Tensor::copy_of(randn({2, 3, 9, 16}, rng), dtype),
+                        k = mha::Tensor::copy_of(randn({2, 3, 13, 16}, rng), dtype),
+                        v = mha::Tensor::copy_of(randn({2, 3, 13, 8}, rng), dtype),
+                        g = mha::Tensor::copy_of(randn({2, 3, 9, 8}, rng), dtype);
+      const mha::Tensor mask = mha::Tensor::copy_of(randn({2, 1, 9, 13}, rng), dtype);
+      const mha::Tensor mask32 = mha::Tensor::copy_of(mask, mha::DType::f32);
+      // [2, 3, 9, 13] with stride 0 over the heads, as expand() gives.
+      auto as_given = [&](const mha::Tensor& m) {
+        if (!expanded) return m.view();
+        const mha::TensorView& mv = m.view();
+        return mha::TensorView(mv.data, mv.dtype, {2, 3, 9, 13}, {mv.strides[0], 0, mv.strides[2], mv.strides[3]});
+      };
+      mha::SdpaOptions low{.attn_mask = as_given(mask), .is_causal = true}, wide = low;
+      wide.attn_mask = as_given(mask32);
+      EXPECT_TRUE(same_bits(mha::scaled_dot_product_attention(q, k, v, low),
+                            mha::scaled_dot_product_attention(q, k, v, wide)));
+      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, low);
+      const auto saved32 = mha::scaled_dot_product_attention_for_training(q, k, v, wide);
+      EXPECT_TRUE(same_bits(saved.output, saved32.output));
+      const auto grads = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, low, true);
+      const auto grads32 = mha::scaled_dot_product_attention_backward(q, k, v, saved32, g, wide, true);
+      EXPECT_TRUE(same_bits(grads.query, grads32.query));
+      EXPECT_TRUE(same_bits(grads.key, grads32.key));
+      ASSERT_TRUE(grads.attn_mask && grads32.attn_mask);
+      EXPECT_EQ(grads.attn_mask->dtype(), dtype);
+      EXPECT_EQ(grads.attn_mask->sizes(), low.attn_mask->sizes());
+      EXPECT_TRUE(same_bits(*grads.attn_mask, mha::Tensor::copy_of(*grads32.attn_mask, dtype)));
+    }
+  }
+  const mha::Tensor q = randn({1, 2, 4, 8}, rng);
+  const mha::Tensor mask64 = mha::Tensor::copy_of(randn({4, 4}, rng), mha::DType::f64);
+  try {
+    mha::scaled_dot_product_attention(q, q, q, {.attn_mask = mask64.view()});
+    FAIL() << "a float64 mask was accepted";
+  } catch (const mha::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("attn_mask"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace

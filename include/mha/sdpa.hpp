@@ -21,8 +21,9 @@ enum class CausalAlignment {
 };
 
 struct SdpaOptions {
-  // bool: true means the key takes part ("attend"), as in PyTorch's SDPA; float32: added to the
-  // scaled scores (-inf excludes). Broadcastable to [B, Hq, Lq, Lk] like a PyTorch tensor.
+  // bool: true means the key takes part ("attend"), as in PyTorch's SDPA; float32, bfloat16 or
+  // float16 (a float mask of the inputs' dtype, as PyTorch takes it): added to the scaled scores
+  // (-inf excludes), read as float32. Broadcastable to [B, Hq, Lq, Lk] like a PyTorch tensor.
   std::optional<TensorView> attn_mask;
   bool is_causal = false;  // may be combined with attn_mask: a key must pass both
   CausalAlignment causal_alignment = CausalAlignment::TopLeft;
@@ -70,7 +71,7 @@ AttentionForTraining scaled_dot_product_attention_for_training(const TensorView&
 
 struct AttentionGradients {
   Tensor query, key, value;       // shaped like q, k, v, in their dtype (undefined when not wanted)
-  std::optional<Tensor> attn_mask;  // shaped like the mask, when asked for (float masks only)
+  std::optional<Tensor> attn_mask;  // shaped like the mask, in its dtype, when asked for (float masks only)
 };
 // Which gradients a backward computes. Each of dQ = dS K, dK = dS^T Q and dV = P^T dO is a fifth
 // of the backward's products, and the two-pass schedule (few heads) runs a whole pass for dK and
@@ -78,7 +79,7 @@ struct AttentionGradients {
 // prefix) skip theirs, as autograd's needs_input_grad says. The mask's gradient only on request.
 struct SdpaGradientsWanted {
   bool query = true, key = true, value = true;
-  bool attn_mask = false;  // a float32 (additive) attn_mask's
+  bool attn_mask = false;  // a float (additive) attn_mask's
 };
 // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
 // With GQA, key and value gradients are summed over the query heads of each group; with a mask

@@ -235,7 +235,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     """torch.nn.functional.scaled_dot_product_attention on the fused kernel.
 
     query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev].
-    attn_mask: bool (True = attend) or float (added to the scores), broadcastable to [..., Hq, L, S].
+    attn_mask: bool (True = attend) or float (added to the scores; float32, or the inputs' bfloat16 or
+    float16, as PyTorch takes it), broadcastable to [..., Hq, L, S].
     is_causal may be combined with attn_mask (a key must pass both). causal_alignment is
     "top_left" (PyTorch's) or "bottom_right" (the last query sees every key). Fully masked rows
     give zeros. dropout_seed fixes the dropout mask (a fresh one is drawn when None).
@@ -258,8 +259,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     if grad:
         from .autograd import SdpaFunction
-        if attn_mask is not None and attn_mask.requires_grad and attn_mask.dtype != _torch().float32:
-            raise ValueError("attn_mask: only a float32 (additive) mask can require grad")
+        if attn_mask is not None and attn_mask.requires_grad and not attn_mask.is_floating_point():
+            raise ValueError("attn_mask: only a float (additive) mask can require grad")
         out = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
                                  None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
                                  causal_alignment == "bottom_right", int(num_threads))
@@ -283,8 +284,8 @@ def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
 
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    if attn_mask is not None and attn_mask.requires_grad and attn_mask.dtype != _sys.modules["torch"].float32:
-        raise ValueError("attn_mask: only a float32 (additive) mask can require grad")
+    if attn_mask is not None and attn_mask.requires_grad and not attn_mask.is_floating_point():
+        raise ValueError("attn_mask: only a float (additive) mask can require grad")
     # (one seed for both operators: the weights are those of the output's dropout mask)
     args = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
             ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right", int(num_threads))
@@ -451,10 +452,13 @@ class MultiheadAttention:
 
 
 def __getattr__(name: str):
-    """`mha.nn` (which needs torch) is imported on first use."""
+    """`mha.nn` and `mha.patch_torch_sdpa` (which need torch) are imported on first use."""
     if name == "nn":
         import importlib
         return importlib.import_module(".nn", __name__)
+    if name == "patch_torch_sdpa":
+        from .torch_sdpa import patch_torch_sdpa
+        return patch_torch_sdpa
     raise AttributeError(f"module 'mha' has no attribute {name!r}")
 
 

@@ -23,7 +23,8 @@ class SdpaFunction(torch.autograd.Function):
     """scaled_dot_product_attention with gradients for query, key, value and a float attn_mask.
     bfloat16 and float16 inputs go to the C++ training forward and backward as they are: float32
     arithmetic inside the kernels, the output and the gradients rounded once to the inputs' dtype
-    (the log-sum-exp and a float mask's gradient stay float32); no float32 copy is saved."""
+    (the log-sum-exp stays float32; a float mask's gradient is in the mask's dtype); no float32
+    copy is saved."""
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
@@ -49,7 +50,7 @@ class SdpaFunction(torch.autograd.Function):
                                             is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads,
                                             mask_grad, tuple(ctx.needs_input_grad[:3]))
         dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
-        return (dq, dk, dv, torch.from_numpy(dm) if mask_grad else None, None, None, None, None, None, None, None)
+        return (dq, dk, dv, _tensor(dm) if mask_grad else None, None, None, None, None, None, None, None)
 
 
 class ModuleFunction(torch.autograd.Function):

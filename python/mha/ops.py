@@ -73,7 +73,7 @@ def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Ten
                                         bottom_right, num_threads, bool(wanted[3]), tuple(bool(w) for w in wanted[:3]))
     # (each left-out slot its own empty tensor: a custom operator's outputs may not alias)
     return [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)] + [
-        torch.from_numpy(dm) if dm is not None else query.new_empty(0, dtype=torch.float32)]
+        _tensor(dm) if dm is not None else query.new_empty(0, dtype=torch.float32)]
 
 
 @sdpa_backward.register_fake
@@ -81,7 +81,7 @@ def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
       bottom_right, num_threads, wanted):
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
              for t, w in zip((query, key, value), wanted[:3])]
-    mask = attn_mask.new_empty(attn_mask.shape, dtype=torch.float32) if wanted[3] else query.new_empty(0, dtype=torch.float32)
+    mask = attn_mask.new_empty(attn_mask.shape) if wanted[3] else query.new_empty(0, dtype=torch.float32)
     return grads + [mask]
 
 
@@ -90,7 +90,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, num_threads)
-    ctx.mask_is_float = attn_mask is not None and attn_mask.dtype == torch.float32
+    ctx.mask_is_float = attn_mask is not None and attn_mask.is_floating_point()
 
 
 def _backward(ctx, grad_output, grad_lse):

@@ -269,6 +269,32 @@ def test_low_precision_sdpa_gradients(dtype, parity_seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float_mask_of_the_inputs_dtype(dtype, parity_seed):
+    """A float mask of the inputs' bfloat16/float16 (as PyTorch takes it, and bfloat16 models pass
+    it) is its float32 values: output and q/k/v gradients have the bits of the call with the
+    mask widened; its own gradient is that call's, rounded to its dtype. Eager and compiled."""
+    rng = np.random.default_rng([parity_seed, 13])
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)).to(dtype) for s in ((2, 2, 7, 16), (2, 2, 9, 16), (2, 2, 9, 16)))
+    g = torch.from_numpy(rng.standard_normal((2, 2, 7, 16))).to(dtype)
+    mask = torch.from_numpy(rng.standard_normal((2, 1, 7, 9))).to(dtype)
+
+    def grads(mask, fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, mask)]
+        out = fn(*leaves)
+        return [out] + list(torch.autograd.grad((out.float() * g.float()).sum(), leaves))
+
+    def sdpa(q, k, v, m):
+        return mha.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
+
+    torch._dynamo.reset()
+    for fn in (sdpa, torch.compile(sdpa, backend="aot_eager", fullgraph=True)):
+        ours, wide = grads(mask, fn), grads(mask.float(), fn)
+        for a, b in zip(ours[:4], wide[:4]):
+            assert a.dtype == dtype and torch.equal(a, b)
+        assert ours[4].dtype == dtype and torch.equal(ours[4], wide[4].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_module(dtype, parity_seed):
     """mha.nn.MultiheadAttention in bfloat16 / float16 (built with dtype= or converted with .to()):
     output, weights and .grad in its dtype, against torch's module in float64 on the same rounded

@@ -30,10 +30,11 @@ MaskTerm make_mask_term(const TensorView& mask, const std::string& name, MaskKin
   MaskTerm term;
   if (mask.dtype == DType::boolean) {
     term.kind = bool_kind;
-  } else if (mask.dtype == DType::f32) {
+  } else if (mask.dtype == DType::f32 || mask.dtype == DType::bf16 || mask.dtype == DType::f16) {
     term.kind = MaskKind::additive;
   } else {
-    throw Error(name + ": expected dtype bool or float32, got " + std::string(dtype_name(mask.dtype)));
+    throw Error(name + ": expected dtype bool, float32, bfloat16 or float16, got " +
+                std::string(dtype_name(mask.dtype)));
   }
   if (mask.ndim > 4) {
     throw Error(name + ": expected at most 4 dimensions, got shape " + mask.shape_str());
@@ -163,8 +164,20 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   p.causal = options.is_causal;
   p.causal_offset = options.causal_alignment == CausalAlignment::BottomRight ? p.len_k - p.len_q : 0;
   if (options.attn_mask) {
-    p.add_mask(make_mask_term(*options.attn_mask, "attn_mask", MaskKind::keep_if_true,
-                              {p.batch, p.heads_q, p.len_q, p.len_k}));
+    const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
+    MaskTerm term = make_mask_term(*options.attn_mask, "attn_mask", MaskKind::keep_if_true, target);
+    if (term.dtype == DType::bf16 || term.dtype == DType::f16) {
+      // A float mask of the inputs' dtype (PyTorch's usual one for bfloat16 models): widened to
+      // the float32 the kernels read, exactly; dimensions it broadcasts along (stride 0) stay of
+      // size 1 in the copy, so an expanded mask is not materialised.
+      require_cpu(*options.attn_mask, "attn_mask");
+      TensorView distinct = *options.attn_mask;
+      for (int d = 0; d < distinct.ndim; ++d)
+        if (distinct.strides[d] == 0 && distinct.shape[d] > 1) distinct.shape[d] = 1;
+      p.mask_storage = Tensor::copy_of(distinct, DType::f32);
+      term = make_mask_term(p.mask_storage.view(), "attn_mask", MaskKind::keep_if_true, target);
+    }
+    p.add_mask(term);
   }
   p.num_threads = options.num_threads;
   if (p.num_threads < 0) {

@@ -46,6 +46,7 @@ struct AttentionProblem {
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;
   int num_threads = 1;
+  Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads
 
   bool on_cpu() const { return q.device.is_cpu(); }
   int64_t group() const { return heads_q / heads_kv; }  // query heads per key/value head
@@ -71,7 +72,8 @@ AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, con
 TensorView as_4d(const TensorView& t, const std::string& name);
 
 // Checks a mask's dtype and broadcastability to `target` (B, H, Lq, Lk) and returns its term.
-// Bool masks take `bool_kind`; float32 masks are additive; anything else is an mha::Error.
+// Bool masks take `bool_kind`; float masks are additive (the kernels read float32: a bfloat16 or
+// float16 term is for the caller to widen, see make_sdpa_problem); anything else is an mha::Error.
 MaskTerm make_mask_term(const TensorView& mask, const std::string& name, MaskKind bool_kind,
                         const std::array<int64_t, 4>& target);
 

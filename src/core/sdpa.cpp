@@ -188,13 +188,13 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   lse_shape.pop_back();
   detail::check_output_view(saved.lse, lse_shape, DType::f32, "saved.lse");
   detail::check_output_view(grad_output, out_shape, q.dtype, "grad_output");
-  if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype != DType::f32)) {
-    throw Error("attn_mask_grad: a gradient exists only for a float32 (additive) attn_mask");
+  if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype == DType::boolean)) {
+    throw Error("attn_mask_grad: a gradient exists only for a float (additive) attn_mask");
   }
   // bfloat16 / float16: the float32 kernel widens q, k, v and the output's gradient as it reads
   // their rows, reads the saved output as it is (for D = rowsum(dO O)) and rounds each gradient
   // row once, as it stores it: the bits of the float32 kernel on widened copies, without the
-  // copies. A mask's gradient stays float32, the mask's dtype.
+  // copies. A mask's gradient is summed in float32 and rounded once to the mask's dtype.
   AttentionGradients g;
   if (wanted.query) g.query = Tensor::empty(q.sizes(), q.dtype);
   if (wanted.key) g.key = Tensor::empty(k.sizes(), q.dtype);
@@ -228,7 +228,10 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
     set_strides(dscores.view(), out.dscores_strides);
   }
   detail::run_attention_backward(p, in, out);
-  if (attn_mask_grad) g.attn_mask = reduce_to_mask_shape(dscores, *options.attn_mask);
+  if (attn_mask_grad) {
+    g.attn_mask = reduce_to_mask_shape(dscores, *options.attn_mask);  // summed in float32
+    if (options.attn_mask->dtype != DType::f32) g.attn_mask = Tensor::copy_of(*g.attn_mask, options.attn_mask->dtype);
+  }
   return g;
 }
 
