@@ -496,10 +496,11 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
 // (mha::detail::transposed_mask_floats), and read in place otherwise: both give the same bits,
 // with and without weights, and the reference's values. Masks of every kind and broadcast: one
 // [Lq, Lk] for all, one per batch entry, one per head, a transposed view, a tiny one; partial
-// query and key blocks; causality and dropout on top.
+// query and key blocks; causality and dropout on top; masks that exclude whole blocks (a causal
+// mask given as a tensor, padding), which the copy lets tasks skip, and rows excluded entirely.
 TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
   std::mt19937_64 rng(test_seed());
-  for (int variant = 0; variant < 5; ++variant) {
+  for (int variant = 0; variant < 7; ++variant) {
     const int64_t b = 2, hkv = 2, hq = 4, dk = 24, dv = 40;
     const int64_t lq = variant == 3 ? 37 : variant == 4 ? 130 : 100, lk = variant == 3 ? 7 : variant == 1 ? 200 : 150;
     const mha::Tensor q = randn({b, hq, lq, dk}, rng), k = randn({b, hkv, lk, dk}, rng), v = randn({b, hkv, lk, dv}, rng);
@@ -513,9 +514,25 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
       std::bernoulli_distribution keep(0.7);
       for (int64_t i = 0; i < mask.numel(); ++i) mask.data<uint8_t>()[i] = keep(rng);
       mask_view = mask.view();
-    } else {  // additive, one per head, as a transposed view of [B, Hq, Lk, Lq] storage
+    } else if (variant == 2) {  // additive, one per head, as a transposed view of [B, Hq, Lk, Lq] storage
       mask = randn({b, hq, lk, lq}, rng);
       mask_view = mask.view().transpose(2, 3);
+    } else if (variant == 5) {  // additive [Lq, Lk], -inf above the diagonal (a causal mask as a tensor)
+      mask = randn({lq, lk}, rng);
+      for (int64_t i = 0; i < lq; ++i)
+        for (int64_t j = i + 1; j < lk; ++j) mask.data<float>()[i * lk + j] = -std::numeric_limits<float>::infinity();
+      mask_view = mask.view();
+    } else {  // bool [B, 1, Lq, Lk]: causal, keys past a per-batch length padded, a few rows with
+              // no key, and rows that see every key, alone in their block of 48 queries (the
+              // first of each in batch entry 0, the last in 1) where the others see none
+      mask = mha::Tensor::empty({b, 1, lq, lk}, mha::DType::boolean);
+      auto sees_all = [](int64_t n, int64_t i) { return n == 0 ? i % 48 == 0 : (i % 48 == 47 || i == 99); };
+      for (int64_t n = 0; n < b; ++n)
+        for (int64_t i = 0; i < lq; ++i)
+          for (int64_t j = 0; j < lk; ++j)
+            mask.data<uint8_t>()[(n * lq + i) * lk + j] =
+                sees_all(n, i) || (j <= i && j < lk - 70 * n && !(n == 1 && i % 50 == 3));
+      mask_view = mask.view();
     }
     mha::SdpaOptions o{.attn_mask = mask_view, .enable_gqa = true};
     if (variant == 0 || variant == 3) o.is_causal = true;

@@ -57,6 +57,10 @@ struct FlashForward {
   // term t, null (read in place), or [slices][Lq / kBlockQ][Lk][kBlockQ] floats, log2(e) * value.
   struct MaskColumns {
     std::array<const float*, 3> data{};
+    // With each copy, per (slice, query block, key block of kBlockK): 1 where the term excludes
+    // every (query, key) pair of the block (-inf throughout: a causal or padding mask given as a
+    // tensor), which the task then skips as it skips causal blocks.
+    std::array<const uint8_t*, 3> excluded{};
     bool done = false;  // transpose_masks has run (it may have copied none)
   };
   MaskColumns mask_columns{};
@@ -168,6 +172,8 @@ struct FlashForward {
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
 
     for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+      // A block a mask excludes entirely is skipped (its weights, when kept, need its P: zeros).
+      if (!s.pt && block_excluded(b, h, i0, j0)) continue;
       const int64_t nb = std::min<int64_t>(kBlockK, key_end - j0);
       const int64_t nbp = round_up(nb, kKeysPerTile);
       for (int64_t jj = 0; jj < nbp; ++jj) {
@@ -462,6 +468,20 @@ struct FlashForward {
   // from consecutive memory. The values are mask_square's, so the bits are add_mask's. Up to
   // transposed_mask_floats() floats per term (8 Mi; an [Lq, Lk] mask of 2048 x 2048 is 4 Mi).
   int64_t mask_slice_floats() const { return round_up(p.len_q, kBlockQ) * p.len_k; }
+  int64_t key_blocks() const { return (p.len_k + kBlockK - 1) / kBlockK; }
+
+  // Whether a copied mask term excludes every pair of the key block at j0 for the task's queries
+  // (then the block adds nothing: p = 0 for each of its keys, and the running max is unchanged).
+  bool block_excluded(int64_t b, int64_t h, int64_t i0, int64_t j0) const {
+    for (int t = 0; t < p.num_masks; ++t) {
+      if (const uint8_t* excluded = mask_columns.excluded[t]) {
+        const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
+        const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
+        if (excluded[(slice * q_blocks + i0 / kBlockQ) * key_blocks() + j0 / kBlockK]) return true;
+      }
+    }
+    return false;
+  }
 
   // The transposed copies of the masks that take one, in `storage`; the problem's other masks stay
   // null and are read in place.
@@ -480,6 +500,9 @@ struct FlashForward {
       }
       storage.push_back(Tensor::empty({floats}));
       float* dst = storage.back().data<float>();
+      const int64_t k_blocks = key_blocks();
+      storage.push_back(Tensor::empty({slices * q_blocks * k_blocks}, DType::boolean));
+      uint8_t* excluded = storage.back().data<uint8_t>();
       parallel_for(slices * q_blocks, threads, [&](int64_t task, int) {
         const int64_t slice = task / q_blocks, i0 = task % q_blocks * kBlockQ;
         int64_t b = 0, h = 0;
@@ -495,8 +518,17 @@ struct FlashForward {
             for (int c = 0; c < nc; ++c) S::store(out + (j0 + c) * kBlockQ + ii0, S::load(turned + c * kLanes));
           }
         }
+        const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
+        for (int64_t kb = 0; kb < k_blocks; ++kb) {
+          const int64_t end = std::min<int64_t>((kb + 1) * kBlockK, p.len_k) * kBlockQ;
+          bool all = true;
+          for (int64_t at = kb * kBlockK * kBlockQ; at < end && all; at += kBlockQ)
+            for (int64_t ii = 0; ii < rows; ++ii) all = all && out[at + ii] == -std::numeric_limits<float>::infinity();
+          excluded[task * k_blocks + kb] = all;
+        }
       });
       cols.data[t] = dst;
+      cols.excluded[t] = excluded;
     }
     return cols;
   }
