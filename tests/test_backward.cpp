@@ -87,7 +87,7 @@ TEST(SdpaBackward, MaskTileCopiesGiveTheBitsOfMasksReadInPlace) {
   std::mt19937_64 rng(test_seed());
   for (mha::detail::Isa isa : mha::detail::supported_isas()) {
     mha::detail::force_isa(isa);
-    for (int variant = 0; variant < 4; ++variant) {
+    for (int variant = 0; variant < 7; ++variant) {
       const int64_t b = 4, hkv = 4, hq = 8, lq = variant == 3 ? 37 : 100, lk = variant == 3 ? 50 : 130, d = 16;
       const mha::Tensor q = randn({b, hq, lq, d}, rng), k = randn({b, hkv, lk, d}, rng), v = randn({b, hkv, lk, d}, rng);
       const mha::Tensor go = randn({b, hq, lq, d}, rng);
@@ -101,11 +101,36 @@ TEST(SdpaBackward, MaskTileCopiesGiveTheBitsOfMasksReadInPlace) {
         std::bernoulli_distribution keep(0.8);
         for (int64_t e = 0; e < mask.numel(); ++e) mask.data<uint8_t>()[e] = keep(rng);
         view = mask.view();
-      } else {  // additive, per batch entry, a transposed view of [B, 1, Lk, Lq]
+      } else if (variant < 4) {  // additive, per batch entry, a transposed view of [B, 1, Lk, Lq]
         mask = randn({b, 1, lk, lq}, rng);
         view = mask.view().transpose(2, 3);
+      } else if (variant == 4) {  // additive [Lq, Lk], -inf above the diagonal: tiles it excludes are skipped
+        mask = randn({lq, lk}, rng);
+        for (int64_t i = 0; i < lq; ++i)
+          for (int64_t j = i + 1; j < lk; ++j) mask.data<float>()[i * lk + j] = -std::numeric_limits<float>::infinity();
+        view = mask.view();
+      } else if (variant == 6) {  // bool [B, Hq, Lq, Lk]: causal, and per head one key every query
+                                  // sees, the first or last of a 48-key panel causality excludes
+        mask = mha::Tensor::empty({b, hq, lq, lk}, mha::DType::boolean);
+        const int64_t lone[] = {48, 95, 96, 129, -1, -1, -1, -1};
+        for (int64_t n = 0; n < b; ++n)
+          for (int64_t hh = 0; hh < hq; ++hh)
+            for (int64_t i = 0; i < lq; ++i)
+              for (int64_t j = 0; j < lk; ++j)
+                mask.data<uint8_t>()[((n * hq + hh) * lq + i) * lk + j] = j <= i || j == lone[hh];
+        view = mask.view();
+      } else {  // bool [B, 1, Lq, Lk]: causal, padded keys, rows with no key, and lone rows that see
+                // every key (the first of each 48-query panel in batch entry 0, the last in 1)
+        mask = mha::Tensor::empty({b, 1, lq, lk}, mha::DType::boolean);
+        auto sees_all = [](int64_t n, int64_t i) { return n == 0 ? i % 48 == 0 : n == 1 && (i % 48 == 47 || i == 99); };
+        for (int64_t n = 0; n < b; ++n)
+          for (int64_t i = 0; i < lq; ++i)
+            for (int64_t j = 0; j < lk; ++j)
+              mask.data<uint8_t>()[(n * lq + i) * lk + j] =
+                  sees_all(n, i) || (j <= i && j < lk - 30 * n && !(n == 2 && i % 40 == 5));
+        view = mask.view();
       }
-      mha::SdpaOptions o{.attn_mask = view, .is_causal = variant >= 2, .enable_gqa = true};
+      mha::SdpaOptions o{.attn_mask = view, .is_causal = variant == 2 || variant == 3, .enable_gqa = true};
       SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " variant " + std::to_string(variant));
       const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
       const auto copied = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);

@@ -500,7 +500,7 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
 // mask given as a tensor, padding), which the copy lets tasks skip, and rows excluded entirely.
 TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
   std::mt19937_64 rng(test_seed());
-  for (int variant = 0; variant < 7; ++variant) {
+  for (int variant = 0; variant < 8; ++variant) {
     const int64_t b = 2, hkv = 2, hq = 4, dk = 24, dv = 40;
     const int64_t lq = variant == 3 ? 37 : variant == 4 ? 130 : 100, lk = variant == 3 ? 7 : variant == 1 ? 200 : 150;
     const mha::Tensor q = randn({b, hq, lq, dk}, rng), k = randn({b, hkv, lk, dk}, rng), v = randn({b, hkv, lk, dv}, rng);
@@ -521,6 +521,17 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
       mask = randn({lq, lk}, rng);
       for (int64_t i = 0; i < lq; ++i)
         for (int64_t j = i + 1; j < lk; ++j) mask.data<float>()[i * lk + j] = -std::numeric_limits<float>::infinity();
+      mask_view = mask.view();
+    } else if (variant == 7) {  // bool [B, Hq, Lq, Lk]: causal, and per head one key every query sees,
+                                // alone in key blocks causality excludes (first or last of a block
+                                // of 64 or 72 keys, kBlockK on each ISA)
+      mask = mha::Tensor::empty({b, hq, lq, lk}, mha::DType::boolean);
+      const int64_t lone[] = {64, 127, 72, 143};
+      for (int64_t n = 0; n < b; ++n)
+        for (int64_t hh = 0; hh < hq; ++hh)
+          for (int64_t i = 0; i < lq; ++i)
+            for (int64_t j = 0; j < lk; ++j)
+              mask.data<uint8_t>()[((n * hq + hh) * lq + i) * lk + j] = j <= i || j == lone[hh % 4];
       mask_view = mask.view();
     } else {  // bool [B, 1, Lq, Lk]: causal, keys past a per-batch length padded, a few rows with
               // no key, and rows that see every key, alone in their block of 48 queries (the

@@ -58,8 +58,24 @@ struct FlashBackward {
   const BackwardOutputs& out;
   // Masks that vary along the queries, copied for the one-pass schedule in the order of its tiles
   // (tile_masks): for term t, null (read in place), or [slices][key panels][query panels][48][48]
-  // floats of log2(e) * value, zero past the last query and key.
-  std::array<const float*, 3> mask_tiles{};
+  // floats of log2(e) * value, zero past the last query and key; with each copy, per (slice, key
+  // panel, query panel), 1 where the term excludes every pair of the tile (-inf throughout: a
+  // causal mask given as a tensor, padding), which the task skips as it skips causal tiles.
+  struct MaskTiles {
+    std::array<const float*, 3> data{};
+    std::array<const uint8_t*, 3> excluded{};
+  };
+  MaskTiles mask_tiles{};
+
+  bool tile_excluded(int64_t b, int64_t h, int64_t kb, int64_t qb) const {
+    const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
+    for (int t = 0; t < p.num_masks; ++t) {
+      if (const uint8_t* excluded = mask_tiles.excluded[t]) {
+        if (excluded[(mask_slice(p.masks[t], p.heads_q, b, h) * nkb + kb) * nqb + qb]) return true;
+      }
+    }
+    return false;
+  }
 
   // One allocation per task holding `floats` floats, 64-byte aligned, zeroed; given back on scope
   // exit. From the host block cache (core/host_memory.hpp): a group task's buffer is tens of MiB
@@ -437,6 +453,7 @@ struct FlashBackward {
         int64_t i_start = 0;  // queries before it see no key of the block: skipped
         if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q) / kPanel * kPanel;
         for (int64_t i0 = i_start; i0 < p.len_q; i0 += kPanel) {
+          if (tile_excluded(b, h, kb, i0 / kPanel)) continue;  // P = 0, dS = 0: it adds nothing
           const int64_t ni = std::min<int64_t>(kPanel, p.len_q - i0);
           const int64_t nip = T::round_up(ni, kRows);
           const int query_vecs = T::vecs_for(ni);
@@ -449,7 +466,7 @@ struct FlashBackward {
             T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv, key_vecs);
           }
           for (int t = 0; t < p.num_masks; ++t) {
-            if (const float* tile = mask_tiles[t]) {  // the tile's own copy, in consecutive memory
+            if (const float* tile = mask_tiles.data[t]) {  // the tile's own copy, in consecutive memory
               tile += (mask_slice(p.masks[t], p.heads_q, b, h) * nkb * nqb + kb * nqb + i0 / kPanel) * kPanel * kPanel;
               for (int64_t ii = 0; ii < ni; ++ii)
                 for (int c = 0; c < key_vecs; ++c) {
@@ -488,8 +505,8 @@ struct FlashBackward {
   // a backward take 1.06-1.09x the unmasked time; 1.03-1.04x with the copy). Such masks are copied
   // once per call, scaled (mask_row's values, so the bits are add_mask's), each tile's rows
   // consecutive and the tiles in the order they are read.
-  std::array<const float*, 3> tile_masks(int threads, std::vector<Tensor>& storage) const {
-    std::array<const float*, 3> tiles{};
+  MaskTiles tile_masks(int threads, std::vector<Tensor>& storage) const {
+    MaskTiles tiles;
     const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
     for (int t = 0; t < p.num_masks; ++t) {
       const MaskTerm& m = p.masks[t];
@@ -500,6 +517,8 @@ struct FlashBackward {
       }
       storage.push_back(Tensor::empty({floats}));
       float* dst = storage.back().data<float>();
+      storage.push_back(Tensor::empty({slices * nkb * nqb}, DType::boolean));
+      uint8_t* excluded = storage.back().data<uint8_t>();
       parallel_for(slices * nkb, threads, [&](int64_t task, int) {
         const int64_t slice = task / nkb, kb = task % nkb, j0 = kb * kPanel;
         int64_t b = 0, h = 0;
@@ -511,8 +530,19 @@ struct FlashBackward {
             S::store(tile + c0, i < p.len_q && nc > 0 ? T::mask_row(m, b, h, i, j0 + c0, nc) : S::zero());
           }
         }
+        const float* first = dst + (slice * nkb + kb) * nqb * kPanel * kPanel;
+        const int64_t nk = std::min<int64_t>(kPanel, p.len_k - j0);
+        for (int64_t qb = 0; qb < nqb; ++qb) {
+          const int64_t nq = std::min<int64_t>(kPanel, p.len_q - qb * kPanel);
+          bool all = true;
+          for (int64_t ii = 0; ii < nq && all; ++ii)
+            for (int64_t jj = 0; jj < nk; ++jj)
+              all = all && first[(qb * kPanel + ii) * kPanel + jj] == -std::numeric_limits<float>::infinity();
+          excluded[task * nqb + qb] = all;
+        }
       });
-      tiles[t] = dst;
+      tiles.data[t] = dst;
+      tiles.excluded[t] = excluded;
     }
     return tiles;
   }
