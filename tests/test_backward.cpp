@@ -87,7 +87,7 @@ TEST(SdpaBackward, MaskTileCopiesGiveTheBitsOfMasksReadInPlace) {
   std::mt19937_64 rng(test_seed());
   for (mha::detail::Isa isa : mha::detail::supported_isas()) {
     mha::detail::force_isa(isa);
-    for (int variant = 0; variant < 7; ++variant) {
+    for (int variant = 0; variant < 8; ++variant) {
       const int64_t b = 4, hkv = 4, hq = 8, lq = variant == 3 ? 37 : 100, lk = variant == 3 ? 50 : 130, d = 16;
       const mha::Tensor q = randn({b, hq, lq, d}, rng), k = randn({b, hkv, lk, d}, rng), v = randn({b, hkv, lk, d}, rng);
       const mha::Tensor go = randn({b, hq, lq, d}, rng);
@@ -108,6 +108,15 @@ TEST(SdpaBackward, MaskTileCopiesGiveTheBitsOfMasksReadInPlace) {
         mask = randn({lq, lk}, rng);
         for (int64_t i = 0; i < lq; ++i)
           for (int64_t j = i + 1; j < lk; ++j) mask.data<float>()[i * lk + j] = -std::numeric_limits<float>::infinity();
+        view = mask.view();
+      } else if (variant == 7) {  // bool padding [B, Hq, 1, Lk] (read in place, its key panels mapped):
+                                  // keys past 30 padded but one per head, the first or last of a
+                                  // panel; against the same mask materialised [B, Hq, Lq, Lk]
+        mask = mha::Tensor::empty({b, hq, 1, lk}, mha::DType::boolean);
+        const int64_t lone[] = {48, 95, 96, 129, -1, -1, -1, -1};
+        for (int64_t n = 0; n < b; ++n)
+          for (int64_t hh = 0; hh < hq; ++hh)
+            for (int64_t j = 0; j < lk; ++j) mask.data<uint8_t>()[(n * hq + hh) * lk + j] = j < 30 || j == lone[hh];
         view = mask.view();
       } else if (variant == 6) {  // bool [B, Hq, Lq, Lk]: causal, and per head one key every query
                                   // sees, the first or last of a 48-key panel causality excludes
@@ -136,7 +145,14 @@ TEST(SdpaBackward, MaskTileCopiesGiveTheBitsOfMasksReadInPlace) {
       const auto copied = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);
       std::atomic<int64_t>& cap = mha::detail::transposed_mask_floats();
       const int64_t kept = cap.exchange(0);  // every mask read in place
-      const auto in_place = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);
+      mha::SdpaOptions unmapped = o;  // (a padding mask materialised: read in place, no tile skipped)
+      mha::Tensor materialised;
+      if (variant == 7) {
+        materialised = mha::Tensor::copy_of(
+            mha::TensorView(view.data, view.dtype, {b, hq, lq, lk}, {view.strides[0], view.strides[1], 0, view.strides[3]}));
+        unmapped.attn_mask = materialised.view();
+      }
+      const auto in_place = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, unmapped);
       cap = kept;
       EXPECT_TRUE(same_bits(copied.query, in_place.query));
       EXPECT_TRUE(same_bits(copied.key, in_place.key));

@@ -500,7 +500,7 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
 // mask given as a tensor, padding), which the copy lets tasks skip, and rows excluded entirely.
 TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
   std::mt19937_64 rng(test_seed());
-  for (int variant = 0; variant < 8; ++variant) {
+  for (int variant = 0; variant < 9; ++variant) {
     const int64_t b = 2, hkv = 2, hq = 4, dk = 24, dv = 40;
     const int64_t lq = variant == 3 ? 37 : variant == 4 ? 130 : 100, lk = variant == 3 ? 7 : variant == 1 ? 200 : 150;
     const mha::Tensor q = randn({b, hq, lq, dk}, rng), k = randn({b, hkv, lk, dk}, rng), v = randn({b, hkv, lk, dv}, rng);
@@ -521,6 +521,15 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
       mask = randn({lq, lk}, rng);
       for (int64_t i = 0; i < lq; ++i)
         for (int64_t j = i + 1; j < lk; ++j) mask.data<float>()[i * lk + j] = -std::numeric_limits<float>::infinity();
+      mask_view = mask.view();
+    } else if (variant == 8) {  // bool padding [B, Hq, 1, Lk] (read in place, its key blocks mapped): keys
+                                // past 40 padded but one per head, the first or last of a block of
+                                // 64 or 72 keys; against the same mask materialised [B, Hq, Lq, Lk]
+      mask = mha::Tensor::empty({b, hq, 1, lk}, mha::DType::boolean);
+      const int64_t lone[] = {64, 127, 72, 143};
+      for (int64_t n = 0; n < b; ++n)
+        for (int64_t hh = 0; hh < hq; ++hh)
+          for (int64_t j = 0; j < lk; ++j) mask.data<uint8_t>()[(n * hq + hh) * lk + j] = j < 40 || j == lone[hh % 4];
       mask_view = mask.view();
     } else if (variant == 7) {  // bool [B, Hq, Lq, Lk]: causal, and per head one key every query sees,
                                 // alone in key blocks causality excludes (first or last of a block
@@ -553,8 +562,16 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
     const auto copied_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
     std::atomic<int64_t>& cap = mha::detail::transposed_mask_floats();
     const int64_t saved = cap.exchange(0);  // every mask read in place
-    const mha::Tensor in_place = mha::scaled_dot_product_attention(q, k, v, o);
-    const auto in_place_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    mha::SdpaOptions unmapped = o;  // (a padding mask materialised: read in place, no block skipped)
+    mha::Tensor materialised;
+    if (variant == 8) {
+      const mha::TensorView& m = mask_view;
+      materialised = mha::Tensor::copy_of(
+          mha::TensorView(m.data, m.dtype, {b, hq, lq, lk}, {m.strides[0], m.strides[1], 0, m.strides[3]}));
+      unmapped.attn_mask = materialised.view();
+    }
+    const mha::Tensor in_place = mha::scaled_dot_product_attention(q, k, v, unmapped);
+    const auto in_place_w = mha::scaled_dot_product_attention_with_weights(q, k, v, unmapped);
     cap = saved;
     EXPECT_TRUE(mha_test::same_bits(copied, in_place));
     EXPECT_TRUE(mha_test::same_bits(copied_w.weights, in_place_w.weights));

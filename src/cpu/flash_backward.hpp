@@ -33,6 +33,7 @@
 #include "core/host_memory.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cpu/excluded_keys.hpp"
 #include "cpu/few_queries_backward.hpp"
 #include "cpu/tile_kernels.hpp"
 
@@ -64,14 +65,20 @@ struct FlashBackward {
   struct MaskTiles {
     std::array<const float*, 3> data{};
     std::array<const uint8_t*, 3> excluded{};
+    // For a term that does not vary along the queries (a key padding mask, read in place): per
+    // (slice, key panel), 1 where it excludes every key of the panel (excluded_keys.hpp).
+    std::array<const uint8_t*, 3> excluded_keys{};
   };
   MaskTiles mask_tiles{};
 
   bool tile_excluded(int64_t b, int64_t h, int64_t kb, int64_t qb) const {
     const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
     for (int t = 0; t < p.num_masks; ++t) {
+      const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
       if (const uint8_t* excluded = mask_tiles.excluded[t]) {
-        if (excluded[(mask_slice(p.masks[t], p.heads_q, b, h) * nkb + kb) * nqb + qb]) return true;
+        if (excluded[(slice * nkb + kb) * nqb + qb]) return true;
+      } else if (const uint8_t* keys = mask_tiles.excluded_keys[t]) {
+        if (keys[slice * nkb + kb]) return true;
       }
     }
     return false;
@@ -511,7 +518,11 @@ struct FlashBackward {
     for (int t = 0; t < p.num_masks; ++t) {
       const MaskTerm& m = p.masks[t];
       int64_t slices = 0, floats = 0;
-      if (m.strides[2] == 0 || !mask_slice_count(m, p.batch, p.heads_q, &slices) ||
+      if (m.strides[2] == 0) {
+        tiles.excluded_keys[t] = excluded_key_blocks<S>(p, m, kPanel, threads, storage);
+        continue;
+      }
+      if (!mask_slice_count(m, p.batch, p.heads_q, &slices) ||
           __builtin_mul_overflow(slices, nkb * nqb * kPanel * kPanel, &floats) || floats > transposed_mask_floats().load()) {
         continue;
       }

@@ -31,6 +31,7 @@
 #include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cpu/excluded_keys.hpp"
 #include "cpu/few_queries.hpp"
 #include "cpu/tile_kernels.hpp"
 
@@ -61,6 +62,9 @@ struct FlashForward {
     // every (query, key) pair of the block (-inf throughout: a causal or padding mask given as a
     // tensor), which the task then skips as it skips causal blocks.
     std::array<const uint8_t*, 3> excluded{};
+    // For a term that does not vary along the queries (a key padding mask, read in place): per
+    // (slice, key block), 1 where it excludes every key of the block (excluded_keys.hpp).
+    std::array<const uint8_t*, 3> excluded_keys{};
     bool done = false;  // transpose_masks has run (it may have copied none)
   };
   MaskColumns mask_columns{};
@@ -474,10 +478,12 @@ struct FlashForward {
   // (then the block adds nothing: p = 0 for each of its keys, and the running max is unchanged).
   bool block_excluded(int64_t b, int64_t h, int64_t i0, int64_t j0) const {
     for (int t = 0; t < p.num_masks; ++t) {
+      const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
       if (const uint8_t* excluded = mask_columns.excluded[t]) {
         const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
-        const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
         if (excluded[(slice * q_blocks + i0 / kBlockQ) * key_blocks() + j0 / kBlockK]) return true;
+      } else if (const uint8_t* keys = mask_columns.excluded_keys[t]) {
+        if (keys[slice * key_blocks() + j0 / kBlockK]) return true;
       }
     }
     return false;
@@ -494,7 +500,11 @@ struct FlashForward {
       // One slice per (batch, head) the mask varies over; counts that overflow (a view's strides
       // may alias its storage) or pass the cap leave the mask in place.
       int64_t slices = 0, floats = 0;
-      if (m.strides[2] == 0 || !mask_slice_count(m, p.batch, p.heads_q, &slices) ||
+      if (m.strides[2] == 0) {
+        cols.excluded_keys[t] = excluded_key_blocks<S>(p, m, kBlockK, threads, storage);
+        continue;
+      }
+      if (!mask_slice_count(m, p.batch, p.heads_q, &slices) ||
           __builtin_mul_overflow(slices, mask_slice_floats(), &floats) || floats > transposed_mask_floats().load()) {
         continue;
       }
