@@ -1,7 +1,8 @@
 // Differential: a small random SDPA problem through the fused kernels and the float64 reference.
 // The input picks the ISA (every one this CPU runs), the layouts (contiguous [B, H, L, D] or a
 // transposed view of [B, L, H, D] storage), GQA, causality and its alignment, a bool or additive
-// mask (with -inf entries, broadcast or not), scale, dropout and the thread count. Aborts when
+// mask (with -inf entries, broadcast or not; bands and padding that exclude whole blocks), scale,
+// dropout and the thread count. Aborts when
 //   - an output or weight is NaN or infinite (the inputs are finite and bounded by 3), or
 //   - the normwise relative error max|fused - ref| / max|ref| of the output (with and without
 //     weights) or of the weights exceeds 1e-4.
@@ -58,7 +59,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mha::detail::force_isa(isas[in.byte() % isas.size()]);
 
   const int64_t B = 1 + in.small(1), Hkv = 1 + in.small(2), group = 1 + in.small(2), Hq = Hkv * group;
-  const int64_t Lq = 1 + in.small(70), Lk = 1 + in.small(70), Dk = 1 + in.small(40), Dv = 1 + in.small(40);
+  // Up to 151 queries and keys: several blocks of the tile kernels (48 queries, 64 or 72 keys), so
+  // that structured masks below exclude whole blocks, which the kernels skip.
+  const int64_t Lq = 1 + in.small(150), Lk = 1 + in.small(150), Dk = 1 + in.small(40), Dv = 1 + in.small(40);
   std::mt19937_64 rng(in.u64());
   static const float amplitudes[] = {0.25f, 1.0f, 3.0f};
   const float amplitude = amplitudes[in.small(2)];
@@ -74,7 +77,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (in.flag()) o.scale = (0.05 + in.small(39) / 20.0) / std::sqrt(static_cast<double>(Dk));  // 0.05x to 2x the default
   o.num_threads = 1 + static_cast<int>(in.small(2));
   mha::Tensor mask;
-  switch (in.small(4)) {
+  switch (in.small(6)) {
     case 1: {  // bool [Lq, Lk], true = attend
       mask = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
       const uint64_t keep = 1 + in.small(8);  // attend with probability keep / 9
@@ -92,6 +95,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::uniform_real_distribution<float> u(-4.0f, 4.0f);
       for (int64_t i = 0; i < mask.numel(); ++i) {
         mask.data<float>()[i] = rng() % 9 < excluded ? -std::numeric_limits<float>::infinity() : u(rng);
+      }
+      break;
+    }
+    case 4: {  // bool [Lq, Lk] band: query i attends keys [i + lo, i + hi] (a causal or local window as a tensor)
+      mask = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
+      const int64_t lo = -static_cast<int64_t>(in.small(80)), hi = lo + static_cast<int64_t>(in.small(80));
+      for (int64_t i = 0; i < Lq; ++i)
+        for (int64_t j = 0; j < Lk; ++j) mask.data<bool>()[i * Lk + j] = j - i >= lo && j - i <= hi;
+      break;
+    }
+    case 5: {  // bool [B, 1, 1, Lk] padding: batch entry b attends its first length_b keys (0 to Lk)
+      mask = mha::Tensor::empty({B, 1, 1, Lk}, mha::DType::boolean);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t length = static_cast<int64_t>(rng() % static_cast<uint64_t>(Lk + 1));
+        for (int64_t j = 0; j < Lk; ++j) mask.data<bool>()[b * Lk + j] = j < length;
       }
       break;
     }
