@@ -877,4 +877,57 @@ TEST(SdpaBackward, LowPrecisionFloatMasksAreTheirFloat32Values) {
   }
 }
 
+// The two-pass backward (few head groups, or a mask gradient) skips the key panels and blocks a
+// padding mask excludes entirely: the bits of the same mask materialised [B, Hq, Lq, Lk] and read
+// in place, for a bool mask and for an additive one whose gradient is asked for (summed over the
+// queries in the same order), with a lone key per head at the first or last key of a 48-key panel
+// or of a 64- or 72-key block.
+TEST(SdpaBackward, TwoPassSkipsKeysAPaddingMaskExcludes) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t b = 1, hkv = 2, hq = 8, lq = 200, lk = 200, d = 16;
+  const mha::Tensor q = randn({b, hq, lq, d}, rng), k = randn({b, hkv, lk, d}, rng), v = randn({b, hkv, lk, d}, rng);
+  const mha::Tensor go = randn({b, hq, lq, d}, rng);
+  const int64_t lone[] = {48, 95, 96, 143, 64, 127, 72, 191};
+  for (const bool additive : {false, true}) {
+    SCOPED_TRACE(additive ? "additive, with its gradient" : "bool");
+    mha::Tensor mask = additive ? randn({b, hq, 1, lk}, rng) : mha::Tensor::empty({b, hq, 1, lk}, mha::DType::boolean);
+    for (int64_t hh = 0; hh < hq; ++hh)
+      for (int64_t j = 0; j < lk; ++j) {
+        const bool keep = j < 30 || j == lone[hh];
+        if (additive) {
+          if (!keep) mask.data<float>()[hh * lk + j] = -std::numeric_limits<float>::infinity();
+        } else {
+          mask.data<uint8_t>()[hh * lk + j] = keep;
+        }
+      }
+    const mha::TensorView& m = mask.view();
+    const mha::Tensor materialised =
+        mha::Tensor::copy_of(mha::TensorView(m.data, m.dtype, {b, hq, lq, lk}, {m.strides[0], m.strides[1], 0, m.strides[3]}));
+    mha::SdpaOptions o{.attn_mask = mask.view(), .enable_gqa = true}, full = o;
+    full.attn_mask = materialised.view();
+    const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    const auto in_place = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, full, additive);
+    {  // A block of the score gradients' size (1.25 MiB), NaN throughout, freed into the host
+       // block cache, which hands it, not zeroed, to the next call's: skipped tiles must be written.
+      const mha::Tensor dirt = mha::Tensor::empty({b, hq, lq, lk});
+      std::fill_n(dirt.data<float>(), dirt.numel(), std::numeric_limits<float>::quiet_NaN());
+    }
+    const auto skipped = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o, additive);
+    EXPECT_TRUE(same_bits(skipped.query, in_place.query));
+    EXPECT_TRUE(same_bits(skipped.key, in_place.key));
+    EXPECT_TRUE(same_bits(skipped.value, in_place.value));
+    if (additive) {
+      mha::Tensor summed = mha::Tensor::zeros({b, hq, 1, lk});
+      for (int64_t hh = 0; hh < hq; ++hh)
+        for (int64_t i = 0; i < lq; ++i)
+          for (int64_t j = 0; j < lk; ++j)
+            summed.data<float>()[hh * lk + j] += in_place.attn_mask->data<float>()[(hh * lq + i) * lk + j];
+      EXPECT_TRUE(same_bits(*skipped.attn_mask, summed));
+    }
+    const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, go, o);
+    const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
+    EXPECT_LT(rel_error(skipped.key, r.key, floor), 1e-4);
+  }
+}
+
 }  // namespace

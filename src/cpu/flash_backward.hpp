@@ -66,10 +66,23 @@ struct FlashBackward {
     std::array<const float*, 3> data{};
     std::array<const uint8_t*, 3> excluded{};
     // For a term that does not vary along the queries (a key padding mask, read in place): per
-    // (slice, key panel), 1 where it excludes every key of the panel (excluded_keys.hpp).
+    // (slice, key panel), 1 where it excludes every key of the panel (excluded_keys.hpp); and per
+    // (slice, key block of kBlock), for the two-pass schedule's query tasks.
     std::array<const uint8_t*, 3> excluded_keys{};
+    std::array<const uint8_t*, 3> excluded_key_blocks{};
   };
   MaskTiles mask_tiles{};
+
+  // Whether a padding mask excludes every key of the block of kBlock keys from j0 (two-pass schedule).
+  bool key_block_excluded(int64_t b, int64_t h, int64_t j0) const {
+    const int64_t blocks = (p.len_k + kBlock - 1) / kBlock;
+    for (int t = 0; t < p.num_masks; ++t) {
+      if (const uint8_t* keys = mask_tiles.excluded_key_blocks[t]) {
+        if (keys[mask_slice(p.masks[t], p.heads_q, b, h) * blocks + j0 / kBlock]) return true;
+      }
+    }
+    return false;
+  }
 
   bool tile_excluded(int64_t b, int64_t h, int64_t kb, int64_t qb) const {
     const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
@@ -296,6 +309,7 @@ struct FlashBackward {
     if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q);
     const int64_t group = p.heads_q / p.heads_kv;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      if (tile_excluded(b, h, j0 / kPanel, 0)) continue;  // a padding mask excludes every key of the panel
       for (int64_t i0 = i_start; i0 < p.len_q; i0 += kBlock) {
         const int64_t ni = std::min<int64_t>(kBlock, p.len_q - i0);
         const int64_t nip = T::round_up(ni, kRows);
@@ -363,6 +377,16 @@ struct FlashBackward {
     const int64_t key_end = limit[ni - 1];  // limits grow with the query: later keys are unseen
     for (int64_t j0 = 0; j0 < key_end; j0 += kBlock) {
       const int64_t nj = std::min<int64_t>(kBlock, key_end - j0);
+      if (key_block_excluded(b, h, j0)) {  // a padding mask excludes every key of the block: dS = 0
+        if (out.dscores) {
+          for (int64_t ii = 0; ii < ni; ++ii) {
+            float* dsr = out.dscores + b * out.dscores_strides[0] + h * out.dscores_strides[1] +
+                         (i0 + ii) * out.dscores_strides[2];
+            for (int64_t jj = 0; jj < nj; ++jj) dsr[(j0 + jj) * out.dscores_strides[3]] = 0.0f;
+          }
+        }
+        continue;
+      }
       const int64_t njp = T::round_up(nj, kRows);
       for (int64_t jj = 0; jj < njp; ++jj) {
         const bool real = j0 + jj < p.len_k;
@@ -574,17 +598,25 @@ struct FlashBackward {
                    [&](int64_t t, int) { with_tiles.group_task(t / p.heads_kv, t % p.heads_kv); });
       return;
     }
-    // Each pass runs only for the gradients it writes.
+    // Each pass runs only for the gradients it writes. Key padding masks (read in place) get maps
+    // of the key panels and blocks they exclude entirely, which the tasks skip.
+    std::vector<Tensor> storage;
+    MaskTiles padding;
+    for (int t = 0; t < p.num_masks; ++t) {
+      padding.excluded_keys[t] = excluded_key_blocks<S>(p, p.masks[t], kPanel, threads, storage);
+      padding.excluded_key_blocks[t] = excluded_key_blocks<S>(p, p.masks[t], kBlock, threads, storage);
+    }
+    const FlashBackward two_pass{p, in, out, padding};
     const int64_t key_blocks = (p.len_k + kPanel - 1) / kPanel;
     parallel_for(out.dk || out.dv ? p.batch * p.heads_kv * key_blocks : 0, threads, [&](int64_t t, int) {
       const int64_t bh = t / key_blocks;
-      keys_task(bh / p.heads_kv, bh % p.heads_kv, (t % key_blocks) * kPanel);
+      two_pass.keys_task(bh / p.heads_kv, bh % p.heads_kv, (t % key_blocks) * kPanel);
     });
     const int64_t query_blocks = (p.len_q + kPanel - 1) / kPanel;
     parallel_for(out.dq || out.dscores ? p.batch * p.heads_q * query_blocks : 0, threads, [&](int64_t t, int) {
       const int64_t qb = query_blocks - 1 - t % query_blocks;  // long causal rows first
       const int64_t bh = t / query_blocks;
-      queries_task(bh / p.heads_q, bh % p.heads_q, qb * kPanel);
+      two_pass.queries_task(bh / p.heads_q, bh % p.heads_q, qb * kPanel);
     });
   }
 };
