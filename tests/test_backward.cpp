@@ -153,7 +153,13 @@ TEST(SdpaBackward, MaskTileCopiesGiveTheBitsOfMasksReadInPlace) {
         unmapped.attn_mask = materialised.view();
       }
       const auto in_place = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, unmapped);
+      mha::detail::skips_excluded_blocks() = false;  // and every tile computed
+      const auto computed = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);
+      mha::detail::skips_excluded_blocks() = true;
       cap = kept;
+      EXPECT_TRUE(same_bits(copied.query, computed.query));
+      EXPECT_TRUE(same_bits(in_place.key, computed.key));
+      EXPECT_TRUE(same_bits(in_place.value, computed.value));
       EXPECT_TRUE(same_bits(copied.query, in_place.query));
       EXPECT_TRUE(same_bits(copied.key, in_place.key));
       EXPECT_TRUE(same_bits(copied.value, in_place.value));
@@ -877,12 +883,12 @@ TEST(SdpaBackward, LowPrecisionFloatMasksAreTheirFloat32Values) {
   }
 }
 
-// The two-pass backward (few head groups, or a mask gradient) skips the key panels and blocks a
-// padding mask excludes entirely: the bits of the same mask materialised [B, Hq, Lq, Lk] and read
+// The two-pass backward (few head groups, or a mask gradient) skips the tiles a mask excludes
+// entirely: the bits of the same mask materialised [B, Hq, Lq, Lk] and read
 // in place, for a bool mask and for an additive one whose gradient is asked for (summed over the
 // queries in the same order), with a lone key per head at the first or last key of a 48-key panel
-// or of a 64- or 72-key block.
-TEST(SdpaBackward, TwoPassSkipsKeysAPaddingMaskExcludes) {
+// or of a 64- or 72-key block; and a mask varying along the queries, under causality.
+TEST(SdpaBackward, TwoPassSkipsWhatAMaskExcludes) {
   std::mt19937_64 rng(test_seed());
   const int64_t b = 1, hkv = 2, hq = 8, lq = 200, lk = 200, d = 16;
   const mha::Tensor q = randn({b, hq, lq, d}, rng), k = randn({b, hkv, lk, d}, rng), v = randn({b, hkv, lk, d}, rng);
@@ -913,6 +919,13 @@ TEST(SdpaBackward, TwoPassSkipsKeysAPaddingMaskExcludes) {
       std::fill_n(dirt.data<float>(), dirt.numel(), std::numeric_limits<float>::quiet_NaN());
     }
     const auto skipped = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o, additive);
+    mha::detail::skips_excluded_blocks() = false;
+    const auto computed = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o, additive);
+    mha::detail::skips_excluded_blocks() = true;
+    EXPECT_TRUE(same_bits(skipped.query, computed.query));
+    EXPECT_TRUE(same_bits(skipped.key, computed.key));
+    EXPECT_TRUE(same_bits(skipped.value, computed.value));
+    if (additive) EXPECT_TRUE(same_bits(*skipped.attn_mask, *computed.attn_mask));
     EXPECT_TRUE(same_bits(skipped.query, in_place.query));
     EXPECT_TRUE(same_bits(skipped.key, in_place.key));
     EXPECT_TRUE(same_bits(skipped.value, in_place.value));
@@ -928,6 +941,23 @@ TEST(SdpaBackward, TwoPassSkipsKeysAPaddingMaskExcludes) {
     const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
     EXPECT_LT(rel_error(skipped.key, r.key, floor), 1e-4);
   }
+
+  // A mask varying along the queries with causality on top: the key tasks start at the diagonal,
+  // so their query blocks straddle the map's (of kBlock, 64 or 72 queries). Keys [48, 96) are
+  // hidden from queries before 72: the map's first block is excluded for that panel, the second
+  // is not, and a task's rows from 48 cover both.
+  mha::Tensor band = mha::Tensor::empty({lq, lk}, mha::DType::boolean);
+  for (int64_t i = 0; i < lq; ++i)
+    for (int64_t j = 0; j < lk; ++j) band.data<uint8_t>()[i * lk + j] = !(j >= 48 && j < 96 && i < 72);
+  mha::SdpaOptions o{.attn_mask = band.view(), .is_causal = true, .enable_gqa = true};
+  const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+  const auto skipped = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);
+  mha::detail::skips_excluded_blocks() = false;
+  const auto computed = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o);
+  mha::detail::skips_excluded_blocks() = true;
+  EXPECT_TRUE(same_bits(skipped.query, computed.query));
+  EXPECT_TRUE(same_bits(skipped.key, computed.key));
+  EXPECT_TRUE(same_bits(skipped.value, computed.value));
 }
 
 }  // namespace

@@ -572,7 +572,12 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
     }
     const mha::Tensor in_place = mha::scaled_dot_product_attention(q, k, v, unmapped);
     const auto in_place_w = mha::scaled_dot_product_attention_with_weights(q, k, v, unmapped);
+    mha::detail::skips_excluded_blocks() = false;  // and every block computed
+    const mha::Tensor computed = mha::scaled_dot_product_attention(q, k, v, o);
+    mha::detail::skips_excluded_blocks() = true;
     cap = saved;
+    EXPECT_TRUE(mha_test::same_bits(copied, computed));
+    EXPECT_TRUE(mha_test::same_bits(in_place, computed));
     EXPECT_TRUE(mha_test::same_bits(copied, in_place));
     EXPECT_TRUE(mha_test::same_bits(copied_w.weights, in_place_w.weights));
     EXPECT_TRUE(mha_test::same_bits(copied_w.output, copied));

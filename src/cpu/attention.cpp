@@ -88,6 +88,11 @@ std::atomic<int64_t>& transposed_mask_floats() {
   return floats;
 }
 
+std::atomic<bool>& skips_excluded_blocks() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max();
   if (problem.len_q > kMaxLen || problem.len_k > kMaxLen) {

@@ -112,6 +112,10 @@ std::atomic<int64_t>& widened_chunk_floats();
 // floats; a larger one is read in place. Settable for tests.
 std::atomic<int64_t>& transposed_mask_floats();
 
+// Whether the tile kernels skip blocks of (query, key) pairs a mask excludes entirely
+// (excluded_keys.hpp); on by default, off for tests that compare against computing them.
+std::atomic<bool>& skips_excluded_blocks();
+
 // The (batch, query head) slices a mask term varies over, which its copies hold one by one:
 // B x Hq at most, fewer where the mask broadcasts. mask_slice_count is false where the count
 // overflows (a view's strides may alias its storage).

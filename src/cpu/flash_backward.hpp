@@ -59,27 +59,52 @@ struct FlashBackward {
   const BackwardOutputs& out;
   // Masks that vary along the queries, copied for the one-pass schedule in the order of its tiles
   // (tile_masks): for term t, null (read in place), or [slices][key panels][query panels][48][48]
-  // floats of log2(e) * value, zero past the last query and key; with each copy, per (slice, key
-  // panel, query panel), 1 where the term excludes every pair of the tile (-inf throughout: a
-  // causal mask given as a tensor, padding), which the task skips as it skips causal tiles.
+  // floats of log2(e) * value, zero past the last query and key. The maps of what a term excludes
+  // entirely (-inf or false for every pair: a causal mask given as a tensor, padding), which the
+  // tasks skip as they skip causal tiles (excluded_keys.hpp):
   struct MaskTiles {
     std::array<const float*, 3> data{};
+    // one pass: [slices][query panels][key panels]
     std::array<const uint8_t*, 3> excluded{};
-    // For a term that does not vary along the queries (a key padding mask, read in place): per
-    // (slice, key panel), 1 where it excludes every key of the panel (excluded_keys.hpp); and per
-    // (slice, key block of kBlock), for the two-pass schedule's query tasks.
+    // a term constant along the queries (a key padding mask): [slices][key panels], and for the
+    // two-pass query tasks [slices][key blocks of kBlock]
     std::array<const uint8_t*, 3> excluded_keys{};
     std::array<const uint8_t*, 3> excluded_key_blocks{};
+    // a term varying along the queries, two passes: [slices][query blocks of kBlock][key panels]
+    // for the key tasks, [slices][query panels][key blocks of kBlock] for the query tasks
+    std::array<const uint8_t*, 3> keys_pass{};
+    std::array<const uint8_t*, 3> queries_pass{};
   };
   MaskTiles mask_tiles{};
 
-  // Whether a padding mask excludes every key of the block of kBlock keys from j0 (two-pass schedule).
-  bool key_block_excluded(int64_t b, int64_t h, int64_t j0) const {
-    const int64_t blocks = (p.len_k + kBlock - 1) / kBlock;
+  // Two passes, query task: whether a mask excludes every pair of queries [i0, i0 + 48) and the
+  // block of kBlock keys from j0.
+  bool key_block_excluded(int64_t b, int64_t h, int64_t i0, int64_t j0) const {
+    const int64_t blocks = (p.len_k + kBlock - 1) / kBlock, panels = (p.len_q + kPanel - 1) / kPanel;
     for (int t = 0; t < p.num_masks; ++t) {
+      const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
       if (const uint8_t* keys = mask_tiles.excluded_key_blocks[t]) {
-        if (keys[mask_slice(p.masks[t], p.heads_q, b, h) * blocks + j0 / kBlock]) return true;
+        if (keys[slice * blocks + j0 / kBlock]) return true;
+      } else if (const uint8_t* tiles = mask_tiles.queries_pass[t]) {
+        if (tiles[(slice * panels + i0 / kPanel) * blocks + j0 / kBlock]) return true;
       }
+    }
+    return false;
+  }
+
+  // Two passes, key task: whether a mask excludes every pair of queries [i0, i0 + ni) (any start:
+  // causality moves it) and the key panel from j0; the map's query blocks of kBlock covering them
+  // must all be excluded.
+  bool query_rows_excluded(int64_t b, int64_t h, int64_t i0, int64_t ni, int64_t j0) const {
+    const int64_t panels = (p.len_k + kPanel - 1) / kPanel, blocks = (p.len_q + kBlock - 1) / kBlock;
+    for (int t = 0; t < p.num_masks; ++t) {
+      const uint8_t* tiles = mask_tiles.keys_pass[t];
+      if (tiles == nullptr) continue;
+      const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
+      bool all = true;
+      for (int64_t qb = i0 / kBlock; qb <= (i0 + ni - 1) / kBlock && all; ++qb)
+        all = tiles[(slice * blocks + qb) * panels + j0 / kPanel] != 0;
+      if (all) return true;
     }
     return false;
   }
@@ -89,7 +114,7 @@ struct FlashBackward {
     for (int t = 0; t < p.num_masks; ++t) {
       const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
       if (const uint8_t* excluded = mask_tiles.excluded[t]) {
-        if (excluded[(slice * nkb + kb) * nqb + qb]) return true;
+        if (excluded[(slice * nqb + qb) * nkb + kb]) return true;
       } else if (const uint8_t* keys = mask_tiles.excluded_keys[t]) {
         if (keys[slice * nkb + kb]) return true;
       }
@@ -312,6 +337,7 @@ struct FlashBackward {
       if (tile_excluded(b, h, j0 / kPanel, 0)) continue;  // a padding mask excludes every key of the panel
       for (int64_t i0 = i_start; i0 < p.len_q; i0 += kBlock) {
         const int64_t ni = std::min<int64_t>(kBlock, p.len_q - i0);
+        if (query_rows_excluded(b, h, i0, ni, j0)) continue;  // P = 0, dS = 0: it adds nothing
         const int64_t nip = T::round_up(ni, kRows);
         for (int64_t ii = 0; ii < nip; ++ii) {
           qrows[ii] = ii < ni ? row(q_rows(), b, h, i0 + ii, q_slots + ii * dk) : zero_row;
@@ -377,7 +403,7 @@ struct FlashBackward {
     const int64_t key_end = limit[ni - 1];  // limits grow with the query: later keys are unseen
     for (int64_t j0 = 0; j0 < key_end; j0 += kBlock) {
       const int64_t nj = std::min<int64_t>(kBlock, key_end - j0);
-      if (key_block_excluded(b, h, j0)) {  // a padding mask excludes every key of the block: dS = 0
+      if (key_block_excluded(b, h, i0, j0)) {  // a mask excludes every pair of the tile: dS = 0
         if (out.dscores) {
           for (int64_t ii = 0; ii < ni; ++ii) {
             float* dsr = out.dscores + b * out.dscores_strides[0] + h * out.dscores_strides[1] +
@@ -548,6 +574,7 @@ struct FlashBackward {
       }
       if (!mask_slice_count(m, p.batch, p.heads_q, &slices) ||
           __builtin_mul_overflow(slices, nkb * nqb * kPanel * kPanel, &floats) || floats > transposed_mask_floats().load()) {
+        tiles.excluded[t] = excluded_tiles<S>(p, m, kPanel, kPanel, threads, storage);  // read in place
         continue;
       }
       storage.push_back(Tensor::empty({floats}));
@@ -573,11 +600,11 @@ struct FlashBackward {
           for (int64_t ii = 0; ii < nq && all; ++ii)
             for (int64_t jj = 0; jj < nk; ++jj)
               all = all && first[(qb * kPanel + ii) * kPanel + jj] == -std::numeric_limits<float>::infinity();
-          excluded[task * nqb + qb] = all;
+          excluded[(slice * nqb + qb) * nkb + kb] = all;
         }
       });
       tiles.data[t] = dst;
-      tiles.excluded[t] = excluded;
+      if (skips_excluded_blocks().load()) tiles.excluded[t] = excluded;
     }
     return tiles;
   }
@@ -598,15 +625,21 @@ struct FlashBackward {
                    [&](int64_t t, int) { with_tiles.group_task(t / p.heads_kv, t % p.heads_kv); });
       return;
     }
-    // Each pass runs only for the gradients it writes. Key padding masks (read in place) get maps
-    // of the key panels and blocks they exclude entirely, which the tasks skip.
+    // Each pass runs only for the gradients it writes. Masks (read in place) get maps of the
+    // tiles of each pass they exclude entirely, which the tasks skip.
     std::vector<Tensor> storage;
-    MaskTiles padding;
+    MaskTiles maps;
     for (int t = 0; t < p.num_masks; ++t) {
-      padding.excluded_keys[t] = excluded_key_blocks<S>(p, p.masks[t], kPanel, threads, storage);
-      padding.excluded_key_blocks[t] = excluded_key_blocks<S>(p, p.masks[t], kBlock, threads, storage);
+      const MaskTerm& m = p.masks[t];
+      if (m.strides[2] == 0) {
+        maps.excluded_keys[t] = excluded_key_blocks<S>(p, m, kPanel, threads, storage);
+        maps.excluded_key_blocks[t] = excluded_key_blocks<S>(p, m, kBlock, threads, storage);
+      } else {
+        maps.keys_pass[t] = excluded_tiles<S>(p, m, kBlock, kPanel, threads, storage);
+        maps.queries_pass[t] = excluded_tiles<S>(p, m, kPanel, kBlock, threads, storage);
+      }
     }
-    const FlashBackward two_pass{p, in, out, padding};
+    const FlashBackward two_pass{p, in, out, maps};
     const int64_t key_blocks = (p.len_k + kPanel - 1) / kPanel;
     parallel_for(out.dk || out.dv ? p.batch * p.heads_kv * key_blocks : 0, threads, [&](int64_t t, int) {
       const int64_t bh = t / key_blocks;

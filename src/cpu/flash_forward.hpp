@@ -506,6 +506,7 @@ struct FlashForward {
       }
       if (!mask_slice_count(m, p.batch, p.heads_q, &slices) ||
           __builtin_mul_overflow(slices, mask_slice_floats(), &floats) || floats > transposed_mask_floats().load()) {
+        cols.excluded[t] = excluded_tiles<S>(p, m, kBlockQ, kBlockK, threads, storage);  // read in place
         continue;
       }
       storage.push_back(Tensor::empty({floats}));
@@ -538,7 +539,7 @@ struct FlashForward {
         }
       });
       cols.data[t] = dst;
-      cols.excluded[t] = excluded;
+      if (skips_excluded_blocks().load()) cols.excluded[t] = excluded;
     }
     return cols;
   }
