@@ -165,25 +165,38 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   p.causal_offset = options.causal_alignment == CausalAlignment::BottomRight ? p.len_k - p.len_q : 0;
   if (options.attn_mask) {
     const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
-    MaskTerm term = make_mask_term(*options.attn_mask, "attn_mask", MaskKind::keep_if_true, target);
-    if (term.dtype == DType::bf16 || term.dtype == DType::f16) {
-      // A float mask of the inputs' dtype (PyTorch's usual one for bfloat16 models): widened to
-      // the float32 the kernels read, exactly; dimensions it broadcasts along (stride 0) stay of
-      // size 1 in the copy, so an expanded mask is not materialised.
-      require_cpu(*options.attn_mask, "attn_mask");
-      TensorView distinct = *options.attn_mask;
-      for (int d = 0; d < distinct.ndim; ++d)
-        if (distinct.strides[d] == 0 && distinct.shape[d] > 1) distinct.shape[d] = 1;
-      p.mask_storage = Tensor::copy_of(distinct, DType::f32);
-      term = make_mask_term(p.mask_storage.view(), "attn_mask", MaskKind::keep_if_true, target);
-    }
-    p.add_mask(term);
+    p.add_mask(make_mask_term(*options.attn_mask, "attn_mask", MaskKind::keep_if_true, target));
   }
   p.num_threads = options.num_threads;
   if (p.num_threads < 0) {
     throw Error("num_threads: expected >= 0 (0 for the library setting), got " + std::to_string(p.num_threads));
   }
   return p;
+}
+
+void widen_mask_terms(AttentionProblem& p) {
+  const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
+  for (int t = 0; t < p.num_masks; ++t) {
+    MaskTerm& term = p.masks[t];
+    if (term.dtype != DType::bf16 && term.dtype != DType::f16) continue;
+    if (!p.on_cpu()) {
+      throw Error("attn_mask: a bfloat16 or float16 mask is widened on the host; on " + p.q.device.str() +
+                  " pass it as float32 or bool");
+    }
+    if (p.mask_storage.defined()) throw Error("attn_mask: at most one bfloat16/float16 mask term");
+    // Dimensions the term broadcasts along (stride 0) stay of size 1 in the copy, so an expanded
+    // mask is not materialised.
+    Shape shape(4), strides(4);
+    for (int d = 0; d < 4; ++d) {
+      shape[d] = term.strides[d] == 0 ? 1 : target[d];
+      strides[d] = term.strides[d];
+    }
+    p.mask_storage = Tensor::copy_of(TensorView(term.data, term.dtype, shape, strides), DType::f32);
+    const TensorView& w = p.mask_storage.view();
+    term.data = w.data;
+    term.dtype = DType::f32;
+    for (int d = 0; d < 4; ++d) term.strides[d] = shape[d] == 1 ? 0 : w.strides[d];
+  }
 }
 
 }  // namespace mha::detail

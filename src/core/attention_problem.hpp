@@ -46,7 +46,7 @@ struct AttentionProblem {
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;
   int num_threads = 1;
-  Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads
+  Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads (widen_mask_terms)
 
   bool on_cpu() const { return q.device.is_cpu(); }
   int64_t group() const { return heads_q / heads_kv; }  // query heads per key/value head
@@ -67,6 +67,11 @@ enum class InputDtypes { f32, low_precision, any_float };
 // the problem.
 AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, const TensorView& v,
                                    const SdpaOptions& options, InputDtypes dtypes);
+
+// A float mask term of bfloat16 or float16 (PyTorch's usual mask for a bfloat16 model) replaced by
+// a float32 copy the kernels read (exact), held in p.mask_storage; the validator above never reads
+// data, so the public functions call this after it. mha::Error for such a mask on a device.
+void widen_mask_terms(AttentionProblem& p);
 
 // A rank-2..4 view as [B, H, L, D] (leading size-1 dimensions added).
 TensorView as_4d(const TensorView& t, const std::string& name);

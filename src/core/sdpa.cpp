@@ -73,7 +73,8 @@ void require_no_weights_on_device(const AttentionProblem& p) {
 
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  detail::widen_mask_terms(p);
   Tensor out = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype, q.device);
   if (!p.on_cpu()) {
     detail::cuda_attention_forward(p, detail::as_4d(out, "out"), nullptr);
@@ -85,7 +86,8 @@ Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
 
 AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  detail::widen_mask_terms(p);
   require_no_weights_on_device(p);
   AttentionWithWeights r;
   r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
@@ -97,7 +99,8 @@ AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView&
 void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k, const TensorView& v,
                                        const TensorView& out, const SdpaOptions& options,
                                        const std::optional<TensorView>& weights) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  detail::widen_mask_terms(p);
   detail::check_output_view(out, detail::output_shape(q, p.len_q, p.dim_v), q.dtype, "out");
   if (out.device != q.device) {
     throw Error("out: expected the query's device " + q.device.str() + ", got " + out.device.str());
@@ -116,7 +119,8 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
 
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  detail::widen_mask_terms(p);
   AttentionForTraining r;
   Shape lse_shape = q.sizes();
   lse_shape.pop_back();
@@ -179,7 +183,8 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
                                                          const SdpaGradientsWanted& wanted) {
   const bool attn_mask_grad = wanted.attn_mask;
   require_cpu(q, "query");  // the GPU backward is not part of this build
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  detail::widen_mask_terms(p);
   require_cpu(grad_output, "grad_output");
   require_cpu(saved.output, "saved.output");
   const Shape out_shape = detail::output_shape(q, p.len_q, p.dim_v);

@@ -100,7 +100,8 @@ Tensor linear(const TensorView& x, const TensorView& w, const Tensor* bias, bool
 Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options) {
   require_cpu(q, "query");
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
+  detail::widen_mask_terms(p);
   Result r;
   r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), DType::f64);
   r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k), DType::f64);
@@ -111,7 +112,8 @@ Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
 Gradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                                 const TensorView& grad_output, const SdpaOptions& options) {
   require_cpu(q, "query");
-  const AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
+  detail::widen_mask_terms(p);
   const TensorView g = detail::as_4d(grad_output, "grad_output");
   Gradients r;
   r.query = Tensor::zeros(q.sizes(), DType::f64);
