@@ -9,6 +9,7 @@
 // is the floating-point rate, e.g. "FLOPS=120G/s".
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -89,6 +90,34 @@ void sdpa_decode(benchmark::State& state) {
                                                                mha::CausalAlignment::BottomRight));
 }
 
+// Args: B, Hq, Hkv, S, d, bf16, padded (percent). One token per head of a batch of generations with
+// left padding: a bool mask [B, 1, 1, S] hides the first keys of each entry, from none (entry 0) to
+// twice `padded` percent (the last), `padded` percent in all. Blocks of padding are skipped, so
+// the time should fall with it; padded=0 (every key visible, the mask read all the same) is the
+// baseline. The bytes counter is the cache's size, padding included.
+void sdpa_decode_padded(benchmark::State& state) {
+  const int64_t batch = state.range(0), heads = state.range(1), kv_heads = state.range(2), cache = state.range(3);
+  const int64_t dim = state.range(4), padded = state.range(6);
+  const mha::DType dtype = state.range(5) != 0 ? mha::DType::bf16 : mha::DType::f32;
+  std::mt19937_64 rng(46);
+  auto input = [&](int64_t h, int64_t l) { return mha::Tensor::copy_of(random_normal({batch, h, l, dim}, rng), dtype); };
+  const mha::Tensor q = input(heads, 1), k = input(kv_heads, cache), v = input(kv_heads, cache);
+  const mha::Tensor out = mha::Tensor::empty({batch, heads, 1, dim}, dtype);
+  mha::Tensor mask = mha::Tensor::empty({batch, 1, 1, cache}, mha::DType::boolean);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pad = batch == 1 ? cache * padded / 100 : cache * padded * 2 * b / (100 * (batch - 1));
+    for (int64_t j = 0; j < cache; ++j) mask.data<uint8_t>()[b * cache + j] = j >= std::min(pad, cache - 1);
+  }
+  const mha::SdpaOptions options{.attn_mask = mask.view(), .enable_gqa = kv_heads != heads};
+  for (auto _ : state) {
+    mha::scaled_dot_product_attention_into(q, k, v, out, options);
+    benchmark::ClobberMemory();
+  }
+  const double cache_bytes = 2.0 * batch * kv_heads * cache * dim * static_cast<double>(mha::dtype_size(dtype));
+  state.counters["bytes"] = benchmark::Counter(cache_bytes, benchmark::Counter::kIsIterationInvariantRate,
+                                               benchmark::Counter::kIs1024);
+}
+
 // Args: E, H, B, L. Self-attention without weights (need_weights=false), the fast path of a
 // transformer layer; FLOPs include the four E x E projections.
 void module_forward(benchmark::State& state) {
@@ -130,6 +159,11 @@ void register_benchmarks() {
   decode->Args({4, 16, 16, 512, 64, 1, 0});                                          // a cache that fits in L3
   decode->Args({1, 32, 8, 4096, 128, 1, 0});                                         // grouped heads
   decode->Args({1, 32, 8, 4096, 128, 8, 0});                                         // speculative: 8 tokens
+
+  auto* padded = benchmark::RegisterBenchmark("SDPA_decode_padded", sdpa_decode_padded);
+  padded->ArgNames({"B", "Hq", "Hkv", "S", "d", "bf16", "padded"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (const int64_t bf16 : {0, 1})
+    for (const int64_t percent : {0, 25, 50}) padded->Args({8, 32, 8, 2048, 128, bf16, percent});
 
   auto* module = benchmark::RegisterBenchmark("MHA_module_forward", module_forward);
   module->ArgNames({"E", "H", "B", "L"})->UseRealTime()->Unit(benchmark::kMillisecond);

@@ -727,6 +727,68 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
       }
 }
 
+// The few-queries kernel skips key blocks (48 keys) a mask excludes for every row of a task: the
+// left padding of a batch of generations, a query-varying mask with -inf blocks. Skipping changes
+// no bit of the output, the weights or the log-sum-exp (against every block computed, 1 thread
+// against 3) and keeps the reference's values: panel and dot mode, one query and several, groups
+// of heads whose rows differ (one head sees a lone key where the others see none), a lone
+// visible key at either edge of a block, caches split into runs (runs with every block skipped),
+// dropout, and rows with no visible key at all.
+TEST_P(EveryIsa, FewQueriesSkipWhatAMaskExcludes) {
+  std::mt19937_64 rng(test_seed());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int n = 0; n < 12; ++n) {
+    const int64_t lq = n % 4 == 0 ? 1 : n % 4 == 1 ? 2 : n % 4 == 2 ? 8 : 32, hkv = 2, group = n % 3 == 0 ? 1 : 4;
+    const int64_t hq = hkv * group, b = 3, lk = n < 6 ? 2100 : 300, dk = n % 2 == 0 ? 64 : 20, dv = 40;
+    const mha::DType dtype = n == 5 ? mha::DType::bf16 : mha::DType::f32;
+    const mha::Tensor q = randn({b, hq, lq, dk}, rng, dtype), k = randn({b, hkv, lk, dk}, rng, dtype),
+                      v = randn({b, hkv, lk, dv}, rng, dtype);
+    // Entry 0 sees every key, entry 1 the last third and 60 more per query, entry 2 the last 5 keys and one lone key:
+    // the first key of a block (n even) or the last (n odd), in head 1 only (n % 3 == 2).
+    const int64_t lone = n % 2 == 0 ? 96 : 143;
+    auto visible = [&](int64_t e, int64_t h, int64_t i, int64_t j) {
+      if (e == 0) return n % 6 != 4 || j <= lk - lq + i;  // (n % 6 == 4: causal from the bottom right as well)
+      if (e == 1) return j >= 2 * lk / 3 - 60 * i;  // (later queries see blocks earlier ones do not)
+      return j >= lk - 5 || (j == lone && (n % 3 != 2 || h == 1));
+    };
+    mha::Tensor mask;
+    if (n % 3 == 0) {  // bool [B, 1, 1, Lk]: a key padding mask, per key block (one row per query)
+      mask = mha::Tensor::empty({b, 1, 1, lk}, mha::DType::boolean);
+      for (int64_t e = 0; e < b; ++e)
+        for (int64_t j = 0; j < lk; ++j) mask.data<uint8_t>()[e * lk + j] = visible(e, 0, lq - 1, j);
+    } else {  // additive [B, Hq, Lq, Lk]: random values where visible, -inf elsewhere
+      mask = randn({b, hq, lq, lk}, rng);
+      for (int64_t e = 0; e < b; ++e)
+        for (int64_t h = 0; h < hq; ++h)
+          for (int64_t i = 0; i < lq; ++i)
+            for (int64_t j = 0; j < lk; ++j)
+              if (!visible(e, h, i, j)) mask.data<float>()[((e * hq + h) * lq + i) * lk + j] = neg_inf;
+    }
+    mha::SdpaOptions o{.attn_mask = mask.view(), .enable_gqa = group > 1};
+    if (n % 5 == 3) o.dropout_p = 0.2, o.dropout_seed = rng();
+    SCOPED_TRACE("case " + std::to_string(n) + ": Lq=" + std::to_string(lq) + " group=" + std::to_string(group) +
+                 " Lk=" + std::to_string(lk) + " Dk=" + std::to_string(dk));
+    const auto skipped = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    const auto skipped_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    o.num_threads = 3;
+    const mha::Tensor three = mha::scaled_dot_product_attention(q, k, v, o);
+    o.num_threads = 1;
+    mha::detail::skips_excluded_blocks() = false;  // and every block computed
+    const auto computed = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    const auto computed_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    mha::detail::skips_excluded_blocks() = true;
+    EXPECT_TRUE(mha_test::same_bits(skipped.output, computed.output));
+    EXPECT_TRUE(mha_test::same_bits(skipped.lse, computed.lse));
+    EXPECT_TRUE(mha_test::same_bits(skipped_w.weights, computed_w.weights));
+    EXPECT_TRUE(mha_test::same_bits(skipped_w.output, computed_w.output));
+    EXPECT_TRUE(mha_test::same_bits(three, skipped.output));
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+    const double tolerance = dtype == mha::DType::bf16 ? 1e-2 : score_tolerance(q, k, 1.0 / std::sqrt(double(dk)));
+    EXPECT_LT(rel_error(skipped.output, ref.output), tolerance);
+    EXPECT_LT(rel_error(skipped_w.weights, ref.weights), dtype == mha::DType::bf16 ? 1e-2 : tolerance);
+  }
+}
+
 TEST(Sdpa, FlopCount) {
   EXPECT_DOUBLE_EQ(mha::attention_flops(4, 16, 2048, 2048, 64, 64, false), 4.0 * 4 * 16 * 2048.0 * 2048 * 64);
   // Causal top-left on a square problem keeps L(L+1)/2 pairs.

@@ -12,21 +12,25 @@
 // each key block is read once for all of them. Long caches are split into shape-fixed runs of keys
 // whose partial softmax states are merged in order afterwards; every query row's arithmetic is the
 // same whichever rows share its register block or task, so the bits depend on the shape only, not
-// on the thread count. Internal linkage: each ISA's file compiles its own copy.
+// on the thread count. Key blocks a mask excludes for every row of a task (a batch's left
+// padding) are skipped, keys and values unread. Internal linkage: each ISA's file compiles its own copy.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "core/attention_problem.hpp"
 #include "core/dropout.hpp"
 #include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cpu/excluded_keys.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "mha/tensor.hpp"
 
@@ -52,6 +56,16 @@ struct FewQueries {
 
   const AttentionProblem& p;
   const ForwardOutputs& o;
+  // Per mask term, per (slice, block of kKeys keys): 1 where the term excludes the block's every
+  // key for every query (-inf or false: the left padding of a batch of prompts of different
+  // lengths), from excluded_keys.hpp; null where there is no map. A task skips a block its every
+  // row has excluded by some term, reading none of its keys or values: its probabilities are 0
+  // and adding them changes no bit of O, m or l.
+  struct ExcludedBlocks {
+    std::array<const uint8_t*, 3> maps{};
+    bool done = false;  // run() has built them (it may have built none)
+  };
+  ExcludedBlocks excluded{};
 
   // The weights stay with the tile kernel outside dot mode (the panel schedule rescales its blocks
   // online and keeps none of their probabilities). Dropout runs in both schedules (dropped()). Dot mode has each run's
@@ -118,6 +132,7 @@ struct FewQueries {
     const uint16_t* kp16[kKeys];  // bfloat16 or float16 rows read in place (dot mode)
     const uint16_t* vp16[kKeys];
     int64_t seen = 0;  // dot mode: keys [j_begin, j_begin + seen) of the last run had their probabilities in `scores`
+    bool skipped[kKeysPerRun / kKeys];  // per block of the run from j_begin: excluded for every row (mark_skipped)
   };
 
   int64_t zeros() const { return std::max(dk(), dv()); }
@@ -381,6 +396,44 @@ struct FewQueries {
     return key_end;
   }
 
+  int64_t key_blocks() const { return (p.len_k + kKeys - 1) / kKeys; }
+
+  // Whether every row of rows [r_begin, r_end) of key/value head (b, hk) has key block kb (keys
+  // from kb * kKeys) excluded by some mask term. The rows of a head share its maps: a map covers
+  // every query of a slice.
+  bool block_excluded(int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t kb) const {
+    const int64_t h_end = hk * group() + (r_end - 1) / p.len_q + 1;
+    for (int64_t h = hk * group() + r_begin / p.len_q; h < h_end; ++h) {
+      bool any = false;
+      for (int t = 0; t < p.num_masks && !any; ++t)
+        if (const uint8_t* map = excluded.maps[t]) any = map[mask_slice(p.masks[t], p.heads_q, b, h) * key_blocks() + kb];
+      if (!any) return false;
+    }
+    return true;
+  }
+
+  // s.skipped for the blocks of keys [j_begin, key_end) (j_begin a multiple of kKeys).
+  void mark_skipped(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
+                    int64_t key_end) const {
+    const bool maps = std::any_of(excluded.maps.begin(), excluded.maps.end(), [](const uint8_t* m) { return m; });
+    for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys)
+      s.skipped[(j0 - j_begin) / kKeys] = maps && block_excluded(b, hk, r_begin, r_end, j0 / kKeys);
+  }
+
+  // The maps of ExcludedBlocks, in `storage`. A term that does not vary along the queries (or
+  // with one query per head) is scanned per key block; others per block over all the queries.
+  ExcludedBlocks excluded_blocks(int threads, std::vector<Tensor>& storage) const {
+    ExcludedBlocks blocks;
+    blocks.done = true;
+    for (int t = 0; t < p.num_masks; ++t) {
+      MaskTerm m = p.masks[t];
+      if (p.len_q == 1) m.strides[2] = 0;  // (query 0 only: the same term)
+      blocks.maps[t] = m.strides[2] == 0 ? excluded_key_blocks<S>(p, m, kKeys, threads, storage)
+                                         : excluded_tiles<S>(p, m, p.len_q, kKeys, threads, storage);
+    }
+    return blocks;
+  }
+
   // Keys [j_begin, j_end) for rows [r_begin, r_end) of key/value head (b, hk). Leaves O, m and the
   // lane sums of each row in the scratch, indexed from r_begin.
   void run_keys(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
@@ -388,8 +441,10 @@ struct FewQueries {
     if (scores_by_dot()) return run_keys_by_dot(s, b, hk, r_begin, r_end, j_begin, j_end);
     const int64_t rows = r_end - r_begin;
     const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end);
+    mark_skipped(s, b, hk, r_begin, r_end, j_begin, key_end);
     const bool v_in_place = values_in_place();
     for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
+      if (s.skipped[(j0 - j_begin) / kKeys]) continue;
       const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
       int64_t n = 0;  // the rows that see a key of this block (causality), packed
       for (int64_t qi = 0; qi < rows; ++qi) {
@@ -398,7 +453,7 @@ struct FewQueries {
         s.qrow[n] = s.q + qi * dk();
         s.accrow[n++] = s.acc + qi * dv();
       }
-      if (prefetches() && j0 + kKeys < key_end) {
+      if (prefetches() && j0 + kKeys < key_end && !s.skipped[(j0 + kKeys - j_begin) / kKeys]) {
         prefetch_rows(p.k, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
         prefetch_rows(p.v, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
       }
@@ -428,6 +483,9 @@ struct FewQueries {
     const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end);
     s.seen = key_end - j_begin;
     if (key_end == j_begin) return;
+    mark_skipped(s, b, hk, r_begin, r_end, j_begin, key_end);
+    // Whether the keys at j (a multiple of kLanes) are in a skipped block: -inf scores, no values read.
+    auto skipped = [&](int64_t j) { return s.skipped[(j - j_begin) / kKeys]; };
     const int64_t count = key_end - j_begin;  // <= kKeysPerRun
     const int64_t ahead = kDotPrefetchKeys;
     const auto zero16 = reinterpret_cast<const uint16_t*>(s.zero);  // as many zero bits as dk and dv need
@@ -436,7 +494,13 @@ struct FewQueries {
       using L = decltype(loader);
       for (int64_t j0 = j_begin; j0 < key_end; j0 += kLanes) {
         const int nc = static_cast<int>(std::min<int64_t>(kLanes, key_end - j0));
-        if (j0 + ahead < key_end) prefetch_rows(p.k, b, hk, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
+        if (j0 + ahead < key_end && !skipped(j0 + ahead))
+          prefetch_rows(p.k, b, hk, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
+        if (skipped(j0)) {
+          const F neg_inf = S::set1(-std::numeric_limits<float>::infinity());
+          for (int64_t qi = 0; qi < rows; ++qi) S::store(s.scores + qi * stride + (j0 - j_begin), neg_inf);
+          continue;
+        }
         const typename L::E* const* kp;
         if constexpr (std::is_same_v<L, AsF32>) {
           for (int c = 0; c < kLanes; ++c)
@@ -464,7 +528,9 @@ struct FewQueries {
       using L = decltype(loader);
       for (int64_t j0 = j_begin; j0 < key_end; j0 += kLanes) {
         const int nc = static_cast<int>(std::min<int64_t>(kLanes, key_end - j0));
-        if (j0 + ahead < key_end) prefetch_rows(p.v, b, hk, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
+        if (j0 + ahead < key_end && !skipped(j0 + ahead))
+          prefetch_rows(p.v, b, hk, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
+        if (skipped(j0)) continue;  // probabilities 0
         if constexpr (std::is_same_v<L, AsF32>) {
           for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
           accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, s.vp);
@@ -487,7 +553,8 @@ struct FewQueries {
     for (int64_t c = 0; c < count; c += kLanes) {
       const int cols = static_cast<int>(std::min<int64_t>(kLanes, count - c));
       F x = S::load(row + c);
-      for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j_begin + c, cols));
+      if (!s.skipped[c / kKeys])  // (a skipped block's scores are -inf already)
+        for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j_begin + c, cols));
       const int64_t keep = std::clamp<int64_t>(visible - c, 0, kLanes);
       x = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x, S::set1(neg_inf));
       nan = nan || !S::all(S::eq(x, x));
@@ -562,6 +629,11 @@ struct FewQueries {
 
   void run() const {
     const int threads = resolve_threads(p.num_threads);
+    if (p.num_masks > 0 && !excluded.done) {
+      std::vector<Tensor> storage;
+      FewQueries{p, o, excluded_blocks(threads, storage)}.run();
+      return;
+    }
     const int64_t groups = p.batch * p.heads_kv, n = queries(), r = runs();
     // Rows of a key/value head split into chunks only where heads and runs alone leave threads idle:
     // each chunk reads the keys and values again.
