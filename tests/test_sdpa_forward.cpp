@@ -493,7 +493,8 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
 }
 
 // A mask that varies along the queries is copied transposed once per call, where the copy fits
-// (mha::detail::transposed_mask_floats), and read in place otherwise: both give the same bits,
+// (mha::detail::transposed_mask_floats), a chunk of batch entries at a time where one entry's
+// does, and read in place otherwise: all give the same bits,
 // with and without weights, and the reference's values. Masks of every kind and broadcast: one
 // [Lq, Lk] for all, one per batch entry, one per head, a transposed view, a tiny one; partial
 // query and key blocks; causality and dropout on top; masks that exclude whole blocks (a causal
@@ -561,7 +562,13 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
     const mha::Tensor copied = mha::scaled_dot_product_attention(q, k, v, o);
     const auto copied_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
     std::atomic<int64_t>& cap = mha::detail::transposed_mask_floats();
-    const int64_t saved = cap.exchange(0);  // every mask read in place
+    // A cap of one batch entry's copy (its heads' slices of 144 x Lk floats: Lq = 100 in 48-query
+    // blocks): a mask that varies along the batch is copied one entry at a time, the others read in place.
+    const int64_t per_entry = (mask_view.strides[1] != 0 && mask_view.shape[1] > 1 ? hq : 1) * 144 * lk;
+    const int64_t saved = cap.exchange(per_entry);
+    const mha::Tensor chunked = mha::scaled_dot_product_attention(q, k, v, o);
+    const auto chunked_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+    cap = 0;  // every mask read in place
     mha::SdpaOptions unmapped = o;  // (a padding mask materialised: read in place, no block skipped)
     mha::Tensor materialised;
     if (variant == 8) {
@@ -579,6 +586,8 @@ TEST_P(EveryIsa, TransposedMaskCopiesGiveTheBitsOfMasksReadInPlace) {
     EXPECT_TRUE(mha_test::same_bits(copied, computed));
     EXPECT_TRUE(mha_test::same_bits(in_place, computed));
     EXPECT_TRUE(mha_test::same_bits(copied, in_place));
+    EXPECT_TRUE(mha_test::same_bits(chunked, computed));
+    EXPECT_TRUE(mha_test::same_bits(chunked_w.weights, in_place_w.weights));
     EXPECT_TRUE(mha_test::same_bits(copied_w.weights, in_place_w.weights));
     EXPECT_TRUE(mha_test::same_bits(copied_w.output, copied));
     const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);

@@ -65,6 +65,11 @@ struct FlashForward {
     // For a term that does not vary along the queries (a key padding mask, read in place): per
     // (slice, key block), 1 where it excludes every key of the block (excluded_keys.hpp).
     std::array<const uint8_t*, 3> excluded_keys{};
+    // A term whose copy fits the cap only a chunk of batch entries at a time (mask_batch_chunk):
+    // the slice its copy and map start at, and the buffers each chunk's copy is written into.
+    std::array<int64_t, 3> first_slice{};
+    std::array<float*, 3> chunk_data{};
+    std::array<uint8_t*, 3> chunk_excluded{};
     bool done = false;  // transpose_masks has run (it may have copied none)
   };
   MaskColumns mask_columns{};
@@ -199,7 +204,8 @@ struct FlashForward {
 
       for (int t = 0; t < p.num_masks; ++t) {
         if (const float* cols = mask_columns.data[t]) {  // the transposed copy: a vector of queries per key
-          cols += mask_slice(p.masks[t], p.heads_q, b, h) * mask_slice_floats() + (i0 / kBlockQ * p.len_k + j0) * kBlockQ;
+          const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h) - mask_columns.first_slice[t];
+          cols += slice * mask_slice_floats() + (i0 / kBlockQ * p.len_k + j0) * kBlockQ;
           for (int64_t jj = 0; jj < nb; ++jj)
             for (int c = 0; c < vecs; ++c) {
               float* row = s.st + jj * kBlockQ + c * kLanes;
@@ -480,8 +486,8 @@ struct FlashForward {
     for (int t = 0; t < p.num_masks; ++t) {
       const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
       if (const uint8_t* excluded = mask_columns.excluded[t]) {
-        const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
-        if (excluded[(slice * q_blocks + i0 / kBlockQ) * key_blocks() + j0 / kBlockK]) return true;
+        const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ, copied = slice - mask_columns.first_slice[t];
+        if (excluded[(copied * q_blocks + i0 / kBlockQ) * key_blocks() + j0 / kBlockK]) return true;
       } else if (const uint8_t* keys = mask_columns.excluded_keys[t]) {
         if (keys[slice * key_blocks() + j0 / kBlockK]) return true;
       }
@@ -489,59 +495,106 @@ struct FlashForward {
     return false;
   }
 
-  // The transposed copies of the masks that take one, in `storage`; the problem's other masks stay
-  // null and are read in place.
-  MaskColumns transpose_masks(int threads, std::vector<Tensor>& storage) const {
+  // How a mask term is read: a term that does not vary along the queries in place, with a map of
+  // the key blocks it excludes; others from a transposed copy, of every slice at once where that
+  // fits the cap, else of a chunk of batch entries at a time where the term varies along the batch
+  // and one entry's slices fit (an HF mask [B, 1, L, S] at B=4 L=2048 is 16 Mi floats; read in
+  // place, a forward took 1.25x the time), else in place (counts that overflow, as a view's
+  // aliasing strides may make, read in place too).
+  enum class MaskRead { by_key, copied, copied_per_chunk, in_place };
+  int64_t slices_per_entry(const MaskTerm& m) const { return m.strides[1] != 0 ? p.heads_q : 1; }
+  MaskRead mask_read(const MaskTerm& m) const {
+    if (m.strides[2] == 0) return MaskRead::by_key;
+    const int64_t cap = transposed_mask_floats().load();
+    int64_t slices = 0, floats = 0;
+    if (!mask_slice_count(m, p.batch, p.heads_q, &slices)) return MaskRead::in_place;
+    if (!__builtin_mul_overflow(slices, mask_slice_floats(), &floats) && floats <= cap) return MaskRead::copied;
+    if (m.strides[0] != 0 && !__builtin_mul_overflow(slices_per_entry(m), mask_slice_floats(), &floats) && floats <= cap)
+      return MaskRead::copied_per_chunk;
+    return MaskRead::in_place;
+  }
+  // Batch entries per chunk: as many as each term copied per chunk fits in the cap; every entry
+  // where no term is.
+  int64_t mask_batch_chunk() const {
+    int64_t chunk = p.batch;
+    for (int t = 0; t < p.num_masks; ++t)
+      if (mask_read(p.masks[t]) == MaskRead::copied_per_chunk)
+        chunk = std::min(chunk, transposed_mask_floats().load() / (slices_per_entry(p.masks[t]) * mask_slice_floats()));
+    return std::max<int64_t>(chunk, 1);
+  }
+
+  // Slices [slice_begin, slice_end) of term m transposed, scaled and laid out as the tasks read
+  // them (slice_begin's at dst), with their maps of excluded blocks [slice][query block][key block].
+  void copy_mask_slices(const MaskTerm& m, int64_t slice_begin, int64_t slice_end, float* dst, uint8_t* excluded,
+                        int threads) const {
+    const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ, k_blocks = key_blocks();
+    parallel_for((slice_end - slice_begin) * q_blocks, threads, [&](int64_t task, int) {
+      const int64_t slice = slice_begin + task / q_blocks, i0 = task % q_blocks * kBlockQ;
+      int64_t b = 0, h = 0;
+      mask_slice_origin(m, p.heads_q, slice, &b, &h);
+      float* out = dst + (slice - slice_begin) * mask_slice_floats() + i0 * p.len_k;
+      alignas(64) float square[kLanes * kLanes], turned[kLanes * kLanes];
+      for (int64_t j0 = 0; j0 < p.len_k; j0 += kLanes) {
+        const int nc = static_cast<int>(std::min<int64_t>(kLanes, p.len_k - j0));
+        for (int64_t ii0 = 0; ii0 < kBlockQ; ii0 += kLanes) {
+          const int nr = static_cast<int>(std::clamp<int64_t>(p.len_q - i0 - ii0, 0, kLanes));
+          T::mask_square(m, b, h, i0 + ii0, nr, j0, nc, square);
+          T::transpose_square(square, turned);
+          for (int c = 0; c < nc; ++c) S::store(out + (j0 + c) * kBlockQ + ii0, S::load(turned + c * kLanes));
+        }
+      }
+      const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        const int64_t end = std::min<int64_t>((kb + 1) * kBlockK, p.len_k) * kBlockQ;
+        bool all = true;
+        for (int64_t at = kb * kBlockK * kBlockQ; at < end && all; at += kBlockQ)
+          for (int64_t ii = 0; ii < rows; ++ii) all = all && out[at + ii] == -std::numeric_limits<float>::infinity();
+        excluded[task * k_blocks + kb] = all;
+      }
+    });
+  }
+
+  // The transposed copies of the masks that take one, in `storage` (of the first `chunk` batch
+  // entries for a term copied per chunk); the problem's other masks stay null and are read in
+  // place, with their maps.
+  MaskColumns transpose_masks(int threads, std::vector<Tensor>& storage, int64_t chunk) const {
     MaskColumns cols;
     cols.done = true;
     const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ;
     for (int t = 0; t < p.num_masks; ++t) {
       const MaskTerm& m = p.masks[t];
-      // One slice per (batch, head) the mask varies over; counts that overflow (a view's strides
-      // may alias its storage) or pass the cap leave the mask in place.
-      int64_t slices = 0, floats = 0;
-      if (m.strides[2] == 0) {
+      const MaskRead read = mask_read(m);
+      if (read == MaskRead::by_key) {
         cols.excluded_keys[t] = excluded_key_blocks<S>(p, m, kBlockK, threads, storage);
         continue;
       }
-      if (!mask_slice_count(m, p.batch, p.heads_q, &slices) ||
-          __builtin_mul_overflow(slices, mask_slice_floats(), &floats) || floats > transposed_mask_floats().load()) {
-        cols.excluded[t] = excluded_tiles<S>(p, m, kBlockQ, kBlockK, threads, storage);  // read in place
+      if (read == MaskRead::in_place) {
+        cols.excluded[t] = excluded_tiles<S>(p, m, kBlockQ, kBlockK, threads, storage);
         continue;
       }
-      storage.push_back(Tensor::empty({floats}));
+      int64_t slices = 0;
+      mask_slice_count(m, p.batch, p.heads_q, &slices);
+      if (read == MaskRead::copied_per_chunk) slices = chunk * slices_per_entry(m);
+      storage.push_back(Tensor::empty({slices * mask_slice_floats()}));
       float* dst = storage.back().data<float>();
-      const int64_t k_blocks = key_blocks();
-      storage.push_back(Tensor::empty({slices * q_blocks * k_blocks}, DType::boolean));
+      storage.push_back(Tensor::empty({slices * q_blocks * key_blocks()}, DType::boolean));
       uint8_t* excluded = storage.back().data<uint8_t>();
-      parallel_for(slices * q_blocks, threads, [&](int64_t task, int) {
-        const int64_t slice = task / q_blocks, i0 = task % q_blocks * kBlockQ;
-        int64_t b = 0, h = 0;
-        mask_slice_origin(m, p.heads_q, slice, &b, &h);
-        float* out = dst + slice * mask_slice_floats() + i0 * p.len_k;
-        alignas(64) float square[kLanes * kLanes], turned[kLanes * kLanes];
-        for (int64_t j0 = 0; j0 < p.len_k; j0 += kLanes) {
-          const int nc = static_cast<int>(std::min<int64_t>(kLanes, p.len_k - j0));
-          for (int64_t ii0 = 0; ii0 < kBlockQ; ii0 += kLanes) {
-            const int nr = static_cast<int>(std::clamp<int64_t>(p.len_q - i0 - ii0, 0, kLanes));
-            T::mask_square(m, b, h, i0 + ii0, nr, j0, nc, square);
-            T::transpose_square(square, turned);
-            for (int c = 0; c < nc; ++c) S::store(out + (j0 + c) * kBlockQ + ii0, S::load(turned + c * kLanes));
-          }
-        }
-        const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
-        for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const int64_t end = std::min<int64_t>((kb + 1) * kBlockK, p.len_k) * kBlockQ;
-          bool all = true;
-          for (int64_t at = kb * kBlockK * kBlockQ; at < end && all; at += kBlockQ)
-            for (int64_t ii = 0; ii < rows; ++ii) all = all && out[at + ii] == -std::numeric_limits<float>::infinity();
-          excluded[task * k_blocks + kb] = all;
-        }
-      });
+      copy_mask_slices(m, 0, slices, dst, excluded, threads);
       cols.data[t] = dst;
       if (skips_excluded_blocks().load()) cols.excluded[t] = excluded;
+      if (read == MaskRead::copied_per_chunk) cols.chunk_data[t] = dst, cols.chunk_excluded[t] = excluded;
     }
     return cols;
+  }
+
+  // The copies of the terms copied per chunk, for batch entries [b0, b1), into their buffers.
+  void copy_chunk(MaskColumns& cols, int64_t b0, int64_t b1, int threads) const {
+    for (int t = 0; t < p.num_masks; ++t) {
+      if (cols.chunk_data[t] == nullptr) continue;
+      const int64_t per_entry = slices_per_entry(p.masks[t]);
+      cols.first_slice[t] = b0 * per_entry;
+      copy_mask_slices(p.masks[t], b0 * per_entry, b1 * per_entry, cols.chunk_data[t], cols.chunk_excluded[t], threads);
+    }
   }
 
   void run() const {
@@ -552,12 +605,22 @@ struct FlashForward {
     if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
     if (!mask_columns.done) {
       std::vector<Tensor> storage;
-      FlashForward{p, o, transpose_masks(threads, storage)}.run();
+      const int64_t chunk = mask_batch_chunk();
+      MaskColumns cols = transpose_masks(threads, storage, chunk);
+      for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
+        const int64_t b1 = std::min(p.batch, b0 + chunk);
+        if (b0 > 0) copy_chunk(cols, b0, b1, threads);
+        FlashForward{p, o, cols}.run_groups_of(b0 * p.heads_kv, b1 * p.heads_kv, threads);
+      }
       return;
     }
-    const int64_t groups = p.batch * p.heads_kv;
+    run_groups_of(0, p.batch * p.heads_kv, threads);
+  }
+
+  // Groups (batch entry, key/value head) [g_begin, g_end), whole batch entries.
+  void run_groups_of(int64_t g_begin, int64_t g_end, int threads) const {
     if (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows()) {
-      run_groups(0, groups, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });
+      run_groups(g_begin, g_end, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });
       return;
     }
     // A chunk of groups at a time, copy their keys and values once into a shared buffer of packed
@@ -565,14 +628,15 @@ struct FlashForward {
     // packed), the work split by rows so that one long head still uses every thread; then run the
     // chunk's tasks on it.
     const int64_t per_group = p.len_k * (p.dim_qk + p.dim_v);  // floats
-    int64_t chunk = std::clamp<int64_t>(widened_chunk_floats().load() / std::max<int64_t>(per_group, 1), 1, groups);
+    int64_t chunk =
+        std::clamp<int64_t>(widened_chunk_floats().load() / std::max<int64_t>(per_group, 1), 1, g_end - g_begin);
     if (o.average_weights != nullptr) chunk = std::max<int64_t>(chunk / p.heads_kv, 1) * p.heads_kv;  // whole batch entries
     const Tensor buffer = Tensor::empty({chunk * per_group});
     float* packed = buffer.data<float>();
     constexpr int64_t kRowsPerCopyTask = 256;
     const int64_t row_tasks = (p.len_k + kRowsPerCopyTask - 1) / kRowsPerCopyTask;
-    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
-      const int64_t g1 = std::min(groups, g0 + chunk);
+    for (int64_t g0 = g_begin; g0 < g_end; g0 += chunk) {
+      const int64_t g1 = std::min(g_end, g0 + chunk);
       parallel_for((g1 - g0) * row_tasks, threads, [&](int64_t t, int) {
         const int64_t g = g0 + t / row_tasks, j0 = t % row_tasks * kRowsPerCopyTask;
         const int64_t j1 = std::min(p.len_k, j0 + kRowsPerCopyTask);
