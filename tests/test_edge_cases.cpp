@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "cpu/attention_kernel.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
@@ -158,6 +159,56 @@ TEST_P(EdgeIsa, FullyMaskedRowsAreZero) {
   {  // dropout with p = 1 drops every weight
     const auto r = mha::scaled_dot_product_attention_with_weights(q, k, v, {.dropout_p = 1.0, .dropout_seed = 3});
     zero_rows(r.output, &r.weights, [](int64_t, int64_t) { return true; });
+  }
+}
+
+// A finite mask value too large to scale by log2(e) in float32 (Hugging Face's finfo.min,
+// -3.4e38) stays finite, as in PyTorch: a row whose every visible key carries one has each score
+// rounded to the mask value, hence uniform weights and the mean of those keys' values (not the
+// zeros of a fully masked row); a row with ordinary keys too gives those keys the bits an -inf
+// mask gives. On every path: the tile kernel (mask copied and read in place), the few-queries
+// kernel in both schedules, with weights; float16-sized values too (-65504 is ordinary).
+TEST_P(EdgeIsa, HugeFiniteMaskValuesAreNotInfinite) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  const float lowest = std::numeric_limits<float>::lowest();
+  for (const int64_t L : {int64_t{1}, int64_t{3}, int64_t{40}}) {
+    const int64_t S = 70, D = 16, H = 2;
+    const mha::Tensor q = mha_test::randn({2, H, L, D}, rng), k = mha_test::randn({2, H, S, D}, rng),
+                      v = mha_test::randn({2, H, S, D}, rng);
+    mha::Tensor huge = mha_test::randn({2, 1, L, S}, rng), inf = mha::Tensor::copy_of(huge.view());
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t i = 0; i < L; ++i)
+        for (int64_t j = 0; j < S; ++j) {
+          const int64_t e = (b * L + i) * S + j;
+          // Batch 1, row 0: every key swamped (some at -3e38, which overflows once scaled, too).
+          // Other rows: keys 20-49 swamped, the rest ordinary.
+          const bool swamped = (b == 1 && i == 0) || (j >= 20 && j < 50);
+          if (swamped) huge.data<float>()[e] = j % 3 == 0 ? -3e38f : lowest, inf.data<float>()[e] = -INFINITY;
+        }
+    SCOPED_TRACE("L=" + std::to_string(L));
+    for (const int64_t cap : {int64_t{8} << 20, int64_t{0}}) {  // the mask copied, then read in place
+      std::atomic<int64_t>& floats = mha::detail::transposed_mask_floats();
+      const int64_t saved = floats.exchange(cap);
+      const auto r = mha::scaled_dot_product_attention_with_weights(q, k, v, {.attn_mask = huge.view()});
+      const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, {.attn_mask = huge.view()});
+      const auto excluded = mha::scaled_dot_product_attention_with_weights(q, k, v, {.attn_mask = inf.view()});
+      floats = saved;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t j = 0; j < S; ++j) EXPECT_NEAR(r.weights.at({1, h, 0, j}), 1.0 / S, 1e-7) << j;
+        for (int64_t d = 0; d < D; ++d) {
+          double mean = 0;
+          for (int64_t j = 0; j < S; ++j) mean += v.at({1, h, j, d}) / S;
+          EXPECT_NEAR(plain.at({1, h, 0, d}), mean, 1e-6) << h << " " << d;
+          EXPECT_NEAR(r.output.at({1, h, 0, d}), mean, 1e-6) << h << " " << d;
+        }
+        for (int64_t i = 0; i < L; ++i)
+          for (int64_t b = 0; b < 2; ++b) {
+            if (b == 1 && i == 0) continue;
+            for (int64_t d = 0; d < D; ++d) ASSERT_EQ(plain.at({b, h, i, d}), excluded.output.at({b, h, i, d})) << b << i;
+            for (int64_t j = 0; j < S; ++j) ASSERT_EQ(r.weights.at({b, h, i, j}), excluded.weights.at({b, h, i, j}));
+          }
+      }
+    }
   }
 }
 

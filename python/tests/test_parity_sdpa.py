@@ -190,3 +190,30 @@ def test_decoding_matches_torch(parity_seed):
         assert err <= tolerance[dtype], (
             f"case {n}: relative error {err:.3e} for {dtype} B={B} H={hkv * group}/{hkv} Lq={Lq} Lk={Lk} "
             f"Dk={Dk} Dv={Dv} causal={causal} mask={None if mask is None else mask.dtype}")
+
+
+def test_hugging_face_min_masks_match_torch(parity_seed):
+    """Hugging Face's float masks: causal and left padding at torch.finfo(dtype).min, not -inf. The
+    query rows of a padded prefix see no key but at that value: PyTorch gives them uniform weights
+    (each score plus the mask rounds to the mask), the mean of the values, not zeros, and so do we.
+    Against PyTorch's own kernel in the same dtype: float32 within 1e-5 of the largest value (both
+    round the same sums), bfloat16 within 1e-2 (the output's rounding)."""
+    rng = np.random.default_rng([parity_seed, 4])
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for L in (1, 5, 130):
+            B, H, D = 3, 2, 32
+            q, k, v = (torch.randn(B, H, L, D, generator=gen).to(dtype) for _ in range(3))
+            lowest = torch.finfo(dtype).min
+            pad = [0, L // 2, L - 1]  # entry b's first pad[b] positions are padding
+            mask = torch.zeros(B, 1, L, L, dtype=dtype)
+            for b in range(B):
+                mask[b, 0].masked_fill_(torch.ones(L, L, dtype=torch.bool).triu(1), lowest)
+                mask[b, 0, :, :pad[b]] = lowest
+            ours = mha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            err = (ours.double() - theirs.double()).abs().max().item() / theirs.double().abs().max().item()
+            assert err <= tolerance, f"{dtype} L={L}: relative error {err:.3e}"
+            if L > 1:  # the padded rows are the mean of the values, not zeros
+                mean = v[2, :, :, :].double().mean(dim=1)
+                assert torch.allclose(ours[2, :, 0].double(), mean, atol=tolerance * 10)

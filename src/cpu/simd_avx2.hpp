@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "cpu/exp2_polynomial.hpp"
 #include "cpu/transpose_avx.hpp"
@@ -38,6 +39,18 @@ struct Avx2 {
   static F sub(F a, F b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
   static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
   static F max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+  // a * b where a is finite kept finite (saturated at +-FLT_MAX rather than overflowing to inf);
+  // an infinite or NaN a as multiplied.
+  static F mul_saturated(F a, F b) {
+    auto half = [](__m256 x, __m256 y) {
+      const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+      const __m256 product = _mm256_mul_ps(x, y);
+      const __m256 clamped = _mm256_min_ps(_mm256_max_ps(product, _mm256_sub_ps(_mm256_setzero_ps(), big)), big);
+      const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+      return _mm256_blendv_ps(clamped, product, _mm256_cmp_ps(magnitude, big, _CMP_NLE_UQ));  // inf or NaN
+    };
+    return {half(a.lo, b.lo), half(a.hi, b.hi)};
+  }
   static float reduce_max(F v) {
     const __m256 m = _mm256_max_ps(v.lo, v.hi);
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "cpu/exp2_polynomial.hpp"
 #include "cpu/transpose_avx.hpp"
@@ -28,6 +29,14 @@ struct Avx512 {
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  // a * b where a is finite kept finite (saturated at +-FLT_MAX rather than overflowing to inf);
+  // an infinite or NaN a as multiplied.
+  static F mul_saturated(F a, F b) {
+    const F big = _mm512_set1_ps(std::numeric_limits<float>::max());
+    const F product = _mm512_mul_ps(a, b);
+    const F clamped = _mm512_min_ps(_mm512_max_ps(product, _mm512_sub_ps(_mm512_setzero_ps(), big)), big);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(a), big, _CMP_NLE_UQ), clamped, product);
+  }
   static void transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
     transpose8x8_avx(src, src_stride, dst, dst_stride);
   }

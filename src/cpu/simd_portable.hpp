@@ -2,8 +2,10 @@
 // operations, written so that any compiler vectorises it for the baseline ISA.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "mha/dtype.hpp"
 
@@ -31,6 +33,14 @@ struct Portable {
   static F sub(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] - b.v[i]; return r; }
   static F mul(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] * b.v[i]; return r; }
   static F max(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+  // a * b where a is finite kept finite (saturated at +-FLT_MAX rather than overflowing to inf);
+  // an infinite or NaN a as multiplied.
+  static F mul_saturated(F a, F b) {
+    constexpr float big = std::numeric_limits<float>::max();
+    F r;
+    MHA_LANES r.v[i] = std::isfinite(a.v[i]) ? std::clamp(a.v[i] * b.v[i], -big, big) : a.v[i] * b.v[i];
+    return r;
+  }
   static F select(M m, F t, F f) { F r; MHA_LANES r.v[i] = (m >> i) & 1u ? t.v[i] : f.v[i]; return r; }
   static M eq(F a, F b) { M m = 0; MHA_LANES m |= static_cast<M>(a.v[i] == b.v[i]) << i; return m; }
   static M gt(F a, F b) { M m = 0; MHA_LANES m |= static_cast<M>(a.v[i] > b.v[i]) << i; return m; }

@@ -197,9 +197,14 @@ struct Tiles {
     const F log2e = S::set1(kLog2e);
     alignas(64) float raw[kLanes];
     if (t.kind == MaskKind::additive) {
+      // Saturated: a finite value past FLT_MAX / log2(e) (Hugging Face's finfo.min, -3.4e38) stays
+      // finite. At -inf, a row of such values would give zeros; PyTorch adds them to the scores in
+      // float32, where each sum rounds to the mask value, and gives that row uniform weights.
       const float* m = static_cast<const float*>(t.data) + off;
-      if (sj == 1 && nc == kLanes) return S::mul(S::load(m), log2e);  // a whole vector of a contiguous row
+      if (sj == 1 && nc == kLanes) return S::mul_saturated(S::load(m), log2e);  // a whole vector of a contiguous row
       for (int c = 0; c < nc; ++c) raw[c] = m[c * sj];
+      for (int c = nc; c < kLanes; ++c) raw[c] = 0.0f;
+      return S::mul_saturated(S::load(raw), log2e);
     } else {
       const float neg_inf = -std::numeric_limits<float>::infinity();
       const bool keep_if_true = t.kind == MaskKind::keep_if_true;
