@@ -798,6 +798,65 @@ TEST_P(EveryIsa, FewQueriesSkipWhatAMaskExcludes) {
   }
 }
 
+// Hugging Face's float masks put finfo.min, not -inf, where a key is hidden. Blocks of such
+// values (kSwamped in src/cpu/excluded_keys.hpp) are skipped only for tasks whose rows all see an
+// ordinary key, where they weigh exactly nothing; rows that see none (a left-padded prompt's
+// padding) give uniform weight to those keys and are computed whole. The same bits as every
+// block computed, on the tile kernel (mask copied whole, per batch entry, in place) and the
+// few-queries kernel (one and several queries, a cache split into runs), 1 and 3 threads: causal
+// masks left-padded and right-padded, values between the thresholds (-1e35: neither swamped nor
+// ordinary), -3e38 (which overflows once scaled), and ordinary keys alone at block edges.
+TEST_P(EveryIsa, SwampedBlocksAreSkippedOnlyWhereExact) {
+  std::mt19937_64 rng(test_seed());
+  const float lowest = std::numeric_limits<float>::lowest();
+  for (int n = 0; n < 8; ++n) {
+    const int64_t lq = n < 2 ? 1 : n < 4 ? 4 : n < 6 ? 100 : 130, lk = n < 4 ? (n % 2 == 0 ? 1100 : 150) : lq + 20;
+    const int64_t b = 3, hq = 4, hkv = 2, dk = 24, dv = 16;
+    const mha::Tensor q = randn({b, hq, lq, dk}, rng), k = randn({b, hkv, lk, dk}, rng), v = randn({b, hkv, lk, dv}, rng);
+    // Causal from the bottom right; entry 1 left-padded (its first 60 keys and query rows that see
+    // only those), entry 2 right-padded (keys past lk - 50) or, where n % 4 == 1, entirely.
+    mha::Tensor mask = mha::Tensor::zeros({b, 1, lq, lk});
+    for (int64_t e = 0; e < b; ++e)
+      for (int64_t i = 0; i < lq; ++i)
+        for (int64_t j = 0; j < lk; ++j) {
+          float& x = mask.data<float>()[(e * lq + i) * lk + j];
+          const bool hidden = j > i + lk - lq || (e == 1 && j < 60) || (e == 2 && (j >= lk - 50 || n % 4 == 1));
+          if (hidden) x = j % 5 == 0 && e < 2 ? -3e38f : lowest;
+          if (n % 3 == 2 && e == 0 && j >= 48 && j < 96) x = -1e35f;  // a block between the thresholds
+          if (e == 1 && j == (n % 2 == 0 ? 48 : 47) && i >= lq / 2) x = 0.0f;  // a lone ordinary key at a block edge
+          if (e == 0 && i == (n % 2 == 0 ? 47 : 48)) x = lowest;  // a row with no ordinary key, last or first of its block
+        }
+    SCOPED_TRACE("case " + std::to_string(n) + ": Lq=" + std::to_string(lq) + " Lk=" + std::to_string(lk));
+    mha::SdpaOptions o{.attn_mask = mask.view(), .enable_gqa = true};
+    std::atomic<int64_t>& cap = mha::detail::transposed_mask_floats();
+    const int64_t saved = cap.load();
+    std::vector<mha::Tensor> outs, lses;
+    for (const int64_t c : {saved, 144 * lk, int64_t{0}}) {  // copied whole, per batch entry, read in place
+      cap = c;
+      for (const int threads : {1, 3}) {
+        o.num_threads = threads;
+        const auto r = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+        outs.push_back(mha::Tensor::copy_of(r.output.view())), lses.push_back(mha::Tensor::copy_of(r.lse.view()));
+      }
+    }
+    mha::detail::skips_excluded_blocks() = false;  // and every block computed
+    const auto computed = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    mha::detail::skips_excluded_blocks() = true;
+    cap = saved;
+    for (size_t c = 0; c < outs.size(); ++c) {
+      EXPECT_TRUE(mha_test::same_bits(outs[c], computed.output)) << c;
+      EXPECT_TRUE(mha_test::same_bits(lses[c], computed.lse)) << c;
+    }
+    // The entirely padded entry's rows: the mean of the values (uniform weights), not zeros.
+    if (n % 4 == 1)
+      for (int64_t d = 0; d < dv; ++d) {
+        double mean = 0;
+        for (int64_t j = 0; j < lk; ++j) mean += v.at({2, 0, j, d}) / static_cast<double>(lk);
+        EXPECT_NEAR(computed.output.at({2, 0, 0, d}), mean, 1e-5) << d;
+      }
+  }
+}
+
 TEST(Sdpa, FlopCount) {
   EXPECT_DOUBLE_EQ(mha::attention_flops(4, 16, 2048, 2048, 64, 64, false), 4.0 * 4 * 16 * 2048.0 * 2048 * 64);
   // Causal top-left on a square problem keeps L(L+1)/2 pairs.

@@ -63,6 +63,7 @@ struct FewQueries {
   // and adding them changes no bit of O, m or l.
   struct ExcludedBlocks {
     std::array<const uint8_t*, 3> maps{};
+    OrdinaryRows ordinary{};  // the rows for which swamped blocks are skipped too (excluded_keys.hpp)
     bool done = false;  // run() has built them (it may have built none)
   };
   ExcludedBlocks excluded{};
@@ -405,8 +406,11 @@ struct FewQueries {
     const int64_t h_end = hk * group() + (r_end - 1) / p.len_q + 1;
     for (int64_t h = hk * group() + r_begin / p.len_q; h < h_end; ++h) {
       bool any = false;
-      for (int t = 0; t < p.num_masks && !any; ++t)
-        if (const uint8_t* map = excluded.maps[t]) any = map[mask_slice(p.masks[t], p.heads_q, b, h) * key_blocks() + kb];
+      for (int t = 0; t < p.num_masks && !any; ++t) {
+        const uint8_t* map = excluded.maps[t];
+        const uint8_t what = map ? map[mask_slice(p.masks[t], p.heads_q, b, h) * key_blocks() + kb] : kKept;
+        any = what == kExcluded || (what == kSwamped && excluded.ordinary.all(b, h, 0, p.len_q));
+      }
       if (!any) return false;
     }
     return true;
@@ -428,9 +432,10 @@ struct FewQueries {
     for (int t = 0; t < p.num_masks; ++t) {
       MaskTerm m = p.masks[t];
       if (p.len_q == 1) m.strides[2] = 0;  // (query 0 only: the same term)
-      blocks.maps[t] = m.strides[2] == 0 ? excluded_key_blocks<S>(p, m, kKeys, threads, storage)
-                                         : excluded_tiles<S>(p, m, p.len_q, kKeys, threads, storage);
+      blocks.maps[t] = m.strides[2] == 0 ? excluded_key_blocks<S>(p, m, kKeys, threads, storage, true)
+                                         : excluded_tiles<S>(p, m, p.len_q, kKeys, threads, storage, true);
     }
+    blocks.ordinary = ordinary_rows(p, threads, storage);
     return blocks;
   }
 

@@ -70,6 +70,7 @@ struct FlashForward {
     std::array<int64_t, 3> first_slice{};
     std::array<float*, 3> chunk_data{};
     std::array<uint8_t*, 3> chunk_excluded{};
+    OrdinaryRows ordinary{};  // the rows for which swamped blocks (kSwamped in a map) are skipped too
     bool done = false;  // transpose_masks has run (it may have copied none)
   };
   MaskColumns mask_columns{};
@@ -95,6 +96,7 @@ struct FlashForward {
     const float* kp[kBlockK];
     const float* vp[kBlockK];
     void* memory;  // the thread's scratch buffer (core/scratch.hpp)
+    bool skips_swamped = false;  // every row of the task has an ordinary key (excluded_keys.hpp)
   };
 
   static int64_t round_up(int64_t x, int64_t m) { return T::round_up(x, m); }
@@ -182,7 +184,7 @@ struct FlashForward {
 
     for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
       // A block a mask excludes entirely is skipped (its weights, when kept, need its P: zeros).
-      if (!s.pt && block_excluded(b, h, i0, j0)) continue;
+      if (!s.pt && block_excluded(b, h, i0, j0, s.skips_swamped)) continue;
       const int64_t nb = std::min<int64_t>(kBlockK, key_end - j0);
       const int64_t nbp = round_up(nb, kKeysPerTile);
       for (int64_t jj = 0; jj < nbp; ++jj) {
@@ -368,6 +370,7 @@ struct FlashForward {
     const int64_t key_end = s.lim[rows - 1];
     const int64_t clean_end = s.lim[0];
 
+    s.skips_swamped = mask_columns.ordinary.all(b, h, i0, i0 + rows);
     key_pass(s, kv, b, h, i0, rows, key_end, clean_end);
     write_lse(s, b, h, i0, rows);
     for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
@@ -482,15 +485,18 @@ struct FlashForward {
 
   // Whether a copied mask term excludes every pair of the key block at j0 for the task's queries
   // (then the block adds nothing: p = 0 for each of its keys, and the running max is unchanged).
-  bool block_excluded(int64_t b, int64_t h, int64_t i0, int64_t j0) const {
+  // A swamped block is skipped too where `swamped` (the task's rows all have an ordinary key).
+  bool block_excluded(int64_t b, int64_t h, int64_t i0, int64_t j0, bool swamped) const {
     for (int t = 0; t < p.num_masks; ++t) {
       const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
+      uint8_t what = kKept;
       if (const uint8_t* excluded = mask_columns.excluded[t]) {
         const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ, copied = slice - mask_columns.first_slice[t];
-        if (excluded[(copied * q_blocks + i0 / kBlockQ) * key_blocks() + j0 / kBlockK]) return true;
+        what = excluded[(copied * q_blocks + i0 / kBlockQ) * key_blocks() + j0 / kBlockK];
       } else if (const uint8_t* keys = mask_columns.excluded_keys[t]) {
-        if (keys[slice * key_blocks() + j0 / kBlockK]) return true;
+        what = keys[slice * key_blocks() + j0 / kBlockK];
       }
+      if (what == kExcluded || (what == kSwamped && swamped)) return true;
     }
     return false;
   }
@@ -546,10 +552,13 @@ struct FlashForward {
       const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
       for (int64_t kb = 0; kb < k_blocks; ++kb) {
         const int64_t end = std::min<int64_t>((kb + 1) * kBlockK, p.len_k) * kBlockQ;
-        bool all = true;
-        for (int64_t at = kb * kBlockK * kBlockQ; at < end && all; at += kBlockQ)
-          for (int64_t ii = 0; ii < rows; ++ii) all = all && out[at + ii] == -std::numeric_limits<float>::infinity();
-        excluded[task * k_blocks + kb] = all;
+        bool all = true, all_swamped = true;
+        for (int64_t at = kb * kBlockK * kBlockQ; at < end && (all || all_swamped); at += kBlockQ)
+          for (int64_t ii = 0; ii < rows; ++ii) {
+            all = all && out[at + ii] == -std::numeric_limits<float>::infinity();
+            all_swamped = all_swamped && out[at + ii] <= kSwampedBelow;
+          }
+        excluded[task * k_blocks + kb] = block_class(all, all_swamped, true);
       }
     });
   }
@@ -565,11 +574,11 @@ struct FlashForward {
       const MaskTerm& m = p.masks[t];
       const MaskRead read = mask_read(m);
       if (read == MaskRead::by_key) {
-        cols.excluded_keys[t] = excluded_key_blocks<S>(p, m, kBlockK, threads, storage);
+        cols.excluded_keys[t] = excluded_key_blocks<S>(p, m, kBlockK, threads, storage, true);
         continue;
       }
       if (read == MaskRead::in_place) {
-        cols.excluded[t] = excluded_tiles<S>(p, m, kBlockQ, kBlockK, threads, storage);
+        cols.excluded[t] = excluded_tiles<S>(p, m, kBlockQ, kBlockK, threads, storage, true);
         continue;
       }
       int64_t slices = 0;
@@ -584,6 +593,7 @@ struct FlashForward {
       if (skips_excluded_blocks().load()) cols.excluded[t] = excluded;
       if (read == MaskRead::copied_per_chunk) cols.chunk_data[t] = dst, cols.chunk_excluded[t] = excluded;
     }
+    cols.ordinary = ordinary_rows(p, threads, storage);
     return cols;
   }
 
