@@ -960,4 +960,56 @@ TEST(SdpaBackward, TwoPassSkipsWhatAMaskExcludes) {
   EXPECT_TRUE(same_bits(skipped.value, computed.value));
 }
 
+// Hugging Face's finfo.min masks in the backward: tiles of such values (kSwamped) are skipped
+// only where every row of the tile sees an ordinary key (P = 0 there); rows that see none are
+// computed. The bits of every tile computed: the one-pass schedule (16 head groups) with the mask
+// copied and read in place, the two-pass schedule (2 groups) with and without the mask's
+// gradient; causal masks left- and right-padded, a row with no ordinary key at a panel's first or
+// last row, a band between the thresholds (-1e35), and a lone ordinary key at a panel's edge.
+TEST(SdpaBackward, SwampedTilesAreSkippedOnlyWhereExact) {
+  std::mt19937_64 rng(test_seed());
+  const float lowest = std::numeric_limits<float>::lowest();
+  const int64_t lq = 130, lk = 150, d = 16;
+  for (const int64_t b : {int64_t{8}, int64_t{1}}) {  // one pass (16 groups), two passes (2)
+    const int64_t hkv = 2, hq = 4;
+    const mha::Tensor q = randn({b, hq, lq, d}, rng), k = randn({b, hkv, lk, d}, rng), v = randn({b, hkv, lk, d}, rng);
+    const mha::Tensor go = randn({b, hq, lq, d}, rng);
+    mha::Tensor mask = mha::Tensor::zeros({b, 1, lq, lk});
+    for (int64_t e = 0; e < b; ++e)
+      for (int64_t i = 0; i < lq; ++i)
+        for (int64_t j = 0; j < lk; ++j) {
+          float& x = mask.data<float>()[(e * lq + i) * lk + j];
+          // Causal from the bottom right; entry 0 left-padded (60 keys, and the rows that see
+          // only them) with a lone ordinary key at 48 for the later rows, entry 1 right-padded,
+          // others with rows 47 and 48 (last and first of a panel) seeing no ordinary key.
+          const int64_t kind = e % 3;
+          const bool hidden = j > i + lk - lq || (kind == 0 && j < 60 && !(j == 48 && i >= 65)) ||
+                              (kind == 1 && j >= lk - 50) || (kind == 2 && (i == 47 || i == 48));
+          // (-1e38 as well: a row of it keeps a log-sum-exp equal to its scores, P = 1, not 0.)
+          if (hidden) x = (i + j) % 2 == 0 ? -1e38f : lowest;
+          if (kind == 2 && j >= 96 && j < 144 && !hidden) x = -1e35f;  // neither swamped nor ordinary
+        }
+    for (const bool with_mask_grad : {false, true}) {
+      if (with_mask_grad && b > 1) continue;  // (a mask gradient runs the two passes)
+      SCOPED_TRACE("B=" + std::to_string(b) + (with_mask_grad ? " with the mask's gradient" : ""));
+      const mha::SdpaOptions o{.attn_mask = mask.view(), .enable_gqa = true};
+      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+      const auto skipped = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o, with_mask_grad);
+      std::atomic<int64_t>& cap = mha::detail::transposed_mask_floats();
+      const int64_t kept = cap.exchange(0);  // read in place
+      const auto in_place = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o, with_mask_grad);
+      mha::detail::skips_excluded_blocks() = false;  // and every tile computed
+      const auto computed = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o, with_mask_grad);
+      mha::detail::skips_excluded_blocks() = true;
+      cap = kept;
+      for (const auto* g : {&skipped, &in_place}) {
+        EXPECT_TRUE(same_bits(g->query, computed.query));
+        EXPECT_TRUE(same_bits(g->key, computed.key));
+        EXPECT_TRUE(same_bits(g->value, computed.value));
+        if (with_mask_grad) EXPECT_TRUE(same_bits(*g->attn_mask, *computed.attn_mask));
+      }
+    }
+  }
+}
+
 }  // namespace

@@ -74,8 +74,15 @@ struct FlashBackward {
     // for the key tasks, [slices][query panels][key blocks of kBlock] for the query tasks
     std::array<const uint8_t*, 3> keys_pass{};
     std::array<const uint8_t*, 3> queries_pass{};
+    OrdinaryRows ordinary{};  // the rows for which swamped tiles are skipped too
   };
   MaskTiles mask_tiles{};
+
+  // Whether a map's entry skips a tile of rows [i0, i1) of head (b, h): excluded, or swamped where
+  // every row sees an ordinary key (its log-sum-exp is then far above the tile's scores: P = 0).
+  bool skips(uint8_t what, int64_t b, int64_t h, int64_t i0, int64_t i1) const {
+    return what == kExcluded || (what == kSwamped && mask_tiles.ordinary.all(b, h, i0, i1));
+  }
 
   // Two passes, query task: whether a mask excludes every pair of queries [i0, i0 + 48) and the
   // block of kBlock keys from j0.
@@ -83,10 +90,11 @@ struct FlashBackward {
     const int64_t blocks = (p.len_k + kBlock - 1) / kBlock, panels = (p.len_q + kPanel - 1) / kPanel;
     for (int t = 0; t < p.num_masks; ++t) {
       const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
+      const int64_t i1 = std::min(p.len_q, i0 + kPanel);
       if (const uint8_t* keys = mask_tiles.excluded_key_blocks[t]) {
-        if (keys[slice * blocks + j0 / kBlock]) return true;
+        if (skips(keys[slice * blocks + j0 / kBlock], b, h, i0, i1)) return true;
       } else if (const uint8_t* tiles = mask_tiles.queries_pass[t]) {
-        if (tiles[(slice * panels + i0 / kPanel) * blocks + j0 / kBlock]) return true;
+        if (skips(tiles[(slice * panels + i0 / kPanel) * blocks + j0 / kBlock], b, h, i0, i1)) return true;
       }
     }
     return false;
@@ -103,20 +111,22 @@ struct FlashBackward {
       const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
       bool all = true;
       for (int64_t qb = i0 / kBlock; qb <= (i0 + ni - 1) / kBlock && all; ++qb)
-        all = tiles[(slice * blocks + qb) * panels + j0 / kPanel] != 0;
+        all = skips(tiles[(slice * blocks + qb) * panels + j0 / kPanel], b, h, i0, i0 + ni);
       if (all) return true;
     }
     return false;
   }
 
-  bool tile_excluded(int64_t b, int64_t h, int64_t kb, int64_t qb) const {
+  // One pass: whether a mask excludes the tile of key panel kb and query panel qb, for its rows
+  // [i0, i1) (with a padding map, any rows: qb unread).
+  bool tile_excluded(int64_t b, int64_t h, int64_t kb, int64_t qb, int64_t i0, int64_t i1) const {
     const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
     for (int t = 0; t < p.num_masks; ++t) {
       const int64_t slice = mask_slice(p.masks[t], p.heads_q, b, h);
       if (const uint8_t* excluded = mask_tiles.excluded[t]) {
-        if (excluded[(slice * nqb + qb) * nkb + kb]) return true;
+        if (skips(excluded[(slice * nqb + qb) * nkb + kb], b, h, i0, i1)) return true;
       } else if (const uint8_t* keys = mask_tiles.excluded_keys[t]) {
-        if (keys[slice * nkb + kb]) return true;
+        if (skips(keys[slice * nkb + kb], b, h, i0, i1)) return true;
       }
     }
     return false;
@@ -334,7 +344,7 @@ struct FlashBackward {
     if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q);
     const int64_t group = p.heads_q / p.heads_kv;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      if (tile_excluded(b, h, j0 / kPanel, 0)) continue;  // a padding mask excludes every key of the panel
+      if (tile_excluded(b, h, j0 / kPanel, 0, 0, p.len_q)) continue;  // a padding mask excludes every key of the panel
       for (int64_t i0 = i_start; i0 < p.len_q; i0 += kBlock) {
         const int64_t ni = std::min<int64_t>(kBlock, p.len_q - i0);
         if (query_rows_excluded(b, h, i0, ni, j0)) continue;  // P = 0, dS = 0: it adds nothing
@@ -510,7 +520,7 @@ struct FlashBackward {
         int64_t i_start = 0;  // queries before it see no key of the block: skipped
         if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q) / kPanel * kPanel;
         for (int64_t i0 = i_start; i0 < p.len_q; i0 += kPanel) {
-          if (tile_excluded(b, h, kb, i0 / kPanel)) continue;  // P = 0, dS = 0: it adds nothing
+          if (tile_excluded(b, h, kb, i0 / kPanel, i0, std::min(p.len_q, i0 + kPanel))) continue;  // P = 0, dS = 0
           const int64_t ni = std::min<int64_t>(kPanel, p.len_q - i0);
           const int64_t nip = T::round_up(ni, kRows);
           const int query_vecs = T::vecs_for(ni);
@@ -569,12 +579,12 @@ struct FlashBackward {
       const MaskTerm& m = p.masks[t];
       int64_t slices = 0, floats = 0;
       if (m.strides[2] == 0) {
-        tiles.excluded_keys[t] = excluded_key_blocks<S>(p, m, kPanel, threads, storage);
+        tiles.excluded_keys[t] = excluded_key_blocks<S>(p, m, kPanel, threads, storage, true);
         continue;
       }
       if (!mask_slice_count(m, p.batch, p.heads_q, &slices) ||
           __builtin_mul_overflow(slices, nkb * nqb * kPanel * kPanel, &floats) || floats > transposed_mask_floats().load()) {
-        tiles.excluded[t] = excluded_tiles<S>(p, m, kPanel, kPanel, threads, storage);  // read in place
+        tiles.excluded[t] = excluded_tiles<S>(p, m, kPanel, kPanel, threads, storage, true);  // read in place
         continue;
       }
       storage.push_back(Tensor::empty({floats}));
@@ -596,16 +606,20 @@ struct FlashBackward {
         const int64_t nk = std::min<int64_t>(kPanel, p.len_k - j0);
         for (int64_t qb = 0; qb < nqb; ++qb) {
           const int64_t nq = std::min<int64_t>(kPanel, p.len_q - qb * kPanel);
-          bool all = true;
-          for (int64_t ii = 0; ii < nq && all; ++ii)
-            for (int64_t jj = 0; jj < nk; ++jj)
-              all = all && first[(qb * kPanel + ii) * kPanel + jj] == -std::numeric_limits<float>::infinity();
-          excluded[(slice * nqb + qb) * nkb + kb] = all;
+          bool all = true, all_swamped = true;
+          for (int64_t ii = 0; ii < nq && (all || all_swamped); ++ii)
+            for (int64_t jj = 0; jj < nk; ++jj) {
+              const float x = first[(qb * kPanel + ii) * kPanel + jj];
+              all = all && x == -std::numeric_limits<float>::infinity();
+              all_swamped = all_swamped && x <= kSwampedBelow;
+            }
+          excluded[(slice * nqb + qb) * nkb + kb] = block_class(all, all_swamped, true);
         }
       });
       tiles.data[t] = dst;
       if (skips_excluded_blocks().load()) tiles.excluded[t] = excluded;
     }
+    tiles.ordinary = ordinary_rows(p, threads, storage);
     return tiles;
   }
 
@@ -632,13 +646,14 @@ struct FlashBackward {
     for (int t = 0; t < p.num_masks; ++t) {
       const MaskTerm& m = p.masks[t];
       if (m.strides[2] == 0) {
-        maps.excluded_keys[t] = excluded_key_blocks<S>(p, m, kPanel, threads, storage);
-        maps.excluded_key_blocks[t] = excluded_key_blocks<S>(p, m, kBlock, threads, storage);
+        maps.excluded_keys[t] = excluded_key_blocks<S>(p, m, kPanel, threads, storage, true);
+        maps.excluded_key_blocks[t] = excluded_key_blocks<S>(p, m, kBlock, threads, storage, true);
       } else {
-        maps.keys_pass[t] = excluded_tiles<S>(p, m, kBlock, kPanel, threads, storage);
-        maps.queries_pass[t] = excluded_tiles<S>(p, m, kPanel, kBlock, threads, storage);
+        maps.keys_pass[t] = excluded_tiles<S>(p, m, kBlock, kPanel, threads, storage, true);
+        maps.queries_pass[t] = excluded_tiles<S>(p, m, kPanel, kBlock, threads, storage, true);
       }
     }
+    maps.ordinary = ordinary_rows(p, threads, storage);
     const FlashBackward two_pass{p, in, out, maps};
     const int64_t key_blocks = (p.len_k + kPanel - 1) / kPanel;
     parallel_for(out.dk || out.dv ? p.batch * p.heads_kv * key_blocks : 0, threads, [&](int64_t t, int) {
