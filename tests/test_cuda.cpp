@@ -167,4 +167,27 @@ TEST_F(GpuTest, FullyMaskedRowsAreZeroAndWhatTheKernelCannotDoIsAnError) {
                "dropout");
 }
 
+// A row whose every key carries finfo.min (Hugging Face's padding) gets uniform weights, the mean
+// of the values, as on the CPU and in PyTorch; not the zeros of an overflow to -inf.
+TEST_F(GpuTest, HugeFiniteMaskValuesAreNotInfinite) {
+  std::mt19937_64 rng(test_seed());
+  const mha::DType dtype = mha::DType::bf16;
+  const Operand q = operand({1, 2, 40, 64}, rng, dtype), k = operand({1, 2, 70, 64}, rng, dtype),
+                v = operand({1, 2, 70, 64}, rng, dtype);
+  mha::Tensor mask = mha::Tensor::zeros({40, 70});
+  for (int64_t j = 0; j < 70; ++j) mask.data<float>()[3 * 70 + j] = std::numeric_limits<float>::lowest();  // row 3
+  const mha::Tensor mask_device = mask.to(mha::Device::cuda());
+  const mha::Tensor out =
+      mha::scaled_dot_product_attention(q.device, k.device, v.device, {.attn_mask = mask_device.view()}).to(mha::Device::cpu());
+  const mha::Tensor cpu = mha::scaled_dot_product_attention(q.host, k.host, v.host, {.attn_mask = mask.view()});
+  EXPECT_LT(rel_error(out, cpu), tolerance(dtype));
+  const mha::Tensor values = mha::Tensor::copy_of(v.host, mha::DType::f32);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t d = 0; d < 64; ++d) {
+      double mean = 0;
+      for (int64_t j = 0; j < 70; ++j) mean += values.at({0, h, j, d}) / 70.0;
+      EXPECT_NEAR(out.at({0, h, 3, d}), mean, 2e-2) << h << " " << d;
+    }
+}
+
 }  // namespace

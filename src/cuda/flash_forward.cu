@@ -17,6 +17,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -108,7 +109,10 @@ __device__ float mask_bias(const Params& p, int b, int h, int i, int j) {
     const GpuMask& mk = p.masks[m];
     const long long off = b * mk.strides[0] + h * mk.strides[1] + i * mk.strides[2] + j * mk.strides[3];
     if (mk.kind == 0) {
-      bias += static_cast<const float*>(mk.data)[off] * 1.4426950408889634f;
+      // A finite value stays finite when scaled (Hugging Face's finfo.min would overflow to -inf,
+      // and a row of it give zeros where PyTorch gives uniform weights), as on the CPU.
+      const float value = static_cast<const float*>(mk.data)[off], scaled = value * 1.4426950408889634f;
+      bias += isfinite(value) ? fminf(fmaxf(scaled, -FLT_MAX), FLT_MAX) : scaled;
     } else {
       const bool value = static_cast<const uint8_t*>(mk.data)[off] != 0;
       if (value != (mk.kind == 1)) bias = -INFINITY;
