@@ -65,6 +65,18 @@ void sdpa_backward(benchmark::State& state) {
   state.counters["FLOPS"] = flops_counter(2.5 * mha::attention_flops(batch, heads, len, len, dim, dim, causal));
 }
 
+// The timed loop of a decoding step, and its bytes counter: the key/value cache read per call.
+void time_decode_steps(benchmark::State& state, const mha::Tensor& q, const mha::Tensor& k, const mha::Tensor& v,
+                       const mha::Tensor& out, const mha::SdpaOptions& options) {
+  for (auto _ : state) {
+    mha::scaled_dot_product_attention_into(q, k, v, out, options);
+    benchmark::ClobberMemory();
+  }
+  const double cache_bytes = static_cast<double>(k.numel() + v.numel()) * static_cast<double>(mha::dtype_size(k.dtype()));
+  state.counters["bytes"] = benchmark::Counter(cache_bytes, benchmark::Counter::kIsIterationInvariantRate,
+                                               benchmark::Counter::kIs1024);
+}
+
 // Args: B, Hq, Hkv, S, d, Lq, bf16 (0: float32). A decoding step: Lq new queries per head against a
 // cache of S keys and values (Hkv key/value heads; fewer than Hq is grouped-query attention), causal
 // from the bottom right (each new token sees the cache and the tokens before it). A step reads the
@@ -79,13 +91,7 @@ void sdpa_decode(benchmark::State& state) {
   const mha::Tensor out = mha::Tensor::empty({batch, heads, queries, dim}, dtype);
   const mha::SdpaOptions options{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight,
                                  .enable_gqa = kv_heads != heads};
-  for (auto _ : state) {
-    mha::scaled_dot_product_attention_into(q, k, v, out, options);
-    benchmark::ClobberMemory();
-  }
-  const double cache_bytes = 2.0 * batch * kv_heads * cache * dim * static_cast<double>(mha::dtype_size(dtype));
-  state.counters["bytes"] = benchmark::Counter(cache_bytes, benchmark::Counter::kIsIterationInvariantRate,
-                                               benchmark::Counter::kIs1024);
+  time_decode_steps(state, q, k, v, out, options);
   state.counters["FLOPS"] = flops_counter(mha::attention_flops(batch, heads, queries, cache, dim, dim, true,
                                                                mha::CausalAlignment::BottomRight));
 }
@@ -109,13 +115,7 @@ void sdpa_decode_padded(benchmark::State& state) {
     for (int64_t j = 0; j < cache; ++j) mask.data<uint8_t>()[b * cache + j] = j >= std::min(pad, cache - 1);
   }
   const mha::SdpaOptions options{.attn_mask = mask.view(), .enable_gqa = kv_heads != heads};
-  for (auto _ : state) {
-    mha::scaled_dot_product_attention_into(q, k, v, out, options);
-    benchmark::ClobberMemory();
-  }
-  const double cache_bytes = 2.0 * batch * kv_heads * cache * dim * static_cast<double>(mha::dtype_size(dtype));
-  state.counters["bytes"] = benchmark::Counter(cache_bytes, benchmark::Counter::kIsIterationInvariantRate,
-                                               benchmark::Counter::kIs1024);
+  time_decode_steps(state, q, k, v, out, options);
 }
 
 // Args: E, H, B, L. Self-attention without weights (need_weights=false), the fast path of a
