@@ -1,8 +1,9 @@
 // Blocks of (query, key) pairs a mask term excludes entirely (-inf or false throughout: the padded
 // tail of a short sequence in a batch, a causal mask given as a tensor), which the forward and the
-// backward then skip, as they skip causal blocks; and blocks a finite mask value swamps. A mask that varies along the queries gets its
-// map with its copy where it is copied (flash_forward.hpp, flash_backward.hpp), else from
-// excluded_tiles; a key padding mask, read in place, from excluded_key_blocks.
+// backward then skip, as they skip causal blocks; and blocks a huge finite mask value swamps. A
+// mask that varies along the queries gets its map with its copy where it is copied
+// (flash_forward.hpp, flash_backward.hpp), else from excluded_tiles; a key padding mask, read in
+// place, from excluded_key_blocks.
 #pragma once
 
 #include <algorithm>
@@ -24,8 +25,8 @@ namespace {  // (per ISA: each kernel file compiles its own, as the tile kernels
 // in the rows that see a key whose mask values are all above kOrdinaryAbove (ordinary_rows): the
 // row's max is then 2^125 above each of the block's scores (for scores below 2^99 in magnitude),
 // and 2^-(2^125) is 0. A row without such a key (a padded query row) gives uniform weight to
-// keys at its max, swamped or not, so the forward skips swamped blocks only for tasks whose rows
-// all have one; the backward computes them.
+// keys at its max, swamped or not, so the kernels skip swamped blocks only for tasks (or tiles)
+// whose rows all have one.
 constexpr uint8_t kKept = 0, kExcluded = 1, kSwamped = 2;
 constexpr float kSwampedBelow = -0x1p126f, kOrdinaryAbove = -0x1p100f;
 
@@ -35,8 +36,9 @@ inline uint8_t block_class(bool all_excluded, bool all_swamped, bool swamped) {
   return all_excluded ? kExcluded : swamped && all_swamped ? kSwamped : kKept;
 }
 
-// For a term with strides[2] == 0: per (slice, block of `block` keys), 1 where every key of the
-// block is excluded (-inf or false), in `storage` (which owns it); null for any other term, or
+// For a term with strides[2] == 0: per (slice, block of `block` keys), kExcluded where every key
+// of the block is excluded (-inf or false), kSwamped (where `swamped`) where every key is swamped,
+// in `storage` (which owns it); null for any other term, or
 // where the slices cannot be counted, or skipping is off (skips_excluded_blocks).
 template <class S>
 const uint8_t* excluded_key_blocks(const AttentionProblem& p, const MaskTerm& m, int64_t block, int threads,
@@ -71,10 +73,10 @@ const uint8_t* excluded_key_blocks(const AttentionProblem& p, const MaskTerm& m,
 }
 
 // For a term that varies along the queries, read where it is (its copy would not fit, or the
-// schedule reads masks in place): per (slice, block of `rows` queries, block of `keys` keys), 1
-// where the term excludes every pair of the tile, [slices][query blocks][key blocks], in
+// schedule reads masks in place): per (slice, block of `rows` queries, block of `keys` keys),
+// kExcluded or kSwamped (as above) for the tile, [slices][query blocks][key blocks], in
 // `storage`; null where the slices cannot be counted or skipping is off. A tile's scan stops at
-// its first visible pair, so a mask that excludes little costs little.
+// its first pair that is neither, so a mask that excludes little costs little.
 template <class S>
 const uint8_t* excluded_tiles(const AttentionProblem& p, const MaskTerm& m, int64_t rows, int64_t keys, int threads,
                               std::vector<Tensor>& storage, bool swamped = false) {

@@ -400,8 +400,8 @@ struct FewQueries {
   int64_t key_blocks() const { return (p.len_k + kKeys - 1) / kKeys; }
 
   // Whether every row of rows [r_begin, r_end) of key/value head (b, hk) has key block kb (keys
-  // from kb * kKeys) excluded by some mask term. The rows of a head share its maps: a map covers
-  // every query of a slice.
+  // from kb * kKeys) excluded by some mask term, or swamped where all the head's rows see an
+  // ordinary key. The rows of a head share its maps: a map covers every query of a slice.
   bool block_excluded(int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t kb) const {
     const int64_t h_end = hk * group() + (r_end - 1) / p.len_q + 1;
     for (int64_t h = hk * group() + r_begin / p.len_q; h < h_end; ++h) {
