@@ -1012,4 +1012,62 @@ TEST(SdpaBackward, SwampedTilesAreSkippedOnlyWhereExact) {
   }
 }
 
+
+// A row whose every score is its mask value (Hugging Face's padded query rows at finfo.min, or any
+// value that swallows q.k): a float32 log-sum-exp cannot hold log2(l) next to such a maximum, and
+// recomputing P from it gives each of the row's l keys 1 instead of 1/l (PyTorch's CPU backward
+// does). Against the float64 reference, which forms the softmax: every ISA, the one-pass (16 head
+// groups) and two-pass schedules and the few-queries kernel, with and without the mask's gradient;
+// padding at finfo.min, -1e38 and -1e35, an entry padded throughout, causal rows that see only
+// padding, rows mixing -1e38 and -2e38 (their weight on the -1e38 keys alone); bfloat16 inputs.
+// float32 within 1e-5 of the largest gradient (the sums of a few hundred rounded products);
+// bfloat16 within 2e-2 (inputs and gradients rounded to 8 bits).
+TEST(SdpaBackward, RowsOfMaskValuesAloneGetTheirSoftmax) {
+  std::mt19937_64 rng(test_seed());
+  const float lowest = std::numeric_limits<float>::lowest();
+  struct Case {
+    int64_t batch, lq, lk;
+    const char* what;
+  };
+  const Case cases[] = {{8, 130, 150, "one pass"}, {1, 130, 150, "two passes"}, {3, 3, 70, "few queries"}};
+  const std::vector<mha::detail::Isa> isas = mha::detail::supported_isas();
+  for (const mha::detail::Isa isa : isas) {
+    mha::detail::force_isa(isa);
+    for (const Case& c : cases) {
+      for (const float fill : {lowest, -1e38f, -1e35f}) {
+        for (const mha::DType dtype : {mha::DType::f32, mha::DType::bf16}) {
+          if (dtype == mha::DType::bf16 && (fill != lowest || isa != isas.back())) continue;
+          const int64_t hkv = 2, hq = 4, d = 24;
+          const mha::Tensor q = randn({c.batch, hq, c.lq, d}, rng, dtype), k = randn({c.batch, hkv, c.lk, d}, rng, dtype),
+                            v = randn({c.batch, hkv, c.lk, d}, rng, dtype), go = randn({c.batch, hq, c.lq, d}, rng, dtype);
+          mha::Tensor mask = mha::Tensor::zeros({c.batch, 1, c.lq, c.lk});
+          for (int64_t e = 0; e < c.batch; ++e) {
+            const int64_t pad = e % 3 == 0 ? c.lk : e % 3 == 1 ? c.lk / 2 : 0;  // entry e's first keys padded
+            for (int64_t i = 0; i < c.lq; ++i)
+              for (int64_t j = 0; j < pad; ++j)
+                mask.data<float>()[(e * c.lq + i) * c.lk + j] = fill == -1e38f && (i + j) % 3 == 0 ? -2e38f : fill;
+          }
+          mha::SdpaOptions o{.attn_mask = mask.view(), .enable_gqa = true};
+          if (fill == -1e35f) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
+          const auto ref = mha::reference::scaled_dot_product_attention_backward(q, k, v, go, o);
+          const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+          for (const bool mask_grad : {false, true}) {
+            char what[160];
+            std::snprintf(what, sizeof what, "%s, %s, fill %g, %s%s", std::string(mha::detail::isa_name(isa)).c_str(),
+                          c.what, fill, std::string(mha::dtype_name(dtype)).c_str(), mask_grad ? ", the mask's gradient" : "");
+            SCOPED_TRACE(what);
+            const double tolerance = dtype == mha::DType::f32 ? 1e-5 : 2e-2;
+            const auto got = mha::scaled_dot_product_attention_backward(q, k, v, saved, go, o, mask_grad);
+            EXPECT_LE(rel_error(got.query, ref.query), tolerance);
+            EXPECT_LE(rel_error(got.key, ref.key), tolerance);
+            EXPECT_LE(rel_error(got.value, ref.value), tolerance);
+            if (mask_grad) EXPECT_LE(rel_error(*got.attn_mask, ref.attn_mask), tolerance);
+          }
+        }
+      }
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
 }  // namespace

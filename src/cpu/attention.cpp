@@ -7,6 +7,7 @@
 
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cpu/backward_rows.hpp"
 #include "cpu/dispatch.hpp"
 
 namespace mha::detail {
@@ -174,18 +175,25 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     inputs.out = g_stand_in, inputs.grad_out = g_stand_in;
     for (int d = 0; d < 4; ++d) inputs.out_strides[d] = inputs.grad_out_strides[d] = 0;
   }
-  // delta = rowsum(dO * O), the softmax's correction term, once per row; rows split over the
-  // threads in blocks (serial, it took 3% of the samples of a backward at L=128, on one thread).
-  Tensor delta = Tensor::empty({p.batch * p.heads_q * p.len_q});
-  float* dl = delta.data<float>();
+  // delta = rowsum(dO * O), the softmax's correction term, and each row's normaliser, once per
+  // row; rows split over the threads in blocks (serial, delta took 3% of the samples of a
+  // backward at L=128, on one thread).
+  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  Tensor per_row = Tensor::empty({3, rows});
+  float* dl = per_row.data<float>();
+  float* lse2 = dl + rows;
+  float* p_scale = lse2 + rows;
   constexpr int64_t kRowsPerTask = 512;
   const int64_t row_blocks = (p.len_q + kRowsPerTask - 1) / kRowsPerTask;
   parallel_for(p.batch * p.heads_q * row_blocks, resolve_threads(p.num_threads), [&](int64_t t, int) {
     const int64_t bh = t / row_blocks, b = bh / p.heads_q, h = bh % p.heads_q;
     const int64_t i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
     delta_rows(p, inputs, b, h, i0, i1, dl);
+    backward_row_normalisers(p, inputs.lse, b, h, i0, i1, lse2, p_scale);
   });
   inputs.delta = dl;
+  inputs.lse2 = lse2;
+  inputs.p_scale = p_scale;
   switch (active_isa()) {
     case Isa::amx:
     case Isa::avx512: flash_backward_avx512(p, inputs, out); break;

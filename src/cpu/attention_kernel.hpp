@@ -36,6 +36,10 @@ struct BackwardInputs {
   int64_t grad_out_strides[4] = {};
   const float* lse = nullptr;
   const float* delta = nullptr;  // [B, Hq, Lq]: rowsum(grad_out * out), filled by run_attention_backward
+  // [B, Hq, Lq]: P = 2^(s - lse2) * p_scale for base-2 scores s (backward_rows.hpp), filled by
+  // run_attention_backward; the kernels read these, not lse.
+  const float* lse2 = nullptr;
+  const float* p_scale = nullptr;
 };
 
 // Where a backward writes: dq [B, Hq, Lq, Dk], dk [B, Hkv, Lk, Dk], dv [B, Hkv, Lk, Dv] of

@@ -70,6 +70,7 @@ struct FewQueriesBackward {
     float* row;      // [max(dk, dv)] one gradient row before it is stored
     float* zero;     // [max(dk, dv)]
     float* lse2;     // [rows] log-sum-exp in base 2
+    float* p_scale;  // [rows] 1 but in rows of mask values alone (backward_rows.hpp)
     float* delta;    // [rows] D = rowsum(dO O)
     int64_t* lim;    // [rows] keys [0, lim) visible
     uint32_t* key_lo;  // [rows] dropout row keys
@@ -78,7 +79,7 @@ struct FewQueriesBackward {
 
   Scratch allocate() const {
     const int64_t n = rows(), widest = std::max(dk(), dv());
-    const int64_t floats = n * (3 * dk() + dv() + 2 * kLanes + 2 + 4) + kLanes * (dk() + dv()) + 2 * widest;
+    const int64_t floats = n * (3 * dk() + dv() + 2 * kLanes + 3 + 4) + 1 + kLanes * (dk() + dv()) + 2 * widest;
     float* f = static_cast<float*>(thread_scratch(static_cast<size_t>(T::round_up(floats * 4, 64) + 64)));
     Scratch s;  // whole vectors first, so that they stay 64-byte aligned; lim last, at a multiple of 16 bytes
     s.qs = f, f += n * dk();
@@ -93,6 +94,7 @@ struct FewQueriesBackward {
     s.zero = f, f += widest;
     s.lse2 = f, f += n;
     s.delta = f, f += n;
+    s.p_scale = f, f += n + n % 2;  // (an even count keeps lim 8-byte aligned)
     s.key_lo = reinterpret_cast<uint32_t*>(f), f += n;
     s.key_hi = reinterpret_cast<uint32_t*>(f), f += n;
     s.lim = reinterpret_cast<int64_t*>(f);
@@ -151,7 +153,8 @@ struct FewQueriesBackward {
       const float* gr = input_row(in.grad_out, in.grad_out_dtype, in.grad_out_strides, b, h, i, p.dim_v, dv(), go);
       if (gr != go) std::memcpy(go, gr, sizeof(float) * dv());
       std::fill(s.dq + qi * dk(), s.dq + (qi + 1) * dk(), 0.0f);
-      s.lse2[qi] = in.lse[r] * kLog2e;
+      s.lse2[qi] = in.lse2[r];
+      s.p_scale[qi] = in.p_scale[r];
       s.delta[qi] = in.delta[r];
       s.lim[qi] = p.causal_end(i);
       key_end = std::max(key_end, s.lim[qi]);
@@ -177,7 +180,8 @@ struct FewQueriesBackward {
       for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j0, nc));
       // Keys past the row's limit (causality, the chunk's end or Lk) have P = 0.
       const U limit = S::set1_u(static_cast<uint32_t>(std::min<int64_t>(s.lim[qi], j0 + nc)));
-      const F pr = S::select(S::lt_i(keys, limit), S::exp2(S::sub(x, S::set1(s.lse2[qi]))), zero);
+      F pr = S::select(S::lt_i(keys, limit), S::exp2(S::sub(x, S::set1(s.lse2[qi]))), zero);
+      if (s.p_scale[qi] != 1.0f) pr = S::mul(pr, S::set1(s.p_scale[qi]));  // (backward_rows.hpp)
       F dp = Dot::template dot_scores<typename Dot::AsF32>(vp, s.go + qi * dv(), dv());
       F pd = pr;
       if (dropout) {

@@ -288,8 +288,9 @@ struct FlashBackward {
       }
       const int64_t i = i0 + ii;
       const int64_t r = row_index(b, h, i);
-      const F lse2 = S::set1(in.lse[r] * kLog2e);
+      const F lse2 = S::set1(in.lse2[r]);
       const F delta = S::set1(in.delta[r]);
+      const float p_scale = in.p_scale[r];  // 1 but in rows of mask values alone (backward_rows.hpp)
       const int64_t row_limit = causal_limit(i);
       const U limit = S::set1_u(static_cast<uint32_t>(row_limit));
       const bool all_visible = row_limit >= j0 + kPanel;  // the usual case: no lane to zero
@@ -301,6 +302,7 @@ struct FlashBackward {
       }
       for (int c = 0; c < vecs; ++c) {
         F pr = S::exp2(S::sub(S::load(prow + c * kLanes), lse2));
+        if (p_scale != 1.0f) pr = S::mul(pr, S::set1(p_scale));
         if (!all_visible) pr = S::select(S::lt_i(jv[c], limit), pr, zero);  // causality, keys past Lk
         F dp = S::load(grow + c * kLanes);
         F pd = pr;
@@ -374,14 +376,15 @@ struct FlashBackward {
     const int64_t hk = h / (p.heads_q / p.heads_kv);
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const int64_t slots = copies_any() ? kBlock * (dk + dv) : 0;
-    Buffer buf((2 * dk + dv + 2 * kBlock + 5) * kPanel + std::max(dk, dv) + kLanes + slots);
+    Buffer buf((2 * dk + dv + 2 * kBlock + 6) * kPanel + std::max(dk, dv) + kLanes + slots);
     float* qt = buf.data;            // [Dk][48] Q^T, scaled
     float* got = qt + dk * kPanel;   // [Dv][48] dO^T
     float* dqt = got + dv * kPanel;  // [Dk][48] dQ^T accumulator
     float* st = dqt + dk * kPanel;   // [kBlock][48] scores, then dS
     float* gt = st + kBlock * kPanel;  // [kBlock][48] dPd
     float* lse2 = gt + kBlock * kPanel;
-    float* delta = lse2 + kPanel;
+    float* p_scale = lse2 + kPanel;
+    float* delta = p_scale + kPanel;
     uint32_t* limit = reinterpret_cast<uint32_t*>(delta + kPanel);
     uint32_t* key_lo = limit + kPanel;
     uint32_t* key_hi = key_lo + kPanel;
@@ -390,11 +393,14 @@ struct FlashBackward {
     float* v_slots = k_slots + kBlock * dk;                                                  // [kBlock][Dv]
     transposed_panel(q_rows(), b, h, i0, ni, qt, qk_scale, k_slots);  // (the slots are free until the key loop)
     transposed_panel(grad_out_rows(), b, h, i0, ni, got, 1.0f, v_slots);
+    bool rescaled = false;  // a row of mask values alone (backward_rows.hpp)
     for (int64_t ii = 0; ii < kPanel; ++ii) {
       const int64_t i = i0 + ii;
       const bool real = ii < ni;
       const int64_t r = row_index(b, h, real ? i : i0);
-      lse2[ii] = real ? in.lse[r] * kLog2e : std::numeric_limits<float>::infinity();
+      lse2[ii] = real ? in.lse2[r] : std::numeric_limits<float>::infinity();
+      p_scale[ii] = real ? in.p_scale[r] : 1.0f;
+      rescaled = rescaled || p_scale[ii] != 1.0f;
       delta[ii] = real ? in.delta[r] : 0.0f;
       limit[ii] = static_cast<uint32_t>(real ? causal_limit(i) : 0);
       if (p.dropout_p > 0 && real) {
@@ -436,6 +442,7 @@ struct FlashBackward {
       for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], st, 1, kPanel, b, h, i0, ni, j0, nj);
       for (int c = 0; c < vecs; ++c) {
         const F l2 = S::load(lse2 + c * kLanes);
+        const F sc = S::load(p_scale + c * kLanes);
         const F dl = S::load(delta + c * kLanes);
         const U lim = S::load_u(limit + c * kLanes);
         const U lo = S::load_u(key_lo + c * kLanes), hi = S::load_u(key_hi + c * kLanes);
@@ -443,7 +450,8 @@ struct FlashBackward {
           float* srow = st + jj * kPanel + c * kLanes;
           const U j = S::set1_u(static_cast<uint32_t>(j0 + jj));
           const M visible = S::lt_i(j, lim);
-          const F pr = S::select(visible, S::exp2(S::sub(S::load(srow), l2)), zero);
+          F pr = S::select(visible, S::exp2(S::sub(S::load(srow), l2)), zero);
+          if (rescaled) pr = S::mul(pr, sc);
           F dp = S::load(gt + jj * kPanel + c * kLanes);
           if (dropout) dp = S::select(S::ge_u(T::dropout_bits(j, lo, hi), threshold), S::mul(dp, keep_scale), zero);
           S::store(srow, S::mul(pr, S::sub(dp, dl)));  // dS
