@@ -217,3 +217,33 @@ def test_hugging_face_min_masks_match_torch(parity_seed):
             if L > 1:  # the padded rows are the mean of the values, not zeros
                 mean = v[2, :, :, :].double().mean(dim=1)
                 assert torch.allclose(ours[2, :, 0].double(), mean, atol=tolerance * 10)
+
+
+def test_hugging_face_min_masks_backward_follow_the_formula(parity_seed):
+    """The gradients under the masks above, against autograd through the formula itself
+    (softmax(q k^T / sqrt(d) + mask) v in float64). A padded row gives each of its l keys 1/l; a
+    float32 log-sum-exp cannot hold log(l) next to -3.4e38, and recomputing the weights from it gives
+    each key 1 (PyTorch's CPU SDPA backward does, in float64 as well), which we do not. float32
+    within 1e-5 of the largest gradient, bfloat16 within 2e-2 (its rounding of inputs and gradients)."""
+    rng = np.random.default_rng([parity_seed, 5])
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for L in (5, 130):
+            B, H, D = 3, 2, 32
+            q, k, v, go = (torch.randn(B, H, L, D, generator=gen).to(dtype) for _ in range(4))
+            lowest = torch.finfo(dtype).min
+            mask = torch.zeros(B, 1, L, L, dtype=dtype)
+            for b, pad in enumerate([0, L // 2, L - 1]):
+                mask[b, 0].masked_fill_(torch.ones(L, L, dtype=torch.bool).triu(1), lowest)
+                mask[b, 0, :, :pad] = lowest
+
+            def grads(fn, dt):
+                inputs = [t.to(dt).detach().requires_grad_() for t in (q, k, v)]
+                fn(*inputs, mask.to(dt)).backward(go.to(dt))
+                return [t.grad.double() for t in inputs]
+
+            ref = grads(lambda q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5 + m, -1) @ v, torch.float64)
+            ours = grads(lambda q, k, v, m: mha.scaled_dot_product_attention(q, k, v, attn_mask=m), dtype)
+            for name, a, r in zip(("query", "key", "value"), ours, ref):
+                err = (a - r).abs().max().item() / r.abs().max().item()
+                assert err <= tolerance, f"{dtype} L={L} d{name}: relative error {err:.3e}"
