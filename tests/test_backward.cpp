@@ -1019,7 +1019,8 @@ TEST(SdpaBackward, SwampedTilesAreSkippedOnlyWhereExact) {
 // does). Against the float64 reference, which forms the softmax: every ISA, the one-pass (16 head
 // groups) and two-pass schedules and the few-queries kernel, with and without the mask's gradient;
 // padding at finfo.min, -1e38 and -1e35, an entry padded throughout, causal rows that see only
-// padding, rows mixing -1e38 and -2e38 (their weight on the -1e38 keys alone); bfloat16 inputs.
+// padding, rows mixing -1e38 and -2e38 (their weight on the -1e38 keys alone); masks shared by
+// the heads, one per head, and read with keys a row apart; bfloat16 inputs.
 // float32 within 1e-5 of the largest gradient (the sums of a few hundred rounded products);
 // bfloat16 within 2e-2 (inputs and gradients rounded to 8 bits).
 TEST(SdpaBackward, RowsOfMaskValuesAloneGetTheirSoftmax) {
@@ -1040,14 +1041,25 @@ TEST(SdpaBackward, RowsOfMaskValuesAloneGetTheirSoftmax) {
           const int64_t hkv = 2, hq = 4, d = 24;
           const mha::Tensor q = randn({c.batch, hq, c.lq, d}, rng, dtype), k = randn({c.batch, hkv, c.lk, d}, rng, dtype),
                             v = randn({c.batch, hkv, c.lk, d}, rng, dtype), go = randn({c.batch, hq, c.lq, d}, rng, dtype);
-          mha::Tensor mask = mha::Tensor::zeros({c.batch, 1, c.lq, c.lk});
+          // The mask [B, 1, Lq, Lk] (its rows shared by the heads), [B, Hq, Lq, Lk], or a view of
+          // [B, 1, Lk, Lq] storage (keys a row apart: read key by key).
+          const int layout = fill == lowest ? 0 : fill == -1e38f ? 1 : 2;
+          const int64_t mask_heads = layout == 1 ? hq : 1;
+          mha::Tensor mask = layout == 2 ? mha::Tensor::zeros({c.batch, 1, c.lk, c.lq})
+                                         : mha::Tensor::zeros({c.batch, mask_heads, c.lq, c.lk});
+          const int64_t row_step = layout == 2 ? 1 : c.lk, key_step = layout == 2 ? c.lq : 1;
           for (int64_t e = 0; e < c.batch; ++e) {
             const int64_t pad = e % 3 == 0 ? c.lk : e % 3 == 1 ? c.lk / 2 : 0;  // entry e's first keys padded
-            for (int64_t i = 0; i < c.lq; ++i)
-              for (int64_t j = 0; j < pad; ++j)
-                mask.data<float>()[(e * c.lq + i) * c.lk + j] = fill == -1e38f && (i + j) % 3 == 0 ? -2e38f : fill;
+            for (int64_t mh = 0; mh < mask_heads; ++mh)
+              for (int64_t i = 0; i < c.lq; ++i)
+                for (int64_t j = 0; j < pad; ++j)
+                  mask.data<float>()[(e * mask_heads + mh) * c.lq * c.lk + i * row_step + j * key_step] =
+                      fill == -1e38f && (i + j + mh) % 3 == 0 ? -2e38f : fill;
           }
-          mha::SdpaOptions o{.attn_mask = mask.view(), .enable_gqa = true};
+          const mha::TensorView mask_view =
+              layout == 2 ? mha::TensorView(mask.data<float>(), {c.batch, 1, c.lq, c.lk}, {c.lq * c.lk, c.lq * c.lk, 1, c.lq})
+                          : mask.view();
+          mha::SdpaOptions o{.attn_mask = mask_view, .enable_gqa = true};
           if (fill == -1e35f) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
           const auto ref = mha::reference::scaled_dot_product_attention_backward(q, k, v, go, o);
           const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);

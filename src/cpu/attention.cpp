@@ -189,7 +189,10 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     const int64_t bh = t / row_blocks, b = bh / p.heads_q, h = bh % p.heads_q;
     const int64_t i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
     delta_rows(p, inputs, b, h, i0, i1, dl);
-    backward_row_normalisers(p, inputs.lse, b, h, i0, i1, lse2, p_scale);
+  });
+  parallel_for(p.batch * row_blocks, resolve_threads(p.num_threads), [&](int64_t t, int) {
+    const int64_t b = t / row_blocks, i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
+    backward_row_normalisers(p, inputs.lse, b, i0, i1, lse2, p_scale);
   });
   inputs.delta = dl;
   inputs.lse2 = lse2;

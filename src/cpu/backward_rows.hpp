@@ -16,8 +16,9 @@
 
 namespace mha::detail {
 
-// Rows [i0, i1) of head (b, h): lse2 and scale of row r = (b * Hq + h) * Lq + i, from lse[r].
-void backward_row_normalisers(const AttentionProblem& p, const float* lse, int64_t b, int64_t h, int64_t i0,
-                              int64_t i1, float* lse2, float* scale);
+// Rows [i0, i1) of batch entry b, every head: lse2 and scale of row r = (b * Hq + h) * Lq + i,
+// from lse[r]. (Heads whose mask row is one share its reading.)
+void backward_row_normalisers(const AttentionProblem& p, const float* lse, int64_t b, int64_t i0, int64_t i1,
+                              float* lse2, float* scale);
 
 }  // namespace mha::detail
