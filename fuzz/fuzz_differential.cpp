@@ -1,11 +1,12 @@
 // Differential: a small random SDPA problem through the fused kernels and the float64 reference.
 // The input picks the ISA (every one this CPU runs), the layouts (contiguous [B, H, L, D] or a
 // transposed view of [B, L, H, D] storage), GQA, causality and its alignment, a bool or additive
-// mask (with -inf entries, broadcast or not; bands and padding that exclude whole blocks), scale,
-// dropout and the thread count. Aborts when
-//   - an output or weight is NaN or infinite (the inputs are finite and bounded by 3), or
+// mask (with -inf entries, broadcast or not; bands and padding that exclude whole blocks; huge
+// finite values, Hugging Face's), scale, dropout and the thread count; then, for a quarter of the
+// inputs, the backward. Aborts when
+//   - an output, weight or gradient is NaN or infinite (the inputs are finite and bounded by 3), or
 //   - the normwise relative error max|fused - ref| / max|ref| of the output (with and without
-//     weights) or of the weights exceeds 1e-4.
+//     weights), of the weights or of a gradient exceeds 1e-4.
 // Scores stay below ~120 in magnitude (|x| <= 3, Dk <= 41, scale <= 2/sqrt(Dk)), so their fp32
 // rounding moves the weights by ~1e-5 at most: 1e-4 is a bound a correct kernel always meets.
 #include <algorithm>
@@ -113,6 +114,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       break;
     }
+    case 6: {  // additive [B, 1, Lq, Lk] as Hugging Face builds it: huge finite values, not -inf, where hidden
+      mask = mha::Tensor::zeros({B, 1, Lq, Lk});
+      static const float huge[] = {std::numeric_limits<float>::lowest(), -2e38f, -1e38f, -1e35f};
+      const float fill = huge[in.small(3)], other = huge[in.small(3)];  // a second value in some places
+      const bool causal = in.flag();
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t pad = static_cast<int64_t>(rng() % static_cast<uint64_t>(Lk + 1));  // left padding
+        for (int64_t i = 0; i < Lq; ++i)
+          for (int64_t j = 0; j < Lk; ++j)
+            if (j < pad || (causal && j > i + Lk - Lq)) mask.data<float>()[(b * Lq + i) * Lk + j] = rng() % 5 ? fill : other;
+      }
+      break;
+    }
     default: break;
   }
   if (mask.defined()) o.attn_mask = mask.view();
@@ -124,5 +138,31 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if ((err = normwise(fused.output, ref.output, &scale)) > MHA_FUZZ_TOLERANCE) fail("output (with weights)", err, scale, B, Hq, Lq, Lk);
   if ((err = normwise(plain, ref.output, &scale)) > MHA_FUZZ_TOLERANCE) fail("output", err, scale, B, Hq, Lq, Lk);
   if ((err = normwise(fused.weights, ref.weights, &scale)) > MHA_FUZZ_TOLERANCE) fail("weights", err, scale, B, Hq, Lq, Lk);
+  if (in.small(3) != 0) return 0;  // (a quarter of the inputs: the float64 backwards are slow)
+
+  // The backward, with the mask's gradient where the mask is additive. Gradients are longer float32
+  // chains: within 1e-4 of each one's largest value, or of 5% of the largest of them all and of dV
+  // with |dO| (the same sums without their cancellation), as tests/test_backward.cpp judges them.
+  mha::Tensor grad = mha::Tensor::empty({B, Hq, Lq, Dv}), grad_magnitude = mha::Tensor::empty({B, Hq, Lq, Dv});
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int64_t i = 0; i < grad.numel(); ++i) grad_magnitude.data<float>()[i] = std::fabs(grad.data<float>()[i] = u(rng));
+  const bool mask_grad = mask.defined() && mask.dtype() == mha::DType::f32;
+  const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+  const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o, mask_grad);
+  const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, grad, o);
+  const auto magnitude = mha::reference::scaled_dot_product_attention_backward(q, k, v, grad_magnitude, o);
+  auto largest = [](const mha::Tensor& t) {
+    double m = 0;
+    const mha::Tensor d = mha::Tensor::copy_of(t.view(), mha::DType::f64);
+    for (int64_t i = 0; i < d.numel(); ++i) m = std::max(m, std::fabs(d.data<double>()[i]));
+    return m;
+  };
+  mha::Tensor floor = mha::Tensor::empty({1}, mha::DType::f64);  // (normwise's scale is at least this)
+  floor.data<double>()[0] = 0.05 * std::max({largest(r.query), largest(r.key), largest(r.value), largest(magnitude.value)});
+  if ((err = normwise(g.query, r.query, &scale, floor)) > MHA_FUZZ_TOLERANCE) fail("dq", err, scale, B, Hq, Lq, Lk);
+  if ((err = normwise(g.key, r.key, &scale, floor)) > MHA_FUZZ_TOLERANCE) fail("dk", err, scale, B, Hq, Lq, Lk);
+  if ((err = normwise(g.value, r.value, &scale, floor)) > MHA_FUZZ_TOLERANCE) fail("dv", err, scale, B, Hq, Lq, Lk);
+  if (mask_grad && (err = normwise(*g.attn_mask, r.attn_mask, &scale, floor)) > MHA_FUZZ_TOLERANCE)
+    fail("dmask", err, scale, B, Hq, Lq, Lk);
   return 0;
 }
