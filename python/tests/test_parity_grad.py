@@ -199,6 +199,40 @@ def test_module_gradients_match_torch(chunk, parity_seed, parity_count):
             assert err <= TOL, f"{name} gradient: relative error {err:.2e} for {c}"
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_module_gradients_with_hugging_face_min_masks(need_weights, parity_seed):
+    """A float attn_mask at finfo.min for causality and left padding (a batch entry's first three
+    query rows see no key but at that value) plus a key_padding_mask (a second mask term): against
+    PyTorch's module in float64 with need_weights=True, which forms the softmax itself. Its SDPA
+    path (need_weights=False) gives those rows' keys weight 1 each in the backward instead of 1/l."""
+    rng = np.random.default_rng([parity_seed, 8])
+    torch.manual_seed(int(rng.integers(2**31)))
+    E, H, N, L = 32, 4, 2, 9
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True).double()
+    ours = mha.nn.MultiheadAttention(E, H, batch_first=True)
+    ours.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    x = torch.from_numpy(rng.standard_normal((N, L, E)))
+    lowest = torch.finfo(torch.float32).min
+    mask = torch.zeros(N, L, L, dtype=torch.float64)
+    for n, pad in enumerate([0, 3]):
+        mask[n].masked_fill_(torch.ones(L, L, dtype=torch.bool).triu(1), lowest)
+        mask[n, :, :pad] = lowest
+    mask = mask.repeat_interleave(H, dim=0)  # [N * H, L, L]
+    kpm = torch.zeros(N, L, dtype=torch.bool)
+    kpm[0, L - 1] = True  # (batch entry 0's last key, masked out: -inf)
+    g = torch.from_numpy(rng.standard_normal((N, L, E)))
+    x64 = x.clone().requires_grad_()
+    ref(x64, x64, x64, key_padding_mask=kpm, attn_mask=mask, need_weights=True)[0].backward(g)
+    x32 = x.float().requires_grad_()
+    ours(x32, x32, x32, key_padding_mask=kpm, attn_mask=mask.float(), need_weights=need_weights)[0].backward(g.float())
+    pairs = [(x32, x64, "input")] + [(p, rp, name) for (name, p), (_, rp) in
+                                     zip(ours.named_parameters(), ref.named_parameters())]
+    floor = case_floor([b for _, b, _ in pairs])
+    for a, b, name in pairs:
+        err = rel(a.grad, b.grad, floor)
+        assert err <= TOL, f"{name} gradient: relative error {err:.2e}"
+
+
 def test_frozen_module_passes_gradients_through(parity_seed):
     """Every parameter frozen (an adapter trained around a fixed attention): the inputs' gradients
     match PyTorch's, no parameter gets one; with the inputs frozen too, nothing is saved and the
