@@ -17,6 +17,7 @@
 
 #include "cpu/attention_kernel.hpp"
 #include "cpu/dispatch.hpp"
+#include "cpu/mask_only_rows.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
 
@@ -801,8 +802,8 @@ TEST_P(EveryIsa, FewQueriesSkipWhatAMaskExcludes) {
 // Hugging Face's float masks put finfo.min, not -inf, where a key is hidden. Blocks of such
 // values (kSwamped in src/cpu/excluded_keys.hpp) are skipped only for tasks whose rows all see an
 // ordinary key, where they weigh exactly nothing; rows that see none (a left-padded prompt's
-// padding) give uniform weight to those keys and are computed whole. The same bits as every
-// block computed, on the tile kernel (mask copied whole, per batch entry, in place) and the
+// padding) give uniform weight to those keys (leading ones are written from the mask, the others
+// computed whole). The same bits as every block computed, on the tile kernel (mask copied whole, per batch entry, in place) and the
 // few-queries kernel (one and several queries, a cache split into runs), 1 and 3 threads: causal
 // masks left-padded and right-padded, values between the thresholds (-1e35: neither swamped nor
 // ordinary), -3e38 (which overflows once scaled), and ordinary keys alone at block edges.
@@ -843,9 +844,20 @@ TEST_P(EveryIsa, SwampedBlocksAreSkippedOnlyWhereExact) {
     const auto computed = mha::scaled_dot_product_attention_for_training(q, k, v, o);
     mha::detail::skips_excluded_blocks() = true;
     cap = saved;
+    // Leading rows that see no ordinary key (entry 1's first rows, entry 2 when entirely padded)
+    // come from the mask, the mean of the values in double (mask_only_rows.hpp): within float32
+    // rounding of the kernel's online softmax there; every other row has the kernel's bits.
+    auto from_the_mask = [&](int64_t e, int64_t i) { return (e == 2 && n % 4 == 1) || (e == 1 && i + lk - lq < 60); };
     for (size_t c = 0; c < outs.size(); ++c) {
-      EXPECT_TRUE(mha_test::same_bits(outs[c], computed.output)) << c;
       EXPECT_TRUE(mha_test::same_bits(lses[c], computed.lse)) << c;
+      for (int64_t e = 0; e < b; ++e)
+        for (int64_t h = 0; h < hq; ++h)
+          for (int64_t i = 0; i < lq; ++i)
+            for (int64_t d = 0; d < dv; ++d) {
+              const float got = outs[c].at({e, h, i, d}), want = computed.output.at({e, h, i, d});
+              if (from_the_mask(e, i)) ASSERT_NEAR(got, want, 1e-6) << c << " " << e << " " << i;
+              else ASSERT_EQ(got, want) << c << " " << e << " " << h << " " << i << " " << d;
+            }
     }
     // The entirely padded entry's rows: the mean of the values (uniform weights), not zeros.
     if (n % 4 == 1)
@@ -854,6 +866,66 @@ TEST_P(EveryIsa, SwampedBlocksAreSkippedOnlyWhereExact) {
         for (int64_t j = 0; j < lk; ++j) mean += v.at({2, 0, j, d}) / static_cast<double>(lk);
         EXPECT_NEAR(computed.output.at({2, 0, 0, d}), mean, 1e-5) << d;
       }
+  }
+}
+
+// Leading query rows whose scores are their mask values (a left-padded batch's padding under
+// Hugging Face's finfo.min masks) are written from the mask, the mask's weighted mean of the
+// values, and the kernel runs on the other rows of each batch entry (mask_only_rows.hpp). Against
+// the float64 reference: padding of none, some, all and all but one row, per entry; the causal
+// part of the mask at finfo.min too, or left to is_causal (bottom-right) as -inf; masks shared by
+// the heads or one per head; a padded row mixing -1e38 and -2e38 (the weight on -1e38 alone);
+// GQA; 1 to 130 queries (the few-queries kernel on what is left); bfloat16 inputs; an output
+// written through a transposed view, and the training forward's log-sum-exp against the kernel's
+// for every row. The prefixes are those expected, so the rows do come from the mask. float32
+// within 1e-5 of the largest value; bfloat16 1e-2 (the output's rounding).
+TEST_P(EveryIsa, MaskOnlyRowsComeFromTheMask) {
+  std::mt19937_64 rng(test_seed());
+  const float lowest = std::numeric_limits<float>::lowest();
+  for (int n = 0; n < 6; ++n) {
+    const int64_t lq = n < 2 ? 130 : n < 4 ? 37 : 3, lk = lq + (n % 2 == 0 ? 0 : 11);
+    const int64_t b = 4, hq = 4, hkv = 2, dk = 24, dv = 16;
+    const bool per_head = n % 3 == 1, with_is_causal = n % 2 == 1;
+    const mha::DType dtype = n == 2 ? mha::DType::bf16 : mha::DType::f32;
+    const mha::Tensor q = randn({b, hq, lq, dk}, rng, dtype), k = randn({b, hkv, lk, dk}, rng, dtype),
+                      v = randn({b, hkv, lk, dv}, rng, dtype);
+    const int64_t mask_heads = per_head ? hq : 1, shift = lk - lq;  // causal from the bottom right
+    const int64_t pads[b] = {0, lk / 3, lk, std::max<int64_t>(lk - 1, 1)};  // entry e's first pads[e] keys
+    mha::Tensor mask = mha::Tensor::zeros({b, mask_heads, lq, lk});
+    for (int64_t e = 0; e < b; ++e)
+      for (int64_t mh = 0; mh < mask_heads; ++mh)
+        for (int64_t i = 0; i < lq; ++i)
+          for (int64_t j = 0; j < lk; ++j) {
+            float& x = mask.data<float>()[((e * mask_heads + mh) * lq + i) * lk + j];
+            if (j < pads[e]) x = e == 1 && (j + mh) % 4 == 0 ? -1e38f : e == 1 ? -2e38f : lowest;
+            else if (j > i + shift && !with_is_causal) x = lowest;
+          }
+    SCOPED_TRACE("case " + std::to_string(n) + ": Lq=" + std::to_string(lq) + " Lk=" + std::to_string(lk));
+    mha::SdpaOptions o{.attn_mask = mask.view(), .enable_gqa = true};
+    if (with_is_causal) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
+    // Rows that see padding keys alone (with is_causal the future keys are excluded, not finfo.min).
+    const mha::detail::AttentionProblem problem =
+        mha::detail::make_sdpa_problem(q, k, v, o, mha::detail::InputDtypes::low_precision);
+    const std::vector<int64_t> prefixes = mha::detail::mask_only_prefixes(problem, mha::detail::ForwardOutputs{});
+    ASSERT_EQ(prefixes.size(), static_cast<size_t>(b));
+    for (int64_t e = 0; e < b; ++e) {
+      const int64_t expected = pads[e] >= lk ? lq : std::clamp<int64_t>(pads[e] - shift, 0, lq);
+      EXPECT_EQ(prefixes[e], expected) << e;
+    }
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+    const double tolerance = dtype == mha::DType::f32 ? 1e-5 : 1e-2;
+    EXPECT_LE(rel_error(mha::scaled_dot_product_attention(q, k, v, o), ref.output), tolerance);
+    const auto trained = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    EXPECT_LE(rel_error(trained.output, ref.output), tolerance);
+    mha::Tensor storage = mha::Tensor::zeros({b, lq, hq, dv}, dtype);  // batch-first storage, viewed [B, H, L, D]
+    mha::scaled_dot_product_attention_into(q, k, v, storage.view().transpose(1, 2), o);
+    EXPECT_LE(rel_error(storage.view().transpose(1, 2), ref.output), tolerance);
+    mha::detail::skips_excluded_blocks() = false;  // every row through the kernel
+    const auto computed = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    mha::detail::skips_excluded_blocks() = true;
+    // (The rows after a prefix may run another kernel than all of them together: a last row
+    // alone runs the few-queries kernel. Its rounding differs.)
+    EXPECT_LE(rel_error(trained.lse, computed.lse), 1e-6);
   }
 }
 

@@ -9,6 +9,7 @@
 #include "cpu/attention_kernel.hpp"
 #include "cpu/backward_rows.hpp"
 #include "cpu/dispatch.hpp"
+#include "cpu/mask_only_rows.hpp"
 
 namespace mha::detail {
 namespace {
@@ -127,12 +128,18 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   for (TensorView* t : {&p.q, &p.k, &p.v}) stand_in_if_empty(*t);
   ForwardOutputs outputs = o;
   stand_in_if_null(outputs.out, outputs.out_strides);  // Dv == 0: nothing is written there
+  void (*kernel)(const AttentionProblem&, const ForwardOutputs&) = flash_forward_portable;
   switch (active_isa()) {
     case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32
-    case Isa::avx512: flash_forward_avx512(p, outputs); break;
-    case Isa::avx2: flash_forward_avx2(p, outputs); break;
-    case Isa::portable: flash_forward_portable(p, outputs); break;
+    case Isa::avx512: kernel = flash_forward_avx512; break;
+    case Isa::avx2: kernel = flash_forward_avx2; break;
+    case Isa::portable: break;
   }
+  // Leading rows whose scores are their mask values (a left-padded batch's padding rows under
+  // Hugging Face's masks) come from the mask, the rest from the kernel.
+  const std::vector<int64_t> prefixes = mask_only_prefixes(p, outputs);
+  if (prefixes.empty()) kernel(p, outputs);
+  else run_with_mask_only_prefixes(p, outputs, prefixes, kernel);
 }
 
 }  // namespace mha::detail
