@@ -107,9 +107,11 @@ def bench_sdpa(B, H, L, d, causal, dtype, reps, rows):
 
 
 def bench_sdpa_masked(B, H, L, d, reps, rows):
-    """The fp32 forward with the two masks users pass most: an additive [L, L] float mask (a
+    """The fp32 forward with the masks users pass most: an additive [L, L] float mask (a
     relative-position bias, say) and a bool key padding mask [B, 1, 1, L] (the last tenth of every
-    sequence padded). FLOPs are counted as unmasked."""
+    sequence padded), FLOPs counted as unmasked; and Hugging Face's causal mask of a left-padded
+    batch, [B, 1, L, L] at finfo.min where hidden (entry b's first b/8 of the keys padded), forward
+    and backward, FLOPs counted as causal."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, H, L, d, generator=g) for _ in range(3))
     bias = torch.randn(L, L, generator=g)
@@ -119,6 +121,21 @@ def bench_sdpa_masked(B, H, L, d, reps, rows):
         ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                       lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps)
         rows.append((f"sdpa fwd fp32 {name}", f"B={B} H={H} L={L} d={d}", ours, theirs, flops))
+    lowest = torch.finfo(torch.float32).min
+    hf = torch.full((L, L), lowest).triu(1).expand(B, 1, L, L).clone()
+    for b in range(B):
+        hf[b, 0, :, : b * L // 8] = lowest
+    flops = attention_flops(B, H, L, d, True)
+    shape = f"B={B} H={H} L={L} d={d} causal"
+    ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, attn_mask=hf),
+                                  lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=hf), reps)
+    rows.append(("sdpa fwd fp32 +HF left pad", shape, ours, theirs, flops))
+    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
+    go = torch.randn(B, H, L, d, generator=g)
+    out, ref = mha.scaled_dot_product_attention(qt, kt, vt, attn_mask=hf), F.scaled_dot_product_attention(qt, kt, vt, attn_mask=hf)
+    ours, theirs = paired_medians(lambda: torch.autograd.grad(out, (qt, kt, vt), go, retain_graph=True),
+                                  lambda: torch.autograd.grad(ref, (qt, kt, vt), go, retain_graph=True), reps)
+    rows.append(("sdpa bwd fp32 +HF left pad", shape, ours, theirs, 2.5 * flops))
 
 
 def bench_decode(reps, rows, dtypes):
