@@ -71,9 +71,9 @@ struct RowScores {
 void backward_row_normalisers(const AttentionProblem& p, const float* lse, int64_t b, int64_t i0, int64_t i1,
                               float* lse2, float* scale) {
   const MaskTerm& term = p.masks[0];
-  const bool contiguous = p.num_masks == 1 && term.kind == MaskKind::additive && term.strides[3] == 1;
-  std::vector<double> key_norms(p.heads_kv, -1.0);  // the largest key norm of each head, once a row needs it
-  std::optional<ContiguousRow> shared;              // a mask row the heads share
+  const bool contiguous = one_contiguous_term(p);
+  LargestKeyNorms key_norms{p, b};
+  std::optional<ContiguousRow> shared;  // a mask row the heads share
   for (int64_t i = i0; i < i1; ++i) {
     shared.reset();
     for (int64_t h = 0; h < p.heads_q; ++h) {
@@ -82,17 +82,12 @@ void backward_row_normalisers(const AttentionProblem& p, const float* lse, int64
       lse2[r] = x, scale[r] = 1.0f;
       if (!(std::fabs(x) >= kLargeLse2) || std::isinf(lse[r]) || p.num_masks == 0) continue;
       if (std::isinf(x)) lse2[r] = std::copysign(kFloatMax, x);  // a finite lse past FLT_MAX / log2(e)
-      const int64_t hk = h / (p.heads_q / p.heads_kv);
-      double& key_norm = key_norms[hk];
-      if (key_norm < 0) key_norm = largest_key_norm(p, b, hk);
-      const double bound = qk_bound(p, b, h, i, key_norm);
+      const double bound = qk_bound(p, b, h, i, key_norms(h / (p.heads_q / p.heads_kv)));
       if (!std::isfinite(bound)) continue;
       if (contiguous) {
-        const float* row = static_cast<const float*>(term.data) + b * term.strides[0] + h * term.strides[1] +
-                           i * term.strides[2];
         std::optional<ContiguousRow> own;
         std::optional<ContiguousRow>& values = term.strides[1] == 0 ? shared : own;
-        if (!values) values.emplace(row, p.causal_end(i));
+        if (!values) values.emplace(mask_row(term, b, h, i), p.causal_end(i));
         if (values->exact_for(bound)) lse2[r] = values->top, scale[r] = static_cast<float>(1.0 / values->sum);
       } else {
         float max;

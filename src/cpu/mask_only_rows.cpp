@@ -13,10 +13,6 @@ namespace {
 
 constexpr float kLn2 = 0.6931471805599453f;
 
-const float* mask_row(const MaskTerm& t, int64_t b, int64_t h, int64_t i) {
-  return static_cast<const float*>(t.data) + b * t.strides[0] + h * t.strides[1] + i * t.strides[2];
-}
-
 // Rows [0, prefix) of head (b, h): each output row the mask's weighted mean of the values,
 // rounded to the output's dtype, and its log-sum-exp as the kernels write it. A row that reads
 // the same mask values as the row before it copies that row's output.
@@ -60,7 +56,7 @@ void write_mask_only_rows(const AttentionProblem& p, const ForwardOutputs& o, in
 // How many leading rows of batch entry b have scores that are their mask values in every head.
 int64_t mask_only_prefix(const AttentionProblem& p, int64_t b) {
   const MaskTerm& t = p.masks[0];
-  std::vector<double> key_norms(static_cast<size_t>(p.heads_kv), -1.0);  // once a row needs them
+  LargestKeyNorms key_norms{p, b};
   for (int64_t i = 0; i < p.len_q; ++i) {
     std::optional<ContiguousRow> shared;  // a mask row the heads share
     for (int64_t h = 0; h < p.heads_q; ++h) {
@@ -69,10 +65,7 @@ int64_t mask_only_prefix(const AttentionProblem& p, int64_t b) {
       if (!values) values.emplace(mask_row(t, b, h, i), p.causal_end(i));
       // (an ordinary row has values of 0 or near it: no bound is needed to turn it down)
       if (values->nan || values->top == -std::numeric_limits<float>::infinity() || !(values->smallest > 0x1p25f)) return i;
-      const int64_t hk = h / (p.heads_q / p.heads_kv);
-      double& key_norm = key_norms[static_cast<size_t>(hk)];
-      if (key_norm < 0) key_norm = largest_key_norm(p, b, hk);
-      if (!values->exact_for(qk_bound(p, b, h, i, key_norm))) return i;
+      if (!values->exact_for(qk_bound(p, b, h, i, key_norms(h / (p.heads_q / p.heads_kv))))) return i;
     }
   }
   return p.len_q;
@@ -81,9 +74,7 @@ int64_t mask_only_prefix(const AttentionProblem& p, int64_t b) {
 }  // namespace
 
 std::vector<int64_t> mask_only_prefixes(const AttentionProblem& p, const ForwardOutputs& o) {
-  const MaskTerm& t = p.masks[0];
-  if (p.num_masks != 1 || t.kind != MaskKind::additive || t.strides[3] != 1 || p.dropout_p > 0 ||
-      o.weights != nullptr || o.average_weights != nullptr || !skips_excluded_blocks().load()) {
+  if (!one_contiguous_term(p) || p.dropout_p > 0 || o.weights != nullptr || o.average_weights != nullptr || !skips_excluded_blocks().load()) {
     return {};
   }
   std::vector<int64_t> prefixes(static_cast<size_t>(p.batch));

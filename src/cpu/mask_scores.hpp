@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "core/attention_problem.hpp"
 #include "cpu/attention_kernel.hpp"
@@ -101,12 +102,32 @@ struct ContiguousRow {
   }
 };
 
-// The largest norm of the keys of head (b, hk).
-inline double largest_key_norm(const AttentionProblem& p, int64_t b, int64_t hk) {
-  double norm = 0;
-  for (int64_t j = 0; j < p.len_k; ++j) norm = std::max(norm, row_norm(p.k, b, hk, j, p.dim_qk));
-  return norm;
+// Whether the problem's mask is one additive term along contiguous keys, which ContiguousRow reads.
+inline bool one_contiguous_term(const AttentionProblem& p) {
+  const MaskTerm& t = p.masks[0];
+  return p.num_masks == 1 && t.kind == MaskKind::additive && t.strides[3] == 1;
 }
+
+// Row (b, h, i) of an additive term.
+inline const float* mask_row(const MaskTerm& t, int64_t b, int64_t h, int64_t i) {
+  return static_cast<const float*>(t.data) + b * t.strides[0] + h * t.strides[1] + i * t.strides[2];
+}
+
+// The largest norm of the keys of each key/value head of batch entry b, computed when first asked.
+struct LargestKeyNorms {
+  const AttentionProblem& p;
+  int64_t b;
+  std::vector<double> norms = std::vector<double>(static_cast<size_t>(p.heads_kv), -1.0);
+
+  double operator()(int64_t hk) {
+    double& norm = norms[static_cast<size_t>(hk)];
+    if (norm < 0) {
+      norm = 0;
+      for (int64_t j = 0; j < p.len_k; ++j) norm = std::max(norm, row_norm(p.k, b, hk, j, p.dim_qk));
+    }
+    return norm;
+  }
+};
 
 // A bound on |q.k| * scale * log2(e) as the kernels compute it for query (b, h, i), given the
 // largest key norm of its head: |q| max|k|, twice over for the kernels' float32 rounding.
