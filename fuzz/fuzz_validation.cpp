@@ -179,7 +179,7 @@ void fuzz_sdpa(FuzzInput& in) {
       Arg out = make(in, 5);
       if (in.flag()) {
         const auto p = mha::detail::make_sdpa_problem(q.view, k.view, v.view, o, mha::detail::InputDtypes::low_precision);
-        const mha::Tensor t = mha::Tensor::empty(mha::detail::output_shape(q.view, p.len_q, p.dim_v), q.view.dtype);
+        const mha::Tensor t = mha::Tensor::empty(mha::detail::output_shape(p, p.len_q, p.dim_v), q.view.dtype);
         mha::scaled_dot_product_attention_into(q.view, k.view, v.view, t, o);
         check_finite_any(t);
       } else if (tiny(out)) {

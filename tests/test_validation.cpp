@@ -65,7 +65,21 @@ TEST(Errors, Sdpa) {
   expect_error([&] { mha::scaled_dot_product_attention(q, randn({2, 4, 6, 8}), randn({2, 4, 5, 3})); }, "value");
   expect_error([&] { mha::scaled_dot_product_attention(q, randn({3, 4, 6, 8}), randn({3, 4, 6, 3})); }, "batch");
   expect_error([&] { mha::scaled_dot_product_attention(randn({8}), randn({8}), randn({8})); }, "query");
-  expect_error([&] { mha::scaled_dot_product_attention(q, randn({4, 6, 8}), randn({4, 6, 3})); }, "dimensions");
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({8}), randn({4, 6, 3})); }, "dimensions");
+  // Batch dimensions broadcast as in PyTorch, but must agree where neither is 1.
+  expect_error([&] { mha::scaled_dot_product_attention(randn({2, 3, 4, 5, 8}), randn({3, 3, 4, 6, 8}), randn({4, 6, 3})); },
+               "do not broadcast");
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({2, 2, 6, 8}), randn({2, 1, 6, 3}), {.enable_gqa = true}); },
+               "same number of heads");
+  expect_error([&] { mha::scaled_dot_product_attention(randn({2, 1, 5, 8}), randn({2, 2, 6, 8}), randn({2, 2, 6, 3}), {.enable_gqa = true}); },
+               "multiple");
+  const mha::Tensor mask3 = randn({2, 5, 6});  // [2, 5, 6] against weights [2, 4, 5, 6]: 2 is not 4
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({4, 6, 8}), randn({4, 6, 3}), {.attn_mask = mask3.view()}); },
+               "attn_mask");
+  // Batch sizes whose product overflows (empty tensors, so nothing is allocated): an error, not UB.
+  const mha::TensorView huge_q(static_cast<const float*>(nullptr), {int64_t{1} << 40, 1, 1, 0, 8});
+  const mha::TensorView huge_k(static_cast<const float*>(nullptr), {1, int64_t{1} << 40, 1, 0, 8});
+  expect_error([&] { mha::scaled_dot_product_attention(huge_q, huge_k, huge_k); }, "overflow");
   const mha::Tensor kk = randn({2, 4, 6, 8}), vv = randn({2, 4, 6, 3});
   expect_error([&] { mha::scaled_dot_product_attention(q, kk, vv, {.dropout_p = -0.1}); }, "dropout_p");
   expect_error([&] { mha::scaled_dot_product_attention(q, kk, vv, {.dropout_p = 1.01}); }, "dropout_p");

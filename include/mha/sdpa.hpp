@@ -2,9 +2,17 @@
 //
 //   out = softmax(q k^T * scale + mask) v,   scale = 1/sqrt(d_k) unless given
 //
-// Shapes (rank 2 to 4; dimension -3 is heads, dimension -4 is batch):
+// Shapes (rank 2 to 6; dimension -3 is heads, the dimensions before it batch):
 //   q   [B, Hq,  Lq, Dk]     k [B, Hkv, Lk, Dk]     v [B, Hkv, Lk, Dv]     out [B, Hq, Lq, Dv]
 // Any strides are accepted, so [B, L, H, D] storage is passed as a transposed view.
+// Batch dimensions broadcast as in PyTorch (right-aligned; a size 1 or a missing dimension
+// stretches): q [B, H, L, D] with k, v [H, S, D] shares the keys across the batch, k, v with one
+// head serve every query head (read once per group, as with enable_gqa); the output has the
+// broadcast batch dimensions, and a broadcast input's gradient is summed over them. Leading
+// dimensions are read in place where their strides fold into one (contiguous tensors, or ones
+// expanded along whole leading dimensions), else through a copy. With enable_gqa, key and value
+// have the same number of heads, which divides the query's (PyTorch also takes two different
+// divisors; mha::Error here).
 #pragma once
 
 #include <cstdint>
@@ -23,7 +31,8 @@ enum class CausalAlignment {
 struct SdpaOptions {
   // bool: true means the key takes part ("attend"), as in PyTorch's SDPA; float32, bfloat16 or
   // float16 (a float mask of the inputs' dtype, as PyTorch takes it): added to the scaled scores
-  // (-inf excludes), read as float32. Broadcastable to [B, Hq, Lq, Lk] like a PyTorch tensor.
+  // (-inf excludes), read as float32. Broadcastable to the weights' shape [.., Hq, Lq, Lk] like a
+  // PyTorch tensor (extra leading dimensions of size 1 allowed).
   std::optional<TensorView> attn_mask;
   bool is_causal = false;  // may be combined with attn_mask: a key must pass both
   CausalAlignment causal_alignment = CausalAlignment::TopLeft;
@@ -41,7 +50,7 @@ struct SdpaOptions {
 // q, k, v are float32, bfloat16 or float16 (one dtype); the output has their dtype. bfloat16 and
 // float16 are computed in float32 (fp32 accumulation and softmax statistics) and rounded once.
 // The training functions below do the same: outputs and gradients in the inputs' dtype.
-// Returns out [.., Hq, Lq, Dv] (contiguous).
+// Returns out [.., Hq, Lq, Dv] (contiguous; `..` the broadcast batch dimensions).
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options = {});
 

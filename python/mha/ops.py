@@ -55,9 +55,19 @@ def sdpa_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
     return _tensor(out), torch.from_numpy(lse)
 
 
+def _rows(query, key, value, enable_gqa):
+    """The output's shape without its last dimension: the batch dimensions of query, key and value
+    broadcast as the kernel (and PyTorch) broadcasts them, then the query rows."""
+    heads = [t.shape[-3] if t.dim() >= 3 else 1 for t in (query, key, value)]
+    leading = torch.broadcast_shapes(*(t.shape[:-3] for t in (query, key, value)))
+    grouped = enable_gqa and (heads[1] != heads[0] or heads[2] != heads[0])
+    batch = (*leading, heads[0] if grouped else max(heads)) if max(t.dim() for t in (query, key, value)) >= 3 else ()
+    return (*batch, query.shape[-2])
+
+
 @sdpa_train.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads):
-    rows = query.shape[:-1]
+    rows = _rows(query, key, value, enable_gqa)
     return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=torch.float32)
 
 
@@ -120,7 +130,7 @@ def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 @sdpa_with_weights.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads):
-    rows = query.shape[:-1]
+    rows = _rows(query, key, value, enable_gqa)
     return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
 
 

@@ -8,7 +8,7 @@ transformers' "sdpa" attention, torch.nn.MultiheadAttention itself, timm, ...):
     patch = mha.patch_torch_sdpa()     # or for the rest of the program (patch.restore() undoes it)
 
 Calls the kernel cannot take (a device other than the CPU, nested or float64 tensors, more than
-four dimensions, a mask of another dtype) go to PyTorch's function unchanged. Code that bound
+six dimensions, a mask of another dtype) go to PyTorch's function unchanged. Code that bound
 the function under another name before the patch (`from torch.nn.functional import
 scaled_dot_product_attention`) keeps PyTorch's. Dropout draws its seed from torch's generator,
 so torch.manual_seed makes it repeatable; the masks differ from PyTorch's own.
@@ -29,7 +29,7 @@ def _ours(query, key, value, attn_mask) -> bool:
     """Whether mha's kernel takes this call (else PyTorch's function runs it)."""
     for t in (query, key, value):
         if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
-                and not t.is_nested and t.dtype == query.dtype and 2 <= t.dim() <= 4):
+                and not t.is_nested and t.dtype == query.dtype and 2 <= t.dim() <= 6):
             return False
     if query.dtype not in _DTYPES:
         return False

@@ -46,6 +46,10 @@ def test_custom_operators_pass_opcheck(rng):
          t(2, 4, 11, 16, dtype=torch.bfloat16), None, 0.0, True, None, False, seed, True, 0),
         (t(3, 5, 8), t(3, 7, 8), t(3, 7, 8, grad=False), t(5, 7, grad=False) > 0, 0.0, False, None, False, seed,
          False, 1),
+        # batch dimensions that broadcast: keys and values shared across a batch, one key/value
+        # head for every query head, a 5-D query; grouped heads with a value-only batch dimension
+        (t(2, 3, 4, 9, 16), t(4, 11, 16), t(1, 1, 11, 12), t(3, 1, 9, 11), 0.0, True, None, False, seed, False, 0),
+        (t(1, 4, 9, 16), t(2, 11, 16), t(3, 2, 11, 8), None, 0.0, False, None, True, seed, False, 0),
     ]
     for args in cases:
         result = torch.library.opcheck(torch.ops.mha.sdpa_train.default, args)

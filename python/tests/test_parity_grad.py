@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
+from test_parity_sdpa import batch_shape, broadcast_form
 
 TOL = 1e-4
 CHUNKS = 5
@@ -51,24 +52,27 @@ def full_gradient_floor(module, inputs, g, **kwargs):
 
 
 def sdpa_case(rng):
-    rank = int(rng.integers(2, 5))
+    rank = int(rng.integers(2, 5)) if rng.random() < 0.85 else 5
     gqa = rank >= 3 and rng.random() < 0.4
     hkv = int(rng.integers(1, 3))
     hq = hkv * int(rng.integers(1, 3)) if gqa else hkv
-    B, Lq, Lk = int(rng.integers(1, 3)), int(rng.integers(1, 24)), int(rng.integers(1, 24))
+    B, Lq, Lk = tuple(int(b) for b in rng.integers(1, 3, size=max(rank - 3, 1))), int(rng.integers(1, 24)), int(rng.integers(1, 24))
     Dk, Dv = int(rng.integers(1, 20)), int(rng.integers(1, 20))
-    lead = (B, hq)[4 - rank:] if rank > 2 else ()
-    lead_kv = (B, hkv)[4 - rank:] if rank > 2 else ()
+    lead = (*B, hq)[len(B) + 1 - (rank - 2):] if rank > 2 else ()
+    lead_kv = (*B, hkv)[len(B) + 1 - (rank - 2):] if rank > 2 else ()
+    arrays = [rng.standard_normal(lead + (Lq, Dk)), rng.standard_normal(lead_kv + (Lk, Dk)),
+              rng.standard_normal(lead_kv + (Lk, Dv))]
+    if rng.random() < 0.3:  # batch dimensions that broadcast (their gradients are summed over them)
+        arrays = [broadcast_form(rng, x, gqa) for x in arrays]
+        lead = batch_shape({"gqa": gqa}, *arrays)
     # Some inputs need no gradient (frozen keys and values, a fixed query): ours then computes none.
     needs = [bool(rng.random() < 0.8) for _ in range(3)]
     needs[int(rng.integers(3))] = True
-    q = torch.from_numpy(rng.standard_normal(lead + (Lq, Dk))).requires_grad_(needs[0])
-    k = torch.from_numpy(rng.standard_normal(lead_kv + (Lk, Dk))).requires_grad_(needs[1])
-    v = torch.from_numpy(rng.standard_normal(lead_kv + (Lk, Dv))).requires_grad_(needs[2])
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(x)).requires_grad_(n) for x, n in zip(arrays, needs))
     mask = None
     kind = rng.choice(["none", "float", "bool"])
     if kind != "none":
-        shape = (Lq, Lk) if rng.random() < 0.5 else lead + (Lq, Lk)
+        shape = (Lq, Lk) if rng.random() < 0.5 else tuple(lead) + (Lq, Lk)
         if kind == "float":
             mask = torch.from_numpy(rng.standard_normal(shape)).requires_grad_(bool(rng.random() < 0.7))
         else:
@@ -86,7 +90,11 @@ def test_sdpa_gradients_match_torch(chunk, parity_seed, parity_count):
     n = max(300 // CHUNKS, parity_count // 8 // CHUNKS)
     for _ in range(n):
         q, k, v, mask, causal, scale, gqa = sdpa_case(rng)
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        # q expanded to the output's batch dimensions (PyTorch adds a mask to q k^T in place, so it
+        # takes no mask with a dimension only v has); autograd sums its gradient back.
+        out_batch = batch_shape({"gqa": gqa}, q, k, v)
+        ref = F.scaled_dot_product_attention(q.expand(*out_batch, *q.shape[-2:]), k, v, attn_mask=mask,
+                                             is_causal=causal, scale=scale, enable_gqa=gqa)
         g = torch.from_numpy(rng.standard_normal(tuple(ref.shape)))
         ref.backward(g)
         leaves = [t.detach().float().requires_grad_(t.requires_grad) if t is not None and t.is_floating_point()
@@ -103,8 +111,11 @@ def test_sdpa_gradients_match_torch(chunk, parity_seed, parity_count):
         # on top of the relative tolerance.
         s = scale if scale is not None else 1.0 / np.sqrt(q.shape[-1])
         ds_noise = 2 * v.shape[-1] * 2.0**-24 * g.abs().max().item() * v.abs().max().item()
-        noise = {"query": s * k.abs().max().item() * ds_noise,
-                 "key": s * q.abs().max().item() * q.shape[-2] * ds_noise, "attn_mask": ds_noise}
+        # An input that broadcasts sums that many more terms.
+        summed = {name: np.prod(ref.shape[:-2]) / max(np.prod(x.shape[:-2]), 1)
+                  for name, x in (("query", q), ("key", k), ("value", v))}
+        noise = {"query": s * k.abs().max().item() * ds_noise * summed["query"],
+                 "key": s * q.abs().max().item() * q.shape[-2] * ds_noise * summed["key"], "attn_mask": ds_noise}
         for ours, theirs, name in zip(leaves, (q, k, v, mask), ("query", "key", "value", "attn_mask")):
             if theirs is None or not theirs.requires_grad:
                 assert ours is None or ours.grad is None, name

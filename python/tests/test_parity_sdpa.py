@@ -1,7 +1,8 @@
 """mha.scaled_dot_product_attention against torch.nn.functional.scaled_dot_product_attention.
 
-Random configurations over ranks 2 to 4, grouped-query attention (enable_gqa), scale, bool and
-float masks broadcast from every rank, Lq != Lk, d_k != d_v, causal masks in both alignments
+Random configurations over ranks 2 to 6, batch dimensions that broadcast (q, k and v each with
+leading dimensions dropped or of size 1, as PyTorch broadcasts them), grouped-query attention
+(enable_gqa), scale, bool and float masks broadcast from every rank, Lq != Lk, d_k != d_v, causal masks in both alignments
 (PyTorch's bottom-right one is torch.nn.attention.bias.causal_lower_right), causal combined with a
 mask, and non-contiguous inputs. PyTorch in float64 is the reference, ours in float32, tolerance
 1e-5 of the largest reference magnitude. Fully masked rows must be zero in ours (documented);
@@ -32,11 +33,12 @@ def maybe_strided(rng, x):
 
 
 def draw(rng):
-    rank = int(rng.integers(2, 5))
+    rank = int(rng.integers(2, 5)) if rng.random() < 0.8 else int(rng.integers(5, 7))
     gqa = rank >= 3 and rng.random() < 0.4
     hkv = int(rng.integers(1, 4))
     hq = hkv * int(rng.integers(1, 4)) if gqa else hkv
-    c = dict(rank=rank, gqa=gqa, B=int(rng.integers(1, 4)), Hq=hq, Hkv=hkv, Lq=int(rng.integers(1, 40)),
+    c = dict(rank=rank, gqa=gqa, B=tuple(int(b) for b in rng.integers(1, 4, size=max(rank - 3, 1))), Hq=hq, Hkv=hkv,
+             broadcast=rng.random() < 0.3, Lq=int(rng.integers(1, 40)),
              Lk=int(rng.integers(1, 40)), Dk=int(rng.integers(1, 40)), Dv=int(rng.integers(1, 40)),
              scale=float(rng.uniform(0.05, 1.0)) if rng.random() < 0.3 else None,
              causal=str(rng.choice(["none", "none", "top_left", "bottom_right"])),
@@ -47,19 +49,41 @@ def draw(rng):
 
 
 def shape(c, heads, length, dim):
-    full = (c["B"], heads, length, dim)
-    return full[4 - c["rank"]:]
+    full = (*c["B"], heads, length, dim)
+    return full[len(full) - c["rank"]:]
+
+
+def broadcast_form(rng, x, keep_heads):
+    """x with some batch dimensions cut to size 1 and some leading ones dropped (PyTorch broadcasts
+    them back); the heads stay where grouped attention needs them."""
+    for d in range(x.ndim - 2):
+        if rng.random() < 0.35 and not (keep_heads and d == x.ndim - 3):
+            x = x[(slice(None),) * d + (slice(0, 1),)]
+    while x.ndim > 2 and x.shape[0] == 1 and not (keep_heads and x.ndim == 3) and rng.random() < 0.5:
+        x = x[0]
+    return x
+
+
+def batch_shape(c, q, k, v):
+    """The output's batch dimensions: the leading ones broadcast, the heads grouped or broadcast."""
+    heads = [x.shape[-3] if x.ndim >= 3 else 1 for x in (q, k, v)]
+    lead = np.broadcast_shapes(*(x.shape[:-3] for x in (q, k, v)))
+    if max(x.ndim for x in (q, k, v)) < 3:
+        return ()
+    return (*lead, heads[0] if c["gqa"] else max(heads))
 
 
 def run_one(rng, c):
     q = rng.standard_normal(shape(c, c["Hq"], c["Lq"], c["Dk"])).astype(np.float32)
     k = rng.standard_normal(shape(c, c["Hkv"], c["Lk"], c["Dk"])).astype(np.float32)
     v = rng.standard_normal(shape(c, c["Hkv"], c["Lk"], c["Dv"])).astype(np.float32)
-    full_mask_shape = shape(c, c["Hq"], c["Lq"], c["Lk"])
+    if c["broadcast"]:
+        q, k, v = (broadcast_form(rng, x, c["gqa"]) for x in (q, k, v))
+    full_mask_shape = (*batch_shape(c, q, k, v), c["Lq"], c["Lk"])
     mask = None
     if c["mask"] != "none":
         # Broadcast from a lower rank, with random size-1 dimensions.
-        mshape = [s if rng.random() < 0.7 else 1 for s in full_mask_shape[len(full_mask_shape) - c["mask_rank"]:]]
+        mshape = [s if rng.random() < 0.7 else 1 for s in full_mask_shape[max(len(full_mask_shape) - c["mask_rank"], 0):]]
         if c["mask"] == "bool":
             mask = rng.random(mshape) < 0.8  # True = attend
         else:
@@ -90,7 +114,10 @@ def run_one(rng, c):
         ref_mask = ref_mask.expand(full_mask_shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=ref_mask, scale=c["scale"],
+        # q expanded to the output's batch dimensions: PyTorch adds the mask to q k^T in place, so
+        # it takes no mask with a batch dimension that only v has (ours does)
+        ref_q = t(q).expand(*full_mask_shape[:-2], c["Lq"], c["Dk"])
+        ref = F.scaled_dot_product_attention(ref_q, t(k), t(v), attn_mask=ref_mask, scale=c["scale"],
                                              enable_gqa=c["gqa"]).numpy()
     # Which query rows have no visible key at all.
     if ref_mask is None:
@@ -104,7 +131,7 @@ def run_one(rng, c):
         maybe_strided(rng, q), maybe_strided(rng, k), maybe_strided(rng, v), attn_mask=mask,
         is_causal=c["causal"] != "none", scale=c["scale"], enable_gqa=c["gqa"],
         causal_alignment=c["causal"] if c["causal"] != "none" else "top_left", need_weights=True)
-    assert out.shape == ref.shape and out.dtype == np.float32, c
+    assert out.shape == ref.shape == full_mask_shape[:-1] + (c["Dv"],) and out.dtype == np.float32, c
     assert not np.isnan(out).any(), f"NaN in our output for {c}"
     assert np.all(out[dead] == 0), f"fully masked rows are not zero for {c}"
     assert np.all(w[dead] == 0), f"fully masked weight rows are not zero for {c}"

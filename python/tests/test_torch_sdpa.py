@@ -45,9 +45,30 @@ def test_calls_it_cannot_take_go_to_pytorch(rng):
     q = _t(rng, 1, 2, 5, 8)
     with mha.patch_torch_sdpa():
         for args, kwargs in [((q.double(),) * 3, {}),                      # float64
-                             ((q[None],) * 3, {}),                         # five dimensions
+                             ((q[None, None, None],) * 3, {}),             # seven dimensions
                              ((q.double(),) * 3, dict(attn_mask=torch.zeros(5, 5, dtype=torch.float64)))]:
             assert torch.equal(F.scaled_dot_product_attention(*args, **kwargs), ORIGINAL(*args, **kwargs))
+
+
+def test_batch_dimensions_broadcast_as_in_pytorch(rng):
+    """Calls whose q, k, v batch dimensions differ but broadcast (PyTorch takes them) are ours, with
+    PyTorch's output shape and within float32 rounding of its float64 result, gradients included."""
+    cases = [((3, 10, 16), (12, 16), (12, 8)),                      # keys and values shared by a batch
+             ((3, 1, 10, 16), (1, 4, 12, 16), (1, 4, 12, 8)),       # each side broadcasts a dimension
+             ((2, 4, 10, 16), (2, 1, 12, 16), (2, 1, 12, 8)),       # one key/value head (MQA, no enable_gqa)
+             ((2, 3, 4, 10, 16), (3, 1, 12, 16), (2, 1, 4, 12, 8))]  # five dimensions
+    for shapes in cases:
+        q, k, v = (_t(rng, *s).requires_grad_() for s in shapes)
+        with mha.patch_torch_sdpa():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        ref = ORIGINAL(*ref_inputs, is_causal=True)
+        assert out.shape == ref.shape
+        assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        g = _t(rng, *out.shape)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, ref_inputs, g.double())):
+            assert a.shape == b.shape
+            assert (a.double() - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
 
 
 def test_dropout_follows_torch_manual_seed(rng):

@@ -1,6 +1,10 @@
 #include "core/attention_problem.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
+
+#include "core/batch_dims.hpp"
 
 namespace mha::detail {
 namespace {
@@ -11,19 +15,7 @@ void check_data(const TensorView& t, const std::string& name) {
   }
 }
 
-std::string dims_str(int64_t a, int64_t b) { return std::to_string(a) + " and " + std::to_string(b); }
-
 }  // namespace
-
-TensorView as_4d(const TensorView& t, const std::string& name) {
-  if (t.ndim < 2 || t.ndim > 4) {
-    throw Error(name + ": expected 2 to 4 dimensions ([B, H, L, D], [H, L, D] or [L, D]), got shape " +
-                t.shape_str());
-  }
-  TensorView r = t;
-  while (r.ndim < 4) r = r.unsqueeze(0);
-  return r;
-}
 
 MaskTerm make_mask_term(const TensorView& mask, const std::string& name, MaskKind bool_kind,
                         const std::array<int64_t, 4>& target) {
@@ -71,11 +63,16 @@ void check_output_view(const TensorView& out, const Shape& expected, DType dtype
   check_data(out, name);
 }
 
-Shape output_shape(const TensorView& q, int64_t rows, int64_t cols) {
-  Shape s = q.sizes();
-  s[s.size() - 2] = rows;
-  s[s.size() - 1] = cols;
+Shape output_shape(const AttentionProblem& p, int64_t rows, int64_t cols) {
+  Shape s = p.batch_shape;
+  s.push_back(rows);
+  if (cols >= 0) s.push_back(cols);
   return s;
+}
+
+TensorView folded(const AttentionProblem& p, const TensorView& t, int64_t heads, const std::string& name) {
+  if (auto f = fold_batch(t, p.batch_shape_with_heads(heads))) return *f;
+  throw Error(name + ": its batch dimensions must fold into one stride, got shape " + t.shape_str());
 }
 
 AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
@@ -109,48 +106,75 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     throw Error("query, key, value: expected one dtype, got " + std::string(dtype_name(q_in.dtype)) + ", " +
                 std::string(dtype_name(k_in.dtype)) + ", " + std::string(dtype_name(v_in.dtype)));
   }
-  if (q_in.ndim != k_in.ndim || q_in.ndim != v_in.ndim) {
-    throw Error("query, key, value: expected the same number of dimensions, got shapes " + q_in.shape_str() + ", " +
-                k_in.shape_str() + ", " + v_in.shape_str());
+  for (int i = 0; i < 3; ++i) {
+    if (inputs[i]->ndim < 2) {
+      throw Error(std::string(names[i]) + ": expected at least 2 dimensions ([..., L, E]), got shape " +
+                  inputs[i]->shape_str());
+    }
   }
   AttentionProblem p;
-  p.q = as_4d(q_in, "query");
-  p.k = as_4d(k_in, "key");
-  p.v = as_4d(v_in, "value");
-  p.batch = p.q.shape[0];
-  p.heads_q = p.q.shape[1];
-  p.heads_kv = p.k.shape[1];
-  p.len_q = p.q.shape[2];
-  p.len_k = p.k.shape[2];
-  p.dim_qk = p.q.shape[3];
-  p.dim_v = p.v.shape[3];
-
-  if (p.k.shape[0] != p.batch || p.v.shape[0] != p.batch) {
-    throw Error("key/value: batch size must match query's " + std::to_string(p.batch) + ", got " +
-                dims_str(p.k.shape[0], p.v.shape[0]));
-  }
-  if (p.k.shape[3] != p.dim_qk) {
+  p.len_q = q_in.size(-2);
+  p.len_k = k_in.size(-2);
+  p.dim_qk = q_in.size(-1);
+  p.dim_v = v_in.size(-1);
+  if (k_in.size(-1) != p.dim_qk) {
     throw Error("key: head dimension must equal query's " + std::to_string(p.dim_qk) + ", got " +
-                std::to_string(p.k.shape[3]));
+                std::to_string(k_in.size(-1)));
   }
-  if (p.v.shape[2] != p.len_k) {
+  if (v_in.size(-2) != p.len_k) {
     throw Error("value: sequence length must equal key's " + std::to_string(p.len_k) + ", got " +
-                std::to_string(p.v.shape[2]));
+                std::to_string(v_in.size(-2)));
   }
-  if (p.v.shape[1] != p.heads_kv) {
-    throw Error("value: head count must equal key's " + std::to_string(p.heads_kv) + ", got " +
-                std::to_string(p.v.shape[1]));
-  }
-  if (p.heads_q != p.heads_kv) {
-    if (!options.enable_gqa) {
-      throw Error("key/value: head count " + std::to_string(p.heads_kv) + " differs from query's " +
-                  std::to_string(p.heads_q) + "; set enable_gqa for grouped-query attention");
+  // Batch dimensions, as PyTorch broadcasts them: the heads (dimension -3) by the rule below, the
+  // dimensions before them as torch.matmul does.
+  auto heads_of = [](const TensorView& t) -> int64_t { return t.ndim >= 3 ? t.size(-3) : 1; };
+  auto leading_of = [](const TensorView& t) {
+    Shape s = t.sizes();
+    s.resize(s.size() >= 3 ? s.size() - 3 : 0);
+    return s;
+  };
+  const Shape leading = broadcast_shapes({leading_of(q_in), leading_of(k_in), leading_of(v_in)}, "query, key, value");
+  const int64_t hq = heads_of(q_in), hk = heads_of(k_in), hv = heads_of(v_in);
+  if (options.enable_gqa && (hk != hq || hv != hq)) {
+    // PyTorch repeats each key and value head Hq / Hkv times (repeat_interleave): query head h
+    // reads key/value head h / (Hq / Hkv), the grouped kernels' rule.
+    for (auto [name, h] : {std::pair{"key", hk}, std::pair{"value", hv}}) {
+      if (h == 0 || hq % h != 0) {
+        throw Error("enable_gqa: query heads (" + std::to_string(hq) + ") must be a multiple of " + name + " heads (" +
+                    std::to_string(h) + ")");
+      }
     }
-    if (p.heads_kv == 0 || p.heads_q % p.heads_kv != 0) {
-      throw Error("enable_gqa: query heads (" + std::to_string(p.heads_q) + ") must be a multiple of key/value heads (" +
-                  std::to_string(p.heads_kv) + ")");
+    if (hk != hv) {
+      throw Error("enable_gqa: key and value must have the same number of heads, got " + std::to_string(hk) +
+                  " and " + std::to_string(hv));
     }
+    p.heads_q = hq;
+    p.heads_kv = hk;
+  } else {
+    // Broadcast: each head count is the largest or 1. Keys and values of one head both serve every
+    // query head as one group (no copy); otherwise one of them is read with head stride 0.
+    p.heads_q = std::max({hq, hk, hv});
+    for (auto [name, h] : {std::pair{"key", hk}, std::pair{"value", hv}}) {
+      if (h != p.heads_q && h != 1) {
+        throw Error(std::string(name) + ": head count " + std::to_string(h) + " differs from query's " +
+                    std::to_string(hq) + " and is not 1; set enable_gqa for grouped-query attention");
+      }
+    }
+    if (hq != p.heads_q && hq != 1) {
+      throw Error("query: head count " + std::to_string(hq) + " differs from the key's and value's " +
+                  std::to_string(p.heads_q) + " and is not 1");
+    }
+    p.heads_kv = hk == 1 && hv == 1 ? 1 : p.heads_q;
   }
+  const int max_ndim = std::max({q_in.ndim, k_in.ndim, v_in.ndim});
+  if (max_ndim >= 3) {
+    p.batch_shape = leading;
+    p.batch_shape.push_back(p.heads_q);
+  }
+  p.batch = checked_numel(leading, "query, key, value: batch dimensions");
+  p.q = fold_batch_or_copy(q_in, p.batch_shape, p.input_storage[0], "query");
+  p.k = fold_batch_or_copy(k_in, p.batch_shape_with_heads(p.heads_kv), p.input_storage[1], "key");
+  p.v = fold_batch_or_copy(v_in, p.batch_shape_with_heads(p.heads_kv), p.input_storage[2], "value");
   if (p.dim_qk == 0 && !options.scale) {
     throw Error("query: head dimension is 0, so the default scale 1/sqrt(0) is undefined; pass scale");
   }
@@ -164,8 +188,21 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   p.causal = options.is_causal;
   p.causal_offset = options.causal_alignment == CausalAlignment::BottomRight ? p.len_k - p.len_q : 0;
   if (options.attn_mask) {
+    const TensorView& mask = *options.attn_mask;
+    // It broadcasts to the weights' shape, batch_shape + [Lq, Lk], without growing it (leading
+    // dimensions beyond it must be 1, as PyTorch's in-place add of the mask requires).
+    const Shape weights = output_shape(p, p.len_q, p.len_k);
+    const std::string target_str = TensorView(nullptr, DType::f32, weights).shape_str();
+    bool fits = true;
+    for (int d = 0; fits && d < mask.ndim; ++d) {
+      const int64_t wd = static_cast<int64_t>(weights.size()) - mask.ndim + d;
+      fits = mask.shape[d] == 1 || (wd >= 0 && mask.shape[d] == weights[wd]);
+    }
+    if (!fits) throw Error("attn_mask: shape " + mask.shape_str() + " cannot be broadcast to " + target_str);
+    const TensorView mask4 = mask.ndim >= 2 ? fold_batch_or_copy(mask, p.batch_shape, p.input_storage[3], "attn_mask")
+                                            : mask;
     const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
-    p.add_mask(make_mask_term(*options.attn_mask, "attn_mask", MaskKind::keep_if_true, target));
+    p.add_mask(make_mask_term(mask4, "attn_mask", MaskKind::keep_if_true, target));
   }
   p.num_threads = options.num_threads;
   if (p.num_threads < 0) {

@@ -1,5 +1,5 @@
-// A validated attention call in one normalised form: 4-D strided views, masks broadcast to
-// (b, h, i, j) strides, causality as an offset. The SDPA front end and the module build it; the
+// A validated attention call in one normalised form: 4-D strided views (batch dimensions folded,
+// core/batch_dims.hpp), masks broadcast to (b, h, i, j) strides, causality as an offset. The SDPA front end and the module build it; the
 // fused kernels and the reference consume it.
 #pragma once
 
@@ -47,6 +47,19 @@ struct AttentionProblem {
   uint64_t dropout_seed = 0;
   int num_threads = 1;
   Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads (widen_mask_terms)
+  // The call's batch dimensions (every dimension of the output before its last two, broadcast as
+  // PyTorch broadcasts them; empty for 2-D inputs): batch = the product of all but the last,
+  // heads_q the last. Copies of inputs whose batch dimensions do not fold into one stride.
+  Shape batch_shape;
+  std::array<Tensor, 4> input_storage;  // q, k, v, attn_mask
+
+  // batch_shape with the heads replaced by `heads` (the key/value heads): the batch dimensions of
+  // a tensor read or written per key/value head.
+  Shape batch_shape_with_heads(int64_t heads) const {
+    Shape s = batch_shape;
+    if (!s.empty()) s.back() = heads;
+    return s;
+  }
 
   bool on_cpu() const { return q.device.is_cpu(); }
   int64_t group() const { return heads_q / heads_kv; }  // query heads per key/value head
@@ -73,8 +86,9 @@ AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, con
 // data, so the public functions call this after it. mha::Error for such a mask on a device.
 void widen_mask_terms(AttentionProblem& p);
 
-// A rank-2..4 view as [B, H, L, D] (leading size-1 dimensions added).
-TensorView as_4d(const TensorView& t, const std::string& name);
+// t, of shape p.batch_shape_with_heads(heads) + [rows, cols], as the [B, heads, rows, cols] view
+// the kernels read or write (fold_batch); mha::Error naming `name` where its strides do not fold.
+TensorView folded(const AttentionProblem& p, const TensorView& t, int64_t heads, const std::string& name);
 
 // Checks a mask's dtype and broadcastability to `target` (B, H, Lq, Lk) and returns its term.
 // Bool masks take `bool_kind`; float masks are additive (the kernels read float32: a bfloat16 or
@@ -86,7 +100,8 @@ MaskTerm make_mask_term(const TensorView& mask, const std::string& name, MaskKin
 // and data.
 void check_output_view(const TensorView& out, const Shape& expected, DType dtype, const std::string& name);
 
-// The shape of q with its last two dimensions replaced: [.., Hq, rows, cols].
-Shape output_shape(const TensorView& q, int64_t rows, int64_t cols);
+// The shape of a result over the call's batch dimensions: p.batch_shape + [rows, cols] (the
+// output, the weights), or p.batch_shape + [rows] (the log-sum-exp, cols < 0).
+Shape output_shape(const AttentionProblem& p, int64_t rows, int64_t cols = -1);
 
 }  // namespace mha::detail

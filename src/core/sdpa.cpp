@@ -5,6 +5,7 @@
 #include <array>
 
 #include "core/attention_problem.hpp"
+#include "core/batch_dims.hpp"
 #include "core/parallel_copy.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
@@ -23,12 +24,12 @@ void set_strides(const TensorView& view4d, int64_t* strides) {
 // out is float32, or the inputs' bfloat16 / float16 (rounded in the kernel); weights float32.
 void run(const AttentionProblem& p, const TensorView& out, const TensorView* weights) {
   detail::ForwardOutputs o;
-  const TensorView out4 = detail::as_4d(out, "out");
+  const TensorView out4 = detail::folded(p, out, p.heads_q, "out");
   o.out = out4.data;
   o.out_dtype = out4.dtype;
   set_strides(out4, o.out_strides);
   if (weights) {
-    const TensorView w4 = detail::as_4d(*weights, "weights");
+    const TensorView w4 = detail::folded(p, *weights, p.heads_q, "weights");
     o.weights = w4.data_as<float>();
     set_strides(w4, o.weights_strides);
   }
@@ -47,7 +48,7 @@ void forward(const AttentionProblem& p, const SdpaOptions& options, const Tensor
   }
   if (weights == nullptr && detail::amx_usable() && detail::amx_bf16_supports(p)) {  // bf16 on the tile unit
     detail::AmxOutputs o;
-    const TensorView out4 = detail::as_4d(out, "out");
+    const TensorView out4 = detail::folded(p, out, p.heads_q, "out");
     o.out = out4.data_as<uint16_t>();
     set_strides(out4, o.out_strides);
     detail::amx_bf16_forward(p, o);
@@ -75,9 +76,9 @@ Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
                                     const SdpaOptions& options) {
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
   detail::widen_mask_terms(p);
-  Tensor out = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype, q.device);
+  Tensor out = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype, q.device);
   if (!p.on_cpu()) {
-    detail::cuda_attention_forward(p, detail::as_4d(out, "out"), nullptr);
+    detail::cuda_attention_forward(p, detail::folded(p, out, p.heads_q, "out"), nullptr);
     return out;
   }
   forward(p, options, out, nullptr);
@@ -90,8 +91,8 @@ AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView&
   detail::widen_mask_terms(p);
   require_no_weights_on_device(p);
   AttentionWithWeights r;
-  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
-  r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k), q.dtype);
+  r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype);
+  r.weights = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k), q.dtype);
   forward(p, options, r.output, &r.weights.view());
   return r;
 }
@@ -101,17 +102,29 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
                                        const std::optional<TensorView>& weights) {
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
   detail::widen_mask_terms(p);
-  detail::check_output_view(out, detail::output_shape(q, p.len_q, p.dim_v), q.dtype, "out");
+  detail::check_output_view(out, detail::output_shape(p, p.len_q, p.dim_v), q.dtype, "out");
   if (out.device != q.device) {
     throw Error("out: expected the query's device " + q.device.str() + ", got " + out.device.str());
   }
   if (weights) {
     require_no_weights_on_device(p);
     require_cpu(*weights, "weights");
-    detail::check_output_view(*weights, detail::output_shape(q, p.len_q, p.len_k), q.dtype, "weights");
+    detail::check_output_view(*weights, detail::output_shape(p, p.len_q, p.len_k), q.dtype, "weights");
+  }
+  // Views whose batch dimensions do not fold into one stride are written through a copy.
+  const bool out_folds = detail::fold_batch(out, p.batch_shape).has_value();
+  const bool weights_fold = !weights || detail::fold_batch(*weights, p.batch_shape).has_value();
+  if (!out_folds || !weights_fold) {
+    if (!p.on_cpu()) throw Error("out: on " + out.device.str() + " its batch dimensions must fold into one stride");
+    Tensor out_copy = Tensor::empty(out.sizes(), out.dtype), weights_copy;
+    if (weights) weights_copy = Tensor::empty(weights->sizes(), weights->dtype);
+    forward(p, options, out_copy, weights ? &weights_copy.view() : nullptr);
+    copy_into(out_copy, out);
+    if (weights) copy_into(weights_copy, *weights);
+    return;
   }
   if (!p.on_cpu()) {
-    detail::cuda_attention_forward(p, detail::as_4d(out, "out"), nullptr);
+    detail::cuda_attention_forward(p, detail::folded(p, out, p.heads_q, "out"), nullptr);
     return;
   }
   forward(p, options, out, weights ? &*weights : nullptr);
@@ -122,20 +135,19 @@ AttentionForTraining scaled_dot_product_attention_for_training(const TensorView&
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
   detail::widen_mask_terms(p);
   AttentionForTraining r;
-  Shape lse_shape = q.sizes();
-  lse_shape.pop_back();
+  const Shape lse_shape = detail::output_shape(p, p.len_q);
   if (!p.on_cpu()) {
-    r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype, q.device);
+    r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype, q.device);
     r.lse = Tensor::empty(lse_shape, DType::f32, q.device);
-    detail::cuda_attention_forward(p, detail::as_4d(r.output, "out"), r.lse.data<float>());
+    detail::cuda_attention_forward(p, detail::folded(p, r.output, p.heads_q, "out"), r.lse.data<float>());
     return r;
   }
   // bfloat16 / float16: the float32 kernel widens the inputs as it reads them and rounds the
   // output once (the bits of the float32 path on widened copies); the log-sum-exp stays float32.
-  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), q.dtype);
+  r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype);
   r.lse = Tensor::empty(lse_shape);
   detail::ForwardOutputs o;
-  const TensorView out4 = detail::as_4d(r.output, "out");
+  const TensorView out4 = detail::folded(p, r.output, p.heads_q, "out");
   o.out = out4.data;
   o.out_dtype = out4.dtype;
   set_strides(out4, o.out_strides);
@@ -143,31 +155,6 @@ AttentionForTraining scaled_dot_product_attention_for_training(const TensorView&
   detail::run_attention(p, o);
   return r;
 }
-
-namespace {
-
-// Sums a [B, H, Lq, Lk] gradient over the dimensions a mask of `shape` broadcasts along.
-Tensor reduce_to_mask_shape(const Tensor& full, const TensorView& mask) {
-  Tensor g = Tensor::zeros(mask.sizes());
-  std::array<int64_t, 4> strides{};  // of g, over (b, h, i, j); 0 where the mask broadcasts
-  const TensorView& gv = g.view();
-  for (int d = 0; d < 4; ++d) {
-    const int md = mask.ndim - 4 + d;
-    if (md >= 0 && mask.shape[md] != 1) strides[d] = gv.strides[md];
-  }
-  const TensorView& f = full.view();
-  const float* src = full.data<float>();
-  float* dst = g.data<float>();
-  for (int64_t b = 0; b < f.shape[0]; ++b)
-    for (int64_t h = 0; h < f.shape[1]; ++h)
-      for (int64_t i = 0; i < f.shape[2]; ++i)
-        for (int64_t j = 0; j < f.shape[3]; ++j)
-          dst[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]] +=
-              src[((b * f.shape[1] + h) * f.shape[2] + i) * f.shape[3] + j];
-  return g;
-}
-
-}  // namespace
 
 AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                                          const AttentionForTraining& saved,
@@ -187,11 +174,9 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   detail::widen_mask_terms(p);
   require_cpu(grad_output, "grad_output");
   require_cpu(saved.output, "saved.output");
-  const Shape out_shape = detail::output_shape(q, p.len_q, p.dim_v);
+  const Shape out_shape = detail::output_shape(p, p.len_q, p.dim_v);
   detail::check_output_view(saved.output, out_shape, q.dtype, "saved.output");
-  Shape lse_shape = q.sizes();
-  lse_shape.pop_back();
-  detail::check_output_view(saved.lse, lse_shape, DType::f32, "saved.lse");
+  detail::check_output_view(saved.lse, detail::output_shape(p, p.len_q), DType::f32, "saved.lse");
   detail::check_output_view(grad_output, out_shape, q.dtype, "grad_output");
   if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype == DType::boolean)) {
     throw Error("attn_mask_grad: a gradient exists only for a float (additive) attn_mask");
@@ -200,42 +185,75 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   // their rows, reads the saved output as it is (for D = rowsum(dO O)) and rounds each gradient
   // row once, as it stores it: the bits of the float32 kernel on widened copies, without the
   // copies. A mask's gradient is summed in float32 and rounded once to the mask's dtype.
-  AttentionGradients g;
-  if (wanted.query) g.query = Tensor::empty(q.sizes(), q.dtype);
-  if (wanted.key) g.key = Tensor::empty(k.sizes(), q.dtype);
-  if (wanted.value) g.value = Tensor::empty(v.sizes(), q.dtype);
   detail::BackwardInputs in;
-  const TensorView o4 = detail::as_4d(saved.output, "saved.output");
+  Tensor output_copy, grad_copy, lse_copy;
+  const TensorView o4 = detail::fold_batch_or_copy(saved.output, p.batch_shape, output_copy, "saved.output");
   in.out = o4.data;
   in.out_dtype = o4.dtype;
   set_strides(o4, in.out_strides);
-  const TensorView g4 = detail::as_4d(grad_output, "grad_output");
+  const TensorView g4 = detail::fold_batch_or_copy(grad_output, p.batch_shape, grad_copy, "grad_output");
   in.grad_out = g4.data;
   in.grad_out_dtype = g4.dtype;
   set_strides(g4, in.grad_out_strides);
-  in.lse = saved.lse.data<float>();
+  if (!saved.lse.view().is_contiguous()) lse_copy = Tensor::copy_of(saved.lse);  // the kernels read it packed
+  in.lse = (lse_copy.defined() ? lse_copy.view() : saved.lse).data_as<float>();
+
+  // The gradient of an input that broadcasts (along batch or head dimensions) is its gradient
+  // over the full batch shape summed over those dimensions: the kernels write the full one in
+  // float32 and sum_to_shape reduces it, rounding once. With such an input, bfloat16 / float16
+  // gradients all come that way, in float32 first.
+  const TensorView* inputs[] = {&q, &k, &v};
+  const bool wanted_of[] = {wanted.query, wanted.key, wanted.value};
+  const int64_t heads_of[] = {p.heads_q, p.heads_kv, p.heads_kv};
+  const int64_t rows_of[] = {p.len_q, p.len_k, p.len_k}, cols_of[] = {p.dim_qk, p.dim_qk, p.dim_v};
+  bool reduces[3], any_reduces = false;
+  for (int i = 0; i < 3; ++i) {
+    reduces[i] = wanted_of[i] && inputs[i]->numel() != p.batch * heads_of[i] * rows_of[i] * cols_of[i];
+    any_reduces |= reduces[i];
+  }
+  const bool via_float32 = any_reduces && q.dtype != DType::f32;
   detail::BackwardOutputs out;
-  out.grad_dtype = q.dtype;
-  // Each gradient wanted, as a 4-d view (a null pointer for one that is not: its products are skipped).
-  auto output = [](const Tensor& t, const char* name, void** data, int64_t* strides) {
-    if (!t.defined()) return;
-    const TensorView v4 = detail::as_4d(t, name);
-    *data = v4.data;
-    set_strides(v4, strides);
-  };
-  output(g.query, "query", &out.dq, out.dq_strides);
-  output(g.key, "key", &out.dk, out.dk_strides);
-  output(g.value, "value", &out.dv, out.dv_strides);
+  out.grad_dtype = via_float32 ? DType::f32 : q.dtype;
+  std::array<Tensor, 3> written;  // what the kernels write: each gradient, or its full float32 form
+  void** data_of[] = {&out.dq, &out.dk, &out.dv};
+  int64_t* strides_of[] = {out.dq_strides, out.dk_strides, out.dv_strides};
+  const char* names[] = {"query", "key", "value"};
+  for (int i = 0; i < 3; ++i) {
+    if (!wanted_of[i]) continue;  // a null pointer: its products are skipped
+    if (reduces[i] || via_float32) {
+      Shape full = p.batch_shape_with_heads(heads_of[i]);
+      full.push_back(rows_of[i]);
+      full.push_back(cols_of[i]);
+      written[i] = Tensor::empty(full, DType::f32);
+    } else {
+      written[i] = Tensor::empty(inputs[i]->sizes(), q.dtype);
+    }
+    const TensorView w4 = detail::folded(p, written[i], heads_of[i], names[i]);
+    *data_of[i] = w4.data;
+    set_strides(w4, strides_of[i]);
+  }
   Tensor dscores;
   if (attn_mask_grad) {
-    dscores = Tensor::empty({p.batch, p.heads_q, p.len_q, p.len_k});
+    dscores = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k));
     out.dscores = dscores.data<float>();
-    set_strides(dscores.view(), out.dscores_strides);
+    set_strides(detail::folded(p, dscores, p.heads_q, "attn_mask"), out.dscores_strides);
   }
   detail::run_attention_backward(p, in, out);
+  AttentionGradients g;
+  Tensor* results[] = {&g.query, &g.key, &g.value};
+  for (int i = 0; i < 3; ++i) {
+    if (!wanted_of[i]) continue;
+    if (reduces[i]) {
+      *results[i] = detail::sum_to_shape(written[i], inputs[i]->sizes(), q.dtype);
+    } else if (via_float32) {  // the input's own size: rounded as it is (a zero keeps its sign)
+      *results[i] = Tensor::copy_of(TensorView(written[i].data<float>(), inputs[i]->sizes()), q.dtype);
+    } else {
+      *results[i] = std::move(written[i]);
+    }
+  }
   if (attn_mask_grad) {
-    g.attn_mask = reduce_to_mask_shape(dscores, *options.attn_mask);  // summed in float32
-    if (options.attn_mask->dtype != DType::f32) g.attn_mask = Tensor::copy_of(*g.attn_mask, options.attn_mask->dtype);
+    // summed in float32, rounded once to the mask's dtype
+    g.attn_mask = detail::sum_to_shape(dscores, options.attn_mask->sizes(), options.attn_mask->dtype);
   }
   return g;
 }

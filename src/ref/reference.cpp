@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/attention_problem.hpp"
+#include "core/batch_dims.hpp"
 #include "core/dropout.hpp"
 #include "module/module_call.hpp"
 
@@ -103,8 +104,8 @@ Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
   detail::widen_mask_terms(p);
   Result r;
-  r.output = Tensor::empty(detail::output_shape(q, p.len_q, p.dim_v), DType::f64);
-  r.weights = Tensor::empty(detail::output_shape(q, p.len_q, p.len_k), DType::f64);
+  r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), DType::f64);  // [B, Hq, Lq, Dv] in memory
+  r.weights = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k), DType::f64);
   attention(p, r.output.data<double>(), r.weights.data<double>());
   return r;
 }
@@ -114,14 +115,20 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
   require_cpu(q, "query");
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
   detail::widen_mask_terms(p);
-  const TensorView g = detail::as_4d(grad_output, "grad_output");
-  Gradients r;
-  r.query = Tensor::zeros(q.sizes(), DType::f64);
-  r.key = Tensor::zeros(k.sizes(), DType::f64);
-  r.value = Tensor::zeros(v.sizes(), DType::f64);
+  Tensor grad_copy;
+  const TensorView g = detail::fold_batch_or_copy(grad_output, p.batch_shape, grad_copy, "grad_output");
+  // Gradients over the full batch shape, summed at the end over what each input broadcasts along.
+  auto full = [&](int64_t heads, int64_t rows, int64_t cols) {
+    Shape s = p.batch_shape_with_heads(heads);
+    s.push_back(rows);
+    s.push_back(cols);
+    return Tensor::zeros(s, DType::f64);
+  };
+  const Tensor dq_full = full(p.heads_q, p.len_q, p.dim_qk), dk_full = full(p.heads_kv, p.len_k, p.dim_qk),
+               dv_full = full(p.heads_kv, p.len_k, p.dim_v);
   Tensor dmask_full = Tensor::zeros({p.batch, p.heads_q, p.len_q, p.len_k}, DType::f64);
-  const TensorView dq = detail::as_4d(r.query, "query"), dk = detail::as_4d(r.key, "key"),
-                   dv = detail::as_4d(r.value, "value");
+  const TensorView dq = detail::folded(p, dq_full, p.heads_q, "query"), dk = detail::folded(p, dk_full, p.heads_kv, "key"),
+                   dv = detail::folded(p, dv_full, p.heads_kv, "value");
   auto at = [](const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) -> double& {
     return t.data_as<double>()[a * t.strides[0] + b * t.strides[1] + c * t.strides[2] + d * t.strides[3]];
   };
@@ -173,21 +180,13 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
         }
       }
     }
-  if (options.attn_mask) {  // sum over the dimensions the mask broadcasts along
-    const TensorView& mask = *options.attn_mask;
-    r.attn_mask = Tensor::zeros(mask.sizes(), DType::f64);
-    std::array<int64_t, 4> st{};
-    for (int d = 0; d < 4; ++d) {
-      const int md = mask.ndim - 4 + d;
-      if (md >= 0 && mask.shape[md] != 1) st[d] = r.attn_mask.view().strides[md];
-    }
-    const double* src = dmask_full.data<double>();
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t h = 0; h < p.heads_q; ++h)
-        for (int64_t i = 0; i < p.len_q; ++i)
-          for (int64_t j = 0; j < p.len_k; ++j)
-            r.attn_mask.data<double>()[b * st[0] + h * st[1] + i * st[2] + j * st[3]] +=
-                src[((b * p.heads_q + h) * p.len_q + i) * p.len_k + j];
+  Gradients r;
+  r.query = detail::sum_to_shape(dq_full, q.sizes(), DType::f64);
+  r.key = detail::sum_to_shape(dk_full, k.sizes(), DType::f64);
+  r.value = detail::sum_to_shape(dv_full, v.sizes(), DType::f64);
+  if (options.attn_mask) {  // summed over the dimensions the mask broadcasts along
+    const TensorView weights_shaped(dmask_full.data<double>(), detail::output_shape(p, p.len_q, p.len_k));
+    r.attn_mask = detail::sum_to_shape(weights_shaped, options.attn_mask->sizes(), DType::f64);
   }
   return r;
 }

@@ -1,0 +1,147 @@
+#include "core/batch_dims.hpp"
+
+#include <algorithm>
+#include <array>
+
+namespace mha::detail {
+namespace {
+
+std::string shape_str(const Shape& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+// The accumulation of sum_to_shape in Acc, reading `full` of element type Src.
+template <class Src, class Acc>
+void accumulate(const TensorView& full, const std::array<int64_t, kMaxDims>& acc_strides, Acc* acc) {
+  const int n = full.ndim;
+  const Src* src = full.data_as<const Src>();
+  std::array<int64_t, kMaxDims> idx{};
+  int64_t from = 0, to = 0;
+  const int64_t count = full.numel();
+  for (int64_t e = 0; e < count; ++e) {
+    acc[to] += static_cast<Acc>(src[from]);
+    for (int d = n - 1; d >= 0; --d) {  // odometer increment
+      from += full.strides[d];
+      to += acc_strides[d];
+      if (++idx[d] < full.shape[d]) break;
+      from -= full.strides[d] * full.shape[d];
+      to -= acc_strides[d] * full.shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+Shape broadcast_shapes(const std::vector<Shape>& shapes, const std::string& what) {
+  size_t n = 0;
+  for (const Shape& s : shapes) n = std::max(n, s.size());
+  Shape r(n, 1);
+  for (const Shape& s : shapes) {
+    for (size_t i = 0; i < s.size(); ++i) {
+      int64_t& dim = r[n - s.size() + i];
+      if (s[i] == dim || s[i] == 1) continue;
+      if (dim != 1) {
+        std::string all;
+        for (size_t j = 0; j < shapes.size(); ++j) all += (j ? (j + 1 == shapes.size() ? " and " : ", ") : "") + shape_str(shapes[j]);
+        throw Error(what + ": batch dimensions " + all + " do not broadcast");
+      }
+      dim = s[i];
+    }
+  }
+  return r;
+}
+
+Shape batch_dims_of(const TensorView& t) {
+  Shape s = t.sizes();
+  s.resize(s.size() >= 2 ? s.size() - 2 : 0);
+  return s;
+}
+
+std::optional<TensorView> fold_batch(const TensorView& t, const Shape& batch) {
+  const int n = static_cast<int>(batch.size());
+  const int tb = t.ndim - 2;  // t's batch dimensions, right-aligned against batch
+  for (int ti = 0; ti < tb; ++ti) {
+    const int i = ti + n - tb;
+    if (t.shape[ti] != 1 && (i < 0 || t.shape[ti] != batch[i])) {
+      throw Error("fold_batch: shape " + t.shape_str() + " does not broadcast to batch dimensions " + shape_str(batch));
+    }
+  }
+  // The stride of batch dimension i in t: 0 where t lacks it or has size 1 there.
+  auto stride_of = [&](int i) -> int64_t {
+    const int ti = i - (n - tb);
+    return ti < 0 || t.shape[ti] == 1 ? 0 : t.strides[ti];
+  };
+  int64_t b_size = 1, b_stride = 0;
+  int64_t inner_size = 1, inner_stride = 0;  // the innermost folded dimension with size > 1 so far
+  bool any = false;
+  for (int i = n - 2; i >= 0; --i) {  // the leading dimensions, innermost first
+    if (batch[i] == 1) continue;
+    const int64_t s = stride_of(i);
+    if (!any) {
+      b_stride = s;
+      any = true;
+    } else if (s != inner_stride * inner_size) {
+      return std::nullopt;
+    }
+    inner_size = batch[i], inner_stride = s;
+    b_size *= batch[i];
+  }
+  const int64_t heads = n >= 1 ? batch[n - 1] : 1;
+  const int64_t h_stride = n >= 1 && heads > 1 ? stride_of(n - 1) : 0;
+  TensorView r = t;
+  r.ndim = 4;
+  r.shape = {};
+  r.strides = {};
+  r.shape[0] = b_size, r.shape[1] = heads, r.shape[2] = t.shape[t.ndim - 2], r.shape[3] = t.shape[t.ndim - 1];
+  r.strides[0] = b_stride, r.strides[1] = h_stride;
+  r.strides[2] = t.strides[t.ndim - 2], r.strides[3] = t.strides[t.ndim - 1];
+  return r;
+}
+
+TensorView fold_batch_or_copy(const TensorView& t, const Shape& batch, Tensor& storage, const std::string& name) {
+  if (auto folded = fold_batch(t, batch)) return *folded;
+  if (!t.device.is_cpu()) {
+    throw Error(name + ": on " + t.device.str() + " its batch dimensions must fold into one stride (a contiguous " +
+                "tensor, or one expanded along whole leading dimensions); got shape " + t.shape_str());
+  }
+  // t expanded to the full batch shape (stride 0 where it broadcasts), then copied contiguous.
+  Shape shape = batch, strides(batch.size() + 2, 0);
+  shape.push_back(t.shape[t.ndim - 2]);
+  shape.push_back(t.shape[t.ndim - 1]);
+  const int n = static_cast<int>(batch.size()), tb = t.ndim - 2;
+  for (int i = 0; i < n; ++i) {
+    const int ti = i - (n - tb);
+    if (ti >= 0 && t.shape[ti] != 1) strides[i] = t.strides[ti];
+  }
+  strides[n] = t.strides[t.ndim - 2];
+  strides[n + 1] = t.strides[t.ndim - 1];
+  storage = Tensor::copy_of(TensorView(t.data, t.dtype, shape, strides));
+  return *fold_batch(storage.view(), batch);
+}
+
+Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype) {
+  require_cpu(full, "sum_to_shape");
+  const int n = full.ndim, tn = static_cast<int>(target.size());
+  if (tn > n) throw Error("sum_to_shape: target " + shape_str(target) + " has more dimensions than " + full.shape_str());
+  const DType acc_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
+  Tensor acc = Tensor::zeros(target, acc_dtype);
+  std::array<int64_t, kMaxDims> acc_strides{};  // over full's dimensions; 0 where target broadcasts
+  for (int d = 0; d < n; ++d) {
+    const int td = d - (n - tn);
+    if (td < 0 || target[td] == 1) continue;
+    if (target[td] != full.shape[d]) {
+      throw Error("sum_to_shape: target " + shape_str(target) + " does not broadcast to " + full.shape_str());
+    }
+    acc_strides[d] = acc.view().strides[td];
+  }
+  if (full.dtype == DType::f32 && acc_dtype == DType::f32) accumulate<float, float>(full, acc_strides, acc.data<float>());
+  else if (full.dtype == DType::f32) accumulate<float, double>(full, acc_strides, acc.data<double>());
+  else if (full.dtype == DType::f64 && acc_dtype == DType::f64) accumulate<double, double>(full, acc_strides, acc.data<double>());
+  else throw Error("sum_to_shape: expected a float32 or float64 tensor, got " + std::string(dtype_name(full.dtype)));
+  return dtype == acc_dtype ? acc : Tensor::copy_of(acc, dtype);
+}
+
+}  // namespace mha::detail
