@@ -67,11 +67,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const float amplitudes[] = {0.25f, 1.0f, 3.0f};
   const float amplitude = amplitudes[in.small(2)];
   mha::Tensor qs, ks, vs;
-  const mha::TensorView q = tensor(in, rng, amplitude, B, Hq, Lq, Dk, qs),
-                        k = tensor(in, rng, amplitude, B, Hkv, Lk, Dk, ks),
-                        v = tensor(in, rng, amplitude, B, Hkv, Lk, Dv, vs);
+  mha::TensorView q = tensor(in, rng, amplitude, B, Hq, Lq, Dk, qs), k = tensor(in, rng, amplitude, B, Hkv, Lk, Dk, ks),
+                  v = tensor(in, rng, amplitude, B, Hkv, Lk, Dv, vs);
   mha::SdpaOptions o;
   o.enable_gqa = group > 1;
+  switch (in.tail_byte() % 6) {  // batch dimensions that broadcast (the output stays [B, Hq, Lq, Dv])
+    case 1: k = k.select(0, 0), v = v.select(0, 0); break;  // keys and values shared by the batch: [Hkv, Lk, D]
+    case 2: q = q.slice(0, 0, 1); break;                     // one query set for every batch entry
+    case 3: k = k.slice(1, 0, 1), v = v.slice(1, 0, 1), o.enable_gqa = false; break;  // one head for all, no enable_gqa
+    default: break;
+  }
   o.is_causal = in.flag();
   o.causal_alignment = in.flag() ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
   if (in.flag()) o.dropout_p = 0.25, o.dropout_seed = in.byte();

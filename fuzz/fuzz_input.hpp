@@ -10,6 +10,9 @@ struct FuzzInput {
   const uint8_t* data;
   size_t size;
   uint8_t byte() { return size ? (--size, *data++) : 0; }
+  // A byte from the end of the input: for decisions added after inputs were kept as regressions,
+  // which then read the front of the stream as before (they are longer than what it consumes).
+  uint8_t tail_byte() { return size ? data[--size] : 0; }
   bool flag() { return byte() & 1; }
   uint64_t u64() {
     uint64_t v = 0;

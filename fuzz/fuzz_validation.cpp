@@ -137,7 +137,7 @@ template <class F> void must_refuse(F&& call) {
 }
 
 void fuzz_sdpa(FuzzInput& in) {
-  Arg q = make(in, 5), k = make(in, 5), v = make(in, 5), mask = make(in, 5);
+  Arg q = make(in, 6), k = make(in, 6), v = make(in, 6), mask = make(in, 6);
   mha::SdpaOptions o, op;  // op: the same options with the placeholder mask
   const bool with_mask = in.flag();
   if (with_mask) o.attn_mask = mask.view, op.attn_mask = mask.placeholder;

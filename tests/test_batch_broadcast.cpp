@@ -197,13 +197,18 @@ TEST(BatchBroadcast, LeadingDimensionsThatDoNotFoldAreCopied) {
   const mha::Tensor qf = mha::Tensor::copy_of(q, mha::DType::f64);
   const mha::Tensor kf = mha::Tensor::copy_of(expanded(k, {2, 3, 4}), mha::DType::f64);
   const mha::Tensor vf = mha::Tensor::copy_of(expanded(v, {2, 3, 4}), mha::DType::f64);
-  const mha::reference::Result r = mha::reference::scaled_dot_product_attention(qf, kf, vf, {.is_causal = true});
+  // A float mask [2, 1, 4, 9, 11], which does not fold either.
+  const mha::Tensor mask = randn({2, 1, 4, 9, 11}, rng);
+  const mha::Tensor mf = mha::Tensor::copy_of(expanded(mask, {2, 3, 4}));
+  const mha::reference::Result r =
+      mha::reference::scaled_dot_product_attention(qf, kf, vf, {.attn_mask = mf.view(), .is_causal = true});
+  const mha::SdpaOptions o{.attn_mask = mask.view(), .is_causal = true};
   mha::Tensor storage = mha::Tensor::zeros({3, 2, 4, 9, 8});
   const mha::TensorView out = storage.view().transpose(0, 1);  // [2, 3, 4, 9, 8], leading strides swapped
-  mha::scaled_dot_product_attention_into(q, k, v, out, {.is_causal = true});
+  mha::scaled_dot_product_attention_into(q, k, v, out, o);
   EXPECT_LT(rel_error(mha::Tensor::copy_of(out), r.output), 1e-5);
   // A query given the same way (permuted leading dimensions) reads through a copy too.
   mha::Tensor q_storage = mha::Tensor::copy_of(q.view().transpose(0, 1));  // [3, 2, 4, 9, 16]
-  const mha::Tensor o2 = mha::scaled_dot_product_attention(q_storage.view().transpose(0, 1), k, v, {.is_causal = true});
+  const mha::Tensor o2 = mha::scaled_dot_product_attention(q_storage.view().transpose(0, 1), k, v, o);
   EXPECT_LT(rel_error(o2, r.output), 1e-5);
 }

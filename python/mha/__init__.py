@@ -234,7 +234,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                  num_threads: int = 0):
     """torch.nn.functional.scaled_dot_product_attention on the fused kernel.
 
-    query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev].
+    query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev], rank 2
+    to 6; the batch dimensions (all but the last two) broadcast as PyTorch's do, and a broadcast
+    input's gradient is summed over them.
     attn_mask: bool (True = attend) or float (added to the scores; float32, or the inputs' bfloat16 or
     float16, as PyTorch takes it), broadcastable to [..., Hq, L, S].
     is_causal may be combined with attn_mask (a key must pass both). causal_alignment is

@@ -70,6 +70,29 @@ Shape output_shape(const AttentionProblem& p, int64_t rows, int64_t cols) {
   return s;
 }
 
+namespace {
+
+// t folded to [B, H, rows, cols] (fold_batch), or, where its strides do not fold, a stand-in kept
+// for materialise_inputs to replace.
+TensorView fold_or_defer(AttentionProblem& p, const TensorView& t, const Shape& batch, int slot, const std::string& name) {
+  if (auto f = fold_batch(t, batch)) return *f;
+  if (!t.device.is_cpu()) {
+    throw Error(name + ": on " + t.device.str() + " its batch dimensions must fold into one stride (a contiguous " +
+                "tensor, or one expanded along whole leading dimensions); got shape " + t.shape_str());
+  }
+  p.unfolded[slot] = t;
+  // A stand-in with the folded shape and t's dtype and device, never read: materialise_inputs
+  // replaces it with the fold of a copy.
+  TensorView r = t;
+  r.ndim = 4;
+  r.shape = {};
+  r.strides = {};
+  r.shape[0] = p.batch, r.shape[1] = batch.empty() ? 1 : batch.back(), r.shape[2] = t.size(-2), r.shape[3] = t.size(-1);
+  return r;
+}
+
+}  // namespace
+
 TensorView folded(const AttentionProblem& p, const TensorView& t, int64_t heads, const std::string& name) {
   if (auto f = fold_batch(t, p.batch_shape_with_heads(heads))) return *f;
   throw Error(name + ": its batch dimensions must fold into one stride, got shape " + t.shape_str());
@@ -172,9 +195,9 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     p.batch_shape.push_back(p.heads_q);
   }
   p.batch = checked_numel(leading, "query, key, value: batch dimensions");
-  p.q = fold_batch_or_copy(q_in, p.batch_shape, p.input_storage[0], "query");
-  p.k = fold_batch_or_copy(k_in, p.batch_shape_with_heads(p.heads_kv), p.input_storage[1], "key");
-  p.v = fold_batch_or_copy(v_in, p.batch_shape_with_heads(p.heads_kv), p.input_storage[2], "value");
+  p.q = fold_or_defer(p, q_in, p.batch_shape, 0, "query");
+  p.k = fold_or_defer(p, k_in, p.batch_shape_with_heads(p.heads_kv), 1, "key");
+  p.v = fold_or_defer(p, v_in, p.batch_shape_with_heads(p.heads_kv), 2, "value");
   if (p.dim_qk == 0 && !options.scale) {
     throw Error("query: head dimension is 0, so the default scale 1/sqrt(0) is undefined; pass scale");
   }
@@ -199,8 +222,7 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
       fits = mask.shape[d] == 1 || (wd >= 0 && mask.shape[d] == weights[wd]);
     }
     if (!fits) throw Error("attn_mask: shape " + mask.shape_str() + " cannot be broadcast to " + target_str);
-    const TensorView mask4 = mask.ndim >= 2 ? fold_batch_or_copy(mask, p.batch_shape, p.input_storage[3], "attn_mask")
-                                            : mask;
+    const TensorView mask4 = mask.ndim >= 2 ? fold_or_defer(p, mask, p.batch_shape, 3, "attn_mask") : mask;
     const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
     p.add_mask(make_mask_term(mask4, "attn_mask", MaskKind::keep_if_true, target));
   }
@@ -211,8 +233,21 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   return p;
 }
 
-void widen_mask_terms(AttentionProblem& p) {
+void materialise_inputs(AttentionProblem& p) {
   const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
+  TensorView* slots[] = {&p.q, &p.k, &p.v};
+  for (int i = 0; i < 4; ++i) {
+    if (!p.unfolded[i]) continue;
+    const TensorView& t = *p.unfolded[i];
+    const Shape batch = i == 1 || i == 2 ? p.batch_shape_with_heads(p.heads_kv) : p.batch_shape;
+    const TensorView folded = fold_batch_or_copy(t, batch, p.input_storage[i], "");
+    if (i < 3) {
+      *slots[i] = folded;
+    } else {  // the attn_mask: SDPA's only term
+      p.masks[0] = make_mask_term(folded, "attn_mask", p.masks[0].kind, target);
+    }
+    p.unfolded[i].reset();
+  }
   for (int t = 0; t < p.num_masks; ++t) {
     MaskTerm& term = p.masks[t];
     if (term.dtype != DType::bf16 && term.dtype != DType::f16) continue;

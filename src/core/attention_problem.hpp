@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "mha/sdpa.hpp"
@@ -46,12 +47,16 @@ struct AttentionProblem {
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;
   int num_threads = 1;
-  Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads (widen_mask_terms)
+  Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads (materialise_inputs)
   // The call's batch dimensions (every dimension of the output before its last two, broadcast as
   // PyTorch broadcasts them; empty for 2-D inputs): batch = the product of all but the last,
-  // heads_q the last. Copies of inputs whose batch dimensions do not fold into one stride.
+  // heads_q the last.
   Shape batch_shape;
-  std::array<Tensor, 4> input_storage;  // q, k, v, attn_mask
+  // Inputs (q, k, v, attn_mask) whose batch dimensions do not fold into one stride: the views as
+  // given, until materialise_inputs copies them (their slots above hold stand-ins until then),
+  // and the copies.
+  std::array<std::optional<TensorView>, 4> unfolded;
+  std::array<Tensor, 4> input_storage;
 
   // batch_shape with the heads replaced by `heads` (the key/value heads): the batch dimensions of
   // a tensor read or written per key/value head.
@@ -81,10 +86,12 @@ enum class InputDtypes { f32, low_precision, any_float };
 AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, const TensorView& v,
                                    const SdpaOptions& options, InputDtypes dtypes);
 
-// A float mask term of bfloat16 or float16 (PyTorch's usual mask for a bfloat16 model) replaced by
-// a float32 copy the kernels read (exact), held in p.mask_storage; the validator above never reads
-// data, so the public functions call this after it. mha::Error for such a mask on a device.
-void widen_mask_terms(AttentionProblem& p);
+// The steps of building a problem that read data, which make_sdpa_problem (a validator that never
+// reads data) leaves to the public functions that run it: inputs whose batch dimensions do not
+// fold into one stride are copied (p.unfolded), and a float mask term of bfloat16 or float16
+// (PyTorch's usual mask for a bfloat16 model) is replaced by a float32 copy the kernels read
+// (exact), held in p.mask_storage. mha::Error for either on a device.
+void materialise_inputs(AttentionProblem& p);
 
 // t, of shape p.batch_shape_with_heads(heads) + [rows, cols], as the [B, heads, rows, cols] view
 // the kernels read or write (fold_batch); mha::Error naming `name` where its strides do not fold.

@@ -75,7 +75,7 @@ void require_no_weights_on_device(const AttentionProblem& p) {
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options) {
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
-  detail::widen_mask_terms(p);
+  detail::materialise_inputs(p);
   Tensor out = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype, q.device);
   if (!p.on_cpu()) {
     detail::cuda_attention_forward(p, detail::folded(p, out, p.heads_q, "out"), nullptr);
@@ -88,7 +88,7 @@ Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
 AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
-  detail::widen_mask_terms(p);
+  detail::materialise_inputs(p);
   require_no_weights_on_device(p);
   AttentionWithWeights r;
   r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype);
@@ -101,7 +101,7 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
                                        const TensorView& out, const SdpaOptions& options,
                                        const std::optional<TensorView>& weights) {
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
-  detail::widen_mask_terms(p);
+  detail::materialise_inputs(p);
   detail::check_output_view(out, detail::output_shape(p, p.len_q, p.dim_v), q.dtype, "out");
   if (out.device != q.device) {
     throw Error("out: expected the query's device " + q.device.str() + ", got " + out.device.str());
@@ -133,7 +133,7 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
-  detail::widen_mask_terms(p);
+  detail::materialise_inputs(p);
   AttentionForTraining r;
   const Shape lse_shape = detail::output_shape(p, p.len_q);
   if (!p.on_cpu()) {
@@ -171,7 +171,7 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   const bool attn_mask_grad = wanted.attn_mask;
   require_cpu(q, "query");  // the GPU backward is not part of this build
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
-  detail::widen_mask_terms(p);
+  detail::materialise_inputs(p);
   require_cpu(grad_output, "grad_output");
   require_cpu(saved.output, "saved.output");
   const Shape out_shape = detail::output_shape(p, p.len_q, p.dim_v);
