@@ -46,6 +46,8 @@ def test_calls_it_cannot_take_go_to_pytorch(rng):
     with mha.patch_torch_sdpa():
         for args, kwargs in [((q.double(),) * 3, {}),                      # float64
                              ((q[None, None, None],) * 3, {}),             # seven dimensions
+                             ((_t(rng, 1, 6, 5, 8), _t(rng, 1, 2, 5, 8), _t(rng, 1, 3, 5, 8)),
+                              dict(enable_gqa=True)),                      # grouped, key and value heads differ
                              ((q.double(),) * 3, dict(attn_mask=torch.zeros(5, 5, dtype=torch.float64)))]:
             assert torch.equal(F.scaled_dot_product_attention(*args, **kwargs), ORIGINAL(*args, **kwargs))
 
