@@ -154,7 +154,7 @@ void fuzz_sdpa(FuzzInput& in) {
   // The validator on every size, absurd ones included.
   try {
     mha::detail::make_sdpa_problem(q.placeholder, k.placeholder, v.placeholder, op,
-                                   mha::detail::InputDtypes::low_precision);
+                                   mha::detail::InputDtypes::fused);
   } catch (const mha::Error&) {
   }
   const int variant = static_cast<int>(in.small(3));
@@ -178,7 +178,7 @@ void fuzz_sdpa(FuzzInput& in) {
     case 2: {  // into a fuzzed output view, or a well-formed one
       Arg out = make(in, 5);
       if (in.flag()) {
-        const auto p = mha::detail::make_sdpa_problem(q.view, k.view, v.view, o, mha::detail::InputDtypes::low_precision);
+        const auto p = mha::detail::make_sdpa_problem(q.view, k.view, v.view, o, mha::detail::InputDtypes::fused);
         const mha::Tensor t = mha::Tensor::empty(mha::detail::output_shape(p, p.len_q, p.dim_v), q.view.dtype);
         mha::scaled_dot_product_attention_into(q.view, k.view, v.view, t, o);
         check_finite_any(t);

@@ -441,7 +441,7 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
     if (variant == 3) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;  // Lq > Lk: empty rows
     if (variant == 5) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight, o.attn_mask = mask.view();
     SCOPED_TRACE("variant " + std::to_string(variant));
-    mha::detail::AttentionProblem p = mha::detail::make_sdpa_problem(q, k, v, o, mha::detail::InputDtypes::low_precision);
+    mha::detail::AttentionProblem p = mha::detail::make_sdpa_problem(q, k, v, o, mha::detail::InputDtypes::fused);
 
     auto run = [&](int threads, bool average, mha::Tensor& weights) {
       mha::Tensor out = mha::Tensor::empty({b, hq, lq, dv}, dtype);
@@ -905,7 +905,7 @@ TEST_P(EveryIsa, MaskOnlyRowsComeFromTheMask) {
     if (with_is_causal) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
     // Rows that see padding keys alone (with is_causal the future keys are excluded, not finfo.min).
     const mha::detail::AttentionProblem problem =
-        mha::detail::make_sdpa_problem(q, k, v, o, mha::detail::InputDtypes::low_precision);
+        mha::detail::make_sdpa_problem(q, k, v, o, mha::detail::InputDtypes::fused);
     const std::vector<int64_t> prefixes = mha::detail::mask_only_prefixes(problem, mha::detail::ForwardOutputs{});
     ASSERT_EQ(prefixes.size(), static_cast<size_t>(b));
     for (int64_t e = 0; e < b; ++e) {

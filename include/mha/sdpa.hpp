@@ -47,9 +47,12 @@ struct SdpaOptions {
 // and in the weights. PyTorch's SDPA (2.5 and later) returns the same zeros; nn.MultiheadAttention
 // and softmax over a row of -inf return NaN there instead.
 
-// q, k, v are float32, bfloat16 or float16 (one dtype); the output has their dtype. bfloat16 and
-// float16 are computed in float32 (fp32 accumulation and softmax statistics) and rounded once.
-// The training functions below do the same: outputs and gradients in the inputs' dtype.
+// q, k, v are float32, bfloat16, float16 or float64 (one dtype); the output has their dtype.
+// bfloat16 and float16 are computed in float32 (fp32 accumulation and softmax statistics) and
+// rounded once. float64 (host only) is computed in float64 throughout, as PyTorch does (for
+// gradient checks), by its own blocked kernel on float64 BLAS; its mask may be float64 and its
+// log-sum-exp is float64. The training functions below do the same: outputs and gradients in
+// the inputs' dtype.
 // Returns out [.., Hq, Lq, Dv] (contiguous; `..` the broadcast batch dimensions).
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options = {});

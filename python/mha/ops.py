@@ -48,7 +48,8 @@ def seed_tensor(dropout_seed: Optional[int], dropout_p: float) -> torch.Tensor:
 def sdpa_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
                bottom_right: bool, num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The output [..., Hq, L, Ev] and the row log-sum-exp [..., Hq, L] (float32) of the training forward."""
+    """The output [..., Hq, L, Ev] and the row log-sum-exp [..., Hq, L] (float32; float64 for float64
+    inputs) of the training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_train(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                _seed_value(dropout_seed), bottom_right, num_threads)
@@ -68,7 +69,8 @@ def _rows(query, key, value, enable_gqa):
 @sdpa_train.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads):
     rows = _rows(query, key, value, enable_gqa)
-    return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=torch.float32)
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=lse_dtype)
 
 
 @torch.library.custom_op("mha::sdpa_backward", mutates_args=(), device_types="cpu")

@@ -219,7 +219,7 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_backward(
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
   saved.output = mha::Tensor::copy_of(view_of(output, "output"));  // in its dtype, the inputs' (checked there)
-  saved.lse = mha::Tensor::copy_of(view_of(lse, "lse"), mha::DType::f32);
+  saved.lse = mha::Tensor::copy_of(view_of(lse, "lse"));  // float32, or float64 for float64 inputs (checked there)
   const mha::TensorView g = view_of(grad_output, "grad_output");
   mha::AttentionGradients r;
   {

@@ -282,6 +282,40 @@ def test_loss_falls_with_torch_optimizer(parity_seed):
     assert loss.item() < 0.5 * first
 
 
+def test_float64_sdpa_matches_torch_and_passes_gradcheck(parity_seed):
+    """float64 inputs run in float64 (PyTorch's semantics): output and every gradient within 1e-12
+    of PyTorch's float64 SDPA on the random cases above (broadcast batch dimensions, grouped heads,
+    masks, causality), and torch.autograd.gradcheck passes (finite differences need float64)."""
+    rng = np.random.default_rng([parity_seed, 13])
+    checked = 0
+    for _ in range(150):
+        q, k, v, mask, causal, scale, gqa = sdpa_case(rng)
+        out_batch = batch_shape({"gqa": gqa}, q, k, v)
+        ref = F.scaled_dot_product_attention(q.expand(*out_batch, *q.shape[-2:]), k, v, attn_mask=mask,
+                                             is_causal=causal, scale=scale, enable_gqa=gqa)
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None and t.is_floating_point()
+                  else t for t in (q, k, v, mask)]
+        out = mha.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], attn_mask=leaves[3],
+                                               is_causal=causal, scale=scale, enable_gqa=gqa)
+        assert out.dtype == torch.float64 and out.shape == ref.shape
+        assert rel(out.detach(), ref.detach()) <= 1e-12
+        g = torch.from_numpy(rng.standard_normal(tuple(ref.shape)))
+        wanted = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
+        ours = [t for t in leaves if t is not None and t.requires_grad]
+        for a, b in zip(torch.autograd.grad(out, ours, g), torch.autograd.grad(ref, wanted, g)):
+            assert (a - b).abs().max().item() <= 1e-12 * max(b.abs().max().item(), 1.0)
+        if checked < 6 and sum(t.numel() for t in ours) + out.numel() <= 300:  # finite differences: small cases
+            checked += 1
+
+            def f(*xs):
+                it = iter(xs)
+                args = [next(it) if t is not None and t.requires_grad else t for t in leaves]
+                return mha.scaled_dot_product_attention(args[0], args[1], args[2], attn_mask=args[3],
+                                                        is_causal=causal, scale=scale, enable_gqa=gqa)
+            assert torch.autograd.gradcheck(f, [t.detach().requires_grad_() for t in ours])
+    assert checked >= 4, "too few small cases for gradcheck"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_sdpa_gradients(dtype, parity_seed):
     """bfloat16 / float16 tensors inside autograd: output and .grad in the inputs' dtype, against

@@ -18,14 +18,16 @@ void check_data(const TensorView& t, const std::string& name) {
 }  // namespace
 
 MaskTerm make_mask_term(const TensorView& mask, const std::string& name, MaskKind bool_kind,
-                        const std::array<int64_t, 4>& target) {
+                        const std::array<int64_t, 4>& target, bool float64_call) {
   MaskTerm term;
   if (mask.dtype == DType::boolean) {
     term.kind = bool_kind;
-  } else if (mask.dtype == DType::f32 || mask.dtype == DType::bf16 || mask.dtype == DType::f16) {
+  } else if (mask.dtype == DType::f32 || mask.dtype == DType::bf16 || mask.dtype == DType::f16 ||
+             (float64_call && mask.dtype == DType::f64)) {
     term.kind = MaskKind::additive;
   } else {
-    throw Error(name + ": expected dtype bool, float32, bfloat16 or float16, got " +
+    throw Error(name + ": expected dtype bool, float32, bfloat16 or float16" +
+                std::string(float64_call ? " or float64" : " (float64 with float64 inputs)") + ", got " +
                 std::string(dtype_name(mask.dtype)));
   }
   if (mask.ndim > 4) {
@@ -104,13 +106,9 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   const char* names[] = {"query", "key", "value"};
   for (int i = 0; i < 3; ++i) {
     const DType t = inputs[i]->dtype;
-    const bool ok = dtypes == InputDtypes::any_float      ? t != DType::boolean
-                    : dtypes == InputDtypes::low_precision ? (t == DType::f32 || t == DType::bf16 || t == DType::f16)
-                                                           : t == DType::f32;
+    const bool ok = dtypes == InputDtypes::f32 ? t == DType::f32 : t != DType::boolean;
     if (!ok) {
-      const char* expected = dtypes == InputDtypes::any_float      ? "float32, float64, bfloat16 or float16"
-                             : dtypes == InputDtypes::low_precision ? "float32, bfloat16 or float16"
-                                                                    : "float32";
+      const char* expected = dtypes == InputDtypes::f32 ? "float32" : "float32, float64, bfloat16 or float16";
       throw Error(std::string(names[i]) + ": expected dtype " + expected + ", got " + std::string(dtype_name(t)));
     }
     check_data(*inputs[i], names[i]);
@@ -125,7 +123,10 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     throw Error("attn_mask: expected the query's device " + q_in.device.str() + ", got " +
                 options.attn_mask->device.str());
   }
-  if (dtypes == InputDtypes::low_precision && (k_in.dtype != q_in.dtype || v_in.dtype != q_in.dtype)) {
+  if (dtypes == InputDtypes::fused && q_in.dtype == DType::f64 && !q_in.device.is_cpu()) {
+    throw Error("query: float64 runs on the host only, got a float64 tensor on " + q_in.device.str());
+  }
+  if (dtypes == InputDtypes::fused && (k_in.dtype != q_in.dtype || v_in.dtype != q_in.dtype)) {
     throw Error("query, key, value: expected one dtype, got " + std::string(dtype_name(q_in.dtype)) + ", " +
                 std::string(dtype_name(k_in.dtype)) + ", " + std::string(dtype_name(v_in.dtype)));
   }
@@ -224,7 +225,7 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     if (!fits) throw Error("attn_mask: shape " + mask.shape_str() + " cannot be broadcast to " + target_str);
     const TensorView mask4 = mask.ndim >= 2 ? fold_or_defer(p, mask, p.batch_shape, 3, "attn_mask") : mask;
     const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
-    p.add_mask(make_mask_term(mask4, "attn_mask", MaskKind::keep_if_true, target));
+    p.add_mask(make_mask_term(mask4, "attn_mask", MaskKind::keep_if_true, target, q_in.dtype == DType::f64));
   }
   p.num_threads = options.num_threads;
   if (p.num_threads < 0) {
@@ -244,7 +245,7 @@ void materialise_inputs(AttentionProblem& p) {
     if (i < 3) {
       *slots[i] = folded;
     } else {  // the attn_mask: SDPA's only term
-      p.masks[0] = make_mask_term(folded, "attn_mask", p.masks[0].kind, target);
+      p.masks[0] = make_mask_term(folded, "attn_mask", p.masks[0].kind, target, p.q.dtype == DType::f64);
     }
     p.unfolded[i].reset();
   }

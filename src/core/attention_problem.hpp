@@ -34,6 +34,11 @@ struct MaskTerm {
     const bool v = static_cast<const uint8_t*>(data)[off] != 0;  // any nonzero byte is true
     return v == (kind == MaskKind::keep_if_true) ? 0.0f : -std::numeric_limits<float>::infinity();
   }
+  // bias() in float64, for float64 calls: a float64 term's values as they are.
+  double bias_f64(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (kind != MaskKind::additive || dtype != DType::f64) return bias(b, h, i, j);
+    return static_cast<const double*>(data)[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]];
+  }
 };
 
 struct AttentionProblem {
@@ -77,9 +82,9 @@ struct AttentionProblem {
   void add_mask(const MaskTerm& m) { masks[num_masks++] = m; }
 };
 
-// Which input dtypes a caller accepts: the fused fp32 kernels and the backward take float32; the
-// forward also bfloat16 and float16 (one dtype for q, k, v); the reference any floating dtype.
-enum class InputDtypes { f32, low_precision, any_float };
+// Which input dtypes a caller accepts: the public functions float32, float64, bfloat16 and float16
+// (one dtype for q, k, v; float64 on the host only); the reference any floating dtype.
+enum class InputDtypes { f32, fused, any_float };
 
 // Validates the arguments of scaled_dot_product_attention (mha::Error on any problem) and builds
 // the problem.
@@ -99,9 +104,10 @@ TensorView folded(const AttentionProblem& p, const TensorView& t, int64_t heads,
 
 // Checks a mask's dtype and broadcastability to `target` (B, H, Lq, Lk) and returns its term.
 // Bool masks take `bool_kind`; float masks are additive (the kernels read float32: a bfloat16 or
-// float16 term is for the caller to widen, see make_sdpa_problem); anything else is an mha::Error.
+// float16 term is for the caller to widen, see make_sdpa_problem; a float64 one only in a
+// `float64_call`, whose kernel reads float64); anything else is an mha::Error.
 MaskTerm make_mask_term(const TensorView& mask, const std::string& name, MaskKind bool_kind,
-                        const std::array<int64_t, 4>& target);
+                        const std::array<int64_t, 4>& target, bool float64_call = false);
 
 // Checks that a caller-provided output view has shape `expected`, float32 or float64 as given,
 // and data.

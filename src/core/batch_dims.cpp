@@ -126,7 +126,7 @@ Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype) {
   require_cpu(full, "sum_to_shape");
   const int n = full.ndim, tn = static_cast<int>(target.size());
   if (tn > n) throw Error("sum_to_shape: target " + shape_str(target) + " has more dimensions than " + full.shape_str());
-  const DType acc_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
+  const DType acc_dtype = dtype == DType::f64 || full.dtype == DType::f64 ? DType::f64 : DType::f32;
   Tensor acc = Tensor::zeros(target, acc_dtype);
   std::array<int64_t, kMaxDims> acc_strides{};  // over full's dimensions; 0 where target broadcasts
   for (int d = 0; d < n; ++d) {

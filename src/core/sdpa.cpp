@@ -9,6 +9,7 @@
 #include "core/parallel_copy.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
+#include "cpu/attention_f64.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cuda/cuda_attention.hpp"
 
@@ -41,7 +42,26 @@ void run(const AttentionProblem& p, const TensorView& out, const TensorView* wei
 // fits it (no weights, head dims multiples of 32); otherwise bfloat16 and float16 run the float32
 // kernel, which widens the inputs as it reads them and rounds each output row once as it stores
 // it: the bits of the float32 kernel on widened copies, without the copies.
+// float64 (host only): its own kernel, in float64 throughout (cpu/attention_f64.hpp).
+void forward_f64(const AttentionProblem& p, const TensorView& out, const TensorView* weights, double* lse) {
+  detail::Float64Outputs o;
+  const TensorView out4 = detail::folded(p, out, p.heads_q, "out");
+  o.out = out4.data_as<double>();
+  set_strides(out4, o.out_strides);
+  if (weights) {
+    const TensorView w4 = detail::folded(p, *weights, p.heads_q, "weights");
+    o.weights = w4.data_as<double>();
+    set_strides(w4, o.weights_strides);
+  }
+  o.lse = lse;
+  detail::attention_forward_f64(p, o);
+}
+
 void forward(const AttentionProblem& p, const SdpaOptions& options, const TensorView& out, const TensorView* weights) {
+  if (p.q.dtype == DType::f64) {
+    forward_f64(p, out, weights, nullptr);
+    return;
+  }
   if (p.q.dtype == DType::f32) {
     run(p, out, weights);
     return;
@@ -74,7 +94,7 @@ void require_no_weights_on_device(const AttentionProblem& p) {
 
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options) {
-  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::fused);
   detail::materialise_inputs(p);
   Tensor out = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype, q.device);
   if (!p.on_cpu()) {
@@ -87,7 +107,7 @@ Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
 
 AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
-  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::fused);
   detail::materialise_inputs(p);
   require_no_weights_on_device(p);
   AttentionWithWeights r;
@@ -100,7 +120,7 @@ AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView&
 void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k, const TensorView& v,
                                        const TensorView& out, const SdpaOptions& options,
                                        const std::optional<TensorView>& weights) {
-  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::fused);
   detail::materialise_inputs(p);
   detail::check_output_view(out, detail::output_shape(p, p.len_q, p.dim_v), q.dtype, "out");
   if (out.device != q.device) {
@@ -132,7 +152,7 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
 
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
                                                                const TensorView& v, const SdpaOptions& options) {
-  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::fused);
   detail::materialise_inputs(p);
   AttentionForTraining r;
   const Shape lse_shape = detail::output_shape(p, p.len_q);
@@ -144,8 +164,13 @@ AttentionForTraining scaled_dot_product_attention_for_training(const TensorView&
   }
   // bfloat16 / float16: the float32 kernel widens the inputs as it reads them and rounds the
   // output once (the bits of the float32 path on widened copies); the log-sum-exp stays float32.
+  // float64: output and log-sum-exp in float64.
   r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype);
-  r.lse = Tensor::empty(lse_shape);
+  r.lse = Tensor::empty(lse_shape, q.dtype == DType::f64 ? DType::f64 : DType::f32);
+  if (q.dtype == DType::f64) {
+    forward_f64(p, r.output, nullptr, r.lse.data<double>());
+    return r;
+  }
   detail::ForwardOutputs o;
   const TensorView out4 = detail::folded(p, r.output, p.heads_q, "out");
   o.out = out4.data;
@@ -170,13 +195,14 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
                                                          const SdpaGradientsWanted& wanted) {
   const bool attn_mask_grad = wanted.attn_mask;
   require_cpu(q, "query");  // the GPU backward is not part of this build
-  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::low_precision);
+  AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::fused);
   detail::materialise_inputs(p);
   require_cpu(grad_output, "grad_output");
   require_cpu(saved.output, "saved.output");
   const Shape out_shape = detail::output_shape(p, p.len_q, p.dim_v);
   detail::check_output_view(saved.output, out_shape, q.dtype, "saved.output");
-  detail::check_output_view(saved.lse, detail::output_shape(p, p.len_q), DType::f32, "saved.lse");
+  const DType lse_dtype = q.dtype == DType::f64 ? DType::f64 : DType::f32;
+  detail::check_output_view(saved.lse, detail::output_shape(p, p.len_q), lse_dtype, "saved.lse");
   detail::check_output_view(grad_output, out_shape, q.dtype, "grad_output");
   if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype == DType::boolean)) {
     throw Error("attn_mask_grad: a gradient exists only for a float (additive) attn_mask");
@@ -196,7 +222,8 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   in.grad_out_dtype = g4.dtype;
   set_strides(g4, in.grad_out_strides);
   if (!saved.lse.view().is_contiguous()) lse_copy = Tensor::copy_of(saved.lse);  // the kernels read it packed
-  in.lse = (lse_copy.defined() ? lse_copy.view() : saved.lse).data_as<float>();
+  const TensorView lse = lse_copy.defined() ? lse_copy.view() : saved.lse.view();
+  in.lse = lse.data_as<float>();
 
   // The gradient of an input that broadcasts (along batch or head dimensions) is its gradient
   // over the full batch shape summed over those dimensions: the kernels write the full one in
@@ -211,7 +238,9 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
     reduces[i] = wanted_of[i] && inputs[i]->numel() != p.batch * heads_of[i] * rows_of[i] * cols_of[i];
     any_reduces |= reduces[i];
   }
-  const bool via_float32 = any_reduces && q.dtype != DType::f32;
+  const bool f64 = q.dtype == DType::f64;
+  const bool via_float32 = any_reduces && q.dtype != DType::f32 && !f64;
+  const DType full_dtype = f64 ? DType::f64 : DType::f32;  // of the full gradients that are summed
   detail::BackwardOutputs out;
   out.grad_dtype = via_float32 ? DType::f32 : q.dtype;
   std::array<Tensor, 3> written;  // what the kernels write: each gradient, or its full float32 form
@@ -224,7 +253,7 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
       Shape full = p.batch_shape_with_heads(heads_of[i]);
       full.push_back(rows_of[i]);
       full.push_back(cols_of[i]);
-      written[i] = Tensor::empty(full, DType::f32);
+      written[i] = Tensor::empty(full, full_dtype);
     } else {
       written[i] = Tensor::empty(inputs[i]->sizes(), q.dtype);
     }
@@ -234,11 +263,27 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   }
   Tensor dscores;
   if (attn_mask_grad) {
-    dscores = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k));
-    out.dscores = dscores.data<float>();
+    dscores = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k), full_dtype);
+    out.dscores = f64 ? nullptr : dscores.data<float>();
     set_strides(detail::folded(p, dscores, p.heads_q, "attn_mask"), out.dscores_strides);
   }
-  detail::run_attention_backward(p, in, out);
+  if (f64) {  // float64: its own kernel (cpu/attention_f64.hpp), on the same views
+    detail::Float64Backward b;
+    b.out = static_cast<const double*>(in.out);
+    b.grad_out = static_cast<const double*>(in.grad_out);
+    std::copy_n(in.out_strides, 4, b.out_strides);
+    std::copy_n(in.grad_out_strides, 4, b.grad_out_strides);
+    b.lse = lse.data_as<const double>();
+    b.dq = static_cast<double*>(out.dq), b.dk = static_cast<double*>(out.dk), b.dv = static_cast<double*>(out.dv);
+    std::copy_n(out.dq_strides, 4, b.dq_strides);
+    std::copy_n(out.dk_strides, 4, b.dk_strides);
+    std::copy_n(out.dv_strides, 4, b.dv_strides);
+    b.dscores = dscores.defined() ? dscores.data<double>() : nullptr;
+    std::copy_n(out.dscores_strides, 4, b.dscores_strides);
+    detail::attention_backward_f64(p, b);
+  } else {
+    detail::run_attention_backward(p, in, out);
+  }
   AttentionGradients g;
   Tensor* results[] = {&g.query, &g.key, &g.value};
   for (int i = 0; i < 3; ++i) {
@@ -246,7 +291,7 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
     if (reduces[i]) {
       *results[i] = detail::sum_to_shape(written[i], inputs[i]->sizes(), q.dtype);
     } else if (via_float32) {  // the input's own size: rounded as it is (a zero keeps its sign)
-      *results[i] = Tensor::copy_of(TensorView(written[i].data<float>(), inputs[i]->sizes()), q.dtype);
+      *results[i] = Tensor::copy_of(TensorView(written[i].view().data, DType::f32, inputs[i]->sizes()), q.dtype);
     } else {
       *results[i] = std::move(written[i]);
     }

@@ -44,7 +44,7 @@ void attention(const AttentionProblem& p, double* out, double* weights) {
           double dot = 0;
           for (int64_t d = 0; d < p.dim_qk; ++d) dot += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
           double s = dot * p.scale;
-          for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias(b, h, i, j);
+          for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias_f64(b, h, i, j);
           if (j >= p.causal_end(i)) s = neg_inf;
           scores[j] = s;
         }
@@ -146,7 +146,7 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
           double s = 0;
           for (int64_t d = 0; d < p.dim_qk; ++d) s += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
           s *= p.scale;
-          for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias(b, h, i, j);
+          for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias_f64(b, h, i, j);
           if (j >= p.causal_end(i)) s = neg_inf;
           prob[j] = s;
           max = std::max(max, s);
