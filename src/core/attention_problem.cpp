@@ -106,10 +106,9 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   const char* names[] = {"query", "key", "value"};
   for (int i = 0; i < 3; ++i) {
     const DType t = inputs[i]->dtype;
-    const bool ok = dtypes == InputDtypes::f32 ? t == DType::f32 : t != DType::boolean;
-    if (!ok) {
-      const char* expected = dtypes == InputDtypes::f32 ? "float32" : "float32, float64, bfloat16 or float16";
-      throw Error(std::string(names[i]) + ": expected dtype " + expected + ", got " + std::string(dtype_name(t)));
+    if (t == DType::boolean) {
+      throw Error(std::string(names[i]) + ": expected dtype float32, float64, bfloat16 or float16, got " +
+                  std::string(dtype_name(t)));
     }
     check_data(*inputs[i], names[i]);
   }

@@ -82,9 +82,9 @@ struct AttentionProblem {
   void add_mask(const MaskTerm& m) { masks[num_masks++] = m; }
 };
 
-// Which input dtypes a caller accepts: the public functions float32, float64, bfloat16 and float16
-// (one dtype for q, k, v; float64 on the host only); the reference any floating dtype.
-enum class InputDtypes { f32, fused, any_float };
+// Which input dtypes a caller accepts: the public functions float32, float64, bfloat16 and float16,
+// one dtype for q, k, v (float64 on the host only); the reference any floating dtypes, mixed.
+enum class InputDtypes { fused, any_float };
 
 // Validates the arguments of scaled_dot_product_attention (mha::Error on any problem) and builds
 // the problem.

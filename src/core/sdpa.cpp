@@ -227,15 +227,22 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
 
   // The gradient of an input that broadcasts (along batch or head dimensions) is its gradient
   // over the full batch shape summed over those dimensions: the kernels write the full one in
-  // float32 and sum_to_shape reduces it, rounding once. With such an input, bfloat16 / float16
+  // float32 (float64 for float64 inputs) and sum_to_shape reduces it, rounding once. With such an input, bfloat16 / float16
   // gradients all come that way, in float32 first.
   const TensorView* inputs[] = {&q, &k, &v};
+  const char* names_of[] = {"query", "key", "value"};
   const bool wanted_of[] = {wanted.query, wanted.key, wanted.value};
   const int64_t heads_of[] = {p.heads_q, p.heads_kv, p.heads_kv};
   const int64_t rows_of[] = {p.len_q, p.len_k, p.len_k}, cols_of[] = {p.dim_qk, p.dim_qk, p.dim_v};
+  auto full_shape = [&](int i) {
+    Shape full = p.batch_shape_with_heads(heads_of[i]);
+    full.push_back(rows_of[i]);
+    full.push_back(cols_of[i]);
+    return full;
+  };
   bool reduces[3], any_reduces = false;
   for (int i = 0; i < 3; ++i) {
-    reduces[i] = wanted_of[i] && inputs[i]->numel() != p.batch * heads_of[i] * rows_of[i] * cols_of[i];
+    reduces[i] = wanted_of[i] && inputs[i]->numel() != checked_numel(full_shape(i), names_of[i]);
     any_reduces |= reduces[i];
   }
   const bool f64 = q.dtype == DType::f64;
@@ -246,18 +253,14 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   std::array<Tensor, 3> written;  // what the kernels write: each gradient, or its full float32 form
   void** data_of[] = {&out.dq, &out.dk, &out.dv};
   int64_t* strides_of[] = {out.dq_strides, out.dk_strides, out.dv_strides};
-  const char* names[] = {"query", "key", "value"};
   for (int i = 0; i < 3; ++i) {
     if (!wanted_of[i]) continue;  // a null pointer: its products are skipped
     if (reduces[i] || via_float32) {
-      Shape full = p.batch_shape_with_heads(heads_of[i]);
-      full.push_back(rows_of[i]);
-      full.push_back(cols_of[i]);
-      written[i] = Tensor::empty(full, full_dtype);
+      written[i] = Tensor::empty(full_shape(i), full_dtype);
     } else {
       written[i] = Tensor::empty(inputs[i]->sizes(), q.dtype);
     }
-    const TensorView w4 = detail::folded(p, written[i], heads_of[i], names[i]);
+    const TensorView w4 = detail::folded(p, written[i], heads_of[i], names_of[i]);
     *data_of[i] = w4.data;
     set_strides(w4, strides_of[i]);
   }
