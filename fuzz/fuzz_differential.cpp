@@ -136,6 +136,35 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (mask.defined()) o.attn_mask = mask.view();
 
+  // float64 (a tail byte, for a sixth of the inputs): the same problem in float64, whose kernel
+  // must agree with the reference to float64 rounding, forward and backward.
+  if (in.tail_byte() % 6 == 5) {
+    const mha::Tensor q64 = mha::Tensor::copy_of(q, mha::DType::f64), k64 = mha::Tensor::copy_of(k, mha::DType::f64),
+                      v64 = mha::Tensor::copy_of(v, mha::DType::f64);
+    mha::Tensor mask64;  // an additive mask in float64 too, as PyTorch takes it (its gradient is then float64)
+    if (mask.defined() && mask.dtype() == mha::DType::f32) {
+      mask64 = mha::Tensor::copy_of(mask, mha::DType::f64);
+      o.attn_mask = mask64.view();
+    }
+    const auto saved = mha::scaled_dot_product_attention_for_training(q64, k64, v64, o);
+    const auto ref = mha::reference::scaled_dot_product_attention(q64, k64, v64, o);
+    double scale = 0, err = 0;
+    if ((err = normwise(saved.output, ref.output, &scale)) > 1e-10) fail("float64 output", err, scale, B, Hq, Lq, Lk);
+    mha::Tensor grad = mha::Tensor::empty(saved.output.sizes(), mha::DType::f64);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (int64_t i = 0; i < grad.numel(); ++i) grad.data<double>()[i] = u(rng);
+    const bool mask_grad = mask.defined() && mask.dtype() == mha::DType::f32;
+    const auto g = mha::scaled_dot_product_attention_backward(q64, k64, v64, saved, grad, o, mask_grad);
+    const auto r = mha::reference::scaled_dot_product_attention_backward(q64, k64, v64, grad, o);
+    mha::Tensor floor = mha::Tensor::empty({1}, mha::DType::f64);
+    floor.data<double>()[0] = 1.0;  // gradients that cancel: against at least 1
+    if ((err = normwise(g.query, r.query, &scale, floor)) > 1e-10) fail("float64 dq", err, scale, B, Hq, Lq, Lk);
+    if ((err = normwise(g.key, r.key, &scale, floor)) > 1e-10) fail("float64 dk", err, scale, B, Hq, Lq, Lk);
+    if ((err = normwise(g.value, r.value, &scale, floor)) > 1e-10) fail("float64 dv", err, scale, B, Hq, Lq, Lk);
+    if (mask_grad && (err = normwise(*g.attn_mask, r.attn_mask, &scale, floor)) > 1e-10)
+      fail("float64 dmask", err, scale, B, Hq, Lq, Lk);
+    return 0;
+  }
   const auto fused = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
   const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, o);
   const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);

@@ -106,6 +106,22 @@ TEST(Float64, RowsThatSeeNoKeyAreZeroAndErrorsNameTheDtype) {
     for (int64_t d = 0; d < 8; ++d) EXPECT_EQ(g.query.at({0, h, 2, d}), 0.0);
   EXPECT_LT(rel_error(g.key, mha::reference::scaled_dot_product_attention_backward(q, k, v, grad, o).key, 1.0), kTol);
 
+  // Rows whose every score is one huge mask value (Hugging Face's finfo.min): uniform weights, and
+  // the backward forms them the same way (exp(s - lse) would give 1 per key: -3.4e38 + log n
+  // rounds to -3.4e38 in float64 too).
+  mha::Tensor huge = mha::Tensor::zeros({1, 1, 6, 4}, f64);
+  for (int64_t i = 0; i < 3; ++i)
+    for (int64_t j = 0; j < 4; ++j) huge.data<double>()[i * 4 + j] = -3.4028234663852886e38;
+  const mha::SdpaOptions ho{.attn_mask = huge.view()};
+  const mha::AttentionForTraining hs = mha::scaled_dot_product_attention_for_training(q, k, v, ho);
+  const auto hg = mha::scaled_dot_product_attention_backward(q, k, v, hs, grad, ho, true);
+  const auto hr = mha::reference::scaled_dot_product_attention_backward(q, k, v, grad, ho);
+  EXPECT_LT(rel_error(hs.output, mha::reference::scaled_dot_product_attention(q, k, v, ho).output), kTol);
+  EXPECT_LT(rel_error(hg.query, hr.query, 1.0), kTol);
+  EXPECT_LT(rel_error(hg.key, hr.key, 1.0), kTol);
+  EXPECT_LT(rel_error(hg.value, hr.value, 1.0), kTol);
+  EXPECT_LT(rel_error(*hg.attn_mask, hr.attn_mask, 1.0), kTol);
+
   // A float64 mask with float32 inputs, and mixed input dtypes, are errors; so is a float32
   // log-sum-exp handed to a float64 backward.
   const mha::Tensor q32 = randn({1, 2, 6, 8}, rng), k32 = randn({1, 2, 4, 8}, rng), v32 = randn({1, 2, 4, 5}, rng);

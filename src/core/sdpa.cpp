@@ -276,7 +276,6 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
     b.grad_out = static_cast<const double*>(in.grad_out);
     std::copy_n(in.out_strides, 4, b.out_strides);
     std::copy_n(in.grad_out_strides, 4, b.grad_out_strides);
-    b.lse = lse.data_as<const double>();
     b.dq = static_cast<double*>(out.dq), b.dk = static_cast<double*>(out.dk), b.dv = static_cast<double*>(out.dv);
     std::copy_n(out.dq_strides, 4, b.dq_strides);
     std::copy_n(out.dk_strides, 4, b.dk_strides);

@@ -176,7 +176,6 @@ void attention_backward_f64(const AttentionProblem& p, const Float64Backward& g)
           double* sr = s.data() + r * ld;
           double* dpr = dp.data() + r * ld;
           f.mask_row(b, h, i, end, sr);
-          const double lse = g.lse[(b * p.heads_q + h) * p.len_q + i];
           double delta = 0;
           for (int64_t d = 0; d < dv; ++d) {
             const int64_t at = b * g.out_strides[0] + h * g.out_strides[1] + i * g.out_strides[2] + d * g.out_strides[3];
@@ -185,9 +184,17 @@ void attention_backward_f64(const AttentionProblem& p, const Float64Backward& g)
             delta += g.grad_out[gat] * g.out[at];
           }
           if (p.dropout_p > 0) f.dropout_row(b, h, i, end, z.data());
-          for (int64_t j = 0; j < end; ++j) sr[j] = std::exp(sr[j] - lse);  // lse = +inf (no visible key): 0
+          // P as the forward formed it, from the row's own max and sum: not exp(s - lse), which is 1
+          // per key, not 1 / n, for a row whose every score is one huge mask value (-3.4e38 + log n
+          // rounds to -3.4e38 in float64 too).
+          double max = -kInf;
+          for (int64_t j = 0; j < end; ++j) max = std::max(max, sr[j]);
+          const double shift = max == -kInf ? 0.0 : max;  // a row that sees no key: exp(-inf) = 0 throughout
+          double sum = 0;
+          for (int64_t j = 0; j < end; ++j) sum += (sr[j] = std::exp(sr[j] - shift));
+          const double inv = sum > 0 ? 1.0 / sum : 0.0;
           for (int64_t j = 0; j < end; ++j) {
-            const double prob = sr[j];
+            const double prob = sr[j] * inv;
             const double zj = p.dropout_p > 0 ? z[j] : 1.0;
             const double ds = prob * (dpr[j] * zj - delta);
             sr[j] = ds;             // dS, for dQ and dK

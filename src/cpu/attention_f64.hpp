@@ -23,15 +23,14 @@ struct Float64Outputs {
 };
 void attention_forward_f64(const AttentionProblem& p, const Float64Outputs& o);
 
-// What the backward reads (the forward's output and lse, the output's gradient) and writes: dq,
-// dk, dv (null for one not wanted) and, when not null, the gradient of the scores dscores
-// [B, Hq, Lq, Lk]. All float64.
+// What the backward reads (the forward's output and the output's gradient; each row's softmax is
+// formed again from its scores, as the forward formed it) and writes: dq, dk, dv (null for one
+// not wanted) and, when not null, the gradient of the scores dscores [B, Hq, Lq, Lk]. All float64.
 struct Float64Backward {
   const double* out = nullptr;
   int64_t out_strides[4] = {};
   const double* grad_out = nullptr;
   int64_t grad_out_strides[4] = {};
-  const double* lse = nullptr;
   double* dq = nullptr;
   int64_t dq_strides[4] = {};
   double* dk = nullptr;
