@@ -251,10 +251,11 @@ def test_hugging_face_min_masks_backward_follow_the_formula(parity_seed):
     (softmax(q k^T / sqrt(d) + mask) v in float64). A padded row gives each of its l keys 1/l; a
     float32 log-sum-exp cannot hold log(l) next to -3.4e38, and recomputing the weights from it gives
     each key 1 (PyTorch's CPU SDPA backward does, in float64 as well), which we do not. float32
-    within 1e-5 of the largest gradient, bfloat16 within 2e-2 (its rounding of inputs and gradients)."""
+    within 1e-5 of the largest gradient, bfloat16 within 2e-2 (its rounding of inputs and gradients),
+    float64 (finfo(float64).min, the same fault in a float64 log-sum-exp) within 1e-12."""
     rng = np.random.default_rng([parity_seed, 5])
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float64, 1e-12)):
         for L in (5, 130):
             B, H, D = 3, 2, 32
             q, k, v, go = (torch.randn(B, H, L, D, generator=gen).to(dtype) for _ in range(4))
