@@ -50,6 +50,20 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const
               static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
 }
 
+// A row's scores [0, end) replaced by exp(s - max) in place; its max and the sum of those. A row
+// that sees no key (max = -inf) gets zeros: exp(-inf - 0).
+struct RowSums {
+  double max, sum;
+};
+RowSums exponentiate(double* row, int64_t end) {
+  double max = -kInf;
+  for (int64_t j = 0; j < end; ++j) max = std::max(max, row[j]);
+  const double shift = max == -kInf ? 0.0 : max;
+  double sum = 0;
+  for (int64_t j = 0; j < end; ++j) sum += (row[j] = std::exp(row[j] - shift));
+  return {max, sum};
+}
+
 const double* rows_of(const TensorView& t, int64_t b, int64_t h, int64_t i0) {
   return t.data_as<const double>() + b * t.strides[0] + h * t.strides[1] + i0 * t.strides[2];
 }
@@ -110,14 +124,10 @@ void attention_forward_f64(const AttentionProblem& p, const Float64Outputs& o) {
       const int64_t i = i0 + r;
       double* row = s.data() + r * ld;
       f.mask_row(b, h, i, end, row);
-      double max = -kInf;
-      for (int64_t j = 0; j < end; ++j) max = std::max(max, row[j]);
-      const double shift = max == -kInf ? 0.0 : max;  // a row that sees no key: exp(-inf) = 0 throughout
-      double sum = 0;
-      for (int64_t j = 0; j < end; ++j) sum += (row[j] = std::exp(row[j] - shift));
+      const RowSums e = exponentiate(row, end);
       // A row with no visible key: zeros, and lse = +inf (exp(score - lse) = 0 for every key).
-      if (o.lse) o.lse[(b * p.heads_q + h) * p.len_q + i] = sum > 0 ? max + std::log(sum) : kInf;
-      const double inv = sum > 0 ? 1.0 / sum : 0.0;
+      if (o.lse) o.lse[(b * p.heads_q + h) * p.len_q + i] = e.sum > 0 ? e.max + std::log(e.sum) : kInf;
+      const double inv = e.sum > 0 ? 1.0 / e.sum : 0.0;
       if (p.dropout_p > 0) f.dropout_row(b, h, i, end, z.data());
       for (int64_t j = 0; j < end; ++j) row[j] = p.dropout_p > 0 ? row[j] * inv * z[j] : row[j] * inv;
       if (o.weights) {
@@ -187,12 +197,8 @@ void attention_backward_f64(const AttentionProblem& p, const Float64Backward& g)
           // P as the forward formed it, from the row's own max and sum: not exp(s - lse), which is 1
           // per key, not 1 / n, for a row whose every score is one huge mask value (-3.4e38 + log n
           // rounds to -3.4e38 in float64 too).
-          double max = -kInf;
-          for (int64_t j = 0; j < end; ++j) max = std::max(max, sr[j]);
-          const double shift = max == -kInf ? 0.0 : max;  // a row that sees no key: exp(-inf) = 0 throughout
-          double sum = 0;
-          for (int64_t j = 0; j < end; ++j) sum += (sr[j] = std::exp(sr[j] - shift));
-          const double inv = sum > 0 ? 1.0 / sum : 0.0;
+          const RowSums e = exponentiate(sr, end);
+          const double inv = e.sum > 0 ? 1.0 / e.sum : 0.0;
           for (int64_t j = 0; j < end; ++j) {
             const double prob = sr[j] * inv;
             const double zj = p.dropout_p > 0 ? z[j] : 1.0;
