@@ -1,19 +1,24 @@
 // Fused attention forward on the GPU, flash-attention style, with mma.sync tensor-core
 // instructions (m16n8k16, bf16/fp16 in, fp32 accumulate): runs on Ampere (sm_80) and Hopper
-// (built for sm_90a as well; the wgmma/TMA kernel for Hopper is a later step).
+// (built for sm_90a as well; a wgmma/TMA kernel for Hopper is a later step).
 //
-// One block of 4 warps owns 64 query rows of one (batch, head); each warp owns 16 rows. The
-// block walks the keys in tiles of Bc: K and V tiles are staged in shared memory, S = Q K^T is
+// One block of 4 warps owns Br = 64 * MT query rows of one (batch, head); each warp owns 16 * MT
+// rows (MT m-tiles share every K and V fragment the warp loads, halving shared-memory traffic
+// per FLOP at MT = 2). The block walks the keys in tiles of Bc: K and V tiles are copied to
+// shared memory with cp.async, two buffers deep, so the next tile's copy overlaps this tile's
+// products. Fragments come out of shared memory through ldmatrix (.trans for V). S = Q K^T is
 // formed in registers, masked and scaled, folded into the running row max and sum (online
 // softmax in base 2), and P V is accumulated into the output registers. The score matrix never
-// reaches device memory. Key tiles beyond the causal diagonal are skipped, not masked.
+// reaches device memory. Key tiles beyond the causal diagonal are skipped, not masked, and
+// tiles that every row sees whole skip the per-element checks.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and t = lane % 4,
 //   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
 //   B (16x8, column):     b0 = (k = 2t..2t+1, n = g), b1 = (k = 2t+8..2t+9, n = g)
 //   C (16x8, fp32):       c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
 // so the C fragments of two adjacent 8-key tiles of S are exactly the A fragment of P for a
-// 16-key step of P V: P never leaves registers.
+// 16-key step of P V: P never leaves registers. ldmatrix.x4 hands lane l the fragment pieces
+// of four 8x8 matrices whose rows are addressed by lanes 8m..8m+7.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -30,8 +35,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerBlock = kWarps * 16;
-constexpr int kPad = 8;  // elements of padding per shared-memory row: 16 bytes, so rows rotate banks
+constexpr int kPad = 8;  // elements of padding per shared-memory row: 16 bytes, so ldmatrix rows rotate banks
 constexpr int kMaxMasks = 3;
 
 struct GpuMask {
@@ -61,12 +65,12 @@ template <> struct Pack<__nv_bfloat16> {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
-  static __device__ void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  static __device__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
 template <> struct Pack<__half> {
@@ -74,32 +78,56 @@ template <> struct Pack<__half> {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
-  static __device__ void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  static __device__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
 
-// Two adjacent 16-bit elements as one 32-bit word (the pair is 4-byte aligned: even column).
-template <class T> __device__ uint32_t load_pair(const T* p) { return *reinterpret_cast<const uint32_t*>(p); }
-template <class T> __device__ uint32_t load_two(const T* lo, const T* hi) {
-  const uint16_t a = *reinterpret_cast<const uint16_t*>(lo), b = *reinterpret_cast<const uint16_t*>(hi);
-  return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16;
+__device__ uint32_t shared_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ void ldmatrix_x4(uint32_t r[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row))
+               : "memory");
+}
+__device__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row))
+               : "memory");
 }
 
-// Copies `rows` rows of D elements (16-byte chunks; rows past `valid` are zero) into shared memory.
+// 2^x in one MUFU instruction (relative error about 2^-22, far below bf16/fp16 rounding);
+// 2^-inf = 0.
+__device__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Starts copying `rows` rows of D elements into shared memory (rows past `valid` are zero-filled:
+// the copy reads 0 bytes of them, from row 0, which exists). Completes at the matching wait.
 template <class T, int D>
-__device__ void load_tile(T* tile, const T* src, long long row_stride, int rows, int valid) {
-  constexpr int kChunks = D / 8;
+__device__ void copy_tile_async(T* tile, const T* src, long long row_stride, int rows, int valid) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
   for (int c = threadIdx.x; c < rows * kChunks; c += kThreads) {
     const int r = c / kChunks, col = c % kChunks * 8;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (r < valid) value = *reinterpret_cast<const uint4*>(src + r * row_stride + col);
-    *reinterpret_cast<uint4*>(tile + r * (D + kPad) + col) = value;
+    const bool inside = r < valid;
+    const T* from = src + (inside ? r * row_stride + col : 0);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(tile + r * (D + kPad) + col)),
+                 "l"(from), "r"(inside ? 16 : 0)
+                 : "memory");
   }
+}
+__device__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `pending` of this thread's committed copy groups are still in flight.
+template <int pending> __device__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
 }
 
 // What the masks add (in base-2 units) to score (b, h, i, j): 0, -inf or the additive value.
@@ -121,167 +149,243 @@ __device__ float mask_bias(const Params& p, int b, int h, int i, int j) {
   return bias;
 }
 
-template <class T, int D, int Bc>
+template <int D, int Bc, int MT>
+struct Tiling {
+  static constexpr int kRows = kWarps * 16 * MT;  // query rows per block
+  static constexpr int kStride = D + kPad;         // elements per shared-memory row
+  // Q, then two K buffers, then two V buffers.
+  static constexpr int kSharedElements = (kRows + 4 * Bc) * kStride;
+  // With masks, the tile's bias (float, in base-2 units) follows; rows padded against bank conflicts.
+  static constexpr int kBiasStride = Bc + 4;
+  static constexpr int kBiasBytes = kRows * kBiasStride * 4;
+};
+
+template <class T, int D, int Bc, int MT>
 __global__ void __launch_bounds__(kThreads) flash_forward_kernel(const Params p) {
+  using Tile = Tiling<D, Bc, MT>;
+  constexpr int Br = Tile::kRows, S = Tile::kStride;
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_tile = reinterpret_cast<T*>(smem);
-  T* k_tile = q_tile + kRowsPerBlock * (D + kPad);
-  T* v_tile = k_tile + Bc * (D + kPad);
+  T* k_tiles = q_tile + Br * S;
+  T* v_tiles = k_tiles + 2 * Bc * S;
+  float* bias_tile = reinterpret_cast<float*>(v_tiles + 2 * Bc * S);  // only with masks
 
-  const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kRowsPerBlock;
+  // Causal blocks differ in work: the longest (last query rows) start first.
+  const int q_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int b = blockIdx.z, h = blockIdx.y, q0 = q_block * Br;
   const int hk = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + h * p.q_strides[1];
   const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + hk * p.k_strides[1];
   const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + hk * p.v_strides[1];
-
-  load_tile<T, D>(q_tile, q + q0 * p.q_strides[2], p.q_strides[2], kRowsPerBlock, min(kRowsPerBlock, p.len_q - q0));
-
-  // This thread's two rows (g and g + 8 of its warp's 16) and their running statistics.
-  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  float o[D / 8][4];
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  const long long ks = p.k_strides[2], vs = p.v_strides[2];
 
   // Causality: keys at or past key_end are invisible to every row of this block.
   int key_end = p.len_k;
   if (p.causal) {
-    const long long last = static_cast<long long>(q0) + kRowsPerBlock - 1 + p.causal_offset + 1;
+    const long long last = static_cast<long long>(q0) + Br - 1 + p.causal_offset + 1;
     key_end = static_cast<int>(max(0LL, min(static_cast<long long>(p.len_k), last)));
   }
+  const int num_tiles = (key_end + Bc - 1) / Bc;
 
-  const T* q_warp = q_tile + warp * 16 * (D + kPad);
-  for (int k0 = 0; k0 < key_end; k0 += Bc) {
-    __syncthreads();  // the previous tile is no longer read
-    const int valid = min(Bc, p.len_k - k0);
-    load_tile<T, D>(k_tile, k + k0 * p.k_strides[2], p.k_strides[2], Bc, valid);
-    load_tile<T, D>(v_tile, v + k0 * p.v_strides[2], p.v_strides[2], Bc, valid);
-    __syncthreads();
-
-    // S = Q K^T for the warp's 16 rows and Bc keys.
-    float s[Bc / 8][4];
+  // This thread's rows: m-tile m, half r (g or g + 8), and their running statistics.
+  const int warp_row0 = q0 + warp * 16 * MT;
+  float row_max[MT][2], row_sum[MT][2];
+  float o[MT][D / 8][4];
 #pragma unroll
-    for (int n = 0; n < Bc / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+  for (int m = 0; m < MT; ++m) {
+    row_max[m][0] = row_max[m][1] = -INFINITY;
+    row_sum[m][0] = row_sum[m][1] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[m][n][0] = o[m][n][1] = o[m][n][2] = o[m][n][3] = 0.0f;
+  }
+
+  if (num_tiles > 0) {
+    copy_tile_async<T, D>(q_tile, q + q0 * p.q_strides[2], p.q_strides[2], Br, min(Br, p.len_q - q0));
+    copy_tile_async<T, D>(k_tiles, k, ks, Bc, min(Bc, p.len_k));
+    copy_tile_async<T, D>(v_tiles, v, vs, Bc, min(Bc, p.len_k));
+    commit_copies();
+  }
+  // Where this lane's ldmatrix row addresses point inside a tile (see the fragment layouts).
+  const T* q_lane = q_tile + (warp * 16 * MT + lane % 16) * S + lane / 16 * 8;
+  const int k_lane = (lane / 16 * 8 + lane % 8) * S + lane / 8 % 2 * 8;
+  const int v_lane = (lane / 8 % 2 * 8 + lane % 8) * S + lane / 16 * 8;
+
+  for (int j = 0; j < num_tiles; ++j) {
+    const int k0 = j * Bc, buffer = j & 1;
+    if (j + 1 < num_tiles) {  // the next tile's copy runs under this tile's products
+      const int k1 = k0 + Bc;
+      copy_tile_async<T, D>(k_tiles + (buffer ^ 1) * Bc * S, k + k1 * ks, ks, Bc, min(Bc, p.len_k - k1));
+      copy_tile_async<T, D>(v_tiles + (buffer ^ 1) * Bc * S, v + k1 * vs, vs, Bc, min(Bc, p.len_k - k1));
+    }
+    commit_copies();  // possibly empty, so that one group always stays pending below
+    if (p.num_masks > 0) {
+      // The masks' bias for this tile, read once by the whole block (consecutive threads read
+      // consecutive keys) while the copies are in flight; the score loop below then reads one
+      // shared float per element instead of inlining the mask lookups for every one.
+      for (int c = threadIdx.x; c < Br * Bc; c += kThreads) {
+        const int i = q0 + c / Bc, j2 = k0 + c % Bc;
+        bias_tile[c / Bc * Tile::kBiasStride + c % Bc] = i < p.len_q && j2 < p.len_k ? mask_bias(p, b, h, i, j2) : 0.0f;
+      }
+    }
+    wait_copies<1>();
+    __syncthreads();
+    const T* k_tile = k_tiles + buffer * Bc * S;
+    const T* v_tile = v_tiles + buffer * Bc * S;
+
+    // S = Q K^T for the warp's 16 * MT rows and Bc keys.
+    float s[MT][Bc / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int n = 0; n < Bc / 8; ++n) s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      const T* qa = q_warp + g * (D + kPad) + kk * 16 + 2 * t;
-      a[0] = load_pair(qa);
-      a[1] = load_pair(qa + 8 * (D + kPad));
-      a[2] = load_pair(qa + 8);
-      a[3] = load_pair(qa + 8 * (D + kPad) + 8);
+      uint32_t a[MT][4];
 #pragma unroll
-      for (int n = 0; n < Bc / 8; ++n) {
-        const T* kb = k_tile + (n * 8 + g) * (D + kPad) + kk * 16 + 2 * t;
-        const uint32_t bf[2] = {load_pair(kb), load_pair(kb + 8)};
-        Pack<T>::mma(s[n], a, bf);
+      for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], q_lane + m * 16 * S + kk * 16);
+#pragma unroll
+      for (int n2 = 0; n2 < Bc / 16; ++n2) {
+        uint32_t bk[4];  // keys n2*16 .. +15: {b0, b1} of the first 8, then of the second 8
+        ldmatrix_x4(bk, k_tile + k_lane + n2 * 16 * S + kk * 16);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          Pack<T>::mma(s[m][2 * n2], a[m], bk[0], bk[1]);
+          Pack<T>::mma(s[m][2 * n2 + 1], a[m], bk[2], bk[3]);
+        }
       }
     }
 
-    // Scale to base 2, mask, and fold into the running max and sum.
-    float tile_max[2] = {-INFINITY, -INFINITY};
+    // Scale to base 2, mask, and fold into the running max and sum. A tile that every row of
+    // the warp sees whole (inside the keys, not cut by the diagonal, no mask) needs no checks.
+    const bool whole = k0 + Bc <= p.len_k && p.num_masks == 0 &&
+                       (!p.causal || k0 + Bc - 1 <= warp_row0 + p.causal_offset);
 #pragma unroll
-    for (int n = 0; n < Bc / 8; ++n) {
+    for (int m = 0; m < MT; ++m) {
+      const int row[2] = {warp_row0 + m * 16 + g, warp_row0 + m * 16 + g + 8};
+      const float* bias_row = bias_tile + (warp * 16 * MT + m * 16 + g) * Tile::kBiasStride + 2 * t;
+      float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row[e / 2], j = k0 + n * 8 + 2 * t + e % 2;
-        float x = s[n][e] * p.scale_log2;
-        const bool visible = j < p.len_k && (!p.causal || j <= i + p.causal_offset);
-        if (!visible) {
-          x = -INFINITY;
-        } else if (p.num_masks > 0 && i < p.len_q) {
-          x += mask_bias(p, b, h, i, j);
+      for (int n = 0; n < Bc / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[m][n][e] * p.scale_log2;
+          if (!whole) {
+            const int i = row[e / 2], j2 = k0 + n * 8 + 2 * t + e % 2;
+            const bool visible = j2 < p.len_k && (!p.causal || j2 <= i + p.causal_offset);
+            if (!visible) {
+              x = -INFINITY;
+            } else if (p.num_masks > 0) {
+              x += bias_row[e / 2 * 8 * Tile::kBiasStride + n * 8 + e % 2];
+            }
+          }
+          s[m][n][e] = x;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
         }
-        s[n][e] = x;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
       }
-    }
-    float scale_old[2], base[2];
+      float scale_old[2], base[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      // The 4 threads of a quad hold one row between them.
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float new_max = fmaxf(row_max[r], tile_max[r]);
-      base[r] = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing visible yet stays at zero
-      scale_old[r] = exp2f(row_max[r] - base[r]);
-      row_max[r] = new_max;
-      row_sum[r] *= scale_old[r];
-    }
+      for (int r = 0; r < 2; ++r) {
+        // The 4 threads of a quad hold one row between them.
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_max = fmaxf(row_max[m][r], tile_max[r]);
+        base[r] = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing visible yet stays at zero
+        scale_old[r] = fast_exp2(row_max[m][r] - base[r]);
+        row_max[m][r] = new_max;
+        row_sum[m][r] *= scale_old[r];
+      }
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= scale_old[0];
-      o[n][1] *= scale_old[0];
-      o[n][2] *= scale_old[1];
-      o[n][3] *= scale_old[1];
-    }
+      for (int n = 0; n < D / 8; ++n) {
+        o[m][n][0] *= scale_old[0];
+        o[m][n][1] *= scale_old[0];
+        o[m][n][2] *= scale_old[1];
+        o[m][n][3] *= scale_old[1];
+      }
 #pragma unroll
-    for (int n = 0; n < Bc / 8; ++n) {
+      for (int n = 0; n < Bc / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[n][e] = exp2f(s[n][e] - base[e / 2]);
-        row_sum[e / 2] += s[n][e];
+        for (int e = 0; e < 4; ++e) {
+          s[m][n][e] = fast_exp2(s[m][n][e] - base[e / 2]);
+          row_sum[m][e / 2] += s[m][n][e];
+        }
       }
     }
 
     // O += P V, 16 keys at a time; P's A fragments are the C fragments of two 8-key tiles of S.
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) {
-      const uint32_t a[4] = {Pack<T>::two(s[2 * kk][0], s[2 * kk][1]), Pack<T>::two(s[2 * kk][2], s[2 * kk][3]),
-                             Pack<T>::two(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             Pack<T>::two(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const T* vb = v_tile + (kk * 16 + 2 * t) * (D + kPad) + g;
+      uint32_t a[MT][4];
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const T* col = vb + n * 8;
-        const uint32_t bf[2] = {load_two(col, col + (D + kPad)), load_two(col + 8 * (D + kPad), col + 9 * (D + kPad))};
-        Pack<T>::mma(o[n], a, bf);
+      for (int m = 0; m < MT; ++m) {
+        a[m][0] = Pack<T>::two(s[m][2 * kk][0], s[m][2 * kk][1]);
+        a[m][1] = Pack<T>::two(s[m][2 * kk][2], s[m][2 * kk][3]);
+        a[m][2] = Pack<T>::two(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+        a[m][3] = Pack<T>::two(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < D / 16; ++n2) {
+        uint32_t bv[4];  // head dims n2*16 .. +15: {b0, b1} of the first 8, then of the second 8
+        ldmatrix_x4_trans(bv, v_tile + v_lane + kk * 16 * S + n2 * 16);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          Pack<T>::mma(o[m][2 * n2], a[m], bv[0], bv[1]);
+          Pack<T>::mma(o[m][2 * n2 + 1], a[m], bv[2], bv[3]);
+        }
       }
     }
+    __syncthreads();  // this buffer is refilled by the copy issued next iteration
   }
 
   // Normalise and store. A row that saw no key has sum 0: its output is zero and its
   // log-sum-exp +inf, as on the CPU.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-  }
   T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[1];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (row[r] >= p.len_q) continue;
-    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
-    T* dst = out + static_cast<long long>(row[r]) * p.out_strides[2] + 2 * t;
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<uint32_t*>(dst + n * 8) = Pack<T>::two(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-    }
-    if (p.lse && t == 0) {
-      const float lse = row_sum[r] > 0.0f ? (row_max[r] + log2f(row_sum[r])) * 0.6931471805599453f : INFINITY;
-      p.lse[(static_cast<long long>(b) * gridDim.y + h) * p.len_q + row[r]] = lse;
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[m][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int row = warp_row0 + m * 16 + g + 8 * r;
+      if (row >= p.len_q) continue;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      T* dst = out + static_cast<long long>(row) * p.out_strides[2] + 2 * t;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(dst + n * 8) = Pack<T>::two(o[m][n][2 * r] * inv, o[m][n][2 * r + 1] * inv);
+      }
+      if (p.lse && t == 0) {
+        const float lse = sum > 0.0f ? (row_max[m][r] + log2f(sum)) * 0.6931471805599453f : INFINITY;
+        p.lse[(static_cast<long long>(b) * gridDim.y + h) * p.len_q + row] = lse;
+      }
     }
   }
 }
 
-template <class T, int D, int Bc>
+template <class T, int D, int Bc, int MT>
 void launch(const Params& params, int batch) {
-  constexpr int smem = (kRowsPerBlock + 2 * Bc) * (D + kPad) * static_cast<int>(sizeof(T));
-  auto kernel = flash_forward_kernel<T, D, Bc>;
+  using Tile = Tiling<D, Bc, MT>;
+  const int smem = Tile::kSharedElements * static_cast<int>(sizeof(T)) + (params.num_masks > 0 ? Tile::kBiasBytes : 0);
+  auto kernel = flash_forward_kernel<T, D, Bc, MT>;
   MHA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid((params.len_q + kRowsPerBlock - 1) / kRowsPerBlock, params.heads_q, batch);
+  const dim3 grid((params.len_q + Tile::kRows - 1) / Tile::kRows, params.heads_q, batch);
   kernel<<<grid, kThreads, smem>>>(params);
   MHA_CUDA_CHECK(cudaGetLastError());
 }
 
-// Bc: 64 keys per tile up to D = 128; 32 at D = 256 to keep S and O within the register file.
+// Keys per tile and m-tiles per warp, so that S and O stay within the register file and two
+// blocks fit one multiprocessor's shared memory: 128 query rows up to D = 128, 64 at D = 256.
+// Keys per tile and m-tiles per warp, the fastest of those measured on an H100 (docs/CUDA.md)
+// whose S and O stay within the register file and whose tiles let two blocks share a
+// multiprocessor: D = 128 shares each K/V fragment between two m-tiles (128 query rows per
+// block, a few spilled bytes), D = 64 and 256 run one m-tile per warp (64 rows).
 template <class T>
 void launch_for_dim(const Params& params, int dim, int batch) {
   switch (dim) {
-    case 64: launch<T, 64, 64>(params, batch); break;
-    case 128: launch<T, 128, 64>(params, batch); break;
-    default: launch<T, 256, 32>(params, batch); break;
+    case 64: launch<T, 64, 64, 1>(params, batch); break;
+    case 128: launch<T, 128, 64, 2>(params, batch); break;
+    default: launch<T, 256, 32, 1>(params, batch); break;
   }
 }
 
