@@ -110,17 +110,23 @@ __device__ float fast_exp2(float x) {
   return y;
 }
 
-// Starts copying `rows` rows of D elements into shared memory (rows past `valid` are zero-filled:
+// Starts copying Rows rows of D elements into shared memory (rows past `valid` are zero-filled:
 // the copy reads 0 bytes of them, from row 0, which exists). Completes at the matching wait.
-template <class T, int D>
-__device__ void copy_tile_async(T* tile, const T* src, long long row_stride, int rows, int valid) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int c = threadIdx.x; c < rows * kChunks; c += kThreads) {
-    const int r = c / kChunks, col = c % kChunks * 8;
-    const bool inside = r < valid;
-    const T* from = src + (inside ? r * row_stride + col : 0);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(tile + r * (D + kPad) + col)),
-                 "l"(from), "r"(inside ? 16 : 0)
+// Each thread copies one 16-byte column chunk of every kThreads / (D / 8)-th row: a fixed trip
+// count, so the loop unrolls into straight-line copies with one address step each.
+template <class T, int D, int Rows>
+__device__ void copy_tile_async(T* tile, const T* src, long long row_stride, int valid) {
+  constexpr int kChunks = D / 8, kRowsPerPass = kThreads / kChunks;
+  static_assert(Rows % kRowsPerPass == 0, "a tile is a whole number of passes");
+  const int r0 = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 8;
+  const T* from = src + r0 * row_stride + col;
+  const uint32_t to = shared_address(tile + r0 * (D + kPad) + col);
+#pragma unroll
+  for (int pass = 0; pass < Rows / kRowsPerPass; ++pass) {
+    const bool inside = r0 + pass * kRowsPerPass < valid;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     to + static_cast<uint32_t>(pass * kRowsPerPass * (D + kPad) * sizeof(T))),
+                 "l"(inside ? from + pass * kRowsPerPass * row_stride : src), "r"(inside ? 16 : 0)
                  : "memory");
   }
 }
@@ -147,6 +153,32 @@ __device__ float mask_bias(const Params& p, int b, int h, int i, int j) {
     }
   }
   return bias;
+}
+
+// Scores to base-2 exponents: scaled and, where kChecked, -inf for keys past the end or the
+// causal diagonal, plus the masks' bias (kMasked, staged in shared memory). One straight-line
+// version per case: a branch around every element's checks would cost more than the checks.
+// Element (m, n, e) of s is row row0 + 16 m + 8 (e / 2), key k0 + 8 n + 2 t + e % 2.
+template <bool kChecked, bool kMasked, int MT, int Bc, int kBiasStride>
+__device__ __forceinline__ void to_exponents(float (&s)[MT][Bc / 8][4], const Params& p, int k0, int row0, int t,
+                                             const float* bias_rows) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int n = 0; n < Bc / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[m][n][e] * p.scale_log2;
+        if constexpr (kChecked) {
+          const int i = row0 + m * 16 + e / 2 * 8, j = k0 + n * 8 + 2 * t + e % 2;
+          const bool visible = j < p.len_k && (!p.causal || j <= i + p.causal_offset);
+          if constexpr (kMasked) x += bias_rows[(m * 16 + e / 2 * 8) * kBiasStride + n * 8 + e % 2];
+          x = visible ? x : -INFINITY;
+        }
+        s[m][n][e] = x;
+      }
+    }
+  }
 }
 
 template <int D, int Bc, int MT>
@@ -201,9 +233,9 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(const Params p)
   }
 
   if (num_tiles > 0) {
-    copy_tile_async<T, D>(q_tile, q + q0 * p.q_strides[2], p.q_strides[2], Br, min(Br, p.len_q - q0));
-    copy_tile_async<T, D>(k_tiles, k, ks, Bc, min(Bc, p.len_k));
-    copy_tile_async<T, D>(v_tiles, v, vs, Bc, min(Bc, p.len_k));
+    copy_tile_async<T, D, Br>(q_tile, q + q0 * p.q_strides[2], p.q_strides[2], p.len_q - q0);
+    copy_tile_async<T, D, Bc>(k_tiles, k, ks, p.len_k);
+    copy_tile_async<T, D, Bc>(v_tiles, v, vs, p.len_k);
     commit_copies();
   }
   // Where this lane's ldmatrix row addresses point inside a tile (see the fragment layouts).
@@ -215,8 +247,8 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(const Params p)
     const int k0 = j * Bc, buffer = j & 1;
     if (j + 1 < num_tiles) {  // the next tile's copy runs under this tile's products
       const int k1 = k0 + Bc;
-      copy_tile_async<T, D>(k_tiles + (buffer ^ 1) * Bc * S, k + k1 * ks, ks, Bc, min(Bc, p.len_k - k1));
-      copy_tile_async<T, D>(v_tiles + (buffer ^ 1) * Bc * S, v + k1 * vs, vs, Bc, min(Bc, p.len_k - k1));
+      copy_tile_async<T, D, Bc>(k_tiles + (buffer ^ 1) * Bc * S, k + k1 * ks, ks, p.len_k - k1);
+      copy_tile_async<T, D, Bc>(v_tiles + (buffer ^ 1) * Bc * S, v + k1 * vs, vs, p.len_k - k1);
     }
     commit_copies();  // possibly empty, so that one group always stays pending below
     if (p.num_masks > 0) {
@@ -260,28 +292,21 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(const Params p)
     // the warp sees whole (inside the keys, not cut by the diagonal, no mask) needs no checks.
     const bool whole = k0 + Bc <= p.len_k && p.num_masks == 0 &&
                        (!p.causal || k0 + Bc - 1 <= warp_row0 + p.causal_offset);
+    const float* bias_rows = bias_tile + (warp * 16 * MT + g) * Tile::kBiasStride + 2 * t;
+    if (whole) {
+      to_exponents<false, false, MT, Bc, Tile::kBiasStride>(s, p, k0, warp_row0 + g, t, bias_rows);
+    } else if (p.num_masks == 0) {
+      to_exponents<true, false, MT, Bc, Tile::kBiasStride>(s, p, k0, warp_row0 + g, t, bias_rows);
+    } else {
+      to_exponents<true, true, MT, Bc, Tile::kBiasStride>(s, p, k0, warp_row0 + g, t, bias_rows);
+    }
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      const int row[2] = {warp_row0 + m * 16 + g, warp_row0 + m * 16 + g + 8};
-      const float* bias_row = bias_tile + (warp * 16 * MT + m * 16 + g) * Tile::kBiasStride + 2 * t;
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int n = 0; n < Bc / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[m][n][e] * p.scale_log2;
-          if (!whole) {
-            const int i = row[e / 2], j2 = k0 + n * 8 + 2 * t + e % 2;
-            const bool visible = j2 < p.len_k && (!p.causal || j2 <= i + p.causal_offset);
-            if (!visible) {
-              x = -INFINITY;
-            } else if (p.num_masks > 0) {
-              x += bias_row[e / 2 * 8 * Tile::kBiasStride + n * 8 + e % 2];
-            }
-          }
-          s[m][n][e] = x;
-          tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
-        }
+        tile_max[0] = fmaxf(tile_max[0], fmaxf(s[m][n][0], s[m][n][1]));
+        tile_max[1] = fmaxf(tile_max[1], fmaxf(s[m][n][2], s[m][n][3]));
       }
       float scale_old[2], base[2];
 #pragma unroll
