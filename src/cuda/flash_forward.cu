@@ -399,16 +399,14 @@ void launch(const Params& params, int batch) {
   MHA_CUDA_CHECK(cudaGetLastError());
 }
 
-// Keys per tile and m-tiles per warp, so that S and O stay within the register file and two
-// blocks fit one multiprocessor's shared memory: 128 query rows up to D = 128, 64 at D = 256.
-// Keys per tile and m-tiles per warp, the fastest of those measured on an H100 (docs/CUDA.md)
-// whose S and O stay within the register file and whose tiles let two blocks share a
-// multiprocessor: D = 128 shares each K/V fragment between two m-tiles (128 query rows per
-// block, a few spilled bytes), D = 64 and 256 run one m-tile per warp (64 rows).
+// Keys per tile and m-tiles per warp: the fastest of those measured on an H100 (docs/CUDA.md).
+// At D = 64 and 128 each K/V fragment serves two m-tiles (128 query rows per block; ptxas
+// spills a few bytes at 255 registers, and the tilings that do not spill measured slower);
+// D = 256 runs one m-tile per warp (64 rows) to keep its 256-column O in registers.
 template <class T>
 void launch_for_dim(const Params& params, int dim, int batch) {
   switch (dim) {
-    case 64: launch<T, 64, 64, 1>(params, batch); break;
+    case 64: launch<T, 64, 128, 2>(params, batch); break;
     case 128: launch<T, 128, 64, 2>(params, batch); break;
     default: launch<T, 256, 32, 1>(params, batch); break;
   }
