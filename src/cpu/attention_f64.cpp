@@ -9,6 +9,8 @@
 
 #include "core/dropout.hpp"
 #include "core/thread_pool.hpp"
+#include "cpu/dispatch.hpp"
+#include "cpu/vector_exp_f64.hpp"
 
 namespace mha::detail {
 namespace {
@@ -59,8 +61,10 @@ RowSums exponentiate(double* row, int64_t end) {
   double max = -kInf;
   for (int64_t j = 0; j < end; ++j) max = std::max(max, row[j]);
   const double shift = max == -kInf ? 0.0 : max;
+  for (int64_t j = 0; j < end; ++j) row[j] -= shift;
+  vector_exp_f64(active_isa(), row, end);  // the largest term is exactly 1
   double sum = 0;
-  for (int64_t j = 0; j < end; ++j) sum += (row[j] = std::exp(row[j] - shift));
+  for (int64_t j = 0; j < end; ++j) sum += row[j];
   return {max, sum};
 }
 
