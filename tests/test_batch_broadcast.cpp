@@ -212,3 +212,14 @@ TEST(BatchBroadcast, LeadingDimensionsThatDoNotFoldAreCopied) {
   const mha::Tensor o2 = mha::scaled_dot_product_attention(q_storage.view().transpose(0, 1), k, v, o);
   EXPECT_LT(rel_error(o2, r.output), 1e-5);
 }
+
+// An empty query (L = 0) may carry any strides: a leading stride near 2^63 must not overflow
+// while checking whether the leading dimensions fold (found by fuzz_validation under UBSan).
+TEST(BatchBroadcast, AbsurdStridesOfAnEmptyInputDoNotOverflow) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  const mha::Tensor k = randn({2, 3, 4, 5, 8}, rng), v = randn({2, 3, 4, 5, 8}, rng);
+  float storage[1] = {0.0f};
+  const mha::TensorView q(storage, mha::DType::f32, {2, 3, 4, 0, 8}, {1, int64_t{1} << 62, 1, 8, 1});
+  const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v);
+  EXPECT_EQ(out.sizes(), (mha::Shape{2, 3, 4, 0, 8}));
+}

@@ -74,20 +74,22 @@ std::optional<TensorView> fold_batch(const TensorView& t, const Shape& batch) {
     const int ti = i - (n - tb);
     return ti < 0 || t.shape[ti] == 1 ? 0 : t.strides[ti];
   };
-  int64_t b_size = 1, b_stride = 0;
+  // 0 when a leading dimension is 0, whatever the others (an empty batch of absurd size).
+  const int64_t b_size = checked_numel(Shape(batch.begin(), batch.begin() + std::max(n - 1, 0)), "batch dimensions");
+  int64_t b_stride = 0;
   int64_t inner_size = 1, inner_stride = 0;  // the innermost folded dimension with size > 1 so far
   bool any = false;
   for (int i = n - 2; i >= 0; --i) {  // the leading dimensions, innermost first
     if (batch[i] == 1) continue;
     const int64_t s = stride_of(i);
+    int64_t next;  // the stride that continues the fold; one past int64 never does
     if (!any) {
       b_stride = s;
       any = true;
-    } else if (s != inner_stride * inner_size) {
+    } else if (__builtin_mul_overflow(inner_stride, inner_size, &next) || s != next) {
       return std::nullopt;
     }
     inner_size = batch[i], inner_stride = s;
-    b_size *= batch[i];
   }
   const int64_t heads = n >= 1 ? batch[n - 1] : 1;
   const int64_t h_stride = n >= 1 && heads > 1 ? stride_of(n - 1) : 0;
