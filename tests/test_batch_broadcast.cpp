@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/batch_dims.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -222,4 +223,62 @@ TEST(BatchBroadcast, AbsurdStridesOfAnEmptyInputDoNotOverflow) {
   const mha::TensorView q(storage, mha::DType::f32, {2, 3, 4, 0, 8}, {1, int64_t{1} << 62, 1, 8, 1});
   const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v);
   EXPECT_EQ(out.sizes(), (mha::Shape{2, 3, 4, 0, 8}));
+}
+
+// sum_to_shape, which reduces every gradient of a broadcast input or mask: float32 sums in one
+// fixed order (each target element adds its terms in the order of their indices), so the bits are
+// those of a plain element-by-element loop on any thread count; and within float32 rounding of the
+// float64 sums. Shapes that reduce leading, middle and several dimensions (a mask [1, H, L, S] or
+// [B, 1, 1, S] against [B, H, L, S] scores), a strided source, a kept last dimension of size 1,
+// an empty one.
+TEST(SumToShape, FixedOrderOnAnyThreadCount) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  struct Case {
+    mha::Shape full, target;
+  };
+  const Case cases[] = {{{4, 3, 37, 50}, {1, 3, 37, 50}}, {{4, 3, 37, 50}, {4, 1, 1, 50}},
+                        {{4, 3, 37, 50}, {37, 50}},       {{2, 3, 5, 7, 33}, {3, 1, 7, 33}},
+                        {{6, 9, 1}, {1, 9, 1}},           {{5, 1, 17}, {17}},
+                        {{3, 0, 16}, {1, 0, 16}},         {{3, 4, 0, 16}, {4, 1, 16}},
+                        {{300, 70, 2}, {70, 2}}};
+  for (const Case& c : cases) {
+    for (const bool strided : {false, true}) {
+      SCOPED_TRACE(mha::Tensor::empty(c.full).shape_str() + " to " + mha::Tensor::empty(c.target).shape_str() +
+                   (strided ? ", strided" : ""));
+      // A strided source: the leading dimension of a tensor twice as long, every other entry.
+      mha::Shape storage_shape = c.full;
+      if (strided) storage_shape[0] *= 2;
+      const mha::Tensor storage = randn(storage_shape, rng);
+      const mha::TensorView dense_view = storage.view();
+      mha::Shape strides(dense_view.strides.begin(), dense_view.strides.begin() + dense_view.ndim);
+      strides[0] *= 2;
+      const mha::TensorView full = strided ? mha::TensorView(dense_view.data, mha::DType::f32, c.full, strides)
+                                           : storage.view();
+      // The expected bits: float sums element by element in index order.
+      mha::Tensor expected = mha::Tensor::zeros(c.target);
+      mha::Tensor exact = mha::Tensor::zeros(c.target, mha::DType::f64);
+      const size_t n = c.full.size(), m = c.target.size();
+      std::vector<int64_t> idx(n, 0);
+      const mha::Tensor dense = mha::Tensor::copy_of(full);
+      for (int64_t e = 0; e < dense.numel(); ++e) {
+        int64_t off = 0;
+        for (size_t d = 0; d < m; ++d) off = off * c.target[d] + (c.target[d] == 1 ? 0 : idx[n - m + d]);
+        expected.data<float>()[off] += dense.data<float>()[e];
+        exact.data<double>()[off] += dense.data<float>()[e];
+        for (size_t d = n; d-- > 0;) {
+          if (++idx[d] < c.full[d]) break;
+          idx[d] = 0;
+        }
+      }
+      for (const int threads : {1, 3}) {
+        const mha::Tensor got = mha::detail::sum_to_shape(full, c.target, mha::DType::f32, threads);
+        EXPECT_EQ(got.sizes(), c.target);
+        EXPECT_TRUE(mha_test::same_bits(got, expected)) << threads << " threads";
+        // float32 sums of up to 300 terms of |x| < ~5: within 1e-5 of the largest
+        EXPECT_LT(rel_error(got, exact), 1e-5) << threads << " threads";
+      }
+      const mha::Tensor wide = mha::detail::sum_to_shape(full, c.target, mha::DType::f64, 3);  // summed in float64
+      EXPECT_LT(rel_error(wide, exact), 1e-12);
+    }
+  }
 }

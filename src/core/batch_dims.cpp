@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <array>
 
+#include "core/thread_pool.hpp"
+
 namespace mha::detail {
 namespace {
 
@@ -31,6 +33,52 @@ void accumulate(const TensorView& full, const std::array<int64_t, kMaxDims>& acc
       idx[d] = 0;
     }
   }
+}
+
+// The same sums, row by row, where the last dimension is kept with unit stride on both sides (every
+// gradient the backward reduces: an input's batch or head dimensions, a mask's batch, head or query
+// dimensions). A task per run of target rows; each target row adds its full rows in the order of
+// their indices over the summed dimensions, the order in which the element-wise loop above meets
+// them, so the bits are that loop's on any thread count. Element-wise, the single-threaded loop
+// took 100 ms of a 260 ms backward at B=8 H=16 L=512 with a [1, H, L, L] mask's gradient.
+template <class Src, class Acc>
+void accumulate_rows(const TensorView& full, const std::array<int64_t, kMaxDims>& acc_strides, Acc* acc,
+                     int threads) {
+  const int outer = full.ndim - 1;
+  const int64_t cols = full.shape[outer];
+  std::array<int, kMaxDims> kept{}, summed{};
+  int n_kept = 0, n_summed = 0;
+  int64_t target_rows = 1, per_row = 1;
+  for (int d = 0; d < outer; ++d) {
+    if (acc_strides[d] != 0) kept[n_kept++] = d, target_rows *= full.shape[d];
+    else if (full.shape[d] > 1) summed[n_summed++] = d, per_row *= full.shape[d];
+  }
+  const Src* src = full.data_as<const Src>();
+  // Target rows per task: about 64 Ki elements of the full tensor each.
+  const int64_t rows_per_task = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, cols * per_row));
+  parallel_for((target_rows + rows_per_task - 1) / rows_per_task, threads, [&](int64_t task, int) {
+    const int64_t r_end = std::min(target_rows, (task + 1) * rows_per_task);
+    for (int64_t r = task * rows_per_task; r < r_end; ++r) {
+      int64_t from0 = 0, to = 0, rest = r;
+      for (int i = n_kept - 1; i >= 0; --i) {  // r in the kept dimensions' mixed radix, the last fastest
+        const int d = kept[i];
+        from0 += (rest % full.shape[d]) * full.strides[d];
+        to += (rest % full.shape[d]) * acc_strides[d];
+        rest /= full.shape[d];
+      }
+      Acc* dst = acc + to;
+      for (int64_t c = 0; c < per_row; ++c) {
+        int64_t from = from0, left = c;
+        for (int i = n_summed - 1; i >= 0; --i) {  // c in the summed dimensions' mixed radix, the last fastest
+          const int d = summed[i];
+          from += (left % full.shape[d]) * full.strides[d];
+          left /= full.shape[d];
+        }
+        const Src* row = src + from;
+        for (int64_t j = 0; j < cols; ++j) dst[j] += static_cast<Acc>(row[j]);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -124,7 +172,7 @@ TensorView fold_batch_or_copy(const TensorView& t, const Shape& batch, Tensor& s
   return *fold_batch(storage.view(), batch);
 }
 
-Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype) {
+Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype, int threads) {
   require_cpu(full, "sum_to_shape");
   const int n = full.ndim, tn = static_cast<int>(target.size());
   if (tn > n) throw Error("sum_to_shape: target " + shape_str(target) + " has more dimensions than " + full.shape_str());
@@ -139,10 +187,18 @@ Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype) {
     }
     acc_strides[d] = acc.view().strides[td];
   }
-  if (full.dtype == DType::f32 && acc_dtype == DType::f32) accumulate<float, float>(full, acc_strides, acc.data<float>());
-  else if (full.dtype == DType::f32) accumulate<float, double>(full, acc_strides, acc.data<double>());
-  else if (full.dtype == DType::f64 && acc_dtype == DType::f64) accumulate<double, double>(full, acc_strides, acc.data<double>());
-  else throw Error("sum_to_shape: expected a float32 or float64 tensor, got " + std::string(dtype_name(full.dtype)));
+  if (full.numel() == 0) return dtype == acc_dtype ? acc : Tensor::copy_of(acc, dtype);  // empty sums: zeros
+  const bool by_rows = n >= 1 && full.shape[n - 1] > 1 && full.strides[n - 1] == 1 && acc_strides[n - 1] == 1;
+  if (full.dtype == DType::f32 && acc_dtype == DType::f32) {
+    if (by_rows) accumulate_rows<float, float>(full, acc_strides, acc.data<float>(), threads);
+    else accumulate<float, float>(full, acc_strides, acc.data<float>());
+  } else if (full.dtype == DType::f32) {
+    if (by_rows) accumulate_rows<float, double>(full, acc_strides, acc.data<double>(), threads);
+    else accumulate<float, double>(full, acc_strides, acc.data<double>());
+  } else if (full.dtype == DType::f64 && acc_dtype == DType::f64) {
+    if (by_rows) accumulate_rows<double, double>(full, acc_strides, acc.data<double>(), threads);
+    else accumulate<double, double>(full, acc_strides, acc.data<double>());
+  } else throw Error("sum_to_shape: expected a float32 or float64 tensor, got " + std::string(dtype_name(full.dtype)));
   return dtype == acc_dtype ? acc : Tensor::copy_of(acc, dtype);
 }
 

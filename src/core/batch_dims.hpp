@@ -32,7 +32,7 @@ TensorView fold_batch_or_copy(const TensorView& t, const Shape& batch, Tensor& s
 // `full` summed over the dimensions a tensor of shape `target` broadcasts along (right-aligned:
 // leading dimensions target lacks, and those where it has size 1), in `dtype`. Sums run in
 // float64 where `full` or the result is float64 and in float32 otherwise, in one fixed order,
-// rounded once.
-Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype);
+// rounded once; the same bits on any thread count.
+Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype, int threads = 1);
 
 }  // namespace mha::detail

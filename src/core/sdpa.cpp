@@ -287,11 +287,12 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
     detail::run_attention_backward(p, in, out);
   }
   AttentionGradients g;
+  const int threads = detail::resolve_threads(p.num_threads);  // for the sums over broadcast dimensions
   Tensor* results[] = {&g.query, &g.key, &g.value};
   for (int i = 0; i < 3; ++i) {
     if (!wanted_of[i]) continue;
     if (reduces[i]) {
-      *results[i] = detail::sum_to_shape(written[i], inputs[i]->sizes(), q.dtype);
+      *results[i] = detail::sum_to_shape(written[i], inputs[i]->sizes(), q.dtype, threads);
     } else if (via_float32) {  // the input's own size: rounded as it is (a zero keeps its sign)
       *results[i] = Tensor::copy_of(TensorView(written[i].view().data, DType::f32, inputs[i]->sizes()), q.dtype);
     } else {
@@ -300,7 +301,7 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   }
   if (attn_mask_grad) {
     // summed in float32, rounded once to the mask's dtype
-    g.attn_mask = detail::sum_to_shape(dscores, options.attn_mask->sizes(), options.attn_mask->dtype);
+    g.attn_mask = detail::sum_to_shape(dscores, options.attn_mask->sizes(), options.attn_mask->dtype, threads);
   }
   return g;
 }

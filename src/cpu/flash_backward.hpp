@@ -476,6 +476,19 @@ struct FlashBackward {
     if (out.dq) store_grad_rows(out.dq, out.dq_strides, b, h, i0, ni, dqt, dk, static_cast<float>(p.scale));
   }
 
+  // dS of queries [i0, i0 + ni) and keys [j0, j0 + nk) of head (b, h) into out.dscores, from a
+  // [query][key] tile (row stride 48), or zeros where `tile` is null (pairs no product reaches).
+  void store_dscores(int64_t b, int64_t h, int64_t i0, int64_t ni, int64_t j0, int64_t nk, const float* tile) const {
+    const int64_t sj = out.dscores_strides[3];
+    for (int64_t ii = 0; ii < ni; ++ii) {
+      float* dst = out.dscores + b * out.dscores_strides[0] + h * out.dscores_strides[1] +
+                   (i0 + ii) * out.dscores_strides[2] + j0 * sj;
+      if (tile == nullptr) for (int64_t jj = 0; jj < nk; ++jj) dst[jj * sj] = 0.0f;
+      else if (sj == 1) std::memcpy(dst, tile + ii * kPanel, sizeof(float) * nk);
+      else for (int64_t jj = 0; jj < nk; ++jj) dst[jj * sj] = tile[ii * kPanel + jj];
+    }
+  }
+
   // One pass for a whole key/value head group (used when there are enough groups to keep every
   // thread busy): each (query block, key block) pair is visited once, 5 matrix products instead of
   // the two passes' 7. dQ accumulates per 48-query block, transposed, from dS^T; dK and dV per
@@ -527,9 +540,13 @@ struct FlashBackward {
                                                // vectors, and a partly filled query panel its rows
         int64_t i_start = 0;  // queries before it see no key of the block: skipped
         if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q) / kPanel * kPanel;
+        for (int64_t i0 = 0; out.dscores && i0 < i_start; i0 += kPanel) store_dscores(b, h, i0, kPanel, j0, nk, nullptr);
         for (int64_t i0 = i_start; i0 < p.len_q; i0 += kPanel) {
-          if (tile_excluded(b, h, kb, i0 / kPanel, i0, std::min(p.len_q, i0 + kPanel))) continue;  // P = 0, dS = 0
           const int64_t ni = std::min<int64_t>(kPanel, p.len_q - i0);
+          if (tile_excluded(b, h, kb, i0 / kPanel, i0, i0 + ni)) {  // P = 0, dS = 0
+            if (out.dscores) store_dscores(b, h, i0, ni, j0, nk, nullptr);
+            continue;
+          }
           const int64_t nip = T::round_up(ni, kRows);
           const int query_vecs = T::vecs_for(ni);
           for (int64_t ii = 0; ii < nip; ++ii) {
@@ -554,6 +571,7 @@ struct FlashBackward {
           }
           // Every row past ni is zeroed (over key_vecs), so the transpose below holds no stale dS.
           probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, j0, jv, key_vecs);
+          if (out.dscores) store_dscores(b, h, i0, ni, j0, nk, gt);
           if (out.dv) T::accumulate_call(dvt_all + kb * panel_v, grows, pt, ni, dv, key_vecs);  // dV^T += dO^T Pd
           if (out.dk) T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, ni, dk, key_vecs);  // dK^T += Q^T dS
           if (out.dq) {
@@ -635,12 +653,13 @@ struct FlashBackward {
     if (!out.dq && !out.dk && !out.dv && !out.dscores) return;  // nothing wanted
     if (FewQueriesBackward<S>::applies(p)) return FewQueriesBackward<S>{p, in, out}.run();
     const int threads = resolve_threads(p.num_threads);
-    // Many head groups and no score gradient to write: one pass per group. Otherwise two passes,
-    // over key blocks then query blocks, which split the sequence too. The choice depends on the
-    // shape only (never on the thread count), which keeps the results bit-identical across thread
-    // counts; 16 groups keep up to 4 threads busy with room to balance.
+    // Many head groups: one pass per group, which writes dS (a mask's gradient) from its tiles as
+    // it goes. Otherwise two passes, over key blocks then query blocks, which split the sequence
+    // too. The choice depends on the shape only (never on the thread count), which keeps the
+    // results bit-identical across thread counts; 16 groups keep up to 4 threads busy with room to
+    // balance.
     constexpr int64_t kMinGroupsForOnePass = 16;
-    if (out.dscores == nullptr && p.batch * p.heads_kv >= kMinGroupsForOnePass) {
+    if (p.batch * p.heads_kv >= kMinGroupsForOnePass) {
       std::vector<Tensor> storage;
       FlashBackward with_tiles{p, in, out, tile_masks(threads, storage)};
       parallel_for(p.batch * p.heads_kv, threads,
