@@ -109,7 +109,8 @@ def bench_sdpa(B, H, L, d, causal, dtype, reps, rows):
 def bench_sdpa_masked(B, H, L, d, reps, rows):
     """The fp32 forward with the masks users pass most: an additive [L, L] float mask (a
     relative-position bias, say) and a bool key padding mask [B, 1, 1, L] (the last tenth of every
-    sequence padded), FLOPs counted as unmasked; and Hugging Face's causal mask of a left-padded
+    sequence padded), FLOPs counted as unmasked; the backward of a learned bias [1, H, L, L] with
+    its gradient; and Hugging Face's causal mask of a left-padded
     batch, [B, 1, L, L] at finfo.min where hidden (entry b's first b/8 of the keys padded), forward
     and backward, FLOPs counted as causal."""
     g = torch.Generator().manual_seed(1)
@@ -121,6 +122,16 @@ def bench_sdpa_masked(B, H, L, d, reps, rows):
         ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                       lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps)
         rows.append((f"sdpa fwd fp32 {name}", f"B={B} H={H} L={L} d={d}", ours, theirs, flops))
+    # A learned relative-position bias per head (T5, Swin): [1, H, L, L], trained with the rest,
+    # so the backward also returns its gradient (dS summed over the batch).
+    rel = torch.randn(1, H, L, L, generator=g, requires_grad=True)
+    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
+    go = torch.randn(B, H, L, d, generator=g)
+    out = mha.scaled_dot_product_attention(qt, kt, vt, attn_mask=rel)
+    ref = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=rel)
+    ours, theirs = paired_medians(lambda: torch.autograd.grad(out, (qt, kt, vt, rel), go, retain_graph=True),
+                                  lambda: torch.autograd.grad(ref, (qt, kt, vt, rel), go, retain_graph=True), reps)
+    rows.append(("sdpa bwd fp32 +bias grad", f"B={B} H={H} L={L} d={d}", ours, theirs, 2.5 * flops))
     lowest = torch.finfo(torch.float32).min
     hf = torch.full((L, L), lowest).triu(1).expand(B, 1, L, L).clone()
     for b in range(B):
