@@ -297,6 +297,89 @@ TEST(SdpaBackward, OnePassWritesTheMaskGradient) {
   mha::detail::force_isa(std::nullopt);
 }
 
+// Grouped attention whose key and value head counts differ: PyTorch repeats each on its own
+// (repeat_interleave by Hq / Hk and by Hq / Hv). The output and every gradient against the float64
+// reference on inputs repeated here by hand, the gradients of the repeats summed back here too:
+// fewer key heads than value heads and the other way, one key head (a broadcast), keys shared by
+// the batch (3-D), a float mask, causality, dropout; float32 on every ISA, bfloat16 and float64.
+// Tolerances: float32 1e-5 of the largest output and 1e-4 of the largest gradient (longer
+// chains), bfloat16 2e-2 (8-bit inputs), float64 1e-10.
+TEST(SdpaBackward, GroupedKeyAndValueHeadCountsThatDiffer) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t B = 2, lq = 37, lk = 41, dk = 16, dv = 8;
+  // t ([h, rows, cols] or [B, h, rows, cols]) as float64 [B, heads, rows, cols]: head i reads t's head i / (heads / h).
+  auto repeated = [&](const mha::Tensor& t, int64_t heads) {
+    const int64_t h = t.view().size(-3), rows = t.view().size(-2), cols = t.view().size(-1);
+    mha::Tensor r = mha::Tensor::empty({B, heads, rows, cols}, mha::DType::f64);
+    double* out = r.data<double>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < heads; ++i)
+        for (int64_t l = 0; l < rows; ++l)
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t src_head = i / (heads / h);
+            *out++ = t.view().ndim == 3 ? t.at({src_head, l, c}) : t.at({b, src_head, l, c});
+          }
+    return r;
+  };
+  // The gradient of t from the gradient of its repeats, summed over them (and over the batch for 3-D t).
+  auto summed_back = [&](const mha::Tensor& full, const mha::Tensor& t) {
+    mha::Tensor r = mha::Tensor::zeros(t.sizes(), mha::DType::f64);
+    const int64_t heads = full.view().size(1), h = t.view().size(-3), rows = full.view().size(2), cols = full.view().size(3);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < heads; ++i)
+        for (int64_t l = 0; l < rows; ++l)
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t at = ((t.view().ndim == 3 ? 0 : b) * h + i / (heads / h)) * rows * cols + l * cols + c;
+            r.data<double>()[at] += full.at({b, i, l, c});
+          }
+    return r;
+  };
+  struct Case {
+    int64_t hq, hk, hv;
+  };
+  const Case cases[] = {{8, 2, 4}, {8, 4, 2}, {6, 1, 2}, {6, 3, 2}};
+  const std::vector<mha::detail::Isa> isas = mha::detail::supported_isas();
+  for (const mha::detail::Isa isa : isas) {
+    mha::detail::force_isa(isa);
+    for (const mha::DType dtype : {mha::DType::f32, mha::DType::bf16, mha::DType::f64}) {
+      if (dtype != mha::DType::f32 && isa != isas.back()) continue;
+      for (int n = 0; n < 4; ++n) {
+        const Case c = cases[n];
+        const mha::Tensor q = randn({B, c.hq, lq, dk}, rng, dtype);
+        const mha::Tensor k = n == 1 ? randn({c.hk, lk, dk}, rng, dtype) : randn({B, c.hk, lk, dk}, rng, dtype);
+        const mha::Tensor v = randn({B, c.hv, lk, dv}, rng, dtype), g = randn({B, c.hq, lq, dv}, rng, dtype);
+        const mha::Tensor mask = randn({lq, lk}, rng, dtype == mha::DType::f64 ? mha::DType::f64 : mha::DType::f32);
+        mha::SdpaOptions o{.enable_gqa = true};
+        if (n % 2 == 0) o.attn_mask = mask.view();
+        if (n >= 2) o.is_causal = true, o.causal_alignment = n == 3 ? mha::CausalAlignment::BottomRight : mha::CausalAlignment::TopLeft;
+        if (n == 3) o.dropout_p = 0.25, o.dropout_seed = rng();
+        SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " " + std::string(mha::dtype_name(dtype)) + " Hq=" +
+                     std::to_string(c.hq) + " Hk=" + std::to_string(c.hk) + " Hv=" + std::to_string(c.hv) +
+                     " k " + k.shape_str());
+        mha::SdpaOptions plain = o;  // the same call on the repeated inputs: no grouping left
+        plain.enable_gqa = false;
+        const mha::Tensor kr = repeated(k, c.hq), vr = repeated(v, c.hq);
+        const auto r = mha::reference::scaled_dot_product_attention(q, kr, vr, plain);
+        const auto rg = mha::reference::scaled_dot_product_attention_backward(q, kr, vr, g, plain);
+        const double out_tol = dtype == mha::DType::f32 ? 1e-5 : dtype == mha::DType::bf16 ? 2e-2 : 1e-10;
+        const double grad_tol = dtype == mha::DType::f32 ? 1e-4 : out_tol;
+        EXPECT_LT(rel_error(mha::scaled_dot_product_attention(q, k, v, o), r.output), out_tol);
+        const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+        EXPECT_LT(rel_error(saved.output, r.output), out_tol);
+        const auto grads = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o);
+        ASSERT_EQ(grads.key.sizes(), k.sizes());
+        ASSERT_EQ(grads.value.sizes(), v.sizes());
+        const mha::Tensor dk_ref = summed_back(rg.key, k), dv_ref = summed_back(rg.value, v);
+        const double floor = 0.05 * std::max({max_abs(rg.query), max_abs(dk_ref), max_abs(dv_ref)});
+        EXPECT_LT(rel_error(grads.query, rg.query, floor), grad_tol);
+        EXPECT_LT(rel_error(grads.key, dk_ref, floor), grad_tol);
+        EXPECT_LT(rel_error(grads.value, dv_ref, floor), grad_tol);
+      }
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
 TEST(SdpaBackward, StridedInputsAndGradientViews) {
   std::mt19937_64 rng(test_seed());
   // [B, L, H, D] storage viewed as [B, H, L, D]

@@ -69,8 +69,8 @@ TEST(Errors, Sdpa) {
   // Batch dimensions broadcast as in PyTorch, but must agree where neither is 1.
   expect_error([&] { mha::scaled_dot_product_attention(randn({2, 3, 4, 5, 8}), randn({3, 3, 4, 6, 8}), randn({4, 6, 3})); },
                "do not broadcast");
-  expect_error([&] { mha::scaled_dot_product_attention(q, randn({2, 2, 6, 8}), randn({2, 1, 6, 3}), {.enable_gqa = true}); },
-               "same number of heads");
+  expect_error([&] { mha::scaled_dot_product_attention(q, randn({2, 2, 6, 8}), randn({2, 3, 6, 3}), {.enable_gqa = true}); },
+               "multiple of value heads");
   expect_error([&] { mha::scaled_dot_product_attention(randn({2, 1, 5, 8}), randn({2, 2, 6, 8}), randn({2, 2, 6, 3}), {.enable_gqa = true}); },
                "multiple");
   const mha::Tensor mask3 = randn({2, 5, 6});  // [2, 5, 6] against weights [2, 4, 5, 6]: 2 is not 4

@@ -10,9 +10,11 @@
 // head serve every query head (read once per group, as with enable_gqa); the output has the
 // broadcast batch dimensions, and a broadcast input's gradient is summed over them. Leading
 // dimensions are read in place where their strides fold into one (contiguous tensors, or ones
-// expanded along whole leading dimensions), else through a copy. With enable_gqa, key and value
-// have the same number of heads, which divides the query's (PyTorch also takes two different
-// divisors; mha::Error here).
+// expanded along whole leading dimensions), else through a copy. With enable_gqa, the key and
+// value head counts each divide the query's, and query head h reads key/value head h / (Hq / Hkv)
+// (PyTorch's repeat_interleave). Where the two counts differ, as PyTorch allows, both are read
+// with lcm(Hk, Hv) heads: a side with fewer (and more than one) through a host copy with each
+// head repeated, its gradient summed back over the repeats.
 #pragma once
 
 #include <cstdint>

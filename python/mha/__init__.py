@@ -236,7 +236,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 
     query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev], rank 2
     to 6; the batch dimensions (all but the last two) broadcast as PyTorch's do, and a broadcast
-    input's gradient is summed over them. float32, bfloat16, float16 or float64 (computed in
+    input's gradient is summed over them. With enable_gqa, key and value head counts each divide
+    Hq (they may differ, as in PyTorch). float32, bfloat16, float16 or float64 (computed in
     float64, for torch.autograd.gradcheck; its float mask may be float64).
     attn_mask: bool (True = attend) or float (added to the scores; float32, or the inputs' bfloat16 or
     float16, as PyTorch takes it), broadcastable to [..., Hq, L, S].

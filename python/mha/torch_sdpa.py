@@ -8,8 +8,7 @@ transformers' "sdpa" attention, torch.nn.MultiheadAttention itself, timm, ...):
     patch = mha.patch_torch_sdpa()     # or for the rest of the program (patch.restore() undoes it)
 
 Calls the kernel cannot take (a device other than the CPU, nested or float64 tensors, more than
-six dimensions, a mask of another dtype, grouped keys and values with different head counts) go
-to PyTorch's function unchanged. Code that bound
+six dimensions, a mask of another dtype) go to PyTorch's function unchanged. Code that bound
 the function under another name before the patch (`from torch.nn.functional import
 scaled_dot_product_attention`) keeps PyTorch's. Dropout draws its seed from torch's generator,
 so torch.manual_seed makes it repeatable; the masks differ from PyTorch's own.
@@ -26,7 +25,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
 
 
-def _ours(query, key, value, attn_mask, enable_gqa) -> bool:
+def _ours(query, key, value, attn_mask) -> bool:
     """Whether mha's kernel takes this call (else PyTorch's function runs it)."""
     for t in (query, key, value):
         if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
@@ -34,9 +33,6 @@ def _ours(query, key, value, attn_mask, enable_gqa) -> bool:
             return False
     if query.dtype not in _DTYPES:
         return False
-    heads = [t.shape[-3] if t.dim() >= 3 else 1 for t in (query, key, value)]
-    if enable_gqa and heads[1] != heads[2]:
-        return False  # grouped keys and values with different head counts: PyTorch repeats each its own way
     return attn_mask is None or (isinstance(attn_mask, torch.Tensor) and attn_mask.device.type == "cpu"
                                  and attn_mask.layout == torch.strided and not attn_mask.is_nested
                                  and attn_mask.dtype in _MASK_DTYPES)
@@ -52,7 +48,7 @@ class patch_torch_sdpa:  # noqa: N801 - used like a function: mha.patch_torch_sd
 
         def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False):
-            if not _ours(query, key, value, attn_mask, enable_gqa):
+            if not _ours(query, key, value, attn_mask):
                 extra = {"enable_gqa": True} if enable_gqa else {}  # (older torch has no such argument)
                 return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                 scale=scale, **extra)

@@ -46,10 +46,29 @@ def test_calls_it_cannot_take_go_to_pytorch(rng):
     with mha.patch_torch_sdpa():
         for args, kwargs in [((q.double(),) * 3, {}),                      # float64
                              ((q[None, None, None],) * 3, {}),             # seven dimensions
-                             ((_t(rng, 1, 6, 5, 8), _t(rng, 1, 2, 5, 8), _t(rng, 1, 3, 5, 8)),
-                              dict(enable_gqa=True)),                      # grouped, key and value heads differ
                              ((q.double(),) * 3, dict(attn_mask=torch.zeros(5, 5, dtype=torch.float64)))]:
             assert torch.equal(F.scaled_dot_product_attention(*args, **kwargs), ORIGINAL(*args, **kwargs))
+
+
+def test_grouped_key_and_value_heads_that_differ_are_ours(rng):
+    """enable_gqa with key and value head counts of their own (PyTorch repeats each Hq / H times):
+    the patched call is mha's, and within float32 rounding of PyTorch's float64 result, gradients
+    included (1e-5 of the largest; the gradients of the repeated heads are summed back)."""
+    for shapes in [((2, 6, 7, 16), (2, 2, 9, 16), (2, 3, 9, 8)),   # fewer key heads than value heads
+                   ((2, 8, 7, 16), (2, 4, 9, 16), (2, 2, 9, 8)),   # and the other way
+                   ((6, 7, 16), (1, 9, 16), (2, 9, 8))]:           # one key head, unbatched
+        q, k, v = (_t(rng, *s).requires_grad_() for s in shapes)
+        with mha.patch_torch_sdpa():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert torch.equal(out, mha.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        ref = ORIGINAL(*ref_inputs, is_causal=True, enable_gqa=True)
+        assert out.shape == ref.shape
+        assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        g = _t(rng, *out.shape)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, ref_inputs, g.double())):
+            assert a.shape == b.shape
+            assert (a.double() - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
 
 
 def test_batch_dimensions_broadcast_as_in_pytorch(rng):

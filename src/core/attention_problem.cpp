@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <utility>
 
 #include "core/batch_dims.hpp"
@@ -93,6 +94,24 @@ TensorView fold_or_defer(AttentionProblem& p, const TensorView& t, const Shape& 
   return r;
 }
 
+// t ([..., h, rows, cols], on the host) with each head repeated to / h times, as
+// repeat_interleave along the heads gives it, copied into `storage`: keys or values read by
+// grouped attention with a head count of their own (make_sdpa_problem).
+TensorView repeat_heads(const TensorView& t, int64_t to, Tensor& storage, const std::string& name) {
+  if (!t.device.is_cpu()) {
+    throw Error(name + ": grouped attention with key and value head counts that differ copies the repeated heads on "
+                "the host; on " + t.device.str() + " give key and value the same head count");
+  }
+  const int at = t.ndim - 2;  // the repeats: a dimension of stride 0 after the heads
+  Shape shape = t.sizes(), strides(t.strides.begin(), t.strides.begin() + t.ndim);
+  shape.insert(shape.begin() + at, to / t.size(-3));
+  strides.insert(strides.begin() + at, 0);
+  storage = Tensor::copy_of(TensorView(t.data, t.dtype, shape, strides));
+  Shape repeated = t.sizes();
+  repeated[t.ndim - 3] = to;
+  return TensorView(storage.view().data, t.dtype, repeated);
+}
+
 }  // namespace
 
 TensorView folded(const AttentionProblem& p, const TensorView& t, int64_t heads, const std::string& name) {
@@ -167,12 +186,12 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
                     std::to_string(h) + ")");
       }
     }
-    if (hk != hv) {
-      throw Error("enable_gqa: key and value must have the same number of heads, got " + std::to_string(hk) +
-                  " and " + std::to_string(hv));
-    }
     p.heads_q = hq;
-    p.heads_kv = hk;
+    // PyTorch repeats the key heads Hq / Hk times and the value heads Hq / Hv times, so the two
+    // counts may differ. The kernels read one count for both, lcm(Hk, Hv) (a divisor of Hq): a
+    // side with fewer heads is read through a copy with each head repeated (below), and its
+    // gradient is summed back over the repeats (sum_to_input).
+    p.heads_kv = std::lcm(hk, hv);
   } else {
     // Broadcast: each head count is the largest or 1. Keys and values of one head both serve every
     // query head as one group (no copy); otherwise one of them is read with head stride 0.
@@ -196,8 +215,13 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   }
   p.batch = checked_numel(leading, "query, key, value: batch dimensions");
   p.q = fold_or_defer(p, q_in, p.batch_shape, 0, "query");
-  p.k = fold_or_defer(p, k_in, p.batch_shape_with_heads(p.heads_kv), 1, "key");
-  p.v = fold_or_defer(p, v_in, p.batch_shape_with_heads(p.heads_kv), 2, "value");
+  // (A head count of 1 needs no copy: it broadcasts, which is what repeating it does.)
+  const TensorView k_read =
+      hk > 1 && hk != p.heads_kv ? repeat_heads(k_in, p.heads_kv, p.input_storage[1], "key") : k_in;
+  const TensorView v_read =
+      hv > 1 && hv != p.heads_kv ? repeat_heads(v_in, p.heads_kv, p.input_storage[2], "value") : v_in;
+  p.k = fold_or_defer(p, k_read, p.batch_shape_with_heads(p.heads_kv), 1, "key");
+  p.v = fold_or_defer(p, v_read, p.batch_shape_with_heads(p.heads_kv), 2, "value");
   if (p.dim_qk == 0 && !options.scale) {
     throw Error("query: head dimension is 0, so the default scale 1/sqrt(0) is undefined; pass scale");
   }

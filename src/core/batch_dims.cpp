@@ -202,4 +202,35 @@ Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype, in
   return dtype == acc_dtype ? acc : Tensor::copy_of(acc, dtype);
 }
 
+Tensor sum_to_input(const TensorView& full, const Shape& input, DType dtype, int threads) {
+  const int n = static_cast<int>(input.size());
+  if (full.ndim < 3 || n < 3) return sum_to_shape(full, input, dtype, threads);
+  const int64_t heads = full.size(-3), own = input[n - 3];
+  if (own <= 1 || own == heads || heads % own != 0) return sum_to_shape(full, input, dtype, threads);
+  // Head h * r + j of `full` is repeat j of input head h: summed over j first (in that order),
+  // into [..., own, rows, cols], then over what the input broadcasts along.
+  if (full.dtype != DType::f32 && full.dtype != DType::f64) {
+    throw Error("sum_to_input: expected a float32 or float64 tensor, got " + std::string(dtype_name(full.dtype)));
+  }
+  const Tensor dense = full.is_contiguous() ? Tensor() : Tensor::copy_of(full);
+  const TensorView src = dense.defined() ? dense.view() : full;
+  const int64_t repeats = heads / own, inner = full.size(-2) * full.size(-1);
+  const int64_t outer = full.numel() / std::max<int64_t>(1, heads * inner);
+  Shape grouped_shape = full.sizes();
+  grouped_shape[full.ndim - 3] = own;
+  Tensor grouped = Tensor::zeros(grouped_shape, full.dtype);
+  auto sum_repeats = [&](auto* out, const auto* in) {
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t h = 0; h < own; ++h)
+        for (int64_t j = 0; j < repeats; ++j) {
+          const auto* from = in + ((o * heads) + h * repeats + j) * inner;
+          auto* to = out + (o * own + h) * inner;
+          for (int64_t e = 0; e < inner; ++e) to[e] += from[e];
+        }
+  };
+  if (full.dtype == DType::f32) sum_repeats(grouped.data<float>(), src.data_as<const float>());
+  else sum_repeats(grouped.data<double>(), src.data_as<const double>());
+  return sum_to_shape(grouped.view(), input, dtype, threads);
+}
+
 }  // namespace mha::detail

@@ -35,4 +35,10 @@ TensorView fold_batch_or_copy(const TensorView& t, const Shape& batch, Tensor& s
 // rounded once; the same bits on any thread count.
 Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype, int threads = 1);
 
+// The gradient of an input of shape `input` from its gradient `full` over the call's batch shape
+// ([..., H, rows, cols]): sum_to_shape, after summing over each head's repeats where the input's
+// head count divides H and is neither 1 nor H (keys or values of grouped attention whose head
+// counts differ, read with their heads repeated: make_sdpa_problem).
+Tensor sum_to_input(const TensorView& full, const Shape& input, DType dtype, int threads = 1);
+
 }  // namespace mha::detail

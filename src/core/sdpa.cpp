@@ -292,7 +292,7 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   for (int i = 0; i < 3; ++i) {
     if (!wanted_of[i]) continue;
     if (reduces[i]) {
-      *results[i] = detail::sum_to_shape(written[i], inputs[i]->sizes(), q.dtype, threads);
+      *results[i] = detail::sum_to_input(written[i], inputs[i]->sizes(), q.dtype, threads);
     } else if (via_float32) {  // the input's own size: rounded as it is (a zero keeps its sign)
       *results[i] = Tensor::copy_of(TensorView(written[i].view().data, DType::f32, inputs[i]->sizes()), q.dtype);
     } else {

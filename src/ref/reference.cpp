@@ -181,9 +181,9 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
       }
     }
   Gradients r;
-  r.query = detail::sum_to_shape(dq_full, q.sizes(), DType::f64);
-  r.key = detail::sum_to_shape(dk_full, k.sizes(), DType::f64);
-  r.value = detail::sum_to_shape(dv_full, v.sizes(), DType::f64);
+  r.query = detail::sum_to_input(dq_full, q.sizes(), DType::f64);
+  r.key = detail::sum_to_input(dk_full, k.sizes(), DType::f64);
+  r.value = detail::sum_to_input(dv_full, v.sizes(), DType::f64);
   if (options.attn_mask) {  // summed over the dimensions the mask broadcasts along
     const TensorView weights_shaped(dmask_full.data<double>(), detail::output_shape(p, p.len_q, p.len_k));
     r.attn_mask = detail::sum_to_shape(weights_shaped, options.attn_mask->sizes(), DType::f64);
