@@ -56,7 +56,8 @@ def test_grouped_key_and_value_heads_that_differ_are_ours(rng):
     included (1e-5 of the largest; the gradients of the repeated heads are summed back)."""
     for shapes in [((2, 6, 7, 16), (2, 2, 9, 16), (2, 3, 9, 8)),   # fewer key heads than value heads
                    ((2, 8, 7, 16), (2, 4, 9, 16), (2, 2, 9, 8)),   # and the other way
-                   ((6, 7, 16), (1, 9, 16), (2, 9, 8))]:           # one key head, unbatched
+                   ((6, 7, 16), (1, 9, 16), (2, 9, 8)),            # one key head, unbatched
+                   ((1, 2, 1, 6, 7, 16), (1, 2, 1, 2, 9, 16), (1, 1, 1, 3, 9, 8))]:  # six dimensions
         q, k, v = (_t(rng, *s).requires_grad_() for s in shapes)
         with mha.patch_torch_sdpa():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <numeric>
 #include <utility>
 
@@ -102,13 +104,19 @@ TensorView repeat_heads(const TensorView& t, int64_t to, Tensor& storage, const 
     throw Error(name + ": grouped attention with key and value head counts that differ copies the repeated heads on "
                 "the host; on " + t.device.str() + " give key and value the same head count");
   }
-  const int at = t.ndim - 2;  // the repeats: a dimension of stride 0 after the heads
-  Shape shape = t.sizes(), strides(t.strides.begin(), t.strides.begin() + t.ndim);
-  shape.insert(shape.begin() + at, to / t.size(-3));
-  strides.insert(strides.begin() + at, 0);
-  storage = Tensor::copy_of(TensorView(t.data, t.dtype, shape, strides));
   Shape repeated = t.sizes();
   repeated[t.ndim - 3] = to;
+  storage = Tensor::empty(repeated, t.dtype);  // (its size checked against overflow and memory)
+  const int64_t count = storage.view().numel();
+  if (count == 0) return TensorView(storage.view().data, t.dtype, repeated);
+  const Tensor dense = Tensor::copy_of(t);  // [..., h, rows, cols], contiguous
+  const int64_t h = t.size(-3), repeats = to / h, per_head = t.size(-2) * t.size(-1);
+  const int64_t slab = per_head * static_cast<int64_t>(dtype_size(t.dtype));  // one head's bytes
+  const int64_t outer = count / (to * per_head);
+  const auto* src = static_cast<const std::byte*>(dense.view().data);
+  auto* dst = static_cast<std::byte*>(storage.view().data);
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < to; ++i) std::memcpy(dst + (o * to + i) * slab, src + (o * h + i / repeats) * slab, slab);
   return TensorView(storage.view().data, t.dtype, repeated);
 }
 
