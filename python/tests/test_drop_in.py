@@ -151,3 +151,25 @@ def test_tensors_it_cannot_read_are_clear_errors(rng):
     with pytest.raises(ValueError, match="out_proj.weight: expected a CPU tensor"):
         m.out_proj.to("meta")
         m(x, x, x)
+
+
+def test_masks_that_require_grad_are_an_error_not_a_zero_gradient(rng):
+    """The module does not differentiate its masks: a float mask that requires grad (a learned
+    bias) is a ValueError, in the module and in the functional form, rather than a gradient left
+    at zero; without autograd (no_grad) or detached, the same mask is taken."""
+    m = mha.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.from_numpy(rng.standard_normal((2, 3, 8))).float()
+    bias = torch.from_numpy(rng.standard_normal((3, 3))).float().requires_grad_()
+    padding = torch.zeros(2, 3).requires_grad_()
+    with pytest.raises(ValueError, match="attn_mask: requires grad"):
+        m(x, x, x, attn_mask=bias)
+    with pytest.raises(ValueError, match="key_padding_mask: requires grad"):
+        m(x, x, x, key_padding_mask=padding)
+    with pytest.raises(ValueError, match="attn_mask: requires grad"):
+        mha.nn.functional.multi_head_attention_forward(
+            x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1), 8, 2, m.in_proj_weight, m.in_proj_bias, None,
+            None, False, 0.0, m.out_proj.weight, m.out_proj.bias, attn_mask=bias)
+    with torch.no_grad():
+        out, _ = m(x, x, x, attn_mask=bias)
+    ref, _ = m(x, x, x, attn_mask=bias.detach())
+    assert torch.equal(out, ref.detach())

@@ -55,6 +55,20 @@ def _check_dense_cpu(name: str, x) -> None:
         raise ValueError(f"{name}: expected a CPU tensor, got one on device '{x.device}'")
 
 
+def _check_masks_need_no_gradient(key_padding_mask, attn_mask) -> None:
+    """A float mask that requires grad (a learned bias passed as attn_mask, say) would get none
+    from the module's backward, which differentiates the inputs and parameters only: an error
+    rather than a gradient silently left at zero. (mha.scaled_dot_product_attention returns a
+    float mask's gradient.)"""
+    if not torch.is_grad_enabled():
+        return
+    for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+        if isinstance(mask, torch.Tensor) and mask.requires_grad:
+            raise ValueError(f"{name}: requires grad, but the module does not differentiate its masks; detach it, "
+                             "or add the bias to the scores through mha.scaled_dot_product_attention, which returns "
+                             "a float mask's gradient")
+
+
 def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool, query, key, value,
         key_padding_mask, need_weights: bool, attn_mask, average_attn_weights: bool, is_causal: bool):
     """(output, weights or None) of the C++ module `impl` (options `options`; None: a new one for
@@ -67,6 +81,7 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
                     ("attn_mask", attn_mask), *params.items()):
         _check_dense_cpu(name, x)
     dtype = checked_dtype(params)
+    _check_masks_need_no_gradient(key_padding_mask, attn_mask)
     if _compiling():
         return _traced(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
                        average_attn_weights, is_causal)
