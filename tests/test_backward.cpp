@@ -684,11 +684,11 @@ TEST(SdpaBackward, Errors) {
 struct ModuleCase {
   int64_t E, H, kdim, vdim, N, L, S;
   mha::MultiheadAttentionOptions options;
-  bool batched, cross, causal, use_kpm, use_mask, dropout;
+  bool batched, cross, causal, use_kpm, use_mask, dropout, float_kpm;
 };
 
 // The module's backward against central differences of the float64 module reference, over the
-// inputs and every parameter.
+// inputs, every parameter and the float masks.
 void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_64& rng) {
   mha::MultiheadAttention m(c.E, c.H, c.options);
   const bool bf = c.options.batch_first;
@@ -703,7 +703,10 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
   fo.is_causal = c.causal;
   fo.need_weights = false;
   mha::Tensor kpm, mask;
-  if (c.use_kpm) {
+  if (c.use_kpm && c.float_kpm) {  // additive, with its gradient asked for
+    kpm = randn(c.batched ? mha::Shape{c.N, c.S} : mha::Shape{c.S}, rng);
+    fo.key_padding_mask = kpm.view();
+  } else if (c.use_kpm) {
     kpm = c.batched ? mha::Tensor::zeros({c.N, c.S}, mha::DType::boolean) : mha::Tensor::zeros({c.S}, mha::DType::boolean);
     kpm.data<bool>()[kpm.numel() - 1] = c.S > 1;  // mask the last key (key 0 stays visible)
     fo.key_padding_mask = kpm.view();
@@ -721,7 +724,14 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
   const mha::TensorView kin = c.cross ? k32.view() : q32.view(), vin = c.cross ? v32.view() : q32.view();
   const auto result = m.forward(q32, kin, vin, fo, &ctx);
   const mha::Tensor grad = randn(result.output.sizes(), rng);
-  const mha::ModuleGradients g = m.backward(ctx, grad);
+  // The float masks' gradients too (a bool mask has none, asked or not).
+  const mha::ModuleGradients g = m.backward(ctx, grad, {.attn_mask = c.use_mask, .key_padding_mask = c.use_kpm});
+  EXPECT_EQ(g.attn_mask.defined(), c.use_mask);
+  EXPECT_EQ(g.key_padding_mask.defined(), c.use_kpm && c.float_kpm);
+  // The reference reads float64 copies of the float masks, so that they can be perturbed.
+  mha::Tensor mask64, kpm64;
+  if (c.use_mask) mask64 = mha::Tensor::copy_of(mask, mha::DType::f64), fo.attn_mask = mask64.view();
+  if (c.use_kpm && c.float_kpm) kpm64 = mha::Tensor::copy_of(kpm, mha::DType::f64), fo.key_padding_mask = kpm64.view();
 
   // float64 parameters: the reference then computes in float64 throughout.
   std::vector<std::pair<std::string, mha::Tensor>> params;
@@ -750,6 +760,8 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
     EXPECT_LT(finite_difference_error(query, sum, loss, floor), tol) << "query = key = value";
   }
   for (auto& [name, t] : params) EXPECT_LT(finite_difference_error(t, g.parameter(name), loss, floor), tol) << name;
+  if (c.use_mask) EXPECT_LT(finite_difference_error(mask64, g.attn_mask, loss, floor), tol) << "attn_mask";
+  if (kpm64.defined()) EXPECT_LT(finite_difference_error(kpm64, g.key_padding_mask, loss, floor), tol) << "key_padding_mask";
 }
 
 TEST(ModuleBackward, MatchesFiniteDifferencesOfTheReference) {
@@ -768,6 +780,7 @@ TEST(ModuleBackward, MatchesFiniteDifferencesOfTheReference) {
     c.batched = coin(0.8);
     c.causal = coin(0.3);
     c.use_kpm = coin(0.4);
+    c.float_kpm = coin(0.5);
     c.use_mask = coin(0.4);
     c.dropout = coin(0.3);
     c.options = {.dropout = c.dropout ? 0.3 : 0.0, .bias = coin(0.7), .add_bias_kv = coin(0.4),

@@ -109,13 +109,16 @@ class ForwardContext {
 // weights fixed, requires_grad false) saves its dW = dY^T X product, half the projections'
 // backward FLOPs when every weight is frozen. Those left out are undefined tensors in
 // ModuleGradients.
+// A float attn_mask or key_padding_mask (a learned bias) gets its gradient only when asked.
 struct WantedGradients {
   bool query = true, key = true, value = true;
   std::vector<std::string> frozen_parameters;  // names from named_parameters()
+  bool attn_mask = false, key_padding_mask = false;  // (a bool mask has none)
 };
 
 struct ModuleGradients {
   Tensor query, key, value;                                 // shaped like the inputs (or undefined: WantedGradients)
+  Tensor attn_mask, key_padding_mask;                       // float32, shaped like the masks, where asked for
   std::vector<std::pair<std::string, Tensor>> parameters;  // named_parameters() order (frozen: undefined)
   const Tensor& parameter(const std::string& name) const;
 };

@@ -70,6 +70,7 @@ class ModuleFunction(torch.autograd.Function):
                                                      _detached(attn_mask), average, is_causal, dropout_seed,
                                                      num_threads, {name: p.detach() for name, p in zip(names, params)})
         ctx.module, ctx.names, ctx.context = module, names, context
+        ctx.mask_dtypes = tuple(None if m is None else m.dtype for m in (key_padding_mask, attn_mask))
         ctx.save_for_backward(*params)
         weights = None if weights is None else _tensor(weights)
         if weights is not None:
@@ -82,10 +83,13 @@ class ModuleFunction(torch.autograd.Function):
         # Gradients only where autograd needs them: a key and value that need none (a frozen
         # encoder's output) save their projections' dX products, a frozen parameter its dW.
         frozen = [name for name, needed in zip(ctx.names, ctx.needs_input_grad[8:]) if not needed]
-        dq, dk, dv, dparams = ctx.module.backward(ctx.context, grad_output.detach().contiguous(),
-                                                  {name: p.detach() for name, p in zip(ctx.names, params)},
-                                                  tuple(ctx.needs_input_grad[3:6]), frozen)
+        # A float mask that requires grad (a learned bias) gets dS summed as it broadcasts.
+        dq, dk, dv, dparams, dpadding, dmask = ctx.module.backward(
+            ctx.context, grad_output.detach().contiguous(), {name: p.detach() for name, p in zip(ctx.names, params)},
+            tuple(ctx.needs_input_grad[3:6]), frozen, tuple(ctx.needs_input_grad[6:8]))
         ctx.context = None  # free the saved activations
         param_grads = [_tensor(dparams[name]) if name in dparams else None for name in ctx.names]
         dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
-        return (None, None, None, dq, dk, dv, None, None, *param_grads)
+        dpadding, dmask = (None if d is None else _tensor(d).to(dtype)
+                           for d, dtype in zip((dpadding, dmask), ctx.mask_dtypes))
+        return (None, None, None, dq, dk, dv, dpadding, dmask, *param_grads)

@@ -238,7 +238,7 @@ def multihead_attention_backward(grad_output: torch.Tensor, query: torch.Tensor,
     seed = _seed_value(dropout_seed) if flags[4] and dropout > 0 else None
     names = names.split(",")
     frozen = [name for name, w in zip(names, wanted[3:]) if not w]
-    dq, dk, dv, dparams = module.backward_restored(query, key, value, key_padding_mask, attn_mask, is_causal, seed, 0,
+    dq, dk, dv, dparams, _, _ = module.backward_restored(query, key, value, key_padding_mask, attn_mask, is_causal, seed, 0,
                                                    tuple(activations), grad_output.to(query.dtype).contiguous(),
                                                    dict(zip(names, parameters)), tuple(bool(w) for w in wanted[:3]),
                                                    frozen)

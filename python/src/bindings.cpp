@@ -133,15 +133,20 @@ std::tuple<NumpyArray, std::optional<NumpyArray>, mha::ForwardContext> module_fo
   return {to_numpy(r.output), w, std::move(context)};
 }
 
-// The gradients as arrays: an input's None where `wanted` (query, key, value) left it out, and
-// no entry for a parameter named in `frozen`.
+// The gradients as arrays: an input's None where `wanted` (query, key, value) left it out, no
+// entry for a parameter named in `frozen`, and the float masks' (key_padding_mask, attn_mask)
+// where `masks_wanted` asks for them (else None).
 using MaybeArray = std::optional<NumpyArray>;
-std::tuple<MaybeArray, MaybeArray, MaybeArray, std::unordered_map<std::string, NumpyArray>> module_backward(
-    const mha::MultiheadAttention& m, const mha::ForwardContext& context, const Array& grad_output,
-    const ParameterArrays& params, std::tuple<bool, bool, bool> wanted, std::vector<std::string> frozen) {
+using ModuleGradientArrays =
+    std::tuple<MaybeArray, MaybeArray, MaybeArray, std::unordered_map<std::string, NumpyArray>, MaybeArray, MaybeArray>;
+ModuleGradientArrays module_backward(const mha::MultiheadAttention& m, const mha::ForwardContext& context,
+                                     const Array& grad_output, const ParameterArrays& params,
+                                     std::tuple<bool, bool, bool> wanted, std::vector<std::string> frozen,
+                                     std::tuple<bool, bool> masks_wanted) {
   const mha::TensorView g = view_of(grad_output, "grad_output");
   const std::optional<mha::ParameterViews> p = parameter_views(params);
-  const mha::WantedGradients inputs{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted), std::move(frozen)};
+  const mha::WantedGradients inputs{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted), std::move(frozen),
+                                    std::get<1>(masks_wanted), std::get<0>(masks_wanted)};
   mha::ModuleGradients r;
   {
     nb::gil_scoped_release release;
@@ -151,12 +156,12 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, std::unordered_map<std::string, N
   for (const auto& [name, t] : r.parameters)
     if (t.defined()) grads.emplace(name, to_numpy(t));
   auto maybe = [](const mha::Tensor& t) { return t.defined() ? MaybeArray(to_numpy(t)) : std::nullopt; };
-  return {maybe(r.query), maybe(r.key), maybe(r.value), grads};
+  return {maybe(r.query), maybe(r.key), maybe(r.value), grads, maybe(r.key_padding_mask), maybe(r.attn_mask)};
 }
 
 // The backward of a training forward whose context was kept as tensors (activations(), below):
 // the context is rebuilt from them and the forward's inputs and options, then the backward runs.
-std::tuple<MaybeArray, MaybeArray, MaybeArray, std::unordered_map<std::string, NumpyArray>> module_backward_restored(
+ModuleGradientArrays module_backward_restored(
     const mha::MultiheadAttention& m, const Array& query, const Array& key, const Array& value,
     const std::optional<Array>& key_padding_mask, const std::optional<Array>& attn_mask, bool is_causal,
     std::optional<uint64_t> dropout_seed, int num_threads, std::tuple<Array, Array, Array, Array, Array> activations,
@@ -174,7 +179,7 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, std::unordered_map<std::string, N
     nb::gil_scoped_release release;  // the arrays keep the inputs and activations alive meanwhile
     context = m.restore_context(q, k, v, o, saved);
   }
-  return module_backward(m, context, grad_output, params, wanted, std::move(frozen));
+  return module_backward(m, context, grad_output, params, wanted, std::move(frozen), {false, false});
 }
 
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
@@ -307,7 +312,7 @@ NB_MODULE(_mha, m) {
            nb::arg("num_threads"), nb::arg("params").none() = nb::none())
       .def("backward", &module_backward, nb::arg("context"), nb::arg("grad_output"),
            nb::arg("params").none() = nb::none(), nb::arg("wanted") = std::make_tuple(true, true, true),
-           nb::arg("frozen") = std::vector<std::string>())
+           nb::arg("frozen") = std::vector<std::string>(), nb::arg("masks_wanted") = std::make_tuple(false, false))
       .def("backward_restored", &module_backward_restored, nb::arg("query"), nb::arg("key"), nb::arg("value"),
            nb::arg("key_padding_mask").none(), nb::arg("attn_mask").none(), nb::arg("is_causal"),
            nb::arg("dropout_seed").none(), nb::arg("num_threads"), nb::arg("activations"), nb::arg("grad_output"),

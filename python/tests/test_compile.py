@@ -209,6 +209,19 @@ def test_module_dropout_under_compile_draws_fresh_masks(rng):
         assert torch.equal(compiled(x), m(x, x, x, need_weights=False)[0])
 
 
+def test_module_masks_that_require_grad_are_an_error_under_compile(rng):
+    """The module's graph node does not differentiate its masks: a float mask that requires grad
+    is a ValueError under torch.compile, not a gradient left at zero (eager calls return it)."""
+    m = mha.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.from_numpy(rng.standard_normal((2, 5, 16))).float()
+    bias = torch.zeros(5, 5, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, b: m(x, x, x, attn_mask=b, need_weights=False)[0], backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(Exception, match="attn_mask: requires grad"):
+        compiled(x, bias)
+
+
 def test_module_training_compiles_into_one_graph(rng):
     """mha.nn.MultiheadAttention with gradients to compute: one node, mha::multihead_attention_train,
     whose backward node rebuilds the C++ context from the saved activations; the output, the

@@ -153,23 +153,36 @@ def test_tensors_it_cannot_read_are_clear_errors(rng):
         m(x, x, x)
 
 
-def test_masks_that_require_grad_are_an_error_not_a_zero_gradient(rng):
-    """The module does not differentiate its masks: a float mask that requires grad (a learned
-    bias) is a ValueError, in the module and in the functional form, rather than a gradient left
-    at zero; without autograd (no_grad) or detached, the same mask is taken."""
-    m = mha.nn.MultiheadAttention(8, 2, batch_first=True)
-    x = torch.from_numpy(rng.standard_normal((2, 3, 8))).float()
-    bias = torch.from_numpy(rng.standard_normal((3, 3))).float().requires_grad_()
-    padding = torch.zeros(2, 3).requires_grad_()
-    with pytest.raises(ValueError, match="attn_mask: requires grad"):
-        m(x, x, x, attn_mask=bias)
-    with pytest.raises(ValueError, match="key_padding_mask: requires grad"):
-        m(x, x, x, key_padding_mask=padding)
-    with pytest.raises(ValueError, match="attn_mask: requires grad"):
-        mha.nn.functional.multi_head_attention_forward(
-            x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1), 8, 2, m.in_proj_weight, m.in_proj_bias, None,
-            None, False, 0.0, m.out_proj.weight, m.out_proj.bias, attn_mask=bias)
-    with torch.no_grad():
-        out, _ = m(x, x, x, attn_mask=bias)
-    ref, _ = m(x, x, x, attn_mask=bias.detach())
-    assert torch.equal(out, ref.detach())
+@pytest.mark.parametrize("case", ["2-D mask", "3-D mask", "bias_kv and zero_attn", "unbatched",
+                                  "unbatched 3-D", "weights", "sequence-first", "bfloat16"])
+def test_float_masks_get_their_gradients_as_in_pytorch(rng, case):
+    """A float attn_mask and key_padding_mask that require grad (learned biases) get PyTorch's
+    gradients: dS summed over the batch and heads ([L, S]), per batch entry and head
+    ([N * H, L, S]), over the heads and queries (key_padding_mask [N, S]), without the appended
+    bias_k / zero columns. Within float32 rounding (1e-5 of the largest), bfloat16 2e-2."""
+    E, H, L, S, N = 16, 2, 5, 7, 2
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    batched = not case.startswith("unbatched")
+    extra = case == "bias_kv and zero_attn"
+    first = case != "sequence-first"
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=first, add_bias_kv=extra, add_zero_attn=extra).to(dtype)
+    ours = mha.nn.MultiheadAttention.from_torch(theirs)
+
+    def t(*shape):
+        return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
+
+    def seq(n):  # an input of n rows in the module's layout
+        return (t(N, n, E) if first else t(n, N, E)) if batched else t(n, E)
+
+    x, y = seq(L), seq(S)
+    heads = N * H if batched else H
+    mask = (t(heads, L, S) if "3-D" in case else t(L, S)).requires_grad_()
+    padding = (t(N, S) if batched else t(S)).requires_grad_()
+    grads = []
+    for module in (theirs, ours):
+        out, _ = module(x, y, y, attn_mask=mask, key_padding_mask=padding, need_weights=case == "weights")
+        grads.append(torch.autograd.grad(out, (mask, padding), torch.ones_like(out)))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(grads[1], grads[0]):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/batch_dims.hpp"
 #include "core/parallel_copy.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "mha/multihead_attention.hpp"
@@ -161,8 +162,14 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   };
   float* d_bias_k = options_.add_bias_kv ? grad_of("bias_k") : nullptr;
   float* d_bias_v = options_.add_bias_kv ? grad_of("bias_v") : nullptr;
+  // A float mask's gradient is dS (over the S keys given, not the appended ones), summed over
+  // what the mask broadcasts along.
+  auto float_mask = [](const std::optional<TensorView>& m) { return m && m->dtype != DType::boolean; };
+  const bool attn_mask_grad = wanted.attn_mask && float_mask(c.attn_mask);
+  const bool padding_grad = wanted.key_padding_mask && float_mask(c.key_padding_mask);
   const bool attention_runs = projections[0].needs_dy() || projections[1].needs_dy() || projections[2].needs_dy() ||
-                              d_bias_k || d_bias_v;
+                              d_bias_k || d_bias_v || attn_mask_grad || padding_grad;
+  const Tensor dscores = attn_mask_grad || padding_grad ? Tensor::empty({N, H, L, St}) : Tensor();
 
   // 1. Output projection (dA only when the attention's backward runs).
   const Rows dy = batch_major_rows(as_nle(grad_output), threads);  // [N, L, E]
@@ -198,7 +205,24 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
     heads_of(dq, &out.dq, out.dq_strides);
     heads_of(dk, &out.dk, out.dk_strides);
     heads_of(dv, &out.dv, out.dv_strides);
+    if (dscores.defined()) {
+      out.dscores = dscores.data<float>();
+      for (int d = 0; d < 4; ++d) out.dscores_strides[d] = dscores.view().strides[d];
+    }
     detail::run_attention_backward(p, in, out);
+  }
+  if (dscores.defined()) {
+    const TensorView ds = dscores.view().slice(3, 0, S);  // [N, H, L, S]
+    if (attn_mask_grad && c.attn_mask->ndim == 3) {  // [N * H, L, S]: one slice per (batch entry, head)
+      g.attn_mask = Tensor::copy_of(TensorView(ds.data, DType::f32, {N * H, L, S}, {ds.strides[1], ds.strides[2], 1}));
+    } else if (attn_mask_grad) {  // [L, S]: summed over the batch and the heads
+      g.attn_mask = detail::sum_to_shape(ds, c.attn_mask->sizes(), DType::f32, threads);
+    }
+    if (padding_grad) {  // [N, S] (or [S] unbatched): summed over the heads and the queries
+      const Tensor summed = detail::sum_to_shape(TensorView(ds.data, DType::f32, {N, H * L, S}, {ds.strides[0], ds.strides[2], 1}),
+                                                 {N, 1, S}, DType::f32, threads);
+      g.key_padding_mask = Tensor::copy_of(TensorView(summed.view().data, DType::f32, c.key_padding_mask->sizes()));
+    }
   }
 
   // 3. bias_k and bias_v receive the gradient of their appended row, summed over the batch.

@@ -31,9 +31,11 @@ TensorView batch_major(const TensorView& t, bool batched, bool batch_first) {
   return batch_first ? t : t.transpose(0, 1);
 }
 
-// Masks are bool, float32, or (a float mask) the module's own dtype.
-void check_mask_dtype(const TensorView& mask, const std::string& name, DType module_dtype) {
-  if (mask.dtype != DType::boolean && mask.dtype != DType::f32 && mask.dtype != module_dtype) {
+// Masks are bool, float32, or (a float mask) the module's own dtype; for the reference
+// (any_float), float64 too, so that finite differences can perturb them.
+void check_mask_dtype(const TensorView& mask, const std::string& name, DType module_dtype, bool any_float) {
+  if (mask.dtype != DType::boolean && mask.dtype != DType::f32 && mask.dtype != module_dtype &&
+      !(any_float && mask.dtype == DType::f64)) {
     throw Error(name + ": expected dtype bool, float32 or the module's " + std::string(dtype_name(module_dtype)) +
                 ", got " + std::string(dtype_name(mask.dtype)));
   }
@@ -89,7 +91,7 @@ ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& q
 
   if (options.attn_mask) {
     const TensorView& a = *options.attn_mask;
-    check_mask_dtype(a, "attn_mask", m.dtype());
+    check_mask_dtype(a, "attn_mask", m.dtype(), any_float);
     if (a.ndim == 2) {
       if (a.shape[0] != L || a.shape[1] != S) {
         throw Error("attn_mask: expected 2-D shape " + shape_of({L, S}) + " (L, S), got " + a.shape_str());
@@ -113,7 +115,7 @@ ModuleCall validate_module_call(const MultiheadAttention& m, const TensorView& q
   }
   if (options.key_padding_mask) {
     const TensorView& k = *options.key_padding_mask;
-    check_mask_dtype(k, "key_padding_mask", m.dtype());
+    check_mask_dtype(k, "key_padding_mask", m.dtype(), any_float);
     if (c.batched) {
       if (k.ndim != 2 || k.shape[0] != N || k.shape[1] != S) {
         throw Error("key_padding_mask: expected shape " + shape_of({N, S}) + " (N, S), got " + k.shape_str());
@@ -156,8 +158,9 @@ MaskTerms module_mask_terms(const ModuleCall& c, int64_t num_heads) {
       }
       view = p;
     };
-    // Additive terms are read as float32: a float mask in the module's bfloat16/float16 is widened.
-    if (view.dtype != DType::boolean && view.dtype != DType::f32) use_copy(Tensor::copy_of(view, DType::f32));
+    // Additive terms are read as float32: a float mask in the module's bfloat16/float16 is widened
+    // (a float64 one, which only the reference takes, stays float64).
+    if (view.dtype == DType::bf16 || view.dtype == DType::f16) use_copy(Tensor::copy_of(view, DType::f32));
     if (c.extra_keys > 0) use_copy(pad_columns(view, c.extra_keys));
     MaskTerm t;
     t.data = view.data;

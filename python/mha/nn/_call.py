@@ -56,17 +56,15 @@ def _check_dense_cpu(name: str, x) -> None:
 
 
 def _check_masks_need_no_gradient(key_padding_mask, attn_mask) -> None:
-    """A float mask that requires grad (a learned bias passed as attn_mask, say) would get none
-    from the module's backward, which differentiates the inputs and parameters only: an error
-    rather than a gradient silently left at zero. (mha.scaled_dot_product_attention returns a
-    float mask's gradient.)"""
+    """Under torch.compile, the module's graph node differentiates the inputs and parameters only:
+    a float mask that requires grad (a learned bias passed as attn_mask, say) is an error there
+    rather than a gradient silently left at zero. (Eager calls return its gradient.)"""
     if not torch.is_grad_enabled():
         return
     for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if isinstance(mask, torch.Tensor) and mask.requires_grad:
-            raise ValueError(f"{name}: requires grad, but the module does not differentiate its masks; detach it, "
-                             "or add the bias to the scores through mha.scaled_dot_product_attention, which returns "
-                             "a float mask's gradient")
+            raise ValueError(f"{name}: requires grad, but under torch.compile the module does not differentiate "
+                             "its masks; detach it, or call the module eagerly (which returns a float mask's gradient)")
 
 
 def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool, query, key, value,
@@ -81,8 +79,8 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
                     ("attn_mask", attn_mask), *params.items()):
         _check_dense_cpu(name, x)
     dtype = checked_dtype(params)
-    _check_masks_need_no_gradient(key_padding_mask, attn_mask)
     if _compiling():
+        _check_masks_need_no_gradient(key_padding_mask, attn_mask)
         return _traced(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
                        average_attn_weights, is_causal)
     _auto_threading()
@@ -94,7 +92,8 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
         impl.train(training)
     seed = int(torch.randint(0, 2**62, (1,)).item()) if training and options.dropout > 0 else None
     flags = (bool(need_weights), bool(average_attn_weights), bool(is_causal), seed, 0)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *params.values()))):
+    masks = [m for m in (key_padding_mask, attn_mask) if isinstance(m, torch.Tensor)]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *masks, *params.values()))):
         # Nothing to differentiate (inference, or a module and inputs all frozen): no
         # activations saved for a backward that will not come.
         out, weights = impl.forward(query.detach(), key.detach(), value.detach(),
