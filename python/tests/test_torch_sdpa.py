@@ -50,6 +50,19 @@ def test_calls_it_cannot_take_go_to_pytorch(rng):
             assert torch.equal(F.scaled_dot_product_attention(*args, **kwargs), ORIGINAL(*args, **kwargs))
 
 
+def _expect_float64_pytorch(rng, out, inputs, **kwargs):
+    """out (float32, from `inputs`) within 1e-5 of PyTorch's float64 result with `kwargs`, and its
+    gradients for a random output gradient within 1e-5 of PyTorch's (of at least 1)."""
+    ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
+    ref = ORIGINAL(*ref_inputs, **kwargs)
+    assert out.shape == ref.shape
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    g = _t(rng, *out.shape)
+    for a, b in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, ref_inputs, g.double())):
+        assert a.shape == b.shape
+        assert (a.double() - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
 def test_grouped_key_and_value_heads_that_differ_are_ours(rng):
     """enable_gqa with key and value head counts of their own (PyTorch repeats each Hq / H times):
     the patched call is mha's, and within float32 rounding of PyTorch's float64 result, gradients
@@ -62,14 +75,7 @@ def test_grouped_key_and_value_heads_that_differ_are_ours(rng):
         with mha.patch_torch_sdpa():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         assert torch.equal(out, mha.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-        ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-        ref = ORIGINAL(*ref_inputs, is_causal=True, enable_gqa=True)
-        assert out.shape == ref.shape
-        assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-        g = _t(rng, *out.shape)
-        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, ref_inputs, g.double())):
-            assert a.shape == b.shape
-            assert (a.double() - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+        _expect_float64_pytorch(rng, out, (q, k, v), is_causal=True, enable_gqa=True)
 
 
 def test_batch_dimensions_broadcast_as_in_pytorch(rng):
@@ -83,14 +89,7 @@ def test_batch_dimensions_broadcast_as_in_pytorch(rng):
         q, k, v = (_t(rng, *s).requires_grad_() for s in shapes)
         with mha.patch_torch_sdpa():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-        ref = ORIGINAL(*ref_inputs, is_causal=True)
-        assert out.shape == ref.shape
-        assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-        g = _t(rng, *out.shape)
-        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, ref_inputs, g.double())):
-            assert a.shape == b.shape
-            assert (a.double() - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+        _expect_float64_pytorch(rng, out, (q, k, v), is_causal=True)
 
 
 def test_dropout_follows_torch_manual_seed(rng):
