@@ -72,8 +72,9 @@ inline double rel_error(const mha::TensorView& a, const mha::TensorView& r, doub
 }
 
 inline bool same_bits(const mha::TensorView& a, const mha::TensorView& b) {
-  return a.sizes() == b.sizes() && a.dtype == b.dtype && a.is_contiguous() && b.is_contiguous() &&
-         std::memcmp(a.data, b.data, static_cast<size_t>(a.numel() * mha::dtype_size(a.dtype))) == 0;
+  if (a.sizes() != b.sizes() || a.dtype != b.dtype || !a.is_contiguous() || !b.is_contiguous()) return false;
+  const size_t bytes = static_cast<size_t>(a.numel() * mha::dtype_size(a.dtype));
+  return bytes == 0 || std::memcmp(a.data, b.data, bytes) == 0;  // (an empty tensor's data may be null)
 }
 
 }  // namespace mha_test
