@@ -187,18 +187,18 @@ Tensor sum_to_shape(const TensorView& full, const Shape& target, DType dtype, in
     }
     acc_strides[d] = acc.view().strides[td];
   }
+  if (full.dtype != DType::f32 && full.dtype != DType::f64) {
+    throw Error("sum_to_shape: expected a float32 or float64 tensor, got " + std::string(dtype_name(full.dtype)));
+  }
   if (full.numel() == 0) return dtype == acc_dtype ? acc : Tensor::copy_of(acc, dtype);  // empty sums: zeros
   const bool by_rows = n >= 1 && full.shape[n - 1] > 1 && full.strides[n - 1] == 1 && acc_strides[n - 1] == 1;
-  if (full.dtype == DType::f32 && acc_dtype == DType::f32) {
-    if (by_rows) accumulate_rows<float, float>(full, acc_strides, acc.data<float>(), threads);
-    else accumulate<float, float>(full, acc_strides, acc.data<float>());
-  } else if (full.dtype == DType::f32) {
-    if (by_rows) accumulate_rows<float, double>(full, acc_strides, acc.data<double>(), threads);
-    else accumulate<float, double>(full, acc_strides, acc.data<double>());
-  } else if (full.dtype == DType::f64 && acc_dtype == DType::f64) {
-    if (by_rows) accumulate_rows<double, double>(full, acc_strides, acc.data<double>(), threads);
-    else accumulate<double, double>(full, acc_strides, acc.data<double>());
-  } else throw Error("sum_to_shape: expected a float32 or float64 tensor, got " + std::string(dtype_name(full.dtype)));
+  auto sum = [&]<class Src, class Acc>(Acc* into) {
+    if (by_rows) accumulate_rows<Src, Acc>(full, acc_strides, into, threads);
+    else accumulate<Src, Acc>(full, acc_strides, into);
+  };
+  if (full.dtype == DType::f32 && acc_dtype == DType::f32) sum.operator()<float, float>(acc.data<float>());
+  else if (full.dtype == DType::f32) sum.operator()<float, double>(acc.data<double>());
+  else sum.operator()<double, double>(acc.data<double>());
   return dtype == acc_dtype ? acc : Tensor::copy_of(acc, dtype);
 }
 
