@@ -437,20 +437,23 @@ TEST(SdpaBackward, UnpackedFloat32RowsGiveTheBitsOfPackedCopies) {
 }
 
 // Central differences of f with respect to every element of `x` (float64), against `analytic`.
-// Relative to the gradient's largest element, or to `floor` when that is smaller.
+// Relative to the gradient's largest element, or to `floor` when that is smaller. The five-point
+// stencil, whose error is h^4 f^(5) / 30 plus the loss's rounding, about 2^-53 |f| / h: with
+// h = 1e-4, some 1e-11 of the gradients here (the three-point one with h = 1e-6 erred by 1e-9).
 double finite_difference_error(mha::Tensor& x, const mha::TensorView& analytic, const std::function<double()>& f,
                                double floor = 1e-12) {
   double worst = 0, scale = std::max(max_abs(analytic), floor);
   const mha::Tensor a = mha::Tensor::copy_of(analytic, mha::DType::f64);
   for (int64_t i = 0; i < x.numel(); ++i) {
     double& xi = x.data<double>()[i];
-    const double saved = xi, h = 1e-6;
-    xi = saved + h;
-    const double plus = f();
-    xi = saved - h;
-    const double minus = f();
+    const double saved = xi, h = 1e-4;
+    auto at = [&](double step) {
+      xi = saved + step;
+      return f();
+    };
+    const double difference = (8 * (at(h) - at(-h)) - (at(2 * h) - at(-2 * h))) / (12 * h);
     xi = saved;
-    worst = std::max(worst, std::abs((plus - minus) / (2 * h) - a.data<double>()[i]));
+    worst = std::max(worst, std::abs(difference - a.data<double>()[i]));
   }
   // A case whose gradients are all exactly zero (dropout took every weight, no bias) has scale 0:
   // the differences must then be zero too, in absolute terms.
@@ -683,13 +686,14 @@ TEST(SdpaBackward, Errors) {
 
 struct ModuleCase {
   int64_t E, H, kdim, vdim, N, L, S;
-  mha::MultiheadAttentionOptions options;
+  mha::MultiheadAttentionOptions options;  // (its dtype: float32 or float64)
   bool batched, cross, causal, use_kpm, use_mask, dropout, float_kpm;
 };
 
 // The module's backward against central differences of the float64 module reference, over the
 // inputs, every parameter and the float masks.
 void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_64& rng) {
+  const mha::DType dtype = c.options.dtype;
   mha::MultiheadAttention m(c.E, c.H, c.options);
   const bool bf = c.options.batch_first;
   auto shape = [&](int64_t len, int64_t width) -> mha::Shape {
@@ -704,7 +708,7 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
   fo.need_weights = false;
   mha::Tensor kpm, mask;
   if (c.use_kpm && c.float_kpm) {  // additive, with its gradient asked for
-    kpm = randn(c.batched ? mha::Shape{c.N, c.S} : mha::Shape{c.S}, rng);
+    kpm = randn(c.batched ? mha::Shape{c.N, c.S} : mha::Shape{c.S}, rng, dtype);
     fo.key_padding_mask = kpm.view();
   } else if (c.use_kpm) {
     kpm = c.batched ? mha::Tensor::zeros({c.N, c.S}, mha::DType::boolean) : mha::Tensor::zeros({c.S}, mha::DType::boolean);
@@ -712,18 +716,19 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
     fo.key_padding_mask = kpm.view();
   }
   if (c.use_mask) {
-    mask = randn({c.L, c.S}, rng);
+    mask = randn({c.L, c.S}, rng, dtype);
     fo.attn_mask = mask.view();
   }
   if (c.dropout) fo.dropout_seed = rng();
   m.train(c.dropout);
 
-  const mha::Tensor q32 = mha::Tensor::copy_of(query, mha::DType::f32), k32 = mha::Tensor::copy_of(key, mha::DType::f32),
-                    v32 = mha::Tensor::copy_of(value, mha::DType::f32);
+  const mha::Tensor q_in = mha::Tensor::copy_of(query, dtype), k_in = mha::Tensor::copy_of(key, dtype),
+                    v_in = mha::Tensor::copy_of(value, dtype);
   mha::ForwardContext ctx;
-  const mha::TensorView kin = c.cross ? k32.view() : q32.view(), vin = c.cross ? v32.view() : q32.view();
-  const auto result = m.forward(q32, kin, vin, fo, &ctx);
-  const mha::Tensor grad = randn(result.output.sizes(), rng);
+  const mha::TensorView kin = c.cross ? k_in.view() : q_in.view(), vin = c.cross ? v_in.view() : q_in.view();
+  const auto result = m.forward(q_in, kin, vin, fo, &ctx);
+  const mha::Tensor grad = randn(result.output.sizes(), rng, dtype);
+  const mha::Tensor grad64 = mha::Tensor::copy_of(grad, mha::DType::f64);
   // The float masks' gradients too (a bool mask has none, asked or not).
   const mha::ModuleGradients g = m.backward(ctx, grad, {.attn_mask = c.use_mask, .key_padding_mask = c.use_kpm});
   EXPECT_EQ(g.attn_mask.defined(), c.use_mask);
@@ -741,12 +746,15 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
   auto loss = [&]() {
     const auto out = mha::reference::multihead_attention(m, query, key, value, fo, c.dropout, views).output;
     double s = 0;
-    for (int64_t i = 0; i < out.numel(); ++i) s += out.data<double>()[i] * grad.data<float>()[i];
+    for (int64_t i = 0; i < out.numel(); ++i) s += out.data<double>()[i] * grad64.data<double>()[i];
     return s;
   };
   // float32 gradients against float64 differences: 1e-4 of the gradient's size, or of 1% of the
   // case's largest gradient for one that is zero in exact arithmetic (q/k weights with one key).
-  const double tol = 1e-4;
+  // float64 gradients: the differences err by about 1e-11 (finite_difference_error), 1e-10 where
+  // the floor above is the scale; 1e-8 leaves
+  // room and is far below what one float32 step anywhere would cost (1e-7 and up).
+  const double tol = dtype == mha::DType::f64 ? 1e-8 : 1e-4;
   double largest = std::max({max_abs(g.query), max_abs(g.key), max_abs(g.value)});
   for (const auto& [name, t] : g.parameters) largest = std::max(largest, max_abs(t));
   const double floor = 0.01 * largest;
@@ -756,7 +764,8 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
     EXPECT_LT(finite_difference_error(value, g.value, loss, floor), tol) << "value";
   } else {  // one tensor passed three times: its gradient is the sum of the three
     mha::Tensor sum = mha::Tensor::copy_of(g.query, mha::DType::f64);
-    for (int64_t i = 0; i < sum.numel(); ++i) sum.data<double>()[i] += g.key.data<float>()[i] + g.value.data<float>()[i];
+    const mha::Tensor gk = mha::Tensor::copy_of(g.key, mha::DType::f64), gv = mha::Tensor::copy_of(g.value, mha::DType::f64);
+    for (int64_t i = 0; i < sum.numel(); ++i) sum.data<double>()[i] += gk.data<double>()[i] + gv.data<double>()[i];
     EXPECT_LT(finite_difference_error(query, sum, loss, floor), tol) << "query = key = value";
   }
   for (auto& [name, t] : params) EXPECT_LT(finite_difference_error(t, g.parameter(name), loss, floor), tol) << name;
@@ -764,9 +773,10 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
   if (kpm64.defined()) EXPECT_LT(finite_difference_error(kpm64, g.key_padding_mask, loss, floor), tol) << "key_padding_mask";
 }
 
-TEST(ModuleBackward, MatchesFiniteDifferencesOfTheReference) {
+// `cases` random modules of `dtype` against central differences of the reference.
+void check_random_modules_against_finite_differences(mha::DType dtype, int cases) {
   std::mt19937_64 rng(test_seed());
-  for (int n = 0; n < 12; ++n) {
+  for (int n = 0; n < cases; ++n) {
     auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
     ModuleCase c{};
     c.H = 1 + static_cast<int64_t>(rng() % 3);
@@ -785,7 +795,7 @@ TEST(ModuleBackward, MatchesFiniteDifferencesOfTheReference) {
     c.dropout = coin(0.3);
     c.options = {.dropout = c.dropout ? 0.3 : 0.0, .bias = coin(0.7), .add_bias_kv = coin(0.4),
                  .add_zero_attn = coin(0.3), .kdim = c.kdim, .vdim = c.vdim, .batch_first = coin(0.5),
-                 .seed = rng()};
+                 .seed = rng(), .dtype = dtype};
     SCOPED_TRACE("case " + std::to_string(n) + ": E=" + std::to_string(c.E) + " H=" + std::to_string(c.H) +
                  " kdim=" + std::to_string(c.kdim) + " vdim=" + std::to_string(c.vdim) + " L=" + std::to_string(c.L) +
                  " S=" + std::to_string(c.S) + " cross=" + std::to_string(c.cross) +
@@ -795,22 +805,37 @@ TEST(ModuleBackward, MatchesFiniteDifferencesOfTheReference) {
   }
 }
 
+TEST(ModuleBackward, MatchesFiniteDifferencesOfTheReference) {
+  check_random_modules_against_finite_differences(mha::DType::f32, 12);
+}
+
+// A float64 module's gradients are float64 throughout (what torch.autograd.gradcheck needs).
+TEST(ModuleBackward, Float64ModuleMatchesFiniteDifferencesToFloat64Accuracy) {
+  check_random_modules_against_finite_differences(mha::DType::f64, 12);
+}
+
 TEST(ModuleBackward, BitIdenticalAcrossThreadCountsAndErrors) {
   std::mt19937_64 rng(test_seed());
+  for (const mha::DType dtype : {mha::DType::f32, mha::DType::f64}) {
+    SCOPED_TRACE(mha::dtype_name(dtype));
+    mha::MultiheadAttention m(32, 4, {.dropout = 0.2, .add_bias_kv = true, .seed = 3, .dtype = dtype});
+    const mha::Tensor x = randn({70, 3, 32}, rng, dtype), grad = randn({70, 3, 32}, rng, dtype);
+    mha::ModuleGradients first;
+    for (int threads : {1, 2, 3}) {
+      mha::ForwardContext ctx;
+      m.forward(x, x, x, {.need_weights = false, .is_causal = true, .dropout_seed = 9, .num_threads = threads}, &ctx);
+      mha::ModuleGradients g = m.backward(ctx, grad);
+      if (threads == 1) {
+        first = std::move(g);
+        continue;
+      }
+      EXPECT_TRUE(same_bits(g.query, first.query));
+      for (const auto& [name, t] : g.parameters) EXPECT_TRUE(same_bits(t, first.parameter(name))) << name;
+    }
+  }
   mha::MultiheadAttention m(32, 4, {.dropout = 0.2, .add_bias_kv = true, .seed = 3});
   const mha::Tensor x = randn({70, 3, 32}, rng), grad = randn({70, 3, 32}, rng);
   mha::ModuleGradients first;
-  for (int threads : {1, 2, 3}) {
-    mha::ForwardContext ctx;
-    m.forward(x, x, x, {.need_weights = false, .is_causal = true, .dropout_seed = 9, .num_threads = threads}, &ctx);
-    mha::ModuleGradients g = m.backward(ctx, grad);
-    if (threads == 1) {
-      first = std::move(g);
-      continue;
-    }
-    EXPECT_TRUE(same_bits(g.query, first.query));
-    for (const auto& [name, t] : g.parameters) EXPECT_TRUE(same_bits(t, first.parameter(name))) << name;
-  }
   mha::ForwardContext empty;
   EXPECT_THROW(m.backward(empty, grad), mha::Error);
   mha::ForwardContext ctx;
@@ -918,18 +943,21 @@ TEST(ModuleBackward, GradientsLeftOutAreUndefinedAndTheRestUnchanged) {
 // A context rebuilt from its activations (restore_context, for callers that keep only tensors
 // between the forward and the backward) gives the backward of the forward's own context, bit for
 // bit: self-attention sequence-first (the packed buffer's activations are copies) and batch-first,
-// cross-attention with kdim/vdim, bfloat16, masks, bias_k/bias_v, zero attention, causal, dropout,
-// unbatched inputs, and activations handed back as strided views.
+// cross-attention with kdim/vdim, bfloat16, float64, masks, bias_k/bias_v, zero attention, causal,
+// dropout, unbatched inputs, and activations handed back as strided views.
 TEST(ModuleBackward, RestoredContextGivesTheBitsOfTheForwardsOwn) {
   std::mt19937_64 rng(test_seed());
   struct Case {
-    bool cross, batch_first, batched, masks, low_precision;
+    bool cross, batch_first, batched, masks;
+    mha::DType dtype;
   };
-  const Case cases[] = {{false, false, true, false, false}, {false, true, true, true, false},
-                        {true, true, true, true, false},   {true, false, true, false, true},
-                        {false, false, false, true, true}, {true, false, false, false, false}};
+  constexpr mha::DType f32 = mha::DType::f32, bf16 = mha::DType::bf16, f64 = mha::DType::f64;
+  const Case cases[] = {{false, false, true, false, f32}, {false, true, true, true, f32},
+                        {true, true, true, true, f32},   {true, false, true, false, bf16},
+                        {false, false, false, true, bf16}, {true, false, false, false, f32},
+                        {true, true, true, true, f64},   {false, false, false, true, f64}};
   for (const Case& cs : cases) {
-    const mha::DType dtype = cs.low_precision ? mha::DType::bf16 : mha::DType::f32;
+    const mha::DType dtype = cs.dtype;
     const int64_t E = 24, H = 3, N = 2, L = 9, S = cs.cross ? 13 : 9, kdim = cs.cross ? 10 : E;
     SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + (cs.cross ? " cross" : " self") +
                  (cs.batch_first ? " batch_first" : "") + (cs.batched ? "" : " unbatched") + (cs.masks ? " masks" : ""));
@@ -961,8 +989,9 @@ TEST(ModuleBackward, RestoredContextGivesTheBitsOfTheForwardsOwn) {
     EXPECT_TRUE(same_bits(again.key, own.key));
     for (const auto& [name, t] : again.parameters) EXPECT_TRUE(same_bits(t, own.parameter(name))) << name;
     // Strided activations (every other row of a wider buffer) are read as they are: the same bits.
-    const mha::Tensor wide = mha::Tensor::zeros({2 * saved.q.numel()});
-    const mha::TensorView q_rows(wide.data<float>(), mha::DType::f32, saved.q.sizes(),
+    EXPECT_EQ(saved.q.dtype(), dtype == f64 ? f64 : f32);  // (bfloat16 modules keep float32 activations)
+    const mha::Tensor wide = mha::Tensor::zeros({2 * saved.q.numel()}, saved.q.dtype());
+    const mha::TensorView q_rows(wide.view().data, saved.q.dtype(), saved.q.sizes(),
                                  {2 * saved.q.size(1) * E, 2 * E, 1});
     mha::copy_into(saved.q, q_rows);
     mha::ActivationViews strided = saved.views();

@@ -24,12 +24,17 @@ using mha_test::test_seed;
 // the output's magnitude (reference::multihead_attention's output_magnitude): relative to the
 // output itself, fp32's error grows without bound where the terms of an output cancel.
 constexpr double kTolerance = 1e-5;
+// A float64 module against the same reference: both in float64, in different orders (BLAS blocks,
+// a log-sum-exp), so they differ by some hundreds of units of 2^-53 of the terms' magnitude.
+constexpr double kTolerance64 = 1e-12;
 
-TEST(Module, RandomizedOptionsAgainstReference) {
+// `cases` random modules of `dtype` (float32 or float64) with random options, inputs and masks,
+// against the reference.
+void check_randomized_options(mha::DType dtype, int cases, double tolerance) {
   std::mt19937_64 rng(test_seed());
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
-  for (int n = 0; n < 200; ++n) {
+  for (int n = 0; n < cases; ++n) {
     const int64_t H = pick(1, 4), E = H * pick(1, 12);
     const bool cross = coin(0.5);
     mha::MultiheadAttentionOptions o;
@@ -41,6 +46,7 @@ TEST(Module, RandomizedOptionsAgainstReference) {
     if (cross && coin(0.5)) o.vdim = pick(1, 20);
     o.batch_first = coin(0.5);
     o.seed = rng();
+    o.dtype = dtype;
     mha::MultiheadAttention m(E, H, o);
     const bool training = o.dropout > 0 && coin(0.5);
     m.train(training);
@@ -50,9 +56,11 @@ TEST(Module, RandomizedOptionsAgainstReference) {
       if (!batched) return {len, width};
       return o.batch_first ? mha::Shape{N, len, width} : mha::Shape{len, N, width};
     };
-    const mha::Tensor query = randn(shape(L, E), rng);
-    const mha::Tensor key = cross ? randn(shape(S, m.kdim()), rng) : query;
-    const mha::Tensor value = cross ? randn(shape(S, m.vdim()), rng) : query;
+    const mha::Tensor query = randn(shape(L, E), rng, dtype);
+    const mha::Tensor key = cross ? randn(shape(S, m.kdim()), rng, dtype) : query;
+    const mha::Tensor value = cross ? randn(shape(S, m.vdim()), rng, dtype) : query;
+    // A float mask is float32 or (a float64 module's own dtype) float64.
+    auto float_mask = [&](const mha::Shape& s) { return randn(s, rng, coin(0.5) ? dtype : mha::DType::f32); };
     mha::ForwardOptions f;
     f.need_weights = coin(0.6);
     f.average_attn_weights = coin(0.5);
@@ -66,7 +74,7 @@ TEST(Module, RandomizedOptionsAgainstReference) {
         attn_mask = mha::Tensor::empty(ms, mha::DType::boolean);
         for (int64_t i = 0; i < attn_mask.numel(); ++i) attn_mask.data<bool>()[i] = coin(0.2);  // true: masked
       } else {
-        attn_mask = randn(ms, rng);
+        attn_mask = float_mask(ms);
       }
       f.attn_mask = attn_mask.view();
     }
@@ -76,7 +84,7 @@ TEST(Module, RandomizedOptionsAgainstReference) {
         kpm = mha::Tensor::empty(ks, mha::DType::boolean);
         for (int64_t i = 0; i < kpm.numel(); ++i) kpm.data<bool>()[i] = coin(0.25);
       } else {
-        kpm = randn(ks, rng);
+        kpm = float_mask(ks);
       }
       f.key_padding_mask = kpm.view();
     }
@@ -97,11 +105,56 @@ TEST(Module, RandomizedOptionsAgainstReference) {
     const mha::ForwardResult ref =
         mha::reference::multihead_attention(m, query, key, value, f, training, {}, &magnitude);
     EXPECT_EQ(ours.output.sizes(), query.sizes()[0] == 0 ? ours.output.sizes() : ref.output.sizes());
-    EXPECT_LT(rel_error(ours.output, ref.output, max_abs(magnitude)), kTolerance);
+    EXPECT_EQ(ours.output.dtype(), dtype);
+    EXPECT_LT(rel_error(ours.output, ref.output, max_abs(magnitude)), tolerance);
     for (int64_t i = 0; i < magnitude.numel(); ++i)  // the magnitude bounds the output it describes
       ASSERT_LE(std::abs(ref.output.data<double>()[i]), magnitude.data<double>()[i] * (1 + 1e-12));
     ASSERT_EQ(ours.weights.has_value(), f.need_weights);
-    if (f.need_weights) EXPECT_LT(rel_error(*ours.weights, *ref.weights), kTolerance);
+    if (f.need_weights) EXPECT_EQ(ours.weights->dtype(), dtype);
+    if (f.need_weights) EXPECT_LT(rel_error(*ours.weights, *ref.weights), tolerance);
+  }
+}
+
+TEST(Module, RandomizedOptionsAgainstReference) { check_randomized_options(mha::DType::f32, 200, kTolerance); }
+
+// A float64 module computes in float64 throughout (dgemm projections, the float64 attention), as
+// PyTorch's float64 module does: what gradient checks rely on.
+TEST(Module, Float64ModuleMatchesTheReferenceToFloat64Rounding) {
+  check_randomized_options(mha::DType::f64, 120, kTolerance64);
+}
+
+// to(float64) widens every parameter exactly (and back again); a float64 module takes float64
+// inputs only, float32 or float64 float masks, and a float64 grad_output; its context belongs to it.
+TEST(Module, Float64ConversionAndErrors) {
+  std::mt19937_64 rng(test_seed());
+  mha::MultiheadAttention f32(16, 2, {.add_bias_kv = true, .seed = 5});
+  mha::MultiheadAttention f64 = f32;
+  f64.to(mha::DType::f64);
+  EXPECT_EQ(f64.dtype(), mha::DType::f64);
+  for (const auto& [name, t] : f64.named_parameters()) {
+    EXPECT_EQ(t.dtype(), mha::DType::f64) << name;
+    EXPECT_TRUE(mha_test::same_bits(mha::Tensor::copy_of(t, mha::DType::f32), f32.parameter(name))) << name;
+  }
+  const mha::Tensor x = randn({5, 2, 16}, rng, mha::DType::f64), x32 = mha::Tensor::copy_of(x, mha::DType::f32);
+  mha_test::expect_error([&] { f64.forward(x32, x32, x32); }, "query: expected dtype float64");
+  mha_test::expect_error([&] { f64.forward(x, x, x32); }, "value: expected dtype float64");
+  const mha::Tensor half_mask = randn({5, 5}, rng, mha::DType::f16);
+  mha_test::expect_error([&] { f64.forward(x, x, x, {.attn_mask = half_mask.view()}); },
+                         "attn_mask: expected dtype bool, float32 or the module's float64");
+  // A float32 mask and its float64 copy give the same result (the values are the same).
+  const mha::Tensor mask32 = randn({5, 5}, rng), mask64 = mha::Tensor::copy_of(mask32, mha::DType::f64);
+  EXPECT_TRUE(mha_test::same_bits(f64.forward(x, x, x, {.attn_mask = mask32.view()}).output,
+                                  f64.forward(x, x, x, {.attn_mask = mask64.view()}).output));
+  mha::ForwardContext ctx;
+  const mha::ForwardResult r = f64.forward(x, x, x, {}, &ctx);
+  EXPECT_EQ(r.output.dtype(), mha::DType::f64);
+  EXPECT_EQ(r.weights->dtype(), mha::DType::f64);
+  mha_test::expect_error([&] { f64.backward(ctx, mha::Tensor::copy_of(r.output, mha::DType::f32)); },
+                         "grad_output: expected float64 of shape [5, 2, 16]");
+  mha_test::expect_error([&] { f32.backward(ctx, r.output); }, "context comes from a float64 forward");
+  f64.to(mha::DType::f32);  // exact: the values were float32's
+  for (const auto& [name, t] : f64.named_parameters()) {
+    EXPECT_TRUE(mha_test::same_bits(t, f32.parameter(name))) << name;
   }
 }
 

@@ -346,8 +346,9 @@ TEST(ModuleLowPrecision, ConversionStateDictsAndErrors) {
   for (const auto& [name, t] : bf16.named_parameters()) checkpoint.emplace(name, t);
   EXPECT_EQ(mha::module_from_state_dict(checkpoint, 4).dtype(), mha::DType::bf16);
 
-  expect_error([] { mha::MultiheadAttention(8, 2, {.dtype = mha::DType::f64}); }, "dtype: expected float32, bfloat16 or float16");
-  expect_error([&] { bf16.to(mha::DType::boolean); }, "dtype: expected float32, bfloat16 or float16");
+  expect_error([] { mha::MultiheadAttention(8, 2, {.dtype = mha::DType::boolean}); },
+               "dtype: expected float32, float64, bfloat16 or float16");
+  expect_error([&] { bf16.to(mha::DType::boolean); }, "dtype: expected float32, float64, bfloat16 or float16");
   const mha::Tensor x = randn({5, 2, 32}, rng, mha::DType::bf16), x32 = widened(x);
   expect_error([&] { bf16.forward(x32, x32, x32); }, "query: expected dtype bfloat16");
   expect_error([&] { bf16.forward(x, x, x32); }, "value: expected dtype bfloat16");

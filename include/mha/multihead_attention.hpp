@@ -39,7 +39,8 @@ struct MultiheadAttentionOptions {
   bool batch_first = false;     // inputs [N, L, E] instead of [L, N, E]
   uint64_t seed = 0;            // initialisation and dropout stream
   // The parameters' dtype, and so the inputs' and outputs' (as with torch's `dtype=` or
-  // `module.to(dtype)`): float32, bfloat16 or float16. The low-precision modules compute in
+  // `module.to(dtype)`): float32, float64, bfloat16 or float16. float64 computes in float64 throughout
+  // (for gradient checks, as PyTorch's float64 module does). The low-precision modules compute in
   // float32 (projections, attention, softmax statistics) on widened copies and round the output,
   // the weights and the gradients once to their dtype.
   DType dtype = DType::f32;
@@ -51,9 +52,9 @@ struct MultiheadAttentionOptions {
 
 struct ForwardOptions {
   // Module conventions (unlike SDPA's): a bool true means *masked out*; a float is added.
-  std::optional<TensorView> key_padding_mask;  // [N, S] or [S] unbatched; bool or float32
+  std::optional<TensorView> key_padding_mask;  // [N, S] or [S] unbatched; bool, float32 or the module's dtype
   bool need_weights = true;
-  std::optional<TensorView> attn_mask;  // [L, S] or [N * num_heads, L, S]; bool or float32
+  std::optional<TensorView> attn_mask;  // [L, S] or [N * num_heads, L, S]; bool, float32 or the module's dtype
   bool average_attn_weights = true;     // weights [N, L, S] (mean over heads) or [N, H, L, S]
   // Applies a top-left causal mask over the L x S keys given (the bias_k and zero-attention
   // columns stay visible, as they do for a causal attn_mask in PyTorch). PyTorch treats is_causal
@@ -72,7 +73,7 @@ struct ForwardResult {
 // What a training forward keeps for the backward: the inputs, the projections, the attention
 // output and the per-row log-sum-exp of the scores (never the L x S matrix), the masks and the
 // dropout seed. Owns copies of everything, so the caller's inputs need not outlive it.
-// A training forward's activations as tensors (float32), for callers that keep tensors rather
+// A training forward's activations as tensors (float32; float64 for a float64 module), for callers that keep tensors rather
 // than objects between a forward and its backward: a compiled PyTorch graph saves tensors only.
 // MultiheadAttention::restore_context builds the context again from them.
 struct ActivationViews {
@@ -118,7 +119,7 @@ struct WantedGradients {
 
 struct ModuleGradients {
   Tensor query, key, value;                                 // shaped like the inputs (or undefined: WantedGradients)
-  Tensor attn_mask, key_padding_mask;                       // float32, shaped like the masks, where asked for
+  Tensor attn_mask, key_padding_mask;                       // float32 (float64 module: float64), shaped like the masks, where asked for
   std::vector<std::pair<std::string, Tensor>> parameters;  // named_parameters() order (frozen: undefined)
   const Tensor& parameter(const std::string& name) const;
 };
@@ -156,7 +157,7 @@ class MultiheadAttention {
   // left alone (as torch.func.functional_call runs a module with other tensors): a PyTorch
   // module's parameters are used where they are, with no copy into this one. `parameters` must
   // name exactly this module's parameters, each with its shape and the module's dtype (any
-  // strides; contiguous float32 ones are read in place). They are read during the call only;
+  // strides; contiguous float32 and float64 ones are read in place). They are read during the call only;
   // backward_with must be given the values its forward ran with. Concurrent calls with different
   // parameters are safe, as they change nothing in the module but its dropout stream.
   ForwardResult forward_with(const ParameterViews& parameters, const TensorView& query, const TensorView& key,
@@ -170,7 +171,7 @@ class MultiheadAttention {
     return forward(query, key, value, options);
   }
 
-  // Converts every parameter to `dtype` (float32, bfloat16 or float16) in place, as torch's
+  // Converts every parameter to `dtype` (float32, float64, bfloat16 or float16) in place, as torch's
   // module.to(dtype) does; inputs must then be of that dtype.
   void to(DType dtype);
   DType dtype() const { return options_.dtype; }
@@ -204,7 +205,7 @@ class MultiheadAttention {
 
  private:
   // A copy with every parameter converted to `dtype`; without `parameters`, a module with the
-  // same options and none (it only runs forward_float32/backward_float32 on given sets).
+  // same options and none (it only runs forward_full/backward_full on given sets).
   MultiheadAttention(const MultiheadAttention& other, DType dtype, bool parameters = true);
   // The views a call reads: the module's own, or `given` checked against them.
   std::vector<std::pair<std::string, TensorView>> parameters_for_call(const ParameterViews* given,
@@ -215,10 +216,14 @@ class MultiheadAttention {
   ModuleGradients backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                const ForwardContext& context, const TensorView& grad_output,
                                const WantedGradients& wanted) const;
-  ForwardResult forward_float32(const detail::ParameterSet& parameters, const TensorView& query, const TensorView& key,
-                                const TensorView& value, const ForwardOptions& options, ForwardContext* context) const;
-  ModuleGradients backward_float32(const detail::ParameterSet& parameters, const ForwardContext& context,
-                                   const TensorView& grad_output, const WantedGradients& wanted) const;
+  // The forward and backward of a float32 (T = float) or float64 (T = double) module, on
+  // parameters of T.
+  template <typename T>
+  ForwardResult forward_full(const detail::ParameterSet& parameters, const TensorView& query, const TensorView& key,
+                             const TensorView& value, const ForwardOptions& options, ForwardContext* context) const;
+  template <typename T>
+  ModuleGradients backward_full(const detail::ParameterSet& parameters, const ForwardContext& context,
+                                const TensorView& grad_output, const WantedGradients& wanted) const;
   // bfloat16/float16 modules: the float32 forward and backward on widened copies.
   ForwardResult forward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                       const TensorView& query, const TensorView& key, const TensorView& value,
@@ -226,8 +231,9 @@ class MultiheadAttention {
   ModuleGradients backward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                          const ForwardContext& context, const TensorView& grad_output,
                                          const WantedGradients& wanted) const;
-  ForwardContext restore_float32(const TensorView& query, const TensorView& key, const TensorView& value,
-                                 const ForwardOptions& options, const ActivationViews& activations) const;
+  // restore_context of a float32 or float64 module (activations of that dtype).
+  ForwardContext restore_full(const TensorView& query, const TensorView& key, const TensorView& value,
+                              const ForwardOptions& options, const ActivationViews& activations) const;
   // The dropout seed of the next call that brings none (the module's stream, advanced per call).
   uint64_t next_dropout_seed() const;
 

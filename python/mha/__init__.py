@@ -181,11 +181,11 @@ def _like(template: Any, array: Optional[_np.ndarray]):
     return out
 
 
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 
 
 def _dtype_name(dtype: Any) -> str:
-    """'float32', 'bfloat16' or 'float16' from that name, a numpy dtype or a torch dtype."""
+    """'float32', 'float64', 'bfloat16' or 'float16' from that name, a numpy dtype or a torch dtype."""
     name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     if not isinstance(dtype, str):
         try:
@@ -193,7 +193,8 @@ def _dtype_name(dtype: Any) -> str:
         except TypeError:
             pass
     if name not in _DTYPE_NAMES:
-        raise ValueError(f"dtype: expected float32, bfloat16 or float16 for the module's parameters, got {dtype!r}")
+        raise ValueError(f"dtype: expected float32, float64, bfloat16 or float16 for the module's parameters, "
+                         f"got {dtype!r}")
     return name
 
 
@@ -309,9 +310,10 @@ class MultiheadAttention:
     `seed` sets the initialisation (PyTorch's scheme: xavier-uniform projections, zero biases) and
     the dropout stream. Like a PyTorch module it starts in training mode; call eval() for inference.
 
-    `dtype` ("float32", "bfloat16" or "float16", or the numpy/torch dtype) is the parameters' dtype
-    and so the inputs' and outputs'; `.to(dtype)` converts in place. bfloat16 and float16 compute in
-    float32 and round the output and weights once. numpy has no bfloat16: bfloat16 modules take and
+    `dtype` ("float32", "float64", "bfloat16" or "float16", or the numpy/torch dtype) is the
+    parameters' dtype and so the inputs' and outputs'; `.to(dtype)` converts in place. float64
+    computes in float64 throughout; bfloat16 and float16 compute in float32 and round the output
+    and weights once. numpy has no bfloat16: bfloat16 modules take and
     return torch tensors, and their state_dict() is widened to float32.
     """
 
@@ -340,7 +342,7 @@ class MultiheadAttention:
     kdim = property(lambda self: self._m.kdim)
     vdim = property(lambda self: self._m.vdim)
     training = property(lambda self: self._m.training)
-    dtype = property(lambda self: self._m.dtype, doc="The parameters' dtype: 'float32', 'bfloat16' or 'float16'.")
+    dtype = property(lambda self: self._m.dtype, doc="The parameters' dtype: 'float32', 'float64', 'bfloat16' or 'float16'.")
 
     def to(self, dtype: Any) -> "MultiheadAttention":
         """Converts every parameter to `dtype` in place (rounding to nearest even), as torch's

@@ -200,8 +200,8 @@ def multihead_attention_train(query: torch.Tensor, key: torch.Tensor, value: tor
                                                                    torch.Tensor]:
     """The training forward of mha.nn.MultiheadAttention (arguments as for multihead_attention):
     the output, the weights (empty unless need_weights) and the activations of its backward,
-    float32: the projections q [N, L, E], k and v [N, S', E], the attention output before out_proj
-    (shaped like the output) and the row log-sum-exp [N, H, L]."""
+    float32 (float64 for a float64 module): the projections q [N, L, E], k and v [N, S', E], the
+    attention output before out_proj (shaped like the output) and the row log-sum-exp [N, H, L]."""
     _auto_threading()
     module = _module(sizes, dropout, flags, parameters[0].dtype)
     seed = _seed_value(dropout_seed) if flags[4] and dropout > 0 else None
@@ -217,10 +217,10 @@ def _(query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, 
       average_attn_weights, is_causal, dropout_seed):
     out, weights = _fake_module_outputs(query, key, sizes, flags, need_weights, average_attn_weights)
     batch, length, keys, heads = _call_sizes(query, key, sizes, flags)
-    f32 = dict(dtype=torch.float32)
-    return (out, weights, query.new_empty((batch, length, sizes[0]), **f32),
-            query.new_empty((batch, keys, sizes[0]), **f32), query.new_empty((batch, keys, sizes[0]), **f32),
-            query.new_empty(query.shape, **f32), query.new_empty((batch, heads, length), **f32))
+    kept = dict(dtype=torch.float64 if parameters[0].dtype == torch.float64 else torch.float32)
+    return (out, weights, query.new_empty((batch, length, sizes[0]), **kept),
+            query.new_empty((batch, keys, sizes[0]), **kept), query.new_empty((batch, keys, sizes[0]), **kept),
+            query.new_empty(query.shape, **kept), query.new_empty((batch, heads, length), **kept))
 
 
 @torch.library.custom_op("mha::multihead_attention_backward", mutates_args=(), device_types="cpu")

@@ -342,10 +342,10 @@ NB_MODULE(_mha, m) {
       .def(
           "to",
           [](mha::MultiheadAttention& self, const std::string& dtype) {
-            for (const mha::DType t : {mha::DType::f32, mha::DType::bf16, mha::DType::f16}) {
+            for (const mha::DType t : {mha::DType::f32, mha::DType::f64, mha::DType::bf16, mha::DType::f16}) {
               if (dtype == mha::dtype_name(t)) return self.to(t);
             }
-            throw nb::value_error(("dtype: expected float32, bfloat16 or float16 for the module's parameters, got " +
+            throw nb::value_error(("dtype: expected float32, float64, bfloat16 or float16 for the module's parameters, got " +
                                    dtype).c_str());
           },
           nb::arg("dtype"))

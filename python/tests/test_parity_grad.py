@@ -490,7 +490,7 @@ def test_low_precision_numpy_level_module(dtype, parity_seed):
     with pytest.raises(ValueError, match="expected dtype float16"):
         m(x.astype(np.float32), x.astype(np.float32), x.astype(np.float32))
     assert m.to(torch.float32).dtype == "float32" and "dtype=" not in repr(m)
-    with pytest.raises(ValueError, match="dtype: expected float32, bfloat16 or float16"):
+    with pytest.raises(ValueError, match="dtype: expected float32, float64, bfloat16 or float16"):
         m.to("int8")
 
 

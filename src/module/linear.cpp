@@ -62,19 +62,42 @@ constexpr int64_t kFewRows16 = 64;
 // projection, so that more threads than 4 share a decoding step's.
 constexpr int64_t kFewRowsColumns = 64;
 
-// A block of C (rows x cols) = op(A) op(B) + beta C, as one sgemv per row; a, b and c point at
+// The BLAS routines of each precision, so that one template serves float32 and float64.
+void blas_gemv(bool transpose, int64_t m, int64_t n, float alpha, const float* a, int64_t lda, const float* x,
+               int64_t incx, float beta, float* y) {
+  cblas_sgemv(CblasRowMajor, transpose ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
+              alpha, a, static_cast<blasint>(lda), x, static_cast<blasint>(incx), beta, y, 1);
+}
+void blas_gemv(bool transpose, int64_t m, int64_t n, double alpha, const double* a, int64_t lda, const double* x,
+               int64_t incx, double beta, double* y) {
+  cblas_dgemv(CblasRowMajor, transpose ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
+              alpha, a, static_cast<blasint>(lda), x, static_cast<blasint>(incx), beta, y, 1);
+}
+void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+               int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+              static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a, static_cast<blasint>(lda), b,
+              static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+}
+void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b,
+               int64_t ldb, double beta, double* c, int64_t ldc) {
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+              static_cast<blasint>(n), static_cast<blasint>(k), 1.0, a, static_cast<blasint>(lda), b,
+              static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+}
+
+// A block of C (rows x cols) = op(A) op(B) + beta C, as one gemv per row; a, b and c point at
 // the block's first row of op(A), first column of op(B) and first element of C.
-void gemv_rows(bool transpose_a, bool transpose_b, int64_t rows, int64_t cols, int64_t k, const float* a, int64_t lda,
-               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+template <typename T>
+void gemv_rows(bool transpose_a, bool transpose_b, int64_t rows, int64_t cols, int64_t k, const T* a, int64_t lda,
+               const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   for (int64_t i = 0; i < rows; ++i) {
-    const float* a_row = transpose_a ? a + i : a + i * lda;  // row i of op(A)
-    const blasint a_step = static_cast<blasint>(transpose_a ? lda : 1);
+    const T* a_row = transpose_a ? a + i : a + i * lda;  // row i of op(A)
+    const int64_t a_step = transpose_a ? lda : 1;
     if (transpose_b) {  // B is [n, k]: the block's rows of B, times a_row
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(cols), static_cast<blasint>(k), 1.0f, b,
-                  static_cast<blasint>(ldb), a_row, a_step, beta, c + i * ldc, 1);
+      blas_gemv(false, cols, k, T(1), b, ldb, a_row, a_step, beta, c + i * ldc);
     } else {  // B is [k, n]: the block's columns of B, transposed, times a_row
-      cblas_sgemv(CblasRowMajor, CblasTrans, static_cast<blasint>(k), static_cast<blasint>(cols), 1.0f, b,
-                  static_cast<blasint>(ldb), a_row, a_step, beta, c + i * ldc, 1);
+      blas_gemv(true, k, cols, T(1), b, ldb, a_row, a_step, beta, c + i * ldc);
     }
   }
 }
@@ -144,8 +167,11 @@ bool narrow_exactly(const TensorView& x, const TensorView& dst, int threads) {
 
 }  // namespace
 
-void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
+namespace {
+
+template <typename T>
+void gemm_blocks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda,
+                 const T* b, int64_t ldb, T beta, T* c, int64_t ldc, int threads) {
   if (m == 0 || n == 0) return;
   openblas_set_num_threads(1);  // the blocks below are the parallelism
   const GemmBlocks g(m, n);
@@ -156,17 +182,26 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, c
   parallel_for(row_blocks * col_blocks, threads, [&](int64_t block, int) {
     const int64_t i0 = block / col_blocks * row_block, j0 = block % col_blocks * col_block;
     const int64_t rows = std::min(row_block, m - i0), cols = std::min(col_block, n - j0);
-    const float* a_block = transpose_a ? a + i0 : a + i0 * lda;
-    const float* b_block = transpose_b ? b + j0 * ldb : b + j0;
-    if (m <= kGemvRows && k > 0) {  // (k = 0 goes to sgemm, which scales C by beta where sgemv returns)
+    const T* a_block = transpose_a ? a + i0 : a + i0 * lda;
+    const T* b_block = transpose_b ? b + j0 * ldb : b + j0;
+    if (m <= kGemvRows && k > 0) {  // (k = 0 goes to gemm, which scales C by beta where gemv returns)
       gemv_rows(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, beta, c + i0 * ldc + j0, ldc);
       return;
     }
-    cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
-                static_cast<blasint>(rows), static_cast<blasint>(cols), static_cast<blasint>(k), 1.0f, a_block,
-                static_cast<blasint>(lda), b_block, static_cast<blasint>(ldb), beta, c + i0 * ldc + j0,
-                static_cast<blasint>(ldc));
+    blas_gemm(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, beta, c + i0 * ldc + j0, ldc);
   });
+}
+
+}  // namespace
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
+  gemm_blocks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc, threads);
+}
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
+          const double* b, int64_t ldb, double beta, double* c, int64_t ldc, int threads) {
+  gemm_blocks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc, threads);
 }
 
 RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols, DType dtype) {
@@ -182,6 +217,58 @@ RowBuffer rows_like(const TensorView& like, int64_t rows, int64_t cols, DType dt
   }
   return b;
 }
+
+namespace {
+
+// y's rows set to the bias (or zero), over the pool (the in-projection's rows are tens of MiB at
+// E = 1024); the GEMM then adds x W^T (beta = 1).
+template <typename T>
+void fill_with_bias(const TensorView& y, const T* bias, int threads) {
+  const int64_t N = y.shape[0], L = y.shape[1], out = y.shape[2];
+  constexpr int64_t kRowsPerTask = 64;
+  parallel_for((N * L + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t task, int) {
+    for (int64_t r = task * kRowsPerTask; r < std::min(N * L, (task + 1) * kRowsPerTask); ++r) {
+      T* row = y.data_as<T>() + r / L * y.strides[0] + r % L * y.strides[1];
+      if (bias) std::memcpy(row, bias, sizeof(T) * out);
+      else std::memset(row, 0, sizeof(T) * out);
+    }
+  });
+}
+
+// BLAS reads rows of unit-stride features, a fixed leading dimension apart, and that dimension
+// must be at least the row length: all N * L rows at one stride when x and y order them alike
+// (then the leading dimensions are set), else the L rows of each batch entry at strides[1]. Rows
+// that repeat (a stride of 0, as from expand()) or overlap fit neither, and are copied first.
+bool one_call(const TensorView& x, const TensorView& y, int64_t* ldx, int64_t* ldy) {
+  const RowOrder oy = row_order(y, ldy);
+  return row_order(x, ldx) == oy && oy != RowOrder::neither && (x.shape[0] * x.shape[1] == 1 || *ldx >= x.shape[2]);
+}
+bool per_entry(const TensorView& x) { return x.shape[1] == 1 || x.strides[1] >= x.shape[2]; }
+
+// y += x W^T with x, w and y all of T (w contiguous rows), through gemm: one call when the rows
+// allow, one per batch entry otherwise, on a contiguous copy of x where neither does.
+template <typename T>
+void blas_linear(const TensorView& x_in, const TensorView& w, const TensorView& y, int threads) {
+  const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w.shape[0], in = w.shape[1];
+  int64_t ldx = 0, ldy = 0;
+  Tensor contiguous;
+  TensorView x = x_in;
+  if ((x.strides[2] != 1 && in > 1) || (!one_call(x, y, &ldx, &ldy) && !per_entry(x))) {
+    contiguous = Tensor::copy_of(x, dtype_of<T>());
+    x = contiguous.view();
+  }
+  if (one_call(x, y, &ldx, &ldy)) {
+    gemm(false, true, N * L, out, in, x.data_as<T>(), ldx, w.data_as<T>(), w.strides[0], T(1), y.data_as<T>(), ldy,
+         threads);
+    return;
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    gemm(false, true, L, out, in, x.data_as<T>() + n * x.strides[0], x.strides[1], w.data_as<T>(), w.strides[0], T(1),
+         y.data_as<T>() + n * y.strides[0], y.strides[1], threads);
+  }
+}
+
+}  // namespace
 
 void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, const TensorView& y, int threads) {
   const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w_in.shape[0], in = w_in.shape[1];
@@ -205,35 +292,14 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
     widened = parallel_copy_of(w, DType::f32, threads);
     w = widened.view();
   }
-  // BLAS reads rows of unit-stride features, a fixed leading dimension apart, and that dimension
-  // must be at least the row length: all N * L rows at one stride when x and y order them alike,
-  // else the L rows of each batch entry at strides[1]. Rows that repeat (a stride of 0, as from
-  // expand()) or overlap fit neither, and are copied first.
-  int64_t ldx = 0, ldy = 0;
-  const RowOrder oy = row_order(y, &ldy);
-  auto one_call = [&](const TensorView& x) {
-    return row_order(x, &ldx) == oy && oy != RowOrder::neither && (N * L == 1 || ldx >= in);
-  };
-  auto per_entry = [&](const TensorView& x) { return L == 1 || x.strides[1] >= in; };
-  Tensor contiguous;
-  TensorView x = x_in;
-  if (bf16_rows) {
-    x = narrowed.view;
-  } else if ((x.strides[2] != 1 && in > 1) || (!few_rows && !one_call(x) && !per_entry(x))) {
-    contiguous = Tensor::copy_of(x, DType::f32);
-    x = contiguous.view();
-  }
-  // y starts as the bias, broadcast to every row, over the pool (the in-projection's rows are
-  // tens of MiB at E = 1024); sgemm then adds x W^T (beta = 1).
-  constexpr int64_t kRowsPerTask = 64;
-  parallel_for((N * L + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t task, int) {
-    for (int64_t r = task * kRowsPerTask; r < std::min(N * L, (task + 1) * kRowsPerTask); ++r) {
-      float* row = y.data_as<float>() + r / L * y.strides[0] + r % L * y.strides[1];
-      if (bias) std::memcpy(row, bias, sizeof(float) * out);
-      else std::memset(row, 0, sizeof(float) * out);
-    }
-  });
+  fill_with_bias(y, bias, threads);
   if (few_rows) {
+    Tensor contiguous;
+    TensorView x = x_in;
+    if (x.strides[2] != 1 && in > 1) {
+      contiguous = Tensor::copy_of(x, DType::f32);
+      x = contiguous.view();
+    }
     std::vector<const float*> x_rows(static_cast<size_t>(N * L));
     std::vector<float*> y_rows(static_cast<size_t>(N * L));
     for (int64_t r = 0; r < N * L; ++r) {
@@ -255,9 +321,11 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
     return;
   }
   if (bf16_rows) {
+    const TensorView& x = narrowed.view;
     const auto* xb = static_cast<const uint16_t*>(x.data);
     const auto* wb = static_cast<const uint16_t*>(w.data);
-    if (one_call(x)) {
+    int64_t ldx = 0, ldy = 0;
+    if (one_call(x, y, &ldx, &ldy)) {
       bf16_gemm(N * L, out, in, xb, ldx, wb, w.strides[0], y.data_as<float>(), ldy, threads);
     } else {
       for (int64_t n = 0; n < N; ++n)
@@ -266,15 +334,18 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
     }
     return;
   }
-  if (one_call(x)) {
-    gemm(false, true, N * L, out, in, x.data_as<float>(), ldx, w.data_as<float>(), w.strides[0], 1.0f,
-         y.data_as<float>(), ldy, threads);
-    return;
+  blas_linear<float>(x_in, w, y, threads);
+}
+
+void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads) {
+  const int64_t N = x.shape[0], L = x.shape[1], out = w.shape[0];
+  if (N == 0 || L == 0 || out == 0) return;  // no rows (their buffers may have no storage at all)
+  if (x.dtype != DType::f64 || w.dtype != DType::f64 || y.dtype != DType::f64) {
+    throw Error("internal error: the float64 linear given " + std::string(dtype_name(x.dtype)) + " x, " +
+                std::string(dtype_name(w.dtype)) + " w, " + std::string(dtype_name(y.dtype)) + " y");
   }
-  for (int64_t n = 0; n < N; ++n) {
-    gemm(false, true, L, out, in, x.data_as<float>() + n * x.strides[0], x.strides[1], w.data_as<float>(),
-         w.strides[0], 1.0f, y.data_as<float>() + n * y.strides[0], y.strides[1], threads);
-  }
+  fill_with_bias(y, bias, threads);
+  blas_linear<double>(x, w, y, threads);
 }
 
 }  // namespace mha::detail

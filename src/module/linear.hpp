@@ -1,4 +1,5 @@
-// y = x W^T + b over [N, L, C] views, through BLAS (OpenBLAS's sgemm), or oneDNN's bf16 matmul.
+// y = x W^T + b over [N, L, C] views, through BLAS (OpenBLAS's sgemm, dgemm for float64), or
+// oneDNN's bf16 matmul.
 #pragma once
 
 #include "mha/tensor.hpp"
@@ -11,10 +12,14 @@ namespace mha::detail {
 // 64 rows against a 16-bit weight, few_rows_gemm on the weight as it is; more rows against a
 // bfloat16 weight, with x all bfloat16 values, oneDNN's bf16 matmul where available (bf16_matmul.hpp).
 void linear(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
+// The float64 module's: x, w and y all float64 (x any strides), through dgemm.
+void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads);
 
-// C = op(A) op(B) + beta C on row-major matrices (op: transpose or not), through sgemm.
+// C = op(A) op(B) + beta C on row-major matrices (op: transpose or not), through sgemm / dgemm.
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads);
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
+          const double* b, int64_t ldb, double beta, double* c, int64_t ldc, int threads);
 
 // A [N, rows, cols] buffer (float32 unless told) whose (N, rows) memory order matches `like`
 // ([N, L, C]): a sequence-first input gets a sequence-first buffer, so projecting it is a single sgemm.

@@ -2,12 +2,15 @@
 //   out = A W_o^T + b_o        ->  dA = dY W_o,  dW_o = dY^T A,  db_o = sum dY
 //   A = attention(Q, K, V)     ->  dQ, dK, dV by the fused backward (bias_k/bias_v rows included)
 //   Q = X_q W_q^T + b_q, ...   ->  dX_q = dQ W_q,  dW_q = dQ^T X_q,  db_q = sum dQ, ...
-// Every matrix is taken batch-major and contiguous ([N * L, C]) so each step is one sgemm.
+// Every matrix is taken batch-major and contiguous ([N * L, C]) so each step is one sgemm (dgemm
+// for a float64 module).
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "core/batch_dims.hpp"
 #include "core/parallel_copy.hpp"
+#include "cpu/attention_f64.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "mha/multihead_attention.hpp"
 #include "module/forward_context.hpp"
@@ -19,19 +22,22 @@ namespace {
 
 // An [N, L, C] view as batch-major contiguous rows: the view's own memory when it already is
 // (batch_first inputs, the unpadded key rows), else a copy.
+template <typename T>
 struct Rows {
   Tensor copy;
-  const float* data = nullptr;
+  const T* data = nullptr;
 };
-Rows batch_major_rows(const TensorView& t, int threads) {
-  if (t.is_contiguous()) return {Tensor(), t.data_as<const float>()};
-  Rows r{detail::parallel_copy_of(t, DType::f32, threads), nullptr};
-  r.data = r.copy.data<float>();
+template <typename T>
+Rows<T> batch_major_rows(const TensorView& t, int threads) {
+  if (t.is_contiguous()) return {Tensor(), t.data_as<const T>()};
+  Rows<T> r{detail::parallel_copy_of(t, dtype_of<T>(), threads), nullptr};
+  r.data = r.copy.template data<T>();
   return r;
 }
 
 // Column sums of a [rows, cols] matrix added into `out`.
-void add_column_sums(const float* m, int64_t rows, int64_t cols, float* out) {
+template <typename T>
+void add_column_sums(const T* m, int64_t rows, int64_t cols, T* out) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) out[c] += m[r * cols + c];
 }
@@ -39,12 +45,13 @@ void add_column_sums(const float* m, int64_t rows, int64_t cols, float* out) {
 // Gradients through y = x W^T + b, for x [rows, in] and dy [rows, out] contiguous:
 // dx = dy W, dW = dy^T x, db = sum dy, each where its destination is not null (an input that
 // needs no gradient, a frozen weight or bias).
-void linear_backward(const float* x, const float* dy, const float* w, int64_t rows, int64_t in, int64_t out,
-                     float* dx, float* dw, float* db, int threads) {
-  if (dx) detail::gemm(false, false, rows, in, out, dy, out, w, in, 0.0f, dx, in, threads);
-  if (dw) detail::gemm(true, false, out, in, rows, dy, out, x, in, 0.0f, dw, in, threads);
+template <typename T>
+void linear_backward(const T* x, const T* dy, const T* w, int64_t rows, int64_t in, int64_t out, T* dx, T* dw, T* db,
+                     int threads) {
+  if (dx) detail::gemm(false, false, rows, in, out, dy, out, w, in, T(0), dx, in, threads);
+  if (dw) detail::gemm(true, false, out, in, rows, dy, out, x, in, T(0), dw, in, threads);
   if (db) {
-    std::memset(db, 0, sizeof(float) * out);
+    std::memset(db, 0, sizeof(T) * out);
     add_column_sums(dy, rows, out, db);
   }
 }
@@ -73,7 +80,10 @@ void check_frozen_names(const WantedGradients& wanted, const std::vector<std::pa
 }
 
 // The pointer into `t`, or null for an offset into an undefined (frozen) gradient.
-float* offset_or_null(float* t, int64_t offset) { return t ? t + offset : nullptr; }
+template <typename T>
+T* offset_or_null(T* t, int64_t offset) {
+  return t ? t + offset : nullptr;
+}
 
 }  // namespace
 
@@ -96,18 +106,24 @@ ModuleGradients MultiheadAttention::backward_any(const std::vector<std::pair<std
     throw Error("backward: the context comes from a " + std::string(dtype_name(context.state_->module_dtype)) +
                 " forward, but the module's parameters are now " + std::string(dtype_name(options_.dtype)));
   }
+  const int threads = context.state_->problem.num_threads;
+  if (options_.dtype == DType::f64) {
+    return backward_full<double>(detail::float64_parameters(parameters, threads), context, grad_output, wanted);
+  }
   if (options_.dtype != DType::f32) return backward_low_precision(parameters, context, grad_output, wanted);
-  const detail::ParameterSet set = detail::float32_parameters(parameters, context.state_->problem.num_threads);
-  return backward_float32(set, context, grad_output, wanted);
+  return backward_full<float>(detail::float32_parameters(parameters, threads), context, grad_output, wanted);
 }
 
-ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet& parameters,
-                                                     const ForwardContext& context, const TensorView& grad_output,
-                                                     const WantedGradients& wanted) const {
+template <typename T>
+ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& parameters,
+                                                  const ForwardContext& context, const TensorView& grad_output,
+                                                  const WantedGradients& wanted) const {
+  constexpr DType dtype = dtype_of<T>();
   const ForwardContext::State& st = *context.state_;
   require_cpu(grad_output, "grad_output");
-  if (grad_output.sizes() != st.output_shape || grad_output.dtype != DType::f32) {
-    throw Error("grad_output: expected float32 of shape " + TensorView(nullptr, DType::f32, st.output_shape).shape_str() +
+  if (grad_output.sizes() != st.output_shape || grad_output.dtype != dtype) {
+    throw Error("grad_output: expected " + std::string(dtype_name(dtype)) + " of shape " +
+                TensorView(nullptr, dtype, st.output_shape).shape_str() +
                 ", got " + std::string(dtype_name(grad_output.dtype)) + " " + grad_output.shape_str());
   }
   if (grad_output.numel() > 0 && grad_output.data == nullptr) throw Error("grad_output: data pointer is null");
@@ -126,10 +142,12 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
     return std::find(wanted.frozen_parameters.begin(), wanted.frozen_parameters.end(), name) !=
            wanted.frozen_parameters.end();
   };
-  for (const auto& [name, t] : parameters.views) grads.emplace_back(name, frozen(name) ? Tensor() : Tensor::zeros(t.sizes()));
-  auto grad_of = [&](const std::string& name) -> float* {
+  for (const auto& [name, t] : parameters.views) {
+    grads.emplace_back(name, frozen(name) ? Tensor() : Tensor::zeros(t.sizes(), dtype));
+  }
+  auto grad_of = [&](const std::string& name) -> T* {
     for (auto& [n, t] : grads)
-      if (n == name) return t.defined() ? t.data<float>() : nullptr;
+      if (n == name) return t.defined() ? t.template data<T>() : nullptr;
     return nullptr;
   };
 
@@ -139,29 +157,31 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   struct Projection {
     const TensorView& x;
     int64_t rows, in;
-    const float* w;
-    float* dw;
-    float* db;
+    const T* w;
+    T* dw;
+    T* db;
     Tensor dx;
     bool needs_dy() const { return dx.defined() || dw != nullptr || db != nullptr; }
   };
   const bool packed = qkv_same_embed_dim();
-  const float* w_in = packed ? parameters.data("in_proj_weight") : nullptr;
-  float* dw_in = packed ? grad_of("in_proj_weight") : nullptr;
-  float* db_in = grad_of("in_proj_bias");
-  auto input_grad = [&](bool on, int64_t rows, int64_t width) { return on ? Tensor::empty({N, rows, width}) : Tensor(); };
+  const T* w_in = packed ? parameters.data<T>("in_proj_weight") : nullptr;
+  T* dw_in = packed ? grad_of("in_proj_weight") : nullptr;
+  T* db_in = grad_of("in_proj_bias");
+  auto input_grad = [&](bool on, int64_t rows, int64_t width) {
+    return on ? Tensor::empty({N, rows, width}, dtype) : Tensor();
+  };
   Projection projections[3] = {
-      {c.query, L, E, packed ? w_in : parameters.data("q_proj_weight"), packed ? dw_in : grad_of("q_proj_weight"),
+      {c.query, L, E, packed ? w_in : parameters.data<T>("q_proj_weight"), packed ? dw_in : grad_of("q_proj_weight"),
        db_in, input_grad(wanted.query, L, E)},
-      {c.key, S, kdim_, packed ? w_in + E * E : parameters.data("k_proj_weight"),
+      {c.key, S, kdim_, packed ? w_in + E * E : parameters.data<T>("k_proj_weight"),
        packed ? offset_or_null(dw_in, E * E) : grad_of("k_proj_weight"), offset_or_null(db_in, E),
        input_grad(wanted.key, S, kdim_)},
-      {c.value, S, vdim_, packed ? w_in + 2 * E * E : parameters.data("v_proj_weight"),
+      {c.value, S, vdim_, packed ? w_in + 2 * E * E : parameters.data<T>("v_proj_weight"),
        packed ? offset_or_null(dw_in, 2 * E * E) : grad_of("v_proj_weight"), offset_or_null(db_in, 2 * E),
        input_grad(wanted.value, S, vdim_)},
   };
-  float* d_bias_k = options_.add_bias_kv ? grad_of("bias_k") : nullptr;
-  float* d_bias_v = options_.add_bias_kv ? grad_of("bias_v") : nullptr;
+  T* d_bias_k = options_.add_bias_kv ? grad_of("bias_k") : nullptr;
+  T* d_bias_v = options_.add_bias_kv ? grad_of("bias_v") : nullptr;
   // A float mask's gradient is dS (over the S keys given, not the appended ones), summed over
   // what the mask broadcasts along.
   auto float_mask = [](const std::optional<TensorView>& m) { return m && m->dtype != DType::boolean; };
@@ -169,59 +189,77 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   const bool padding_grad = wanted.key_padding_mask && float_mask(c.key_padding_mask);
   const bool attention_runs = projections[0].needs_dy() || projections[1].needs_dy() || projections[2].needs_dy() ||
                               d_bias_k || d_bias_v || attn_mask_grad || padding_grad;
-  const Tensor dscores = attn_mask_grad || padding_grad ? Tensor::empty({N, H, L, St}) : Tensor();
+  const Tensor dscores = attn_mask_grad || padding_grad ? Tensor::empty({N, H, L, St}, dtype) : Tensor();
 
   // 1. Output projection (dA only when the attention's backward runs).
-  const Rows dy = batch_major_rows(as_nle(grad_output), threads);  // [N, L, E]
-  float* dw_out = grad_of("out_proj.weight");
-  const Rows a = dw_out ? batch_major_rows(as_nle(st.attn), threads) : Rows{};
-  Tensor da = attention_runs ? Tensor::empty({N, L, E}) : Tensor();
-  linear_backward(a.data, dy.data, parameters.data("out_proj.weight"), N * L, E, E,
-                  da.defined() ? da.data<float>() : nullptr, dw_out, grad_of("out_proj.bias"), threads);
+  const Rows<T> dy = batch_major_rows<T>(as_nle(grad_output), threads);  // [N, L, E]
+  T* dw_out = grad_of("out_proj.weight");
+  const Rows<T> a = dw_out ? batch_major_rows<T>(as_nle(st.attn), threads) : Rows<T>{};
+  Tensor da = attention_runs ? Tensor::empty({N, L, E}, dtype) : Tensor();
+  linear_backward<T>(a.data, dy.data, parameters.data<T>("out_proj.weight"), N * L, E, E,
+                     da.defined() ? da.data<T>() : nullptr, dw_out, grad_of("out_proj.bias"), threads);
 
   // 2. Attention, through the fused backward.
-  auto attention_grad = [&](bool on, int64_t rows) { return on ? Tensor::empty({N, rows, E}) : Tensor(); };
+  auto attention_grad = [&](bool on, int64_t rows) { return on ? Tensor::empty({N, rows, E}, dtype) : Tensor(); };
   const Tensor dq = attention_grad(projections[0].needs_dy(), L),
                dk = attention_grad(projections[1].needs_dy() || d_bias_k, St),
                dv = attention_grad(projections[2].needs_dy() || d_bias_v, St);
   if (attention_runs) {
-    detail::BackwardInputs in;
     const TensorView heads_out = as_nle(st.attn).split_dim(2, H).transpose(1, 2);
-    in.out = heads_out.data_as<float>();
     const TensorView heads_grad = da.view().split_dim(2, H).transpose(1, 2);
-    in.grad_out = heads_grad.data_as<float>();
-    in.lse = st.lse.data_as<const float>();
-    for (int d = 0; d < 4; ++d) {
-      in.out_strides[d] = heads_out.strides[d];
-      in.grad_out_strides[d] = heads_grad.strides[d];
-    }
-    detail::BackwardOutputs out;
-    auto heads_of = [&](const Tensor& t, void** data, int64_t* strides) {  // null: not wanted
+    auto heads_of = [&](const Tensor& t, auto** data, int64_t* strides) {  // null: not wanted
       if (!t.defined()) return;
       const TensorView v = t.view().split_dim(2, H).transpose(1, 2);
-      *data = v.data;
+      *data = static_cast<std::remove_reference_t<decltype(*data)>>(v.data);  // (void* or double*)
       for (int d = 0; d < 4; ++d) strides[d] = v.strides[d];
     };
-    heads_of(dq, &out.dq, out.dq_strides);
-    heads_of(dk, &out.dk, out.dk_strides);
-    heads_of(dv, &out.dv, out.dv_strides);
-    if (dscores.defined()) {
-      out.dscores = dscores.data<float>();
-      for (int d = 0; d < 4; ++d) out.dscores_strides[d] = dscores.view().strides[d];
+    if constexpr (std::is_same_v<T, double>) {
+      detail::Float64Backward b;
+      b.out = heads_out.data_as<const double>();
+      b.grad_out = heads_grad.data_as<const double>();
+      for (int d = 0; d < 4; ++d) {
+        b.out_strides[d] = heads_out.strides[d];
+        b.grad_out_strides[d] = heads_grad.strides[d];
+      }
+      heads_of(dq, &b.dq, b.dq_strides);
+      heads_of(dk, &b.dk, b.dk_strides);
+      heads_of(dv, &b.dv, b.dv_strides);
+      if (dscores.defined()) {
+        b.dscores = dscores.data<double>();
+        for (int d = 0; d < 4; ++d) b.dscores_strides[d] = dscores.view().strides[d];
+      }
+      detail::attention_backward_f64(p, b);
+    } else {
+      detail::BackwardInputs in;
+      in.out = heads_out.data_as<float>();
+      in.grad_out = heads_grad.data_as<float>();
+      in.lse = st.lse.data_as<const float>();
+      for (int d = 0; d < 4; ++d) {
+        in.out_strides[d] = heads_out.strides[d];
+        in.grad_out_strides[d] = heads_grad.strides[d];
+      }
+      detail::BackwardOutputs out;
+      heads_of(dq, &out.dq, out.dq_strides);
+      heads_of(dk, &out.dk, out.dk_strides);
+      heads_of(dv, &out.dv, out.dv_strides);
+      if (dscores.defined()) {
+        out.dscores = dscores.data<float>();
+        for (int d = 0; d < 4; ++d) out.dscores_strides[d] = dscores.view().strides[d];
+      }
+      detail::run_attention_backward(p, in, out);
     }
-    detail::run_attention_backward(p, in, out);
   }
   if (dscores.defined()) {
     const TensorView ds = dscores.view().slice(3, 0, S);  // [N, H, L, S]
     if (attn_mask_grad && c.attn_mask->ndim == 3) {  // [N * H, L, S]: one slice per (batch entry, head)
-      g.attn_mask = Tensor::copy_of(TensorView(ds.data, DType::f32, {N * H, L, S}, {ds.strides[1], ds.strides[2], 1}));
+      g.attn_mask = Tensor::copy_of(TensorView(ds.data, dtype, {N * H, L, S}, {ds.strides[1], ds.strides[2], 1}));
     } else if (attn_mask_grad) {  // [L, S]: summed over the batch and the heads
-      g.attn_mask = detail::sum_to_shape(ds, c.attn_mask->sizes(), DType::f32, threads);
+      g.attn_mask = detail::sum_to_shape(ds, c.attn_mask->sizes(), dtype, threads);
     }
     if (padding_grad) {  // [N, S] (or [S] unbatched): summed over the heads and the queries
-      const Tensor summed = detail::sum_to_shape(TensorView(ds.data, DType::f32, {N, H * L, S}, {ds.strides[0], ds.strides[2], 1}),
-                                                 {N, 1, S}, DType::f32, threads);
-      g.key_padding_mask = Tensor::copy_of(TensorView(summed.view().data, DType::f32, c.key_padding_mask->sizes()));
+      const Tensor summed = detail::sum_to_shape(TensorView(ds.data, dtype, {N, H * L, S}, {ds.strides[0], ds.strides[2], 1}),
+                                                 {N, 1, S}, dtype, threads);
+      g.key_padding_mask = Tensor::copy_of(TensorView(summed.view().data, dtype, c.key_padding_mask->sizes()));
     }
   }
 
@@ -229,32 +267,32 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   for (const auto& [grad, d] : {std::pair{d_bias_k, &dk}, std::pair{d_bias_v, &dv}}) {
     if (grad == nullptr) continue;  // frozen, or no such parameter
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t e = 0; e < E; ++e) grad[e] += d->data<float>()[(n * St + S) * E + e];
+      for (int64_t e = 0; e < E; ++e) grad[e] += d->template data<T>()[(n * St + S) * E + e];
   }
 
   // 4. Input projections. The inputs X, the forward's own copies viewed [N, L, C], are made
   //    batch-major only for a weight gradient, and self-attention's one input once, not three times.
-  std::vector<std::pair<const TensorView*, Rows>> inputs;  // one batch-major copy per distinct input
+  std::vector<std::pair<const TensorView*, Rows<T>>> inputs;  // one batch-major copy per distinct input
   inputs.reserve(3);
   auto rows_of = [&](const TensorView& x) {
     for (const auto& [seen, rows] : inputs)
       if (detail::same_view(*seen, x)) return rows.data;
-    return inputs.emplace_back(&x, batch_major_rows(x, threads)).second.data;
+    return inputs.emplace_back(&x, batch_major_rows<T>(x, threads)).second.data;
   };
   const Tensor* attention_grads[3] = {&dq, &dk, &dv};
   for (int i = 0; i < 3; ++i) {
     Projection& pr = projections[i];
     if (!pr.needs_dy()) continue;
-    const Rows dy = batch_major_rows(attention_grads[i]->view().slice(1, 0, pr.rows), threads);  // [N, rows, E]
-    linear_backward(pr.dw ? rows_of(pr.x) : nullptr, dy.data, pr.w, N * pr.rows, pr.in, E,
-                    pr.dx.defined() ? pr.dx.data<float>() : nullptr, pr.dw, pr.db, threads);
+    const Rows<T> dy = batch_major_rows<T>(attention_grads[i]->view().slice(1, 0, pr.rows), threads);  // [N, rows, E]
+    linear_backward<T>(pr.dw ? rows_of(pr.x) : nullptr, dy.data, pr.w, N * pr.rows, pr.in, E,
+                       pr.dx.defined() ? pr.dx.template data<T>() : nullptr, pr.dw, pr.db, threads);
   }
   const Tensor &dxq = projections[0].dx, &dxk = projections[1].dx, &dxv = projections[2].dx;
 
   // 5. Input gradients in the caller's layout.
   auto input_gradient = [&](const Tensor& dx, const Shape& shape) {
     if (!dx.defined()) return Tensor();
-    Tensor t = Tensor::empty(shape);
+    Tensor t = Tensor::empty(shape, dtype);
     detail::parallel_copy_into(dx, as_nle(t.view()), threads);
     return t;
   };
@@ -264,5 +302,10 @@ ModuleGradients MultiheadAttention::backward_float32(const detail::ParameterSet&
   g.parameters = std::move(grads);
   return g;
 }
+
+template ModuleGradients MultiheadAttention::backward_full<float>(const detail::ParameterSet&, const ForwardContext&,
+                                                                  const TensorView&, const WantedGradients&) const;
+template ModuleGradients MultiheadAttention::backward_full<double>(const detail::ParameterSet&, const ForwardContext&,
+                                                                   const TensorView&, const WantedGradients&) const;
 
 }  // namespace mha

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "core/dropout.hpp"
 #include "core/thread_pool.hpp"
+#include "cpu/attention_f64.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "mha/multihead_attention.hpp"
 #include "module/linear.hpp"
@@ -16,14 +18,45 @@
 namespace mha {
 namespace {
 
-// Rows [from, from + 1) of every batch entry of a [N, rows, E] view, set to `values` (or zero).
-void set_row(const TensorView& t, int64_t row, const float* values) {
+// Row `row` of every batch entry of a [N, rows, E] view of T, set to `values` (or zero).
+template <typename T>
+void set_row(const TensorView& t, int64_t row, const T* values) {
   const int64_t E = t.shape[2];
   for (int64_t n = 0; n < t.shape[0]; ++n) {
-    float* dst = t.data_as<float>() + n * t.strides[0] + row * t.strides[1];
-    if (values) std::memcpy(dst, values, sizeof(float) * E);
-    else std::memset(dst, 0, sizeof(float) * E);
+    T* dst = t.data_as<T>() + n * t.strides[0] + row * t.strides[1];
+    if (values) std::memcpy(dst, values, sizeof(T) * E);
+    else std::memset(dst, 0, sizeof(T) * E);
   }
+}
+
+// The float64 attention (cpu/attention_f64.hpp) with the float32 kernel's outputs: the weights
+// averaged over the heads are the per-head weights' mean, in a temporary [N, H, L, S'].
+void run_attention_f64(const detail::AttentionProblem& p, const TensorView& heads_out, double* weights,
+                       const int64_t* weights_strides, double* average_weights, double* lse) {
+  detail::Float64Outputs o;
+  o.out = heads_out.data_as<double>();
+  for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
+  o.lse = lse;
+  Tensor per_head;
+  if (average_weights != nullptr) {
+    per_head = Tensor::empty({p.batch, p.heads_q, p.len_q, p.len_k}, DType::f64);
+    o.weights = per_head.data<double>();
+    for (int d = 0; d < 4; ++d) o.weights_strides[d] = per_head.view().strides[d];
+  } else if (weights != nullptr) {
+    o.weights = weights;
+    for (int d = 0; d < 4; ++d) o.weights_strides[d] = weights_strides[d];
+  }
+  detail::attention_forward_f64(p, o);
+  if (average_weights == nullptr) return;
+  const int64_t H = p.heads_q, rows = p.len_q * p.len_k;
+  const double* w = per_head.data<double>();
+  detail::parallel_for(p.batch, detail::resolve_threads(p.num_threads), [&](int64_t n, int) {
+    double* avg = average_weights + n * rows;
+    std::fill_n(avg, rows, 0.0);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < rows; ++r) avg[r] += w[(n * H + h) * rows + r];
+    for (int64_t r = 0; r < rows; ++r) avg[r] /= static_cast<double>(H);
+  });
 }
 
 }  // namespace
@@ -56,15 +89,22 @@ ForwardResult MultiheadAttention::forward_with(const ParameterViews& parameters,
 ForwardResult MultiheadAttention::forward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                               const TensorView& query, const TensorView& key, const TensorView& value,
                                               const ForwardOptions& options, ForwardContext* context) const {
-  if (options_.dtype != DType::f32) return forward_low_precision(parameters, query, key, value, options, context);
+  if (options_.dtype != DType::f32 && options_.dtype != DType::f64) {
+    return forward_low_precision(parameters, query, key, value, options, context);
+  }
   detail::validate_module_call(*this, query, key, value, options);  // (num_threads) before any copy
-  const detail::ParameterSet set = detail::float32_parameters(parameters, detail::resolve_threads(options.num_threads));
-  return forward_float32(set, query, key, value, options, context);
+  const int threads = detail::resolve_threads(options.num_threads);
+  if (options_.dtype == DType::f64) {
+    return forward_full<double>(detail::float64_parameters(parameters, threads), query, key, value, options, context);
+  }
+  return forward_full<float>(detail::float32_parameters(parameters, threads), query, key, value, options, context);
 }
 
-ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& parameters, const TensorView& query_in,
-                                                  const TensorView& key_in, const TensorView& value_in,
-                                                  const ForwardOptions& options_in, ForwardContext* context) const {
+template <typename T>
+ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& parameters, const TensorView& query_in,
+                                               const TensorView& key_in, const TensorView& value_in,
+                                               const ForwardOptions& options_in, ForwardContext* context) const {
+  constexpr DType dtype = dtype_of<T>();
   detail::validate_module_call(*this, query_in, key_in, value_in, options_in);  // before any copy
   // A training forward keeps its own copies of the inputs and masks, so the backward does not
   // depend on the caller's buffers; the self-attention case stays one shared copy.
@@ -87,7 +127,7 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
   const int threads = detail::resolve_threads(options.num_threads);
   const int64_t E = embed_dim_, H = num_heads_;
   const int64_t N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
-  const float* in_bias = options_.bias ? parameters.data("in_proj_bias") : nullptr;
+  const T* in_bias = options_.bias ? parameters.data<T>("in_proj_bias") : nullptr;
 
   // 1. Projections. Self-attention with the packed weight is one sgemm against [3E, E].
   detail::RowBuffer q_buf, k_buf, v_buf;
@@ -95,7 +135,7 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
   const bool packed = qkv_same_embed_dim() && detail::same_view(query, key) && detail::same_view(key, value) && L == S;
   if (packed) {
     const TensorView& w = parameters.view("in_proj_weight");
-    q_buf = detail::rows_like(c.query, St, 3 * E);
+    q_buf = detail::rows_like(c.query, St, 3 * E, dtype);
     detail::linear(c.query, w, in_bias, q_buf.view.slice(1, 0, L), threads);
     q = q_buf.view.slice(1, 0, L).slice(2, 0, E);
     k = q_buf.view.slice(2, E, 2 * E);
@@ -109,9 +149,9 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
       wq = parameters.view("q_proj_weight"), wk = parameters.view("k_proj_weight");
       wv = parameters.view("v_proj_weight");
     }
-    q_buf = detail::rows_like(c.query, L, E);
-    k_buf = detail::rows_like(c.key, St, E);
-    v_buf = detail::rows_like(c.value, St, E);
+    q_buf = detail::rows_like(c.query, L, E, dtype);
+    k_buf = detail::rows_like(c.key, St, E, dtype);
+    v_buf = detail::rows_like(c.value, St, E, dtype);
     q = q_buf.view, k = k_buf.view, v = v_buf.view;
     detail::linear(c.query, wq, in_bias, q, threads);
     detail::linear(c.key, wk, in_bias ? in_bias + E : nullptr, k.slice(1, 0, S), threads);
@@ -121,24 +161,24 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
   // 2. bias_k / bias_v, then the zero key/value, appended along the sequence.
   int64_t row = S;
   if (options_.add_bias_kv) {
-    set_row(k, row, parameters.data("bias_k"));
-    set_row(v, row, parameters.data("bias_v"));
+    set_row(k, row, parameters.data<T>("bias_k"));
+    set_row(v, row, parameters.data<T>("bias_v"));
     ++row;
   }
   if (options_.add_zero_attn) {
-    set_row(k, row, nullptr);
-    set_row(v, row, nullptr);
+    set_row<T>(k, row, nullptr);
+    set_row<T>(v, row, nullptr);
   }
 
   // 3. Heads as views: [N, L, E] -> [N, H, L, hd]. The attention output is written straight into
   //    a buffer laid out like the final output, so the output projection is one sgemm.
   ForwardResult result;
-  result.output = Tensor::empty(detail::module_output_shape(c, *this, options_.batch_first));
+  result.output = Tensor::empty(detail::module_output_shape(c, *this, options_.batch_first), dtype);
   auto as_nle = [&](const TensorView& t) {
     if (!c.batched) return t.unsqueeze(0);
     return options_.batch_first ? t : t.transpose(0, 1);
   };
-  const Tensor attn = Tensor::empty(result.output.sizes());
+  const Tensor attn = Tensor::empty(result.output.sizes(), dtype);
   detail::MaskTerms masks = detail::module_mask_terms(c, H);
   detail::AttentionProblem p = detail::module_attention_problem(c, masks, H, q, k, v, threads);
   p.dropout_p = training_ ? options_.dropout : 0.0;
@@ -146,32 +186,40 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
     p.dropout_seed = options.dropout_seed ? *options.dropout_seed : next_dropout_seed();
   }
 
-  detail::ForwardOutputs o;
   const TensorView heads_out = as_nle(attn.view()).split_dim(2, H).transpose(1, 2);
-  o.out = heads_out.data_as<float>();
-  for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
   // The weights per head, or only their mean over the heads, which the kernel sums as it goes.
   Tensor weights;
+  T* weights_data = nullptr;
+  T* average_data = nullptr;
+  int64_t weights_strides[4] = {};
   if (options.need_weights && options.average_attn_weights) {
-    weights = Tensor::empty(detail::module_weights_shape(c, H, true));
-    o.average_weights = weights.data<float>();
+    weights = Tensor::empty(detail::module_weights_shape(c, H, true), dtype);
+    average_data = weights.data<T>();
   } else if (options.need_weights) {
-    weights = Tensor::empty(detail::module_weights_shape(c, H, false));  // [N,] H, L, S
-    o.weights = weights.data<float>();
+    weights = Tensor::empty(detail::module_weights_shape(c, H, false), dtype);  // [N,] H, L, S
+    weights_data = weights.data<T>();
     // The tensor's own strides (sizes whose product overflows, with an empty batch, are its business).
     const TensorView& w = weights.view();
-    for (int d = 0; d < 3; ++d) o.weights_strides[d + 1] = w.strides[w.ndim - 3 + d];
-    o.weights_strides[0] = c.batched ? w.strides[0] : 0;
+    for (int d = 0; d < 3; ++d) weights_strides[d + 1] = w.strides[w.ndim - 3 + d];
+    weights_strides[0] = c.batched ? w.strides[0] : 0;
   }
   Tensor lse;
-  if (st) {
-    lse = Tensor::empty({N, H, L});
-    o.lse = lse.data<float>();
+  if (st) lse = Tensor::empty({N, H, L}, dtype);
+  if constexpr (std::is_same_v<T, double>) {
+    run_attention_f64(p, heads_out, weights_data, weights_strides, average_data, st ? lse.data<double>() : nullptr);
+  } else {
+    detail::ForwardOutputs o;
+    o.out = heads_out.data_as<float>();
+    for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
+    o.average_weights = average_data;
+    o.weights = weights_data;
+    for (int d = 0; d < 4; ++d) o.weights_strides[d] = weights_strides[d];
+    if (st) o.lse = lse.data<float>();
+    detail::run_attention(p, o);
   }
-  detail::run_attention(p, o);
 
   // 4. Output projection.
-  const float* out_bias = options_.bias ? parameters.data("out_proj.bias") : nullptr;
+  const T* out_bias = options_.bias ? parameters.data<T>("out_proj.bias") : nullptr;
   detail::linear(as_nle(attn.view()), parameters.view("out_proj.weight"), out_bias, as_nle(result.output.view()),
                  threads);
 
@@ -184,9 +232,17 @@ ForwardResult MultiheadAttention::forward_float32(const detail::ParameterSet& pa
     st->problem = p;
     st->query_shape = query_in.sizes(), st->key_shape = key_in.sizes(), st->value_shape = value_in.sizes();
     st->output_shape = result.output.sizes();
+    st->module_dtype = dtype;
     context->state_ = std::move(st);
   }
   return result;
 }
+
+template ForwardResult MultiheadAttention::forward_full<float>(const detail::ParameterSet&, const TensorView&,
+                                                                const TensorView&, const TensorView&,
+                                                                const ForwardOptions&, ForwardContext*) const;
+template ForwardResult MultiheadAttention::forward_full<double>(const detail::ParameterSet&, const TensorView&,
+                                                                 const TensorView&, const TensorView&,
+                                                                 const ForwardOptions&, ForwardContext*) const;
 
 }  // namespace mha

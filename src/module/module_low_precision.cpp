@@ -53,7 +53,7 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
   // This module's dropout stream, not the temporary one's.
   if (training_ && options_.dropout > 0 && !o.dropout_seed) o.dropout_seed = next_dropout_seed();
 
-  ForwardResult r = wide.forward_float32(wide_parameters, wide_call.query, wide_call.key, wide_call.value, o, context);
+  ForwardResult r = wide.forward_full<float>(wide_parameters, wide_call.query, wide_call.key, wide_call.value, o, context);
   r.output = detail::parallel_copy_of(r.output.view(), options_.dtype, threads);
   if (r.weights) r.weights = detail::parallel_copy_of(r.weights->view(), options_.dtype, threads);
   if (context != nullptr) context->state_->module_dtype = options_.dtype;
@@ -73,7 +73,7 @@ ModuleGradients MultiheadAttention::backward_low_precision(
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);
   const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads);
   const Tensor grad = detail::parallel_copy_of(grad_output, DType::f32, threads);
-  ModuleGradients g = wide.backward_float32(wide_parameters, context, grad.view(), wanted);
+  ModuleGradients g = wide.backward_full<float>(wide_parameters, context, grad.view(), wanted);
   auto round = [&](Tensor& t) {
     if (t.defined()) t = detail::parallel_copy_of(t.view(), options_.dtype, threads);
   };

@@ -50,8 +50,8 @@ std::pair<double, double> fans(const Tensor& t) {
 }
 
 void check_module_dtype(DType dtype) {
-  if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16) {
-    throw Error("dtype: expected float32, bfloat16 or float16 for the module's parameters, got " +
+  if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::bf16 && dtype != DType::f16) {
+    throw Error("dtype: expected float32, float64, bfloat16 or float16 for the module's parameters, got " +
                 std::string(dtype_name(dtype)));
   }
 }

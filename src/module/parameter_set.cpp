@@ -30,4 +30,17 @@ ParameterSet float32_parameters(const NamedViews& views, int threads, bool weigh
   return set;
 }
 
+ParameterSet float64_parameters(const NamedViews& views, int threads) {
+  ParameterSet set;
+  for (const auto& [name, v] : views) {
+    if (v.dtype == DType::f64 && v.is_contiguous()) {
+      set.views.emplace_back(name, v);
+    } else {
+      set.copies.push_back(parallel_copy_of(v, DType::f64, threads));
+      set.views.emplace_back(name, set.copies.back().view());
+    }
+  }
+  return set;
+}
+
 }  // namespace mha::detail

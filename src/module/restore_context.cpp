@@ -19,13 +19,14 @@ Tensor contiguous_tensor(const TensorView& t, const std::vector<Tensor>& storage
   return Tensor::copy_of(t);
 }
 
-// The activation `name` checked against the shape the call implies (float32, on the host), and
+// The activation `name` checked against the dtype and shape the call implies (on the host), and
 // made unit-stride along its features (the kernels read rows); a copy only where it is not.
-TensorView checked_activation(const TensorView& t, const char* name, const Shape& expected, std::vector<Tensor>& owned) {
+TensorView checked_activation(const TensorView& t, const char* name, DType dtype, const Shape& expected,
+                              std::vector<Tensor>& owned) {
   require_cpu(t, std::string("activations.") + name);
-  if (t.dtype != DType::f32 || t.sizes() != expected) {
-    throw Error(std::string("activations.") + name + ": expected float32 of shape " +
-                TensorView(nullptr, DType::f32, expected).shape_str() + " (from the inputs and options), got " +
+  if (t.dtype != dtype || t.sizes() != expected) {
+    throw Error(std::string("activations.") + name + ": expected " + std::string(dtype_name(dtype)) + " of shape " +
+                TensorView(nullptr, dtype, expected).shape_str() + " (from the inputs and options), got " +
                 std::string(dtype_name(t.dtype)) + " " + t.shape_str());
   }
   if (t.numel() > 0 && t.data == nullptr) throw Error(std::string("activations.") + name + ": data pointer is null");
@@ -47,12 +48,14 @@ SavedActivations ForwardContext::activations() const {
 ForwardContext MultiheadAttention::restore_context(const TensorView& query, const TensorView& key,
                                                    const TensorView& value, const ForwardOptions& options,
                                                    const ActivationViews& activations) const {
-  if (options_.dtype == DType::f32) return restore_float32(query, key, value, options, activations);
+  if (options_.dtype == DType::f32 || options_.dtype == DType::f64) {
+    return restore_full(query, key, value, options, activations);
+  }
   detail::validate_module_call(*this, query, key, value, options);  // dtypes against the module's
   const int threads = detail::resolve_threads(options.num_threads);
   detail::WidenedCall wide_call = detail::widened_call(query, key, value, options, options_.dtype, threads);
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);
-  ForwardContext context = wide.restore_float32(wide_call.query, wide_call.key, wide_call.value, wide_call.options,
+  ForwardContext context = wide.restore_full(wide_call.query, wide_call.key, wide_call.value, wide_call.options,
                                                 activations);
   ForwardContext::State& st = *context.state_;
   for (const Tensor& t : {wide_call.query, wide_call.key, wide_call.value, wide_call.attn_mask,
@@ -63,9 +66,9 @@ ForwardContext MultiheadAttention::restore_context(const TensorView& query, cons
   return context;
 }
 
-ForwardContext MultiheadAttention::restore_float32(const TensorView& query, const TensorView& key,
-                                                   const TensorView& value, const ForwardOptions& options,
-                                                   const ActivationViews& activations) const {
+ForwardContext MultiheadAttention::restore_full(const TensorView& query, const TensorView& key,
+                                                const TensorView& value, const ForwardOptions& options,
+                                                const ActivationViews& activations) const {
   const detail::ModuleCall c = detail::validate_module_call(*this, query, key, value, options);
   const double dropout_p = training_ ? options_.dropout : 0.0;
   if (dropout_p > 0 && !options.dropout_seed) {
@@ -76,11 +79,13 @@ ForwardContext MultiheadAttention::restore_float32(const TensorView& query, cons
   st->call = c;
   st->query_shape = query.sizes(), st->key_shape = key.sizes(), st->value_shape = value.sizes();
   st->output_shape = detail::module_output_shape(c, *this, options_.batch_first);
-  st->q = checked_activation(activations.q, "q", {N, L, E}, st->storage);
-  st->k = checked_activation(activations.k, "k", {N, St, E}, st->storage);
-  st->v = checked_activation(activations.v, "v", {N, St, E}, st->storage);
-  st->attn = checked_activation(activations.attn, "attn", st->output_shape, st->storage);
-  st->lse = checked_activation(activations.lse, "lse", {N, H, L}, st->storage);
+  const DType dtype = options_.dtype;  // float32 or float64
+  st->q = checked_activation(activations.q, "q", dtype, {N, L, E}, st->storage);
+  st->k = checked_activation(activations.k, "k", dtype, {N, St, E}, st->storage);
+  st->v = checked_activation(activations.v, "v", dtype, {N, St, E}, st->storage);
+  st->attn = checked_activation(activations.attn, "attn", dtype, st->output_shape, st->storage);
+  st->lse = checked_activation(activations.lse, "lse", dtype, {N, H, L}, st->storage);
+  st->module_dtype = dtype;
   st->masks = detail::module_mask_terms(c, H);
   st->problem = detail::module_attention_problem(c, st->masks, H, st->q, st->k, st->v,
                                                  detail::resolve_threads(options.num_threads));

@@ -7,9 +7,10 @@ backward. A drop-in replacement inside a PyTorch model on the CPU:
     out, w = attn(x, x, x)
     out.sum().backward()          # fills attn.in_proj_weight.grad, ..., and x.grad
 
-Parameters may be float32, bfloat16 or float16 (`dtype=` or `.to(dtype)`, as in PyTorch); the
-inputs must then be of that dtype. bfloat16/float16 compute in float32 and round the output, the
-weights and the gradients once to the module's dtype.
+Parameters may be float32, float64, bfloat16 or float16 (`dtype=` or `.to(dtype)`, as in
+PyTorch); the inputs must then be of that dtype. float64 computes in float64 throughout, so that
+torch.autograd.gradcheck works on models that hold the module; bfloat16/float16 compute in float32
+and round the output, the weights and the gradients once to the module's dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class MultiheadAttention(nn.Module):
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device: only 'cpu' is supported, got {device!r}")
         if dtype is not None and dtype not in _call.DTYPES:
-            raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+            raise ValueError(f"dtype: expected torch.float32, torch.float64, torch.bfloat16 or torch.float16, got {dtype}")
         dtype = dtype or torch.float32
         # The C++ module validates the options and runs the kernels on this module's parameters,
         # which it reads in place at every call (forward_with); it holds none of its own.

@@ -13,7 +13,7 @@ from .. import _mha, _auto_threading, _compiling
 from .. import ops as _ops
 from ..autograd import ModuleFunction, _tensor
 
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class Options(NamedTuple):
@@ -37,7 +37,8 @@ def checked_dtype(params: Dict[str, torch.Tensor]) -> torch.dtype:
     """The one supported dtype of every parameter."""
     dtypes = {p.dtype for p in params.values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
-        raise ValueError("parameters: expected one dtype among torch.float32, torch.bfloat16 and torch.float16, "
+        raise ValueError("parameters: expected one dtype among torch.float32, torch.float64, torch.bfloat16 and "
+                         "torch.float16, "
                          f"got {sorted(str(d) for d in dtypes)}")
     return next(iter(dtypes))
 
