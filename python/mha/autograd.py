@@ -3,6 +3,9 @@ training forward and whose backward runs the C++ backward (deterministic, flash-
 
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
 import torch
 
 from . import _mha
@@ -17,6 +20,25 @@ def _tensor(array):
     extension hands bfloat16 over as its uint16 bits, viewed back here without a copy."""
     t = torch.from_numpy(array)
     return t.view(torch.bfloat16) if t.dtype == torch.uint16 else t
+
+
+class _Keeper:
+    """Keeps `obj` alive as the base of a one-byte numpy array (numpy holds the object whose
+    __array_interface__ it reads)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+        self._byte = np.zeros(1, np.uint8)
+        self.__array_interface__ = self._byte.__array_interface__
+
+
+def _lifetime_token(obj):
+    """A one-byte tensor that keeps `obj` alive, and a weak reference to reach obj through it.
+    Saved for backward, the token gives obj the lifetime of autograd's saved tensors: freed after
+    the backward unless retain_graph keeps the graph, so a second backward works where it is
+    allowed, and is autograd's own error where it is not."""
+    keeper = _Keeper(obj)
+    return torch.from_numpy(np.asarray(keeper)), weakref.ref(keeper)
 
 
 class SdpaFunction(torch.autograd.Function):
@@ -69,9 +91,11 @@ class ModuleFunction(torch.autograd.Function):
                                                      _detached(key_padding_mask), need_weights,
                                                      _detached(attn_mask), average, is_causal, dropout_seed,
                                                      num_threads, {name: p.detach() for name, p in zip(names, params)})
-        ctx.module, ctx.names, ctx.context = module, names, context
+        # The C++ context (the activations) lives as long as autograd's saved tensors do.
+        token, ctx.context = _lifetime_token(context)
+        ctx.module, ctx.names = module, names
         ctx.mask_dtypes = tuple(None if m is None else m.dtype for m in (key_padding_mask, attn_mask))
-        ctx.save_for_backward(*params)
+        ctx.save_for_backward(token, *params)
         weights = None if weights is None else _tensor(weights)
         if weights is not None:
             ctx.mark_non_differentiable(weights)
@@ -79,15 +103,17 @@ class ModuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_weights):
-        params = ctx.saved_tensors  # autograd's check that none changed in place since the forward
+        # (autograd's checks: that no parameter changed in place since the forward, and that the
+        # graph was retained where this is a second backward)
+        _token, *params = ctx.saved_tensors
+        context = ctx.context().obj
         # Gradients only where autograd needs them: a key and value that need none (a frozen
         # encoder's output) save their projections' dX products, a frozen parameter its dW.
         frozen = [name for name, needed in zip(ctx.names, ctx.needs_input_grad[8:]) if not needed]
         # A float mask that requires grad (a learned bias) gets dS summed as it broadcasts.
         dq, dk, dv, dparams, dpadding, dmask = ctx.module.backward(
-            ctx.context, grad_output.detach().contiguous(), {name: p.detach() for name, p in zip(ctx.names, params)},
+            context, grad_output.detach().contiguous(), {name: p.detach() for name, p in zip(ctx.names, params)},
             tuple(ctx.needs_input_grad[3:6]), frozen, tuple(ctx.needs_input_grad[6:8]))
-        ctx.context = None  # free the saved activations
         param_grads = [_tensor(dparams[name]) if name in dparams else None for name in ctx.names]
         dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
         dpadding, dmask = (None if d is None else _tensor(d).to(dtype)

@@ -226,10 +226,10 @@ def test_module_training_compiles_into_one_graph(rng):
     """mha.nn.MultiheadAttention with gradients to compute: one node, mha::multihead_attention_train,
     whose backward node rebuilds the C++ context from the saved activations; the output, the
     weights and every gradient (inputs and parameters that need one, frozen ones left out) have
-    the eager call's bits, in float32 and bfloat16."""
+    the eager call's bits, in float32, float64 and bfloat16."""
     for n in range(8):
         options, inputs, call = _module_case(rng)
-        dtype = torch.bfloat16 if n % 4 == 3 else torch.float32
+        dtype = torch.bfloat16 if n % 4 == 3 else torch.float64 if n % 4 == 1 else torch.float32
         m = mha.nn.MultiheadAttention(16, 2, dtype=dtype, **options).train()
         for p in m.parameters():
             p.requires_grad_(bool(rng.random() < 0.7))
@@ -241,7 +241,7 @@ def test_module_training_compiles_into_one_graph(rng):
 
         def step(q, k, v):
             out, weights = m(q, k, v, **call)
-            return (out.float() * grad).sum(), out, weights
+            return (out.to(torch.float64 if dtype == torch.float64 else torch.float32) * grad).sum(), out, weights
 
         torch._dynamo.reset()
         traced = set()
@@ -268,11 +268,15 @@ def test_module_training_compiles_into_one_graph(rng):
 def test_module_training_operator(rng):
     """mha::multihead_attention_train by itself: PyTorch's operator checks (autograd registration,
     fake shapes against the real ones, AOT dispatch), and with dropout the gradients of the eager
-    autograd function for the same seed (the seed reaches the rebuilt context)."""
+    autograd function for the same seed (the seed reaches the rebuilt context); float32, and
+    float64 (whose activations are float64)."""
     for n in range(4):
         options, inputs, call = _module_case(rng)
-        m = mha.nn.MultiheadAttention(16, 2, dropout=0.3, **options).train()
-        inputs = [t.requires_grad_() for t in inputs]
+        dtype = torch.float64 if n == 3 else torch.float32
+        m = mha.nn.MultiheadAttention(16, 2, dropout=0.3, dtype=dtype, **options).train()
+        inputs = [t.to(dtype).requires_grad_() for t in inputs]
+        call = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in call.items()}
         seed = int(rng.integers(2**62))
         names = ",".join(name for name, _ in m.named_parameters())
         args = (*inputs, call["key_padding_mask"], call["attn_mask"], list(m.parameters()), names,
@@ -284,9 +288,10 @@ def test_module_training_operator(rng):
         _expect_fake_like_real(torch.ops.mha.multihead_attention_train.default, args)
 
         out = torch.ops.mha.multihead_attention_train(*args)[0]
-        grad = torch.from_numpy(rng.standard_normal(out.shape)).float()
+        grad = torch.from_numpy(rng.standard_normal(out.shape)).to(dtype)
         leaves = [*inputs, *m.parameters()]
         got = torch.autograd.grad((out * grad).sum(), leaves)
+        m._impl.to(str(dtype).removeprefix("torch."))  # (a call through the module sets it)
         e_out, _ = mha.autograd.ModuleFunction.apply(
             m._impl, [name for name, _ in m.named_parameters()],
             (call["need_weights"], call["average_attn_weights"], False, seed, 0), *inputs,

@@ -53,11 +53,14 @@ def test_from_torch_shares_the_parameters(rng):
         mha.nn.MultiheadAttention.from_torch(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
-def test_replaced_transformer_trains_and_infers_as_pytorchs(rng, kind):
+def test_replaced_transformer_trains_and_infers_as_pytorchs(rng, kind, dtype):
     """Every attention of a Transformer encoder or decoder replaced: training outputs and every
     gradient, and inference with PyTorch's fast path on (the encoder layer's fused kernel then
-    runs on the shared parameters, through merge_masks) and off (our module runs)."""
+    runs on the shared parameters, through merge_masks) and off (our module runs). A float64
+    model (as gradient checks use) computes in float64 on both sides: 1e-12."""
+    out_tol, grad_tol = (1e-12, 1e-12) if dtype == torch.float64 else (1e-5, 1e-4)
     torch.manual_seed(int(rng.integers(2**31)))
     E, H, N, L, S = 16, 4, 3, 7, 5
     if kind == "encoder":
@@ -66,14 +69,15 @@ def test_replaced_transformer_trains_and_infers_as_pytorchs(rng, kind):
     else:
         theirs = torch.nn.TransformerDecoder(torch.nn.TransformerDecoderLayer(E, H, dim_feedforward=32,
                                                                               batch_first=True), 2)
+    theirs = theirs.to(dtype)
     ours = mha.nn.replace_attention(copy.deepcopy(theirs))
     replaced = [m for m in ours.modules() if isinstance(m, mha.nn.MultiheadAttention)]
     assert len(replaced) == (2 if kind == "encoder" else 4)
     assert not any(type(m) is torch.nn.MultiheadAttention for m in ours.modules())
     _no_dropout(theirs), _no_dropout(ours)
 
-    x = torch.from_numpy(rng.standard_normal((N, L, E))).float().requires_grad_()
-    memory = torch.from_numpy(rng.standard_normal((N, S, E))).float()
+    x = torch.from_numpy(rng.standard_normal((N, L, E))).to(dtype).requires_grad_()
+    memory = torch.from_numpy(rng.standard_normal((N, S, E))).to(dtype)
     kpm = torch.zeros(N, L, dtype=torch.bool)
     kpm[1, L - 2:] = True  # left-aligned padding: the encoder's nested-tensor path may take it
     causal = torch.nn.Transformer.generate_square_subsequent_mask(L)
@@ -86,14 +90,14 @@ def test_replaced_transformer_trains_and_infers_as_pytorchs(rng, kind):
     for model in (theirs, ours):
         model.train()
     out, ref = run(ours, x), run(theirs, x)
-    assert _rel(out, ref) <= 1e-5
-    g = torch.from_numpy(rng.standard_normal(out.shape)).float()
+    assert out.dtype == dtype and _rel(out, ref) <= out_tol
+    g = torch.from_numpy(rng.standard_normal(out.shape)).to(dtype)
     params = [x] + list(theirs.parameters())
     ours_params = [x] + list(ours.parameters())
     for name, a, b in zip(["x"] + [n for n, _ in theirs.named_parameters()],
                           torch.autograd.grad((out * g).sum(), ours_params),
                           torch.autograd.grad((ref * g).sum(), params)):
-        assert _rel(a, b) <= 1e-4, name
+        assert _rel(a, b) <= grad_tol, name
 
     for model in (theirs, ours):
         model.eval()
@@ -105,7 +109,7 @@ def test_replaced_transformer_trains_and_infers_as_pytorchs(rng, kind):
             finally:
                 torch.backends.mha.set_fastpath_enabled(True)
             assert _rel(out.to_padded_tensor(0.0) if out.is_nested else out,
-                        ref.to_padded_tensor(0.0) if ref.is_nested else ref) <= 1e-5, fast
+                        ref.to_padded_tensor(0.0) if ref.is_nested else ref) <= out_tol, fast
 
 
 def test_attributes_read_at_each_call(rng):
@@ -186,3 +190,32 @@ def test_float_masks_get_their_gradients_as_in_pytorch(rng, case):
     for got, want in zip(grads[1], grads[0]):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+def test_backward_through_a_retained_graph_and_activations_freed_after(rng):
+    """As with PyTorch's module: backward(retain_graph=True) leaves the graph for another backward
+    (gradients accumulate, as gradcheck and multi-loss training rely on), a backward past the last
+    retained one is autograd's own error, and a plain backward frees the saved activations at once
+    (not when the output is dropped, which in a training loop is after the next forward)."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    theirs = torch.nn.MultiheadAttention(16, 4, kdim=6, vdim=6)
+    ours = mha.nn.MultiheadAttention.from_torch(copy.deepcopy(theirs))
+    q = torch.from_numpy(rng.standard_normal((5, 2, 16))).float()
+    kv = torch.from_numpy(rng.standard_normal((7, 2, 6))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 2, 16))).float()
+    grads = []
+    for model in (theirs, ours):
+        x = q.clone().requires_grad_()
+        out, _ = model(x, kv, kv)
+        (out * g).sum().backward(retain_graph=True)
+        (2 * out * g).sum().backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.sum().backward()
+        grads.append([x.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert _rel(a, b) <= 1e-5
+    out, _ = ours(q.clone().requires_grad_(), kv, kv)
+    context = out.grad_fn.context  # (a weak reference to the C++ forward context)
+    assert context() is not None
+    out.sum().backward()
+    assert context() is None and out is not None

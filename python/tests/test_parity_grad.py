@@ -316,6 +316,76 @@ def test_float64_sdpa_matches_torch_and_passes_gradcheck(parity_seed):
     assert checked >= 4, "too few small cases for gradcheck"
 
 
+def test_float64_module_matches_torch_and_passes_gradcheck(parity_seed):
+    """A float64 mha.nn.MultiheadAttention computes in float64, as PyTorch's float64 module does:
+    on the random module cases above (cross-attention, kdim/vdim, bias_kv, zero attention,
+    batch_first, unbatched, padding and float masks that require grad, weights or not), the output,
+    the weights and every gradient (inputs, parameters, the float mask) within 1e-12 of PyTorch's,
+    and torch.autograd.gradcheck passes through it (which runs the backward more than once per
+    graph) on small cases."""
+    rng = np.random.default_rng([parity_seed, 17])
+    checked = 0
+    for n in range(120):
+        c = module_case(rng)
+        E, H, N, L, S = c["E"], c["H"], c["N"], c["L"], c["S"]
+        torch.manual_seed(int(rng.integers(2**31)))
+        ref = torch.nn.MultiheadAttention(E, H, bias=c["bias"], add_bias_kv=c["add_bias_kv"],
+                                          add_zero_attn=c["add_zero_attn"], kdim=c["kdim"], vdim=c["vdim"],
+                                          batch_first=c["batch_first"], dtype=torch.float64)
+        ours = mha.nn.MultiheadAttention(E, H, bias=c["bias"], add_bias_kv=c["add_bias_kv"],
+                                         add_zero_attn=c["add_zero_attn"], kdim=c["kdim"], vdim=c["vdim"],
+                                         batch_first=c["batch_first"], dtype=torch.float64)
+        ours.load_state_dict(ref.state_dict())
+
+        def seq(length, width):
+            shape = (N, length, width) if c["batch_first"] else (length, N, width)
+            return torch.from_numpy(rng.standard_normal(shape if c["batched"] else (length, width)))
+
+        query = seq(L, E)
+        key = seq(S, c["kdim"] or E) if c["cross"] else query
+        value = seq(S, c["vdim"] or E) if c["cross"] else query
+        kpm = None
+        if rng.random() < 0.5:
+            m = rng.random((N, S) if c["batched"] else (S,)) < 0.3
+            m[..., 0] = False  # key 0 stays visible (True = masked out)
+            kpm = torch.from_numpy(m)
+        attn_mask = torch.from_numpy(rng.standard_normal((L, S))) if rng.random() < 0.5 else None
+        need_weights = bool(rng.random() < 0.5)
+        average = bool(rng.random() < 0.5)
+        results, grads = [], []
+        for module in (ref, ours):
+            leaves = {id(t): t.detach().clone().requires_grad_() for t in (query, key, value)}  # self: one leaf
+            q, k, v = (leaves[id(t)] for t in (query, key, value))
+            mask = None if attn_mask is None else attn_mask.clone().requires_grad_()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out, weights = module(q, k, v, key_padding_mask=kpm, attn_mask=mask, need_weights=need_weights,
+                                      average_attn_weights=average)
+            results.append((out, weights))
+            g = torch.from_numpy(np.random.default_rng([parity_seed, 17, n]).standard_normal(tuple(out.shape)))
+            wrt = [*leaves.values(), *([] if mask is None else [mask]), *module.parameters()]
+            grads.append(torch.autograd.grad(out, wrt, g))
+        (r_out, r_w), (o_out, o_w) = results
+        assert o_out.dtype == torch.float64 and rel(o_out.detach(), r_out.detach()) <= 1e-12, c
+        assert (o_w is None) == (r_w is None) and (o_w is None or rel(o_w, r_w.detach()) <= 1e-12), c
+        scale = max(float(b.abs().max()) for b in grads[0])
+        for a, b in zip(grads[1], grads[0]):
+            assert float((a - b).abs().max()) <= 1e-12 * max(scale, 1.0), c
+
+        params = dict(ours.named_parameters())
+        if checked < 4 and E <= 6 and L * S <= 16 and sum(p.numel() for p in params.values()) <= 150:
+            checked += 1
+
+            def f(q, mask, *ps):
+                kv = (key, value) if c["cross"] else (q, q)
+                return torch.func.functional_call(ours, dict(zip(params, ps)), (q, *kv),
+                                                  dict(key_padding_mask=kpm, attn_mask=mask, need_weights=False))[0]
+            mask = None if attn_mask is None else attn_mask.clone().requires_grad_()
+            assert torch.autograd.gradcheck(f, [query.clone().requires_grad_(), mask,
+                                                *(p.detach().clone().requires_grad_() for p in params.values())])
+    assert checked >= 2, "too few small cases for gradcheck"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_sdpa_gradients(dtype, parity_seed):
     """bfloat16 / float16 tensors inside autograd: output and .grad in the inputs' dtype, against
