@@ -417,8 +417,9 @@ class MultiheadAttention:
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
         arrays = {}
         for name, value in state_dict.items():
-            if _is_torch(value):  # float32 holds every bfloat16/float16 value: converted back exactly
-                value = value.detach().cpu().to(_torch().float32).contiguous()
+            if _is_torch(value):  # numpy has no bfloat16: widened (exactly), converted back by the module
+                value = value.detach().cpu()
+                value = (value.float() if value.dtype == _torch().bfloat16 else value).contiguous()
             arrays[name] = _as_array(value, f"state_dict['{name}']")
         self._m.load_state_dict(arrays, bool(strict))
 

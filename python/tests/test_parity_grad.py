@@ -504,15 +504,17 @@ def test_low_precision_module(dtype, parity_seed):
             assert err <= 4 * u, f"{name} gradient ({dtype}): relative error {err:.2e} for {c}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_low_precision_numpy_level_module(dtype, parity_seed):
     """mha.MultiheadAttention (the numpy-level module) keeps a bfloat16/float16 torch module's dtype
     in from_torch, computes as mha.nn does (float32, rounded once: within the unit roundoff u of
     the largest value against torch's module in float64 on the same parameters), hands back its
     state_dict exactly (bfloat16 widened to float32, as numpy has none), and its parameter
-    gradients within a few u. Built with dtype= it takes numpy float16 too."""
+    gradients within a few u. Built with dtype= it takes numpy float16 too. A float64 module (kept
+    float64 by from_torch and load_state_dict) computes in float64: u is then 1e-13, some hundreds
+    of float64's unit roundoff, where one float32 step would cost 6e-8."""
     rng = np.random.default_rng([parity_seed, 9])
-    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    u = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 1e-13}[dtype]
     for _ in range(8):
         c = module_case(rng)
         E, H, N, L = c["E"] * 4, c["H"], c["N"], c["L"] + 8
@@ -520,7 +522,8 @@ def test_low_precision_numpy_level_module(dtype, parity_seed):
         options = dict(bias=c["bias"], add_bias_kv=c["add_bias_kv"], add_zero_attn=c["add_zero_attn"],
                        kdim=c["kdim"], vdim=c["vdim"], batch_first=c["batch_first"])
         torch.manual_seed(int(rng.integers(2**31)))
-        theirs = torch.nn.MultiheadAttention(E, H, **options).to(dtype)
+        # (float64 initialised as such: parameters that float32 cannot hold, which a float32 step loses)
+        theirs = torch.nn.MultiheadAttention(E, H, **options, dtype=dtype if dtype == torch.float64 else None).to(dtype)
         ours = mha.MultiheadAttention.from_torch(theirs)
         assert ours.dtype == str(dtype).replace("torch.", "")
         state = ours.state_dict()
