@@ -57,7 +57,7 @@ Device parse_device(const std::string& name) {
 }
 
 DType parse_dtype(const std::string& name) {
-  return name == "bfloat16" ? DType::bf16 : name == "float16" ? DType::f16 : DType::f32;
+  return name == "bfloat16" ? DType::bf16 : name == "float16" ? DType::f16 : name == "float64" ? DType::f64 : DType::f32;
 }
 
 // A random normal tensor in `dtype` on `device`.

@@ -71,7 +71,7 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   bench->add_option("--seed", o.seed, "Seed of the random inputs")->capture_default_str();
   bench->add_option("--dtype", o.dtype, "Input dtype")
       ->capture_default_str()
-      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
+      ->check(CLI::IsMember({"float32", "float64", "bfloat16", "float16"}));
   bench->add_option("--device", o.device, "cpu, or cuda[:N] for the GPU kernel (SDPA only; bfloat16 or float16)")
       ->capture_default_str();
 }
