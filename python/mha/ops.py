@@ -230,27 +230,30 @@ def multihead_attention_backward(grad_output: torch.Tensor, query: torch.Tensor,
                                  sizes: List[int], dropout: float, flags: List[bool], is_causal: bool,
                                  dropout_seed: torch.Tensor, activations: List[torch.Tensor],
                                  wanted: List[bool]) -> List[torch.Tensor]:
-    """The gradients of query, key, value and each parameter (in `names` order) of the training
-    forward that returned `activations`; one not in `wanted` (three input flags, then one per
-    parameter) is an empty tensor and is not computed."""
+    """The gradients of query, key, value, the float key_padding_mask and attn_mask (a learned
+    bias; in the mask's dtype) and each parameter (in `names` order) of the training forward that
+    returned `activations`; one not in `wanted` (five flags in that order, then one per parameter)
+    is an empty tensor and is not computed."""
     _auto_threading()
     module = _module(sizes, dropout, flags, parameters[0].dtype)
     seed = _seed_value(dropout_seed) if flags[4] and dropout > 0 else None
     names = names.split(",")
-    frozen = [name for name, w in zip(names, wanted[3:]) if not w]
-    dq, dk, dv, dparams, _, _ = module.backward_restored(query, key, value, key_padding_mask, attn_mask, is_causal, seed, 0,
-                                                   tuple(activations), grad_output.to(query.dtype).contiguous(),
-                                                   dict(zip(names, parameters)), tuple(bool(w) for w in wanted[:3]),
-                                                   frozen)
+    frozen = [name for name, w in zip(names, wanted[5:]) if not w]
+    dq, dk, dv, dparams, dpadding, dmask = module.backward_restored(
+        query, key, value, key_padding_mask, attn_mask, is_causal, seed, 0, tuple(activations),
+        grad_output.to(query.dtype).contiguous(), dict(zip(names, parameters)), tuple(bool(w) for w in wanted[:3]),
+        frozen, (bool(wanted[3]), bool(wanted[4])))
     inputs = [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)]
-    return inputs + [_tensor(dparams[name]) if name in dparams else query.new_empty(0) for name in names]
+    masks = [query.new_empty(0) if d is None else _tensor(d).to(m.dtype)
+             for d, m in ((dpadding, key_padding_mask), (dmask, attn_mask))]
+    return inputs + masks + [_tensor(dparams[name]) if name in dparams else query.new_empty(0) for name in names]
 
 
 @multihead_attention_backward.register_fake
 def _(grad_output, query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, is_causal,
       dropout_seed, activations, wanted):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
-            for t, w in zip((query, key, value, *parameters), wanted)]
+            for t, w in zip((query, key, value, key_padding_mask, attn_mask, *parameters), wanted)]
 
 
 def _module_setup_context(ctx, inputs, output):
@@ -266,13 +269,14 @@ def _module_backward(ctx, grad_output, grad_weights, *grad_activations):
     activations, parameters = saved[:5], saved[5:]
     names, sizes, dropout, flags, is_causal = ctx.options
     needs = ctx.needs_input_grad
-    wanted = [bool(n) for n in needs[:3]] + [bool(n) for n in needs[5]]
+    # (a float mask that requires grad, a learned bias, gets its gradient; a bool mask has none)
+    wanted = [bool(n) for n in needs[:5]] + [bool(n) for n in needs[5]]
     grads = torch.ops.mha.multihead_attention_backward(grad_output, query, key, value, key_padding_mask, attn_mask,
                                                        list(parameters), names, sizes, dropout, flags, is_causal,
                                                        dropout_seed, list(activations), wanted)
-    inputs = [g if w else None for g, w in zip(grads[:3], wanted[:3])]
-    params = [g if w else None for g, w in zip(grads[3:], wanted[3:])]
-    return (*inputs, None, None, params, None, None, None, None, None, None, None, None)
+    inputs = [g if w else None for g, w in zip(grads[:5], wanted[:5])]
+    params = [g if w else None for g, w in zip(grads[5:], wanted[5:])]
+    return (*inputs, params, None, None, None, None, None, None, None, None)
 
 
 multihead_attention_train.register_autograd(_module_backward, setup_context=_module_setup_context)

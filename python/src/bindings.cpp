@@ -166,7 +166,7 @@ ModuleGradientArrays module_backward_restored(
     const std::optional<Array>& key_padding_mask, const std::optional<Array>& attn_mask, bool is_causal,
     std::optional<uint64_t> dropout_seed, int num_threads, std::tuple<Array, Array, Array, Array, Array> activations,
     const Array& grad_output, const ParameterArrays& params, std::tuple<bool, bool, bool> wanted,
-    std::vector<std::string> frozen) {
+    std::vector<std::string> frozen, std::tuple<bool, bool> masks_wanted) {
   const mha::ForwardOptions o =
       forward_options(key_padding_mask, false, attn_mask, true, is_causal, dropout_seed, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
@@ -179,7 +179,7 @@ ModuleGradientArrays module_backward_restored(
     nb::gil_scoped_release release;  // the arrays keep the inputs and activations alive meanwhile
     context = m.restore_context(q, k, v, o, saved);
   }
-  return module_backward(m, context, grad_output, params, wanted, std::move(frozen), {false, false});
+  return module_backward(m, context, grad_output, params, wanted, std::move(frozen), masks_wanted);
 }
 
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
@@ -316,7 +316,8 @@ NB_MODULE(_mha, m) {
       .def("backward_restored", &module_backward_restored, nb::arg("query"), nb::arg("key"), nb::arg("value"),
            nb::arg("key_padding_mask").none(), nb::arg("attn_mask").none(), nb::arg("is_causal"),
            nb::arg("dropout_seed").none(), nb::arg("num_threads"), nb::arg("activations"), nb::arg("grad_output"),
-           nb::arg("params").none(), nb::arg("wanted"), nb::arg("frozen"))
+           nb::arg("params").none(), nb::arg("wanted"), nb::arg("frozen"),
+           nb::arg("masks_wanted") = std::make_tuple(false, false))
       .def("train", &mha::MultiheadAttention::train, nb::arg("on"))
       .def_prop_ro("training", &mha::MultiheadAttention::is_training)
       .def_prop_ro("embed_dim", &mha::MultiheadAttention::embed_dim)

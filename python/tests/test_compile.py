@@ -209,17 +209,36 @@ def test_module_dropout_under_compile_draws_fresh_masks(rng):
         assert torch.equal(compiled(x), m(x, x, x, need_weights=False)[0])
 
 
-def test_module_masks_that_require_grad_are_an_error_under_compile(rng):
-    """The module's graph node does not differentiate its masks: a float mask that requires grad
-    is a ValueError under torch.compile, not a gradient left at zero (eager calls return it)."""
-    m = mha.nn.MultiheadAttention(16, 2, batch_first=True)
-    x = torch.from_numpy(rng.standard_normal((2, 5, 16))).float()
-    bias = torch.zeros(5, 5, requires_grad=True)
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda x, b: m(x, x, x, attn_mask=b, need_weights=False)[0], backend="aot_eager",
-                             fullgraph=True)
-    with pytest.raises(Exception, match="attn_mask: requires grad"):
-        compiled(x, bias)
+def test_module_float_masks_get_their_gradients_under_compile(rng):
+    """A float mask that requires grad (a learned bias: T5's relative positions, Swin's windows) is
+    differentiated by the module's graph node as in eager mode: the same bits, for a 2-D and a 3-D
+    attn_mask, a float key_padding_mask, both at once, and a bfloat16 mask of a bfloat16 module
+    (its gradient in bfloat16, as PyTorch returns a mask's gradient in the mask's dtype)."""
+    N, H, L, S = 2, 2, 5, 6
+    cases = [("2-D", torch.float32), ("3-D", torch.float32), ("padding", torch.float32), ("both", torch.float32),
+             ("2-D", torch.bfloat16)]
+    for kind, dtype in cases:
+        m = mha.nn.MultiheadAttention(16, H, batch_first=True, dtype=dtype)
+        x = torch.from_numpy(rng.standard_normal((N, L, 16))).to(dtype).requires_grad_()
+        kv = torch.from_numpy(rng.standard_normal((N, S, 16))).to(dtype)
+        mask_shape = (L, S) if kind in ("2-D", "both") else (N * H, L, S)
+        attn_mask = torch.from_numpy(rng.standard_normal(mask_shape)).to(dtype) if kind != "padding" else None
+        padding = torch.from_numpy(rng.standard_normal((N, S))).to(dtype) if kind in ("padding", "both") else None
+        leaves = [t.requires_grad_() for t in (x, attn_mask, padding) if t is not None]
+        grad = torch.from_numpy(rng.standard_normal((N, L, 16))).to(dtype)
+
+        def loss(x, attn_mask, padding):
+            out, _ = m(x, kv, kv, attn_mask=attn_mask, key_padding_mask=padding, need_weights=False)
+            return (out.float() * grad.float()).sum()
+
+        torch._dynamo.reset()
+        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        got = torch.autograd.grad(compiled(x, attn_mask, padding), leaves)
+        expected = torch.autograd.grad(loss(x, attn_mask, padding), leaves)
+        for a, b in zip(got, expected):
+            assert a.dtype == dtype and torch.equal(a, b), (kind, dtype)
+        # Some gradient reaches every mask entry (none is masked out here).
+        assert all(bool((g != 0).any()) for g in got), (kind, dtype)
 
 
 def test_module_training_compiles_into_one_graph(rng):

@@ -56,18 +56,6 @@ def _check_dense_cpu(name: str, x) -> None:
         raise ValueError(f"{name}: expected a CPU tensor, got one on device '{x.device}'")
 
 
-def _check_masks_need_no_gradient(key_padding_mask, attn_mask) -> None:
-    """Under torch.compile, the module's graph node differentiates the inputs and parameters only:
-    a float mask that requires grad (a learned bias passed as attn_mask, say) is an error there
-    rather than a gradient silently left at zero. (Eager calls return its gradient.)"""
-    if not torch.is_grad_enabled():
-        return
-    for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
-        if isinstance(mask, torch.Tensor) and mask.requires_grad:
-            raise ValueError(f"{name}: requires grad, but under torch.compile the module does not differentiate "
-                             "its masks; detach it, or call the module eagerly (which returns a float mask's gradient)")
-
-
 def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool, query, key, value,
         key_padding_mask, need_weights: bool, attn_mask, average_attn_weights: bool, is_causal: bool):
     """(output, weights or None) of the C++ module `impl` (options `options`; None: a new one for
@@ -81,7 +69,6 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
         _check_dense_cpu(name, x)
     dtype = checked_dtype(params)
     if _compiling():
-        _check_masks_need_no_gradient(key_padding_mask, attn_mask)
         return _traced(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
                        average_attn_weights, is_causal)
     _auto_threading()
@@ -112,7 +99,8 @@ def _traced(options, params, training, query, key, value, key_padding_mask, need
     mha::multihead_attention with nothing to differentiate, else mha::multihead_attention_train
     (whose gradient is the node mha::multihead_attention_backward)."""
     dropout_p = options.dropout if training else 0.0
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *params.values()))
+    masks = [m for m in (key_padding_mask, attn_mask) if isinstance(m, torch.Tensor)]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *masks, *params.values()))
     op = _ops.multihead_attention_train if grad else _ops.multihead_attention
     out, weights, *_ = op(
         query, key, value, key_padding_mask, attn_mask, list(params.values()), ",".join(params),
