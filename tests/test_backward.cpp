@@ -688,10 +688,12 @@ struct ModuleCase {
   int64_t E, H, kdim, vdim, N, L, S;
   mha::MultiheadAttentionOptions options;  // (its dtype: float32 or float64)
   bool batched, cross, causal, use_kpm, use_mask, dropout, float_kpm;
+  int weights = 0;  // 0: none returned; 1: averaged over the heads, 2: per head, each in the loss
 };
 
 // The module's backward against central differences of the float64 module reference, over the
-// inputs, every parameter and the float masks.
+// inputs, every parameter and the float masks; the loss is sum(output * grad), plus
+// sum(weights * grad_weights) where the case returns the weights.
 void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_64& rng) {
   const mha::DType dtype = c.options.dtype;
   mha::MultiheadAttention m(c.E, c.H, c.options);
@@ -705,7 +707,8 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
   mha::Tensor value = c.cross ? randn(shape(c.S, c.vdim), rng, mha::DType::f64) : query;
   mha::ForwardOptions fo;
   fo.is_causal = c.causal;
-  fo.need_weights = false;
+  fo.need_weights = c.weights > 0;
+  fo.average_attn_weights = c.weights == 1;
   mha::Tensor kpm, mask;
   if (c.use_kpm && c.float_kpm) {  // additive, with its gradient asked for
     kpm = randn(c.batched ? mha::Shape{c.N, c.S} : mha::Shape{c.S}, rng, dtype);
@@ -730,7 +733,15 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
   const mha::Tensor grad = randn(result.output.sizes(), rng, dtype);
   const mha::Tensor grad64 = mha::Tensor::copy_of(grad, mha::DType::f64);
   // The float masks' gradients too (a bool mask has none, asked or not).
-  const mha::ModuleGradients g = m.backward(ctx, grad, {.attn_mask = c.use_mask, .key_padding_mask = c.use_kpm});
+  mha::Tensor grad_weights, grad_weights64;
+  std::optional<mha::TensorView> weights_grad;
+  if (c.weights > 0) {
+    grad_weights = randn(result.weights->sizes(), rng, dtype);
+    grad_weights64 = mha::Tensor::copy_of(grad_weights, mha::DType::f64);
+    weights_grad = grad_weights.view();
+  }
+  const mha::ModuleGradients g =
+      m.backward(ctx, grad, {.attn_mask = c.use_mask, .key_padding_mask = c.use_kpm}, weights_grad);
   EXPECT_EQ(g.attn_mask.defined(), c.use_mask);
   EXPECT_EQ(g.key_padding_mask.defined(), c.use_kpm && c.float_kpm);
   // The reference reads float64 copies of the float masks, so that they can be perturbed.
@@ -744,9 +755,12 @@ void check_module_against_finite_differences(const ModuleCase& c, std::mt19937_6
   for (const auto& [name, t] : m.named_parameters()) params.emplace_back(name, mha::Tensor::copy_of(t, mha::DType::f64));
   for (auto& [name, t] : params) views[name] = t.view();
   auto loss = [&]() {
-    const auto out = mha::reference::multihead_attention(m, query, key, value, fo, c.dropout, views).output;
+    const auto r = mha::reference::multihead_attention(m, query, key, value, fo, c.dropout, views);
     double s = 0;
-    for (int64_t i = 0; i < out.numel(); ++i) s += out.data<double>()[i] * grad64.data<double>()[i];
+    for (int64_t i = 0; i < r.output.numel(); ++i) s += r.output.data<double>()[i] * grad64.data<double>()[i];
+    if (c.weights > 0) {
+      for (int64_t i = 0; i < r.weights->numel(); ++i) s += r.weights->data<double>()[i] * grad_weights64.data<double>()[i];
+    }
     return s;
   };
   // float32 gradients against float64 differences: 1e-4 of the gradient's size, or of 1% of the
@@ -793,6 +807,7 @@ void check_random_modules_against_finite_differences(mha::DType dtype, int cases
     c.float_kpm = coin(0.5);
     c.use_mask = coin(0.4);
     c.dropout = coin(0.3);
+    c.weights = coin(0.4) ? 1 + static_cast<int>(rng() % 2) : 0;
     c.options = {.dropout = c.dropout ? 0.3 : 0.0, .bias = coin(0.7), .add_bias_kv = coin(0.4),
                  .add_zero_attn = coin(0.3), .kdim = c.kdim, .vdim = c.vdim, .batch_first = coin(0.5),
                  .seed = rng(), .dtype = dtype};
@@ -800,7 +815,8 @@ void check_random_modules_against_finite_differences(mha::DType dtype, int cases
                  " kdim=" + std::to_string(c.kdim) + " vdim=" + std::to_string(c.vdim) + " L=" + std::to_string(c.L) +
                  " S=" + std::to_string(c.S) + " cross=" + std::to_string(c.cross) +
                  " bias_kv=" + std::to_string(c.options.add_bias_kv) + " zero_attn=" +
-                 std::to_string(c.options.add_zero_attn) + " dropout=" + std::to_string(c.dropout));
+                 std::to_string(c.options.add_zero_attn) + " dropout=" + std::to_string(c.dropout) +
+                 " weights=" + std::to_string(c.weights));
     check_module_against_finite_differences(c, rng);
   }
 }
@@ -842,6 +858,13 @@ TEST(ModuleBackward, BitIdenticalAcrossThreadCountsAndErrors) {
   m.forward(x, x, x, {}, &ctx);
   EXPECT_THROW(m.backward(ctx, randn({70, 3, 31}, rng)), mha::Error);
   EXPECT_THROW(first.parameter("nope"), mha::Error);
+  // A weights' gradient must match the weights the forward returned, and needs them returned.
+  mha_test::expect_error([&] { m.backward(ctx, grad, {}, randn({3, 70, 69}, rng).view()); },
+                         "grad_weights: expected float32 of shape [3, 70, 71] (the weights returned)");  // (+ bias_k)
+  mha::ForwardContext without_weights;
+  m.forward(x, x, x, {.need_weights = false}, &without_weights);
+  mha_test::expect_error([&] { m.backward(without_weights, grad, {}, randn({3, 70, 71}, rng).view()); },
+                         "grad_weights: the forward returned no weights");
 }
 
 // SDPA gradients left out (SdpaGradientsWanted) are undefined, and the others keep the full

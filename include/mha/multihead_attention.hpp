@@ -143,8 +143,13 @@ class MultiheadAttention {
   // not the parameters: backward reads this module's parameters as they are now, so they must be
   // the values the forward ran with.
   // Deterministic: the same inputs give bit-identical gradients on every run and thread count.
+  // grad_weights, where given, is the gradient of the weights that forward returned (need_weights;
+  // their shape and dtype), for a loss that uses them (attention supervision, distillation), as
+  // PyTorch's module differentiates them. Such a backward forms each head's probabilities
+  // explicitly, in float64 (the weights were materialised anyway), and rounds once.
   ModuleGradients backward(const ForwardContext& context, const TensorView& grad_output,
-                           const WantedGradients& wanted = {}) const;
+                           const WantedGradients& wanted = {},
+                           const std::optional<TensorView>& grad_weights = std::nullopt) const;
   // The context forward(query, key, value, options, &context) filled, built again from its
   // activations() without computing anything, for a backward. It reads the inputs, the masks and
   // the activations where they are (a bfloat16/float16 module widens the inputs), so they must
@@ -164,7 +169,8 @@ class MultiheadAttention {
                              const TensorView& value, const ForwardOptions& options = {},
                              ForwardContext* context = nullptr) const;
   ModuleGradients backward_with(const ParameterViews& parameters, const ForwardContext& context,
-                                const TensorView& grad_output, const WantedGradients& wanted = {}) const;
+                                const TensorView& grad_output, const WantedGradients& wanted = {},
+                                const std::optional<TensorView>& grad_weights = std::nullopt) const;
 
   ForwardResult operator()(const TensorView& query, const TensorView& key, const TensorView& value,
                            const ForwardOptions& options = {}) const {
@@ -215,7 +221,7 @@ class MultiheadAttention {
                             ForwardContext* context) const;
   ModuleGradients backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                const ForwardContext& context, const TensorView& grad_output,
-                               const WantedGradients& wanted) const;
+                               const WantedGradients& wanted, const std::optional<TensorView>& grad_weights) const;
   // The forward and backward of a float32 (T = float) or float64 (T = double) module, on
   // parameters of T.
   template <typename T>
@@ -223,14 +229,16 @@ class MultiheadAttention {
                              const TensorView& value, const ForwardOptions& options, ForwardContext* context) const;
   template <typename T>
   ModuleGradients backward_full(const detail::ParameterSet& parameters, const ForwardContext& context,
-                                const TensorView& grad_output, const WantedGradients& wanted) const;
+                                const TensorView& grad_output, const WantedGradients& wanted,
+                                const std::optional<TensorView>& grad_weights) const;
   // bfloat16/float16 modules: the float32 forward and backward on widened copies.
   ForwardResult forward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                       const TensorView& query, const TensorView& key, const TensorView& value,
                                       const ForwardOptions& options, ForwardContext* context) const;
   ModuleGradients backward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                          const ForwardContext& context, const TensorView& grad_output,
-                                         const WantedGradients& wanted) const;
+                                         const WantedGradients& wanted,
+                                         const std::optional<TensorView>& grad_weights) const;
   // restore_context of a float32 or float64 module (activations of that dtype).
   ForwardContext restore_full(const TensorView& query, const TensorView& key, const TensorView& value,
                               const ForwardOptions& options, const ActivationViews& activations) const;

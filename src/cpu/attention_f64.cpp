@@ -203,6 +203,17 @@ void attention_backward_f64(const AttentionProblem& p, const Float64Backward& g)
           // rounds to -3.4e38 in float64 too).
           const RowSums e = exponentiate(sr, end);
           const double inv = e.sum > 0 ? 1.0 / e.sum : 0.0;
+          // A gradient of the returned weights W = Z P joins dP (as Z dW) and D (as rowsum(W dW)).
+          const double* gw = nullptr;
+          if (g.grad_weights) {
+            gw = g.grad_weights + b * g.grad_weights_strides[0] + h * g.grad_weights_strides[1] +
+                 i * g.grad_weights_strides[2];
+            for (int64_t j = 0; j < end; ++j) {
+              const double extra = g.grad_weights_scale * gw[j * g.grad_weights_strides[3]];
+              dpr[j] += extra;
+              delta += sr[j] * inv * (p.dropout_p > 0 ? z[j] : 1.0) * extra;
+            }
+          }
           for (int64_t j = 0; j < end; ++j) {
             const double prob = sr[j] * inv;
             const double zj = p.dropout_p > 0 ? z[j] : 1.0;

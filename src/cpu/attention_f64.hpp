@@ -26,11 +26,17 @@ void attention_forward_f64(const AttentionProblem& p, const Float64Outputs& o);
 // What the backward reads (the forward's output and the output's gradient; each row's softmax is
 // formed again from its scores, as the forward formed it) and writes: dq, dk, dv (null for one
 // not wanted) and, when not null, the gradient of the scores dscores [B, Hq, Lq, Lk]. All float64.
+// grad_weights, when not null, is a gradient of the weights the forward returned (after dropout),
+// [B, Hq, Lq, Lk] by its strides, times grad_weights_scale: the module's weights averaged over the
+// heads take a head stride of 0 and a scale of 1 / Hq.
 struct Float64Backward {
   const double* out = nullptr;
   int64_t out_strides[4] = {};
   const double* grad_out = nullptr;
   int64_t grad_out_strides[4] = {};
+  const double* grad_weights = nullptr;
+  int64_t grad_weights_strides[4] = {};
+  double grad_weights_scale = 1.0;
   double* dq = nullptr;
   int64_t dq_strides[4] = {};
   double* dk = nullptr;

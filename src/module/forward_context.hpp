@@ -1,6 +1,7 @@
 // The state a training forward of MultiheadAttention keeps for its backward.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "core/attention_problem.hpp"
@@ -23,6 +24,10 @@ struct ForwardContext::State {
   detail::AttentionProblem problem;  // views into the above
   Shape query_shape, key_shape, value_shape, output_shape;
   DType module_dtype = DType::f32;  // the dtype of the module that ran the forward
+  // The weights the forward returned (need_weights): their shape, and whether averaged over the
+  // heads; what a gradient of them must match.
+  std::optional<Shape> weights_shape;
+  bool weights_averaged = false;
 };
 
 }  // namespace mha

@@ -56,6 +56,63 @@ void linear_backward(const T* x, const T* dy, const T* w, int64_t rows, int64_t 
   }
 }
 
+// The attention's backward by the float64 kernel (cpu/attention_f64.hpp), which forms each head's
+// probabilities explicitly: a float64 module's, and a float32 one's whose weights' gradient is
+// given (the fused kernels take none), there on float64 copies of its operands, each gradient
+// rounded to float32 once. heads_out, heads_grad and the gradients are [N, H, L, *] views of T;
+// grad_weights is shaped as the forward returned the weights (averaged over the heads or not).
+template <typename T>
+void explicit_attention_backward(const detail::AttentionProblem& p, const TensorView& heads_out,
+                                 const TensorView& heads_grad, const std::optional<TensorView>& grad_weights,
+                                 bool weights_averaged, bool batched, const TensorView* dq, const TensorView* dk,
+                                 const TensorView* dv, const TensorView* dscores) {
+  constexpr bool widen = std::is_same_v<T, float>;
+  const int threads = p.num_threads;
+  std::vector<Tensor> copies;
+  auto as_f64 = [&](const TensorView& t) {
+    if (!widen) return t;
+    copies.push_back(detail::parallel_copy_of(t, DType::f64, threads));
+    return copies.back().view();
+  };
+  auto destination = [&](const TensorView* t) {
+    if (t == nullptr) return TensorView();
+    if (!widen) return *t;
+    copies.push_back(Tensor::empty(t->sizes(), DType::f64));
+    return copies.back().view();
+  };
+  detail::AttentionProblem wide = p;
+  wide.q = as_f64(p.q), wide.k = as_f64(p.k), wide.v = as_f64(p.v);
+  const TensorView out = as_f64(heads_out), grad = as_f64(heads_grad);
+  const TensorView gq = destination(dq), gk = destination(dk), gv = destination(dv), gs = destination(dscores);
+  detail::Float64Backward b;
+  auto set = [](const TensorView& t, auto** data, int64_t* strides) {
+    if (t.data == nullptr) return;
+    *data = static_cast<std::remove_reference_t<decltype(*data)>>(t.data);
+    for (int d = 0; d < 4; ++d) strides[d] = t.strides[d];
+  };
+  set(out, &b.out, b.out_strides);
+  set(grad, &b.grad_out, b.grad_out_strides);
+  set(gq, &b.dq, b.dq_strides);
+  set(gk, &b.dk, b.dk_strides);
+  set(gv, &b.dv, b.dv_strides);
+  set(gs, &b.dscores, b.dscores_strides);
+  if (grad_weights) {  // [N,] L, S' (averaged: each head's share is 1 / H) or [N,] H, L, S'
+    const TensorView w = as_f64(*grad_weights);
+    const int n = w.ndim;
+    b.grad_weights = w.data_as<const double>();
+    b.grad_weights_strides[0] = batched ? w.strides[0] : 0;
+    b.grad_weights_strides[1] = weights_averaged ? 0 : w.strides[n - 3];
+    b.grad_weights_strides[2] = w.strides[n - 2];
+    b.grad_weights_strides[3] = w.strides[n - 1];
+    b.grad_weights_scale = weights_averaged ? 1.0 / static_cast<double>(p.heads_q) : 1.0;
+  }
+  detail::attention_backward_f64(wide, b);
+  if (!widen) return;
+  for (const auto& [from, to] : {std::pair{gq, dq}, std::pair{gk, dk}, std::pair{gv, dv}, std::pair{gs, dscores}}) {
+    if (to != nullptr) detail::parallel_copy_into(from, *to, threads);
+  }
+}
+
 }  // namespace
 
 const Tensor& ModuleGradients::parameter(const std::string& name) const {
@@ -88,18 +145,21 @@ T* offset_or_null(T* t, int64_t offset) {
 }  // namespace
 
 ModuleGradients MultiheadAttention::backward(const ForwardContext& context, const TensorView& grad_output,
-                                             const WantedGradients& wanted) const {
-  return backward_any(parameters_for_call(nullptr, "backward"), context, grad_output, wanted);
+                                             const WantedGradients& wanted,
+                                             const std::optional<TensorView>& grad_weights) const {
+  return backward_any(parameters_for_call(nullptr, "backward"), context, grad_output, wanted, grad_weights);
 }
 
 ModuleGradients MultiheadAttention::backward_with(const ParameterViews& parameters, const ForwardContext& context,
-                                                  const TensorView& grad_output, const WantedGradients& wanted) const {
-  return backward_any(parameters_for_call(&parameters, "backward_with"), context, grad_output, wanted);
+                                                  const TensorView& grad_output, const WantedGradients& wanted,
+                                                  const std::optional<TensorView>& grad_weights) const {
+  return backward_any(parameters_for_call(&parameters, "backward_with"), context, grad_output, wanted, grad_weights);
 }
 
 ModuleGradients MultiheadAttention::backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                                  const ForwardContext& context, const TensorView& grad_output,
-                                                 const WantedGradients& wanted) const {
+                                                 const WantedGradients& wanted,
+                                                 const std::optional<TensorView>& grad_weights) const {
   if (context.empty()) throw Error("backward: the context is empty; pass it to forward(..., &context) first");
   check_frozen_names(wanted, parameters);
   if (context.state_->module_dtype != options_.dtype) {
@@ -108,16 +168,19 @@ ModuleGradients MultiheadAttention::backward_any(const std::vector<std::pair<std
   }
   const int threads = context.state_->problem.num_threads;
   if (options_.dtype == DType::f64) {
-    return backward_full<double>(detail::float64_parameters(parameters, threads), context, grad_output, wanted);
+    return backward_full<double>(detail::float64_parameters(parameters, threads), context, grad_output, wanted,
+                                 grad_weights);
   }
-  if (options_.dtype != DType::f32) return backward_low_precision(parameters, context, grad_output, wanted);
-  return backward_full<float>(detail::float32_parameters(parameters, threads), context, grad_output, wanted);
+  if (options_.dtype != DType::f32) return backward_low_precision(parameters, context, grad_output, wanted, grad_weights);
+  return backward_full<float>(detail::float32_parameters(parameters, threads), context, grad_output, wanted,
+                              grad_weights);
 }
 
 template <typename T>
 ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& parameters,
                                                   const ForwardContext& context, const TensorView& grad_output,
-                                                  const WantedGradients& wanted) const {
+                                                  const WantedGradients& wanted,
+                                                  const std::optional<TensorView>& grad_weights) const {
   constexpr DType dtype = dtype_of<T>();
   const ForwardContext::State& st = *context.state_;
   require_cpu(grad_output, "grad_output");
@@ -127,6 +190,16 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
                 ", got " + std::string(dtype_name(grad_output.dtype)) + " " + grad_output.shape_str());
   }
   if (grad_output.numel() > 0 && grad_output.data == nullptr) throw Error("grad_output: data pointer is null");
+  if (grad_weights) {
+    require_cpu(*grad_weights, "grad_weights");
+    if (!st.weights_shape) throw Error("grad_weights: the forward returned no weights (need_weights was false)");
+    if (grad_weights->sizes() != *st.weights_shape || grad_weights->dtype != dtype) {
+      throw Error("grad_weights: expected " + std::string(dtype_name(dtype)) + " of shape " +
+                  TensorView(nullptr, dtype, *st.weights_shape).shape_str() + " (the weights returned), got " +
+                  std::string(dtype_name(grad_weights->dtype)) + " " + grad_weights->shape_str());
+    }
+    if (grad_weights->numel() > 0 && grad_weights->data == nullptr) throw Error("grad_weights: data pointer is null");
+  }
   const detail::ModuleCall& c = st.call;
   const detail::AttentionProblem& p = st.problem;
   const int threads = p.num_threads;
@@ -213,22 +286,12 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
       *data = static_cast<std::remove_reference_t<decltype(*data)>>(v.data);  // (void* or double*)
       for (int d = 0; d < 4; ++d) strides[d] = v.strides[d];
     };
-    if constexpr (std::is_same_v<T, double>) {
-      detail::Float64Backward b;
-      b.out = heads_out.data_as<const double>();
-      b.grad_out = heads_grad.data_as<const double>();
-      for (int d = 0; d < 4; ++d) {
-        b.out_strides[d] = heads_out.strides[d];
-        b.grad_out_strides[d] = heads_grad.strides[d];
-      }
-      heads_of(dq, &b.dq, b.dq_strides);
-      heads_of(dk, &b.dk, b.dk_strides);
-      heads_of(dv, &b.dv, b.dv_strides);
-      if (dscores.defined()) {
-        b.dscores = dscores.data<double>();
-        for (int d = 0; d < 4; ++d) b.dscores_strides[d] = dscores.view().strides[d];
-      }
-      detail::attention_backward_f64(p, b);
+    if (std::is_same_v<T, double> || grad_weights) {
+      auto heads = [&](const Tensor& t) { return t.defined() ? t.view().split_dim(2, H).transpose(1, 2) : TensorView(); };
+      const TensorView dq_heads = heads(dq), dk_heads = heads(dk), dv_heads = heads(dv);
+      explicit_attention_backward<T>(p, heads_out, heads_grad, grad_weights, st.weights_averaged, c.batched,
+                                     dq.defined() ? &dq_heads : nullptr, dk.defined() ? &dk_heads : nullptr,
+                                     dv.defined() ? &dv_heads : nullptr, dscores.defined() ? &dscores.view() : nullptr);
     } else {
       detail::BackwardInputs in;
       in.out = heads_out.data_as<float>();
@@ -304,8 +367,10 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
 }
 
 template ModuleGradients MultiheadAttention::backward_full<float>(const detail::ParameterSet&, const ForwardContext&,
-                                                                  const TensorView&, const WantedGradients&) const;
+                                                                  const TensorView&, const WantedGradients&,
+                                                                  const std::optional<TensorView>&) const;
 template ModuleGradients MultiheadAttention::backward_full<double>(const detail::ParameterSet&, const ForwardContext&,
-                                                                   const TensorView&, const WantedGradients&) const;
+                                                                   const TensorView&, const WantedGradients&,
+                                                                   const std::optional<TensorView>&) const;
 
 }  // namespace mha

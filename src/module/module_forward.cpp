@@ -233,6 +233,7 @@ ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& param
     st->query_shape = query_in.sizes(), st->key_shape = key_in.sizes(), st->value_shape = value_in.sizes();
     st->output_shape = result.output.sizes();
     st->module_dtype = dtype;
+    if (options.need_weights) st->weights_shape = weights.sizes(), st->weights_averaged = options.average_attn_weights;
     context->state_ = std::move(st);
   }
   return result;

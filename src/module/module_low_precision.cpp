@@ -62,7 +62,7 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
 
 ModuleGradients MultiheadAttention::backward_low_precision(
     const std::vector<std::pair<std::string, TensorView>>& parameters, const ForwardContext& context,
-    const TensorView& grad_output, const WantedGradients& wanted) const {
+    const TensorView& grad_output, const WantedGradients& wanted, const std::optional<TensorView>& grad_weights) const {
   require_cpu(grad_output, "grad_output");
   if (grad_output.dtype != options_.dtype) {
     throw Error("grad_output: expected dtype " + std::string(dtype_name(options_.dtype)) +
@@ -73,7 +73,18 @@ ModuleGradients MultiheadAttention::backward_low_precision(
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);
   const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads);
   const Tensor grad = detail::parallel_copy_of(grad_output, DType::f32, threads);
-  ModuleGradients g = wide.backward_full<float>(wide_parameters, context, grad.view(), wanted);
+  std::optional<TensorView> wide_grad_weights;
+  Tensor grad_weights_copy;
+  if (grad_weights) {
+    require_cpu(*grad_weights, "grad_weights");
+    if (grad_weights->dtype != options_.dtype) {
+      throw Error("grad_weights: expected dtype " + std::string(dtype_name(options_.dtype)) +
+                  " (the weights' dtype), got " + std::string(dtype_name(grad_weights->dtype)));
+    }
+    grad_weights_copy = detail::parallel_copy_of(*grad_weights, DType::f32, threads);
+    wide_grad_weights = grad_weights_copy.view();
+  }
+  ModuleGradients g = wide.backward_full<float>(wide_parameters, context, grad.view(), wanted, wide_grad_weights);
   auto round = [&](Tensor& t) {
     if (t.defined()) t = detail::parallel_copy_of(t.view(), options_.dtype, threads);
   };

@@ -79,6 +79,10 @@ ForwardContext MultiheadAttention::restore_full(const TensorView& query, const T
   st->call = c;
   st->query_shape = query.sizes(), st->key_shape = key.sizes(), st->value_shape = value.sizes();
   st->output_shape = detail::module_output_shape(c, *this, options_.batch_first);
+  if (options.need_weights) {
+    st->weights_shape = detail::module_weights_shape(c, num_heads_, options.average_attn_weights);
+    st->weights_averaged = options.average_attn_weights;
+  }
   const DType dtype = options_.dtype;  // float32 or float64
   st->q = checked_activation(activations.q, "q", dtype, {N, L, E}, st->storage);
   st->k = checked_activation(activations.k, "k", dtype, {N, St, E}, st->storage);
