@@ -103,7 +103,7 @@ class ForwardContext {
 };
 
 // Gradients of a scalar loss with respect to the inputs and the parameters, given the gradient of
-// the output. (The returned attention weights are not differentiated.)
+// the output (and, where the loss uses them, of the returned attention weights: backward()).
 // Which gradients a backward computes, all by default. An input that needs none (a frozen
 // encoder's output fed as key and value, as autograd's needs_input_grad says) saves its
 // projection's dX = dY W product; a frozen parameter (fine-tuning that keeps the attention's

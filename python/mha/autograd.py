@@ -96,10 +96,12 @@ class ModuleFunction(torch.autograd.Function):
         ctx.module, ctx.names = module, names
         ctx.mask_dtypes = tuple(None if m is None else m.dtype for m in (key_padding_mask, attn_mask))
         ctx.save_for_backward(token, *params)
-        weights = None if weights is None else _tensor(weights)
-        if weights is not None:
-            ctx.mark_non_differentiable(weights)
-        return _tensor(out), weights
+        # The weights are differentiable, as PyTorch's are; a loss that leaves them out hands the
+        # backward None for them (not zeros), which keeps it on the fused kernels.
+        ctx.set_materialize_grads(False)
+        out = _tensor(out)
+        ctx.output_shape, ctx.output_dtype = out.shape, out.dtype
+        return out, None if weights is None else _tensor(weights)
 
     @staticmethod
     def backward(ctx, grad_output, grad_weights):
@@ -111,9 +113,12 @@ class ModuleFunction(torch.autograd.Function):
         # encoder's output) save their projections' dX products, a frozen parameter its dW.
         frozen = [name for name, needed in zip(ctx.names, ctx.needs_input_grad[8:]) if not needed]
         # A float mask that requires grad (a learned bias) gets dS summed as it broadcasts.
+        if grad_output is None:  # a loss of the weights alone
+            grad_output = torch.zeros(ctx.output_shape, dtype=ctx.output_dtype)
         dq, dk, dv, dparams, dpadding, dmask = ctx.module.backward(
             context, grad_output.detach().contiguous(), {name: p.detach() for name, p in zip(ctx.names, params)},
-            tuple(ctx.needs_input_grad[3:6]), frozen, tuple(ctx.needs_input_grad[6:8]))
+            tuple(ctx.needs_input_grad[3:6]), frozen, tuple(ctx.needs_input_grad[6:8]),
+            None if grad_weights is None else grad_weights.detach().to(ctx.output_dtype).contiguous())
         param_grads = [_tensor(dparams[name]) if name in dparams else None for name in ctx.names]
         dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
         dpadding, dmask = (None if d is None else _tensor(d).to(dtype)

@@ -229,11 +229,13 @@ def multihead_attention_backward(grad_output: torch.Tensor, query: torch.Tensor,
                                  attn_mask: Optional[torch.Tensor], parameters: List[torch.Tensor], names: str,
                                  sizes: List[int], dropout: float, flags: List[bool], is_causal: bool,
                                  dropout_seed: torch.Tensor, activations: List[torch.Tensor],
-                                 wanted: List[bool]) -> List[torch.Tensor]:
+                                 wanted: List[bool], grad_weights: Optional[torch.Tensor],
+                                 average_attn_weights: bool) -> List[torch.Tensor]:
     """The gradients of query, key, value, the float key_padding_mask and attn_mask (a learned
     bias; in the mask's dtype) and each parameter (in `names` order) of the training forward that
     returned `activations`; one not in `wanted` (five flags in that order, then one per parameter)
-    is an empty tensor and is not computed."""
+    is an empty tensor and is not computed. grad_weights, where given, is the gradient of the
+    weights the forward returned (averaged over the heads or not), as PyTorch differentiates them."""
     _auto_threading()
     module = _module(sizes, dropout, flags, parameters[0].dtype)
     seed = _seed_value(dropout_seed) if flags[4] and dropout > 0 else None
@@ -242,7 +244,8 @@ def multihead_attention_backward(grad_output: torch.Tensor, query: torch.Tensor,
     dq, dk, dv, dparams, dpadding, dmask = module.backward_restored(
         query, key, value, key_padding_mask, attn_mask, is_causal, seed, 0, tuple(activations),
         grad_output.to(query.dtype).contiguous(), dict(zip(names, parameters)), tuple(bool(w) for w in wanted[:3]),
-        frozen, (bool(wanted[3]), bool(wanted[4])))
+        frozen, (bool(wanted[3]), bool(wanted[4])),
+        None if grad_weights is None else grad_weights.to(query.dtype).contiguous(), average_attn_weights)
     inputs = [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)]
     masks = [query.new_empty(0) if d is None else _tensor(d).to(m.dtype)
              for d, m in ((dpadding, key_padding_mask), (dmask, attn_mask))]
@@ -251,29 +254,34 @@ def multihead_attention_backward(grad_output: torch.Tensor, query: torch.Tensor,
 
 @multihead_attention_backward.register_fake
 def _(grad_output, query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, is_causal,
-      dropout_seed, activations, wanted):
+      dropout_seed, activations, wanted, grad_weights, average_attn_weights):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
             for t, w in zip((query, key, value, key_padding_mask, attn_mask, *parameters), wanted)]
 
 
 def _module_setup_context(ctx, inputs, output):
-    (query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, _, _, is_causal,
-     dropout_seed) = inputs
+    (query, key, value, key_padding_mask, attn_mask, parameters, names, sizes, dropout, flags, _, average,
+     is_causal, dropout_seed) = inputs
     ctx.save_for_backward(query, key, value, key_padding_mask, attn_mask, dropout_seed, *output[2:], *parameters)
-    ctx.options = (names, sizes, dropout, flags, is_causal)
-    ctx.mark_non_differentiable(*output[1:])  # the weights (as in eager mode) and the activations
+    ctx.options = (names, sizes, dropout, flags, is_causal, average)
+    ctx.mark_non_differentiable(*output[2:])  # the activations (the weights are differentiable, as in eager mode)
+    ctx.set_materialize_grads(False)  # (a loss without the weights: None for them, the fused backward)
 
 
 def _module_backward(ctx, grad_output, grad_weights, *grad_activations):
     query, key, value, key_padding_mask, attn_mask, dropout_seed, *saved = ctx.saved_tensors
     activations, parameters = saved[:5], saved[5:]
-    names, sizes, dropout, flags, is_causal = ctx.options
+    names, sizes, dropout, flags, is_causal, average = ctx.options
     needs = ctx.needs_input_grad
+    if grad_output is None:  # a loss of the weights alone
+        grad_output = torch.zeros_like(query, memory_format=torch.contiguous_format)  # (the output is shaped so)
     # (a float mask that requires grad, a learned bias, gets its gradient; a bool mask has none)
     wanted = [bool(n) for n in needs[:5]] + [bool(n) for n in needs[5]]
     grads = torch.ops.mha.multihead_attention_backward(grad_output, query, key, value, key_padding_mask, attn_mask,
                                                        list(parameters), names, sizes, dropout, flags, is_causal,
-                                                       dropout_seed, list(activations), wanted)
+                                                       dropout_seed, list(activations), wanted,
+                                                       None if grad_weights is None or grad_weights.numel() == 0
+                                                       else grad_weights, average)
     inputs = [g if w else None for g, w in zip(grads[:5], wanted[:5])]
     params = [g if w else None for g, w in zip(grads[5:], wanted[5:])]
     return (*inputs, params, None, None, None, None, None, None, None, None)

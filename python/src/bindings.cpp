@@ -142,15 +142,16 @@ using ModuleGradientArrays =
 ModuleGradientArrays module_backward(const mha::MultiheadAttention& m, const mha::ForwardContext& context,
                                      const Array& grad_output, const ParameterArrays& params,
                                      std::tuple<bool, bool, bool> wanted, std::vector<std::string> frozen,
-                                     std::tuple<bool, bool> masks_wanted) {
+                                     std::tuple<bool, bool> masks_wanted, const std::optional<Array>& grad_weights) {
   const mha::TensorView g = view_of(grad_output, "grad_output");
+  const std::optional<mha::TensorView> gw = optional_view(grad_weights, "grad_weights");
   const std::optional<mha::ParameterViews> p = parameter_views(params);
   const mha::WantedGradients inputs{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted), std::move(frozen),
                                     std::get<1>(masks_wanted), std::get<0>(masks_wanted)};
   mha::ModuleGradients r;
   {
     nb::gil_scoped_release release;
-    r = p ? m.backward_with(*p, context, g, inputs) : m.backward(context, g, inputs);
+    r = p ? m.backward_with(*p, context, g, inputs, gw) : m.backward(context, g, inputs, gw);
   }
   std::unordered_map<std::string, NumpyArray> grads;
   for (const auto& [name, t] : r.parameters)
@@ -166,9 +167,11 @@ ModuleGradientArrays module_backward_restored(
     const std::optional<Array>& key_padding_mask, const std::optional<Array>& attn_mask, bool is_causal,
     std::optional<uint64_t> dropout_seed, int num_threads, std::tuple<Array, Array, Array, Array, Array> activations,
     const Array& grad_output, const ParameterArrays& params, std::tuple<bool, bool, bool> wanted,
-    std::vector<std::string> frozen, std::tuple<bool, bool> masks_wanted) {
-  const mha::ForwardOptions o =
-      forward_options(key_padding_mask, false, attn_mask, true, is_causal, dropout_seed, num_threads);
+    std::vector<std::string> frozen, std::tuple<bool, bool> masks_wanted, const std::optional<Array>& grad_weights,
+    bool average_attn_weights) {
+  // (need_weights where a gradient of the weights comes: the context then knows their shape)
+  const mha::ForwardOptions o = forward_options(key_padding_mask, grad_weights.has_value(), attn_mask,
+                                                average_attn_weights, is_causal, dropout_seed, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   const auto& [aq, ak, av, attn, lse] = activations;
   const mha::ActivationViews saved{view_of(aq, "activations.q"), view_of(ak, "activations.k"),
@@ -179,7 +182,7 @@ ModuleGradientArrays module_backward_restored(
     nb::gil_scoped_release release;  // the arrays keep the inputs and activations alive meanwhile
     context = m.restore_context(q, k, v, o, saved);
   }
-  return module_backward(m, context, grad_output, params, wanted, std::move(frozen), masks_wanted);
+  return module_backward(m, context, grad_output, params, wanted, std::move(frozen), masks_wanted, grad_weights);
 }
 
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
@@ -312,12 +315,14 @@ NB_MODULE(_mha, m) {
            nb::arg("num_threads"), nb::arg("params").none() = nb::none())
       .def("backward", &module_backward, nb::arg("context"), nb::arg("grad_output"),
            nb::arg("params").none() = nb::none(), nb::arg("wanted") = std::make_tuple(true, true, true),
-           nb::arg("frozen") = std::vector<std::string>(), nb::arg("masks_wanted") = std::make_tuple(false, false))
+           nb::arg("frozen") = std::vector<std::string>(), nb::arg("masks_wanted") = std::make_tuple(false, false),
+           nb::arg("grad_weights").none() = nb::none())
       .def("backward_restored", &module_backward_restored, nb::arg("query"), nb::arg("key"), nb::arg("value"),
            nb::arg("key_padding_mask").none(), nb::arg("attn_mask").none(), nb::arg("is_causal"),
            nb::arg("dropout_seed").none(), nb::arg("num_threads"), nb::arg("activations"), nb::arg("grad_output"),
            nb::arg("params").none(), nb::arg("wanted"), nb::arg("frozen"),
-           nb::arg("masks_wanted") = std::make_tuple(false, false))
+           nb::arg("masks_wanted") = std::make_tuple(false, false), nb::arg("grad_weights").none() = nb::none(),
+           nb::arg("average_attn_weights") = true)
       .def("train", &mha::MultiheadAttention::train, nb::arg("on"))
       .def_prop_ro("training", &mha::MultiheadAttention::is_training)
       .def_prop_ro("embed_dim", &mha::MultiheadAttention::embed_dim)

@@ -244,8 +244,8 @@ def test_module_float_masks_get_their_gradients_under_compile(rng):
 def test_module_training_compiles_into_one_graph(rng):
     """mha.nn.MultiheadAttention with gradients to compute: one node, mha::multihead_attention_train,
     whose backward node rebuilds the C++ context from the saved activations; the output, the
-    weights and every gradient (inputs and parameters that need one, frozen ones left out) have
-    the eager call's bits, in float32, float64 and bfloat16."""
+    weights and every gradient (inputs and parameters that need one, frozen ones left out; with
+    the weights in the loss or not) have the eager call's bits, in float32, float64 and bfloat16."""
     for n in range(8):
         options, inputs, call = _module_case(rng)
         dtype = torch.bfloat16 if n % 4 == 3 else torch.float64 if n % 4 == 1 else torch.float32
@@ -260,7 +260,11 @@ def test_module_training_compiles_into_one_graph(rng):
 
         def step(q, k, v):
             out, weights = m(q, k, v, **call)
-            return (out.to(torch.float64 if dtype == torch.float64 else torch.float32) * grad).sum(), out, weights
+            wide = torch.float64 if dtype == torch.float64 else torch.float32
+            loss = (out.to(wide) * grad).sum()
+            if weights is not None and n % 2 == 0:  # a loss of the weights too (they are differentiable)
+                loss = loss + (weights.to(wide) ** 2).sum()
+            return loss, out, weights
 
         torch._dynamo.reset()
         traced = set()
@@ -276,7 +280,7 @@ def test_module_training_compiles_into_one_graph(rng):
         assert op.default in traced or op in traced, traced
         assert torch.equal(c_out, e_out), (options, call)
         assert (c_w is None) == (e_w is None) and (c_w is None or torch.equal(c_w, e_w))
-        assert c_w is None or not c_w.requires_grad  # the weights are not differentiated, as in eager mode
+        assert c_w is None or c_w.requires_grad == e_w.requires_grad  # (differentiable, as in eager mode)
         leaves = list({id(t): t for t in [*inputs, *m.parameters()] if t.requires_grad}.values())
         if not leaves:
             continue

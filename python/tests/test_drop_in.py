@@ -219,3 +219,39 @@ def test_backward_through_a_retained_graph_and_activations_freed_after(rng):
     assert context() is not None
     out.sum().backward()
     assert context() is None and out is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_attention_weights_are_differentiable_as_in_pytorch(rng, dtype):
+    """The returned weights carry gradients, as PyTorch's module's do (attention supervision,
+    distillation): a loss of the output and the weights, and of the weights alone, averaged over the
+    heads or per head, with dropout off and masks on, gives PyTorch's gradients for the inputs and
+    every parameter (1e-4 of the largest in float32, 1e-12 in float64, 2e-2 in bfloat16, whose
+    weights and gradients are rounded to 8 bits on both sides)."""
+    tol = {torch.float32: 1e-4, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+    torch.manual_seed(int(rng.integers(2**31)))
+    for average in (True, False):
+        theirs = torch.nn.MultiheadAttention(16, 4, add_bias_kv=True, kdim=6, vdim=5, dtype=dtype)
+        ours = mha.nn.MultiheadAttention.from_torch(copy.deepcopy(theirs))
+        q = torch.from_numpy(rng.standard_normal((5, 2, 16))).to(dtype)
+        k = torch.from_numpy(rng.standard_normal((7, 2, 6))).to(dtype)
+        v = torch.from_numpy(rng.standard_normal((7, 2, 5))).to(dtype)
+        kpm = torch.zeros(2, 7, dtype=torch.bool)
+        kpm[1, 5:] = True
+        mask = torch.from_numpy(rng.standard_normal((5, 7))).to(dtype)
+        g = torch.from_numpy(rng.standard_normal((5, 2, 16))).to(dtype)
+        gw = torch.from_numpy(rng.standard_normal((2, 5, 8) if average else (2, 4, 5, 8))).to(dtype)
+        for with_output in (True, False):
+            grads = []
+            for model in (theirs, ours):
+                x = q.clone().requires_grad_()
+                out, weights = model(x, k, v, key_padding_mask=kpm, attn_mask=mask, average_attn_weights=average)
+                assert weights.requires_grad
+                loss = (weights.float() * gw.float()).sum() + ((out.float() * g.float()).sum() if with_output else 0)
+                wrt = [x, *model.parameters()]
+                # (a loss of the weights alone leaves out_proj and v's projection out of PyTorch's graph)
+                found = torch.autograd.grad(loss, wrt, allow_unused=True)
+                grads.append([torch.zeros_like(t) if d is None else d for d, t in zip(found, wrt)])
+            scale = max(float(b.abs().max()) for b in grads[0])
+            for a, b in zip(*grads):
+                assert float((a.double() - b.double()).abs().max()) <= tol * scale, (average, with_output)
