@@ -245,7 +245,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     is_causal may be combined with attn_mask (a key must pass both). causal_alignment is
     "top_left" (PyTorch's) or "bottom_right" (the last query sees every key). Fully masked rows
     give zeros. dropout_seed fixes the dropout mask (a fresh one is drawn when None).
-    With need_weights=True, returns (output, weights) instead of the output.
+    With need_weights=True, returns (output, weights) instead of the output; the weights are
+    returned detached (not differentiable: a loss of them reaches no input), unlike those of
+    mha.nn.MultiheadAttention, which are differentiable as PyTorch's module's are.
     Under torch.compile (and torch.export) the call is one node of the graph, forward and backward
     (the operator mha::sdpa_train; the weights come from mha::sdpa_with_weights).
     """
