@@ -32,13 +32,25 @@ class _Keeper:
         self.__array_interface__ = self._byte.__array_interface__
 
 
-def _lifetime_token(obj):
-    """A one-byte tensor that keeps `obj` alive, and a weak reference to reach obj through it.
-    Saved for backward, the token gives obj the lifetime of autograd's saved tensors: freed after
-    the backward unless retain_graph keeps the graph, so a second backward works where it is
-    allowed, and is autograd's own error where it is not."""
+# Each live token's keeper, by the address of its byte (unique while the keeper lives).
+_keepers: "weakref.WeakValueDictionary[int, _Keeper]" = weakref.WeakValueDictionary()
+
+
+def _lifetime_token(obj) -> torch.Tensor:
+    """A one-byte tensor that keeps `obj` alive. Saved for backward, the token gives obj the
+    lifetime of autograd's saved tensors: freed after the backward unless retain_graph keeps the
+    graph, so a second backward works where it is allowed, and is autograd's own error where it is
+    not. Under activation checkpointing (torch.utils.checkpoint) the forward runs again and the
+    backward receives that run's token, whose object token_object finds."""
     keeper = _Keeper(obj)
-    return torch.from_numpy(np.asarray(keeper)), weakref.ref(keeper)
+    token = torch.from_numpy(np.asarray(keeper))
+    _keepers[token.data_ptr()] = keeper
+    return token
+
+
+def token_object(token: torch.Tensor):
+    """The object a token from _lifetime_token keeps alive."""
+    return _keepers[token.data_ptr()].obj
 
 
 class SdpaFunction(torch.autograd.Function):
@@ -92,7 +104,7 @@ class ModuleFunction(torch.autograd.Function):
                                                      _detached(attn_mask), average, is_causal, dropout_seed,
                                                      num_threads, {name: p.detach() for name, p in zip(names, params)})
         # The C++ context (the activations) lives as long as autograd's saved tensors do.
-        token, ctx.context = _lifetime_token(context)
+        token = _lifetime_token(context)
         ctx.module, ctx.names = module, names
         ctx.mask_dtypes = tuple(None if m is None else m.dtype for m in (key_padding_mask, attn_mask))
         ctx.save_for_backward(token, *params)
@@ -107,8 +119,8 @@ class ModuleFunction(torch.autograd.Function):
     def backward(ctx, grad_output, grad_weights):
         # (autograd's checks: that no parameter changed in place since the forward, and that the
         # graph was retained where this is a second backward)
-        _token, *params = ctx.saved_tensors
-        context = ctx.context().obj
+        token, *params = ctx.saved_tensors
+        context = token_object(token)
         # Gradients only where autograd needs them: a key and value that need none (a frozen
         # encoder's output) save their projections' dX products, a frozen parameter its dW.
         frozen = [name for name, needed in zip(ctx.names, ctx.needs_input_grad[8:]) if not needed]
