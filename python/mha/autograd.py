@@ -7,6 +7,7 @@ import weakref
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _mha
 
@@ -72,6 +73,7 @@ class SdpaFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
     def backward(ctx, grad_output):
         query, key, value, attn_mask, out, lse = ctx.saved_tensors
         dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = ctx.options
@@ -116,6 +118,7 @@ class ModuleFunction(torch.autograd.Function):
         return out, None if weights is None else _tensor(weights)
 
     @staticmethod
+    @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
     def backward(ctx, grad_output, grad_weights):
         # (autograd's checks: that no parameter changed in place since the forward, and that the
         # graph was retained where this is a second backward)

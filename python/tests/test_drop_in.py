@@ -276,3 +276,20 @@ def test_attention_weights_are_differentiable_as_in_pytorch(rng, dtype):
             scale = max(float(b.abs().max()) for b in grads[0])
             for a, b in zip(*grads):
                 assert float((a.double() - b.double()).abs().max()) <= tol * scale, (average, with_output)
+
+
+def test_second_order_gradients_are_a_clear_error(rng):
+    """The C++ backwards are not themselves differentiated: a gradient penalty through them (the
+    gradient of a gradient, create_graph=True) is autograd's once-differentiable error, not a term
+    silently left out of the loss."""
+    m = mha.nn.MultiheadAttention(16, 4)
+    x = torch.from_numpy(rng.standard_normal((5, 2, 16))).float().requires_grad_()
+    out = m(x, x, x)[0]
+    g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.sum() + g.square().sum()).backward()
+    q = torch.from_numpy(rng.standard_normal((2, 3, 5, 8))).float().requires_grad_()
+    o = mha.scaled_dot_product_attention(q, q, q)
+    g, = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (o.sum() + g.square().sum()).backward()
