@@ -272,7 +272,8 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
   linear_backward<T>(a.data, dy.data, parameters.data<T>("out_proj.weight"), N * L, E, E,
                      da.defined() ? da.data<T>() : nullptr, dw_out, grad_of("out_proj.bias"), threads);
 
-  // 2. Attention, through the fused backward.
+  // 2. Attention: the fused backward, or the float64 kernel (a float64 module, or a gradient of
+  //    the returned weights).
   auto attention_grad = [&](bool on, int64_t rows) { return on ? Tensor::empty({N, rows, E}, dtype) : Tensor(); };
   const Tensor dq = attention_grad(projections[0].needs_dy(), L),
                dk = attention_grad(projections[1].needs_dy() || d_bias_k, St),
@@ -280,31 +281,29 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
   if (attention_runs) {
     const TensorView heads_out = as_nle(st.attn).split_dim(2, H).transpose(1, 2);
     const TensorView heads_grad = da.view().split_dim(2, H).transpose(1, 2);
-    auto heads_of = [&](const Tensor& t, auto** data, int64_t* strides) {  // null: not wanted
-      if (!t.defined()) return;
-      const TensorView v = t.view().split_dim(2, H).transpose(1, 2);
-      *data = static_cast<std::remove_reference_t<decltype(*data)>>(v.data);  // (void* or double*)
-      for (int d = 0; d < 4; ++d) strides[d] = v.strides[d];
-    };
+    // [N, L or St, E] gradients as heads [N, H, *, E/H]; a null view for one not wanted.
+    auto heads = [&](const Tensor& t) { return t.defined() ? t.view().split_dim(2, H).transpose(1, 2) : TensorView(); };
+    const TensorView dq_heads = heads(dq), dk_heads = heads(dk), dv_heads = heads(dv);
     if (std::is_same_v<T, double> || grad_weights) {
-      auto heads = [&](const Tensor& t) { return t.defined() ? t.view().split_dim(2, H).transpose(1, 2) : TensorView(); };
-      const TensorView dq_heads = heads(dq), dk_heads = heads(dk), dv_heads = heads(dv);
       explicit_attention_backward<T>(p, heads_out, heads_grad, grad_weights, st.weights_averaged, c.batched,
                                      dq.defined() ? &dq_heads : nullptr, dk.defined() ? &dk_heads : nullptr,
                                      dv.defined() ? &dv_heads : nullptr, dscores.defined() ? &dscores.view() : nullptr);
-    } else {
+    } else {  // float32: the fused kernels
       detail::BackwardInputs in;
-      in.out = heads_out.data_as<float>();
-      in.grad_out = heads_grad.data_as<float>();
+      in.out = heads_out.data;
+      in.grad_out = heads_grad.data;
       in.lse = st.lse.data_as<const float>();
       for (int d = 0; d < 4; ++d) {
         in.out_strides[d] = heads_out.strides[d];
         in.grad_out_strides[d] = heads_grad.strides[d];
       }
       detail::BackwardOutputs out;
-      heads_of(dq, &out.dq, out.dq_strides);
-      heads_of(dk, &out.dk, out.dk_strides);
-      heads_of(dv, &out.dv, out.dv_strides);
+      out.dq = dq_heads.data, out.dk = dk_heads.data, out.dv = dv_heads.data;
+      for (int d = 0; d < 4; ++d) {
+        out.dq_strides[d] = dq_heads.strides[d];
+        out.dk_strides[d] = dk_heads.strides[d];
+        out.dv_strides[d] = dv_heads.strides[d];
+      }
       if (dscores.defined()) {
         out.dscores = dscores.data<float>();
         for (int d = 0; d < 4; ++d) out.dscores_strides[d] = dscores.view().strides[d];
