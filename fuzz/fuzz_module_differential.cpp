@@ -1,5 +1,5 @@
-// Differential for the module: a small random MultiheadAttention call (float32, bfloat16 or
-// float16) through the fused path and the float64 reference, with the inputs and the given parameters (forward_with) in fuzzed
+// Differential for the module: a small random MultiheadAttention call (float32, float64, bfloat16
+// or float16) through the fused path and the float64 reference, with the inputs and the given parameters (forward_with) in fuzzed
 // layouts: rows repeated by a stride of 0 (what expand() gives), overlapping rows, padded strides,
 // permuted storage. The input picks the ISA, the options (bias, bias_k/bias_v, zero attention,
 // kdim/vdim, batch_first, dropout), self- or cross-attention, masks, causality and threads.
@@ -81,8 +81,10 @@ mha::TensorView fuzzed_view(FuzzInput& in, std::mt19937_64& rng, float amplitude
 
 // float32 modules: sums of at most 32 products of values below 3 and weights below 1 are ~1e-6
 // off. bfloat16/float16 modules compute in float32 and round their results once: 2^-9 and 2^-12
-// of the largest value at most.
+// of the largest value at most. float64 modules compute in float64, in another order than the
+// reference: some hundreds of units of 2^-53.
 double tolerance(mha::DType dtype) {
+  if (dtype == mha::DType::f64) return std::min(1e-12, MHA_FUZZ_TOLERANCE);
   return dtype == mha::DType::bf16 ? 1e-2 : dtype == mha::DType::f16 ? 1e-3 : MHA_FUZZ_TOLERANCE;
 }
 
@@ -112,8 +114,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool dropout = in.small(3) == 0;
   mo.dropout = dropout ? 0.25 : 0.0;
   mo.seed = in.byte();
-  static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::bf16, mha::DType::f16};
-  mo.dtype = dtypes[in.small(3)];
+  static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::bf16, mha::DType::f16,
+                                      mha::DType::f64};
+  mo.dtype = dtypes[in.small(4)];
   mha::MultiheadAttention m(E, H, mo);
   m.train(dropout);
 
