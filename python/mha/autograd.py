@@ -49,6 +49,15 @@ def _lifetime_token(obj) -> torch.Tensor:
     return token
 
 
+def weights_gradient(grad_weights):
+    """The gradient of a module's returned weights for its C++ backward: None where there is none,
+    or where it is all zeros (the weights left out of the loss: a compiled graph hands zeros, not
+    None), so that such a backward takes the fused kernels, as an eager one without it does."""
+    if grad_weights is None or grad_weights.numel() == 0 or not bool(grad_weights.any()):
+        return None
+    return grad_weights
+
+
 def token_object(token: torch.Tensor):
     """The object a token from _lifetime_token keeps alive."""
     return _keepers[token.data_ptr()].obj
@@ -133,7 +142,7 @@ class ModuleFunction(torch.autograd.Function):
         dq, dk, dv, dparams, dpadding, dmask = ctx.module.backward(
             context, grad_output.detach().contiguous(), {name: p.detach() for name, p in zip(ctx.names, params)},
             tuple(ctx.needs_input_grad[3:6]), frozen, tuple(ctx.needs_input_grad[6:8]),
-            None if grad_weights is None else grad_weights.detach().to(ctx.output_dtype).contiguous())
+            None if weights_gradient(grad_weights) is None else grad_weights.detach().to(ctx.output_dtype).contiguous())
         param_grads = [_tensor(dparams[name]) if name in dparams else None for name in ctx.names]
         dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
         dpadding, dmask = (None if d is None else _tensor(d).to(dtype)

@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import _auto_threading, _mha
-from .autograd import _tensor
+from .autograd import _tensor, weights_gradient
 
 if not hasattr(torch.library, "custom_op"):
     raise ImportError(f"mha's PyTorch integration (mha.nn, torch.compile) needs torch >= 2.4 (torch.library.custom_op), "
@@ -245,7 +245,8 @@ def multihead_attention_backward(grad_output: torch.Tensor, query: torch.Tensor,
         query, key, value, key_padding_mask, attn_mask, is_causal, seed, 0, tuple(activations),
         grad_output.to(query.dtype).contiguous(), dict(zip(names, parameters)), tuple(bool(w) for w in wanted[:3]),
         frozen, (bool(wanted[3]), bool(wanted[4])),
-        None if grad_weights is None else grad_weights.to(query.dtype).contiguous(), average_attn_weights)
+        None if weights_gradient(grad_weights) is None else grad_weights.to(query.dtype).contiguous(),
+        average_attn_weights)
     inputs = [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)]
     masks = [query.new_empty(0) if d is None else _tensor(d).to(m.dtype)
              for d, m in ((dpadding, key_padding_mask), (dmask, attn_mask))]
@@ -280,8 +281,7 @@ def _module_backward(ctx, grad_output, grad_weights, *grad_activations):
     grads = torch.ops.mha.multihead_attention_backward(grad_output, query, key, value, key_padding_mask, attn_mask,
                                                        list(parameters), names, sizes, dropout, flags, is_causal,
                                                        dropout_seed, list(activations), wanted,
-                                                       None if grad_weights is None or grad_weights.numel() == 0
-                                                       else grad_weights, average)
+                                                       grad_weights, average)
     inputs = [g if w else None for g, w in zip(grads[:5], wanted[:5])]
     params = [g if w else None for g, w in zip(grads[5:], wanted[5:])]
     return (*inputs, params, None, None, None, None, None, None, None, None)
