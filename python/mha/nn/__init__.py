@@ -7,6 +7,11 @@ backward. A drop-in replacement inside a PyTorch model on the CPU:
     out, w = attn(x, x, x)
     out.sum().backward()          # fills attn.in_proj_weight.grad, ..., and x.grad
 
+The returned weights are differentiable, as PyTorch's are (a loss may supervise them); a float
+mask that requires grad (a learned bias) gets its gradient; backward(retain_graph=True), activation
+checkpointing and torch.compile work as with PyTorch's module. A second-order gradient through it
+(create_graph=True, then a backward of that gradient) is an error.
+
 Parameters may be float32, float64, bfloat16 or float16 (`dtype=` or `.to(dtype)`, as in
 PyTorch); the inputs must then be of that dtype. float64 computes in float64 throughout, so that
 torch.autograd.gradcheck works on models that hold the module; bfloat16/float16 compute in float32
