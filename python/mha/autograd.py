@@ -49,13 +49,14 @@ def _lifetime_token(obj) -> torch.Tensor:
     return token
 
 
-def weights_gradient(grad_weights):
-    """The gradient of a module's returned weights for its C++ backward: None where there is none,
-    or where it is all zeros (the weights left out of the loss: a compiled graph hands zeros, not
-    None), so that such a backward takes the fused kernels, as an eager one without it does."""
+def weights_gradient(grad_weights, dtype):
+    """The gradient of a module's returned weights for its C++ backward, contiguous in `dtype`:
+    None where there is none, or where it is all zeros (the weights left out of the loss: a
+    compiled graph hands zeros, not None), so that such a backward takes the fused kernels, as an
+    eager one without it does."""
     if grad_weights is None or grad_weights.numel() == 0 or not bool(grad_weights.any()):
         return None
-    return grad_weights
+    return grad_weights.detach().to(dtype).contiguous()
 
 
 def token_object(token: torch.Tensor):
@@ -136,13 +137,13 @@ class ModuleFunction(torch.autograd.Function):
         # Gradients only where autograd needs them: a key and value that need none (a frozen
         # encoder's output) save their projections' dX products, a frozen parameter its dW.
         frozen = [name for name, needed in zip(ctx.names, ctx.needs_input_grad[8:]) if not needed]
-        # A float mask that requires grad (a learned bias) gets dS summed as it broadcasts.
         if grad_output is None:  # a loss of the weights alone
             grad_output = torch.zeros(ctx.output_shape, dtype=ctx.output_dtype)
+        # A float mask that requires grad (a learned bias) gets dS summed as it broadcasts.
         dq, dk, dv, dparams, dpadding, dmask = ctx.module.backward(
             context, grad_output.detach().contiguous(), {name: p.detach() for name, p in zip(ctx.names, params)},
             tuple(ctx.needs_input_grad[3:6]), frozen, tuple(ctx.needs_input_grad[6:8]),
-            None if weights_gradient(grad_weights) is None else grad_weights.detach().to(ctx.output_dtype).contiguous())
+            weights_gradient(grad_weights, ctx.output_dtype))
         param_grads = [_tensor(dparams[name]) if name in dparams else None for name in ctx.names]
         dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
         dpadding, dmask = (None if d is None else _tensor(d).to(dtype)

@@ -245,8 +245,7 @@ def multihead_attention_backward(grad_output: torch.Tensor, query: torch.Tensor,
         query, key, value, key_padding_mask, attn_mask, is_causal, seed, 0, tuple(activations),
         grad_output.to(query.dtype).contiguous(), dict(zip(names, parameters)), tuple(bool(w) for w in wanted[:3]),
         frozen, (bool(wanted[3]), bool(wanted[4])),
-        None if weights_gradient(grad_weights) is None else grad_weights.to(query.dtype).contiguous(),
-        average_attn_weights)
+        weights_gradient(grad_weights, query.dtype), average_attn_weights)
     inputs = [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)]
     masks = [query.new_empty(0) if d is None else _tensor(d).to(m.dtype)
              for d, m in ((dpadding, key_padding_mask), (dmask, attn_mask))]
