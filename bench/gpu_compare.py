@@ -6,7 +6,9 @@ efficient) on the same GPU, in the same run, on the same shapes.
   python bench/gpu_compare.py --lengths 512 2048 8192 16384 --dims 64 128 --json out.json
 
 mha is timed by its command line (`build/tools/mha bench --device cuda --json`, which waits for
-the kernel after each call); PyTorch with CUDA events around each call. FLOPs: 4 * B * H * L * L * d
+the kernel after each call), once per kernel in --kernels (MHA_CUDA_KERNEL: `auto` picks the
+wgmma kernel on Hopper where it applies, `mma` forces the mma.sync one); PyTorch with CUDA events
+around each call. FLOPs: 4 * B * H * L * L * d
 forward (half when causal), 2.5x that for the backward (PyTorch's fwd+bwd column).
 Each figure is the median of --reps timed calls after warm-up calls.
 """
@@ -58,10 +60,10 @@ def torch_backend(name, B, H, L, d, causal, dtype, reps):
     return {"fwd_s": fwd, "fwd_bwd_s": both}
 
 
-def ours(binary, B, H, L, d, causal, dtype, reps):
+def ours(binary, kernel, B, H, L, d, causal, dtype, reps):
     cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "-b", str(B), "--heads", str(H), "--lq", str(L),
            "--dim", str(d), "--reps", str(reps), "--warmup", "3", "--json"] + (["--causal"] if causal else [])
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, MHA_CUDA_KERNEL=kernel))
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout).strip().splitlines()[-1]}
     return {"fwd_s": json.loads(r.stdout)["ms_median"] / 1e3}
@@ -75,6 +77,8 @@ def main():
     ap.add_argument("--channels", type=int, default=2048, help="H * d (H = channels / d)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "wgmma"],
+                    help="mha's kernels to time (a column each)")
     ap.add_argument("--binary", default=os.path.join(HERE, "..", "build", "tools", "mha"))
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
@@ -83,16 +87,20 @@ def main():
     dtype = getattr(torch, args.dtype)
     print(f"# {torch.cuda.get_device_name()}, PyTorch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"{args.dtype}, B*L = {args.tokens}, H*d = {args.channels}")
-    print("| d | L | causal | mha fwd | flash fwd / fwd+bwd | cudnn fwd / fwd+bwd | efficient fwd / fwd+bwd | mha / best fwd |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    ours_names = [f"mha {k}" if len(args.kernels) > 1 else "mha" for k in args.kernels]
+    print("| d | L | causal | " + " | ".join(f"{n} fwd" for n in ours_names) +
+          " | flash fwd / fwd+bwd | cudnn fwd / fwd+bwd | efficient fwd / fwd+bwd | " +
+          " | ".join(f"{n} / flash | {n} / best" for n in ours_names) + " |")
+    print("|" + " --- |" * (6 + 3 * len(ours_names)))
     rows = []
     for d in args.dims:
         for L in args.lengths:
             for causal in (False, True):
                 B, H = max(1, args.tokens // L), args.channels // d
                 fl = flops(B, H, L, d, causal)
-                row = {"B": B, "H": H, "L": L, "d": d, "causal": causal, "mha": ours(args.binary, B, H, L, d, causal,
-                                                                                     args.dtype, args.reps)}
+                row = {"B": B, "H": H, "L": L, "d": d, "causal": causal}
+                for kernel, name in zip(args.kernels, ours_names):
+                    row[name] = ours(args.binary, kernel, B, H, L, d, causal, args.dtype, args.reps)
                 for name in BACKENDS:
                     row[name] = torch_backend(name, B, H, L, d, causal, dtype, args.reps)
                 rows.append(row)
@@ -100,11 +108,14 @@ def main():
                 def tf(r, key, mult=1.0):
                     return f"{mult * fl / r[key] / 1e12:.0f}" if key in r else "-"
 
-                best = max((fl / row[n]["fwd_s"] for n in BACKENDS if "fwd_s" in row[n]), default=None)
-                ratio = f"{fl / row['mha']['fwd_s'] / best:.2f}x" if best and "fwd_s" in row["mha"] else "-"
-                cells = [tf(row["mha"], "fwd_s")] + [f"{tf(row[n], 'fwd_s')} / {tf(row[n], 'fwd_bwd_s', 3.5)}"
-                                                     for n in BACKENDS]
-                print(f"| {d} | {L} | {int(causal)} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
+                def ratio(name, peers):
+                    rates = [fl / row[n]["fwd_s"] for n in peers if "fwd_s" in row[n]]
+                    return f"{fl / row[name]['fwd_s'] / max(rates):.2f}x" if rates and "fwd_s" in row[name] else "-"
+
+                cells = ([tf(row[n], "fwd_s") for n in ours_names] +
+                         [f"{tf(row[n], 'fwd_s')} / {tf(row[n], 'fwd_bwd_s', 3.5)}" for n in BACKENDS] +
+                         [f"{ratio(n, ['flash'])} | {ratio(n, BACKENDS)}" for n in ours_names])
+                print(f"| {d} | {L} | {int(causal)} | " + " | ".join(cells) + " |", flush=True)
     print("TFLOP/s at the median; fwd+bwd counts 3.5x the forward's FLOPs.")
     if args.json:
         with open(args.json, "w") as f:

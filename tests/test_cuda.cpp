@@ -6,7 +6,9 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "mha/cuda.hpp"
 #include "test_support.hpp"
@@ -77,71 +79,145 @@ mha::Tensor poisoned(const mha::Shape& shape, mha::DType dtype) {
   return mha::Tensor::copy_of(h, dtype).to(mha::Device::cuda());
 }
 
+// The GPU kernels this device runs: the mma.sync one everywhere, the wgmma one on Hopper.
+std::vector<std::string> kernels() {
+  std::vector<std::string> names = {"mma"};
+  if (mha::cuda::compute_capability() == 90) names.push_back("wgmma");
+  return names;
+}
+
+// Sets MHA_CUDA_KERNEL for a scope (the kernel choice reads it at every call).
+class KernelChoice {
+ public:
+  explicit KernelChoice(const std::string& name) { setenv("MHA_CUDA_KERNEL", name.c_str(), 1); }
+  ~KernelChoice() { unsetenv("MHA_CUDA_KERNEL"); }
+  KernelChoice(const KernelChoice&) = delete;
+  KernelChoice& operator=(const KernelChoice&) = delete;
+};
+
 // bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3 per element, on inputs, on P
 // and on the output), fp16 11 (2^-12 ~ 2.4e-4): normwise 1e-2 and 3e-3 leave room for the sums.
 double tolerance(mha::DType dtype) { return dtype == mha::DType::bf16 ? 1e-2 : 3e-3; }
 
 TEST_F(GpuTest, ForwardMatchesFloat64ReferenceAcrossOptions) {
   std::mt19937_64 rng(test_seed());
-  for (mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
-    for (int64_t d : {64, 128, 256}) {
-      for (int n = 0; n < 6; ++n) {
-        const int64_t B = 1 + rng() % 2, Hkv = 1 + rng() % 3, group = 1 + rng() % 2, Hq = Hkv * group;
-        const int64_t Lq = 1 + rng() % 300, Lk = n % 3 == 0 ? Lq : 1 + rng() % 300;
-        mha::SdpaOptions o;
-        o.enable_gqa = group > 1;
-        o.is_causal = n % 2 == 1;
-        o.causal_alignment = n % 4 == 1 ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
-        if (n == 4) o.scale = 0.3;
-        const Operand q = operand({B, Hq, Lq, d}, rng, dtype), k = operand({B, Hkv, Lk, d}, rng, dtype),
-                      v = operand({B, Hkv, Lk, d}, rng, dtype);
-        mha::Tensor mask_host, mask_device;
-        if (n == 2) {  // bool [Lq, Lk], true attends
-          mask_host = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
-          for (int64_t i = 0; i < mask_host.numel(); ++i) mask_host.data<bool>()[i] = rng() % 5 != 0;
-        } else if (n == 5) {  // additive [B, 1, Lq, Lk] with some -inf
-          mask_host = randn({B, 1, Lq, Lk}, rng);
-          for (int64_t i = 0; i < mask_host.numel(); ++i)
-            if (rng() % 10 == 0) mask_host.data<float>()[i] = -INFINITY;
+  for (const std::string& kernel : kernels()) {
+    const KernelChoice choice(kernel);
+    for (mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+      for (int64_t d : {64, 128, 256}) {
+        for (int n = 0; n < 6; ++n) {
+          // The wgmma kernel takes head dims 64 and 128 without masks (cases 2 and 5 have one).
+          if (kernel == "wgmma" && (d == 256 || n == 2 || n == 5)) continue;
+          const int64_t B = 1 + rng() % 2, Hkv = 1 + rng() % 3, group = 1 + rng() % 2, Hq = Hkv * group;
+          const int64_t Lq = 1 + rng() % 300, Lk = n % 3 == 0 ? Lq : 1 + rng() % 300;
+          mha::SdpaOptions o;
+          o.enable_gqa = group > 1;
+          o.is_causal = n % 2 == 1;
+          o.causal_alignment = n % 4 == 1 ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+          if (n == 4) o.scale = 0.3;
+          const Operand q = operand({B, Hq, Lq, d}, rng, dtype), k = operand({B, Hkv, Lk, d}, rng, dtype),
+                        v = operand({B, Hkv, Lk, d}, rng, dtype);
+          mha::Tensor mask_host, mask_device;
+          if (n == 2) {  // bool [Lq, Lk], true attends
+            mask_host = mha::Tensor::empty({Lq, Lk}, mha::DType::boolean);
+            for (int64_t i = 0; i < mask_host.numel(); ++i) mask_host.data<bool>()[i] = rng() % 5 != 0;
+          } else if (n == 5) {  // additive [B, 1, Lq, Lk] with some -inf
+            mask_host = randn({B, 1, Lq, Lk}, rng);
+            for (int64_t i = 0; i < mask_host.numel(); ++i)
+              if (rng() % 10 == 0) mask_host.data<float>()[i] = -INFINITY;
+          }
+          mha::SdpaOptions o_host = o;
+          if (mask_host.defined()) {
+            mask_device = mask_host.to(mha::Device::cuda());
+            o.attn_mask = mask_device.view();
+            o_host.attn_mask = mask_host.view();
+          }
+          SCOPED_TRACE(kernel + " " + std::string(mha::dtype_name(dtype)) + " d=" + std::to_string(d) +
+                       " B=" + std::to_string(B) +
+                       " Hq=" + std::to_string(Hq) + " Hkv=" + std::to_string(Hkv) + " Lq=" + std::to_string(Lq) +
+                       " Lk=" + std::to_string(Lk) + " case " + std::to_string(n));
+          const mha::Tensor out = poisoned({B, Hq, Lq, d}, dtype);
+          mha::scaled_dot_product_attention_into(q.device, k.device, v.device, out, o);
+          const auto ref = mha::reference::scaled_dot_product_attention(q.host, k.host, v.host, o_host);
+          EXPECT_LT(rel_error(out.to(mha::Device::cpu()), ref.output), tolerance(dtype));
+          // The training forward: the same output and the log-sum-exp of every row.
+          const auto t = mha::scaled_dot_product_attention_for_training(q.device, k.device, v.device, o);
+          EXPECT_LT(rel_error(t.output.to(mha::Device::cpu()), ref.output), tolerance(dtype));
+          const auto cpu = mha::scaled_dot_product_attention_for_training(
+              mha::Tensor::copy_of(q.host, mha::DType::f32), mha::Tensor::copy_of(k.host, mha::DType::f32),
+              mha::Tensor::copy_of(v.host, mha::DType::f32), o_host);
+          EXPECT_LT(rel_error(t.lse.to(mha::Device::cpu()), cpu.lse), 1e-4);
         }
-        mha::SdpaOptions o_host = o;
-        if (mask_host.defined()) {
-          mask_device = mask_host.to(mha::Device::cuda());
-          o.attn_mask = mask_device.view();
-          o_host.attn_mask = mask_host.view();
-        }
-        SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " d=" + std::to_string(d) + " B=" + std::to_string(B) +
-                     " Hq=" + std::to_string(Hq) + " Hkv=" + std::to_string(Hkv) + " Lq=" + std::to_string(Lq) +
-                     " Lk=" + std::to_string(Lk) + " case " + std::to_string(n));
-        const mha::Tensor out = poisoned({B, Hq, Lq, d}, dtype);
-        mha::scaled_dot_product_attention_into(q.device, k.device, v.device, out, o);
-        const auto ref = mha::reference::scaled_dot_product_attention(q.host, k.host, v.host, o_host);
-        EXPECT_LT(rel_error(out.to(mha::Device::cpu()), ref.output), tolerance(dtype));
-        // The training forward: the same output and the log-sum-exp of every row.
-        const auto t = mha::scaled_dot_product_attention_for_training(q.device, k.device, v.device, o);
-        EXPECT_LT(rel_error(t.output.to(mha::Device::cpu()), ref.output), tolerance(dtype));
-        const auto cpu = mha::scaled_dot_product_attention_for_training(
-            mha::Tensor::copy_of(q.host, mha::DType::f32), mha::Tensor::copy_of(k.host, mha::DType::f32),
-            mha::Tensor::copy_of(v.host, mha::DType::f32), o_host);
-        EXPECT_LT(rel_error(t.lse.to(mha::Device::cpu()), cpu.lse), 1e-4);
       }
     }
+  }
+}
+
+// Sequences of many key tiles and query blocks (the tests above stay under 300), causal in both
+// alignments, GQA, Lq != Lk, on every kernel of the device.
+TEST_F(GpuTest, LongSequencesMatchTheFloat64Reference) {
+  std::mt19937_64 rng(test_seed());
+  for (const std::string& kernel : kernels()) {
+    const KernelChoice choice(kernel);
+    for (int64_t d : {64, 128}) {
+      for (int n = 0; n < 3; ++n) {
+        const mha::DType dtype = n == 1 ? mha::DType::f16 : mha::DType::bf16;
+        const int64_t Lq = 700 + rng() % 600, Lk = n == 0 ? Lq : 700 + rng() % 600;
+        mha::SdpaOptions o{.is_causal = n != 2, .enable_gqa = true};
+        o.causal_alignment = n == 1 ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+        SCOPED_TRACE(kernel + " d=" + std::to_string(d) + " Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk) +
+                     " case " + std::to_string(n));
+        const Operand q = operand({1, 2, Lq, d}, rng, dtype), k = operand({1, 1, Lk, d}, rng, dtype),
+                      v = operand({1, 1, Lk, d}, rng, dtype);
+        const mha::Tensor out = poisoned({1, 2, Lq, d}, dtype);
+        mha::scaled_dot_product_attention_into(q.device, k.device, v.device, out, o);
+        const auto ref = mha::reference::scaled_dot_product_attention(q.host, k.host, v.host, o);
+        EXPECT_LT(rel_error(out.to(mha::Device::cpu()), ref.output), tolerance(dtype));
+      }
+    }
+  }
+}
+
+// MHA_CUDA_KERNEL names the kernel; asking for one that cannot run a problem is an error that says why.
+TEST_F(GpuTest, KernelChoiceFromTheEnvironment) {
+  std::mt19937_64 rng(test_seed());
+  const Operand q = operand({1, 2, 33, 256}, rng, mha::DType::bf16);
+  {
+    const KernelChoice choice("wgmma");
+    expect_error([&] { mha::scaled_dot_product_attention(q.device, q.device, q.device); },
+                 mha::cuda::compute_capability() == 90 ? "head dim 64 or 128" : "compute capability 9.0");
+  }
+  {
+    const KernelChoice choice("fastest");
+    expect_error([&] { mha::scaled_dot_product_attention(q.device, q.device, q.device); },
+                 "MHA_CUDA_KERNEL: expected auto, mma or wgmma, got 'fastest'");
+  }
+  if (mha::cuda::compute_capability() == 90) {
+    const KernelChoice choice("wgmma");
+    const Operand x = operand({1, 2, 33, 64}, rng, mha::DType::bf16);
+    const mha::Tensor mask = mha::Tensor::zeros({33, 33}).to(mha::Device::cuda());
+    expect_error([&] { mha::scaled_dot_product_attention(x.device, x.device, x.device, {.attn_mask = mask.view()}); },
+                 "no attn_mask");
   }
 }
 
 // [B, L, H, D] storage viewed as [B, H, L, D] (a batch-first caller's layout), no copy.
 TEST_F(GpuTest, StridedViewsOfBatchFirstStorage) {
   std::mt19937_64 rng(test_seed());
-  const mha::DType dtype = mha::DType::bf16;
-  const Operand q = operand({2, 77, 4, 64}, rng, dtype), k = operand({2, 130, 4, 64}, rng, dtype),
-                v = operand({2, 130, 4, 64}, rng, dtype);
-  const mha::SdpaOptions o{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight};
-  const mha::Tensor out = mha::scaled_dot_product_attention(q.device.view().transpose(1, 2),
-                                                            k.device.view().transpose(1, 2),
-                                                            v.device.view().transpose(1, 2), o);
-  const auto ref = mha::reference::scaled_dot_product_attention(
-      q.host.view().transpose(1, 2), k.host.view().transpose(1, 2), v.host.view().transpose(1, 2), o);
-  EXPECT_LT(rel_error(out.to(mha::Device::cpu()), ref.output), tolerance(dtype));
+  for (const std::string& kernel : kernels()) {
+    const KernelChoice choice(kernel);
+    SCOPED_TRACE(kernel);
+    const mha::DType dtype = mha::DType::bf16;
+    const Operand q = operand({2, 77, 4, 64}, rng, dtype), k = operand({2, 130, 4, 64}, rng, dtype),
+                  v = operand({2, 130, 4, 64}, rng, dtype);
+    const mha::SdpaOptions o{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight};
+    const mha::Tensor out = mha::scaled_dot_product_attention(q.device.view().transpose(1, 2),
+                                                              k.device.view().transpose(1, 2),
+                                                              v.device.view().transpose(1, 2), o);
+    const auto ref = mha::reference::scaled_dot_product_attention(
+        q.host.view().transpose(1, 2), k.host.view().transpose(1, 2), v.host.view().transpose(1, 2), o);
+    EXPECT_LT(rel_error(out.to(mha::Device::cpu()), ref.output), tolerance(dtype));
+  }
 }
 
 // Rows that see no key (top-left causality with Lq > Lk and a bool mask row of false) are zero.

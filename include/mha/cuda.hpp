@@ -4,7 +4,9 @@
 // it). With it, scaled_dot_product_attention accepts views of CUDA memory (TensorView::on,
 // Tensor::empty(shape, dtype, Device::cuda()), Tensor::to) and runs the fused GPU kernel:
 // bfloat16 or float16 inputs, head dims 64, 128 and 256, causal in both alignments, GQA,
-// Lq != Lk, bool and additive masks, the log-sum-exp for training.
+// Lq != Lk, bool and additive masks, the log-sum-exp for training. On Hopper (compute capability
+// 9.0) head dims 64 and 128 without masks run a wgmma kernel, everything else an mma.sync one;
+// MHA_CUDA_KERNEL=mma in the environment forces the latter, =wgmma requires the former.
 #pragma once
 
 #include <string>
@@ -17,6 +19,8 @@ bool is_built();
 bool is_available();
 // The number of CUDA devices (0 without the backend or a driver).
 int device_count();
+// Compute capability as 10 * major + minor (90 on an H100), or 0 without such a device.
+int compute_capability(int device = 0);
 // "NVIDIA H100 80GB HBM3, compute capability 9.0, 132 SMs", or why there is none.
 std::string describe(int device = 0);
 // Kernels are queued on the device's default stream and return at once, as in PyTorch; this

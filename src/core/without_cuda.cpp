@@ -18,6 +18,7 @@ namespace cuda {
 bool is_built() { return false; }
 bool is_available() { return false; }
 int device_count() { return 0; }
+int compute_capability(int) { return 0; }
 std::string describe(int) { return "no CUDA backend in this build"; }
 void synchronize(int device) { no_cuda("synchronizing cuda:" + std::to_string(device)); }
 }  // namespace cuda

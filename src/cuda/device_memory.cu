@@ -21,6 +21,14 @@ int device_count() {
 
 bool is_available() { return device_count() > 0; }
 
+int compute_capability(int device) {
+  if (device < 0 || device >= device_count()) return 0;
+  int major = 0, minor = 0;
+  MHA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MHA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return 10 * major + minor;
+}
+
 std::string describe(int device) {
   const int n = device_count();
   if (device < 0 || device >= n) {

@@ -1,6 +1,7 @@
 // Fused attention forward on the GPU, flash-attention style, with mma.sync tensor-core
 // instructions (m16n8k16, bf16/fp16 in, fp32 accumulate): runs on Ampere (sm_80) and Hopper
-// (built for sm_90a as well; a wgmma/TMA kernel for Hopper is a later step).
+// (built for sm_90a as well). On Hopper, head dims 64 and 128 without masks run the wgmma
+// kernel instead (flash_forward_sm90.cu); this file also holds the entry point that chooses.
 //
 // One block of 4 warps owns Br = 64 * MT query rows of one (batch, head); each warp owns 16 * MT
 // rows (MT m-tiles share every K and V fragment the warp loads, halving shared-memory traffic
@@ -25,10 +26,12 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/cuda_attention.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/flash_common.cuh"
 
 namespace mha::detail {
 namespace {
@@ -36,58 +39,14 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPad = 8;  // elements of padding per shared-memory row: 16 bytes, so ldmatrix rows rotate banks
-constexpr int kMaxMasks = 3;
 
-struct GpuMask {
-  const void* data;
-  int kind;  // 0: additive float32, 1: bool keep-if-true, 2: bool drop-if-true
-  long long strides[4];
-};
-
-struct Params {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  float* lse;  // [B, Hq, Lq] contiguous, or null
-  long long q_strides[3], k_strides[3], v_strides[3], out_strides[3];  // (b, h, l); the head dim is unit-stride
-  int heads_q, group, len_q, len_k;
-  float scale_log2;  // scale * log2(e): scores go straight to base-2 exponents
-  int causal;
-  long long causal_offset;  // query i sees key j iff j <= i + causal_offset
-  int num_masks;
-  GpuMask masks[kMaxMasks];
-};
-
-template <class T> struct Pack;
-template <> struct Pack<__nv_bfloat16> {
-  static __device__ uint32_t two(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  static __device__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <> struct Pack<__half> {
-  static __device__ uint32_t two(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  static __device__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-__device__ uint32_t shared_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+using gpu::commit_copies;
+using gpu::copy_16_async;
+using gpu::fast_exp2;
+using gpu::Pack;
+using gpu::Params;
+using gpu::shared_address;
+using gpu::wait_copies;
 
 __device__ void ldmatrix_x4(uint32_t r[4], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -100,14 +59,6 @@ __device__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(shared_address(row))
                : "memory");
-}
-
-// 2^x in one MUFU instruction (relative error about 2^-22, far below bf16/fp16 rounding);
-// 2^-inf = 0.
-__device__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Starts copying Rows rows of D elements into shared memory (rows past `valid` are zero-filled:
@@ -124,23 +75,16 @@ __device__ void copy_tile_async(T* tile, const T* src, long long row_stride, int
 #pragma unroll
   for (int pass = 0; pass < Rows / kRowsPerPass; ++pass) {
     const bool inside = r0 + pass * kRowsPerPass < valid;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     to + static_cast<uint32_t>(pass * kRowsPerPass * (D + kPad) * sizeof(T))),
-                 "l"(inside ? from + pass * kRowsPerPass * row_stride : src), "r"(inside ? 16 : 0)
-                 : "memory");
+    copy_16_async(to + static_cast<uint32_t>(pass * kRowsPerPass * (D + kPad) * sizeof(T)),
+                  inside ? from + pass * kRowsPerPass * row_stride : src, inside ? 16 : 0);
   }
-}
-__device__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most `pending` of this thread's committed copy groups are still in flight.
-template <int pending> __device__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
 }
 
 // What the masks add (in base-2 units) to score (b, h, i, j): 0, -inf or the additive value.
 __device__ float mask_bias(const Params& p, int b, int h, int i, int j) {
   float bias = 0.0f;
   for (int m = 0; m < p.num_masks; ++m) {
-    const GpuMask& mk = p.masks[m];
+    const gpu::GpuMask& mk = p.masks[m];
     const long long off = b * mk.strides[0] + h * mk.strides[1] + i * mk.strides[2] + j * mk.strides[3];
     if (mk.kind == 0) {
       // A finite value stays finite when scaled (Hugging Face's finfo.min would overflow to -inf,
@@ -432,6 +376,31 @@ void copy_strides(const TensorView& t, const char* name, long long* strides) {
   }
 }
 
+// Which kernel runs a problem: the Hopper one (wgmma) on a device of compute capability 9.0 for
+// head dims 64 and 128 without masks, the mma.sync one otherwise. MHA_CUDA_KERNEL=mma forces the
+// mma.sync kernel everywhere (to compare the two); =wgmma requires the Hopper one, and is an
+// error naming what it lacks where it cannot run.
+bool use_hopper_kernel(const AttentionProblem& p, int device) {
+  const char* env = std::getenv("MHA_CUDA_KERNEL");
+  const std::string want = env ? env : "";
+  require(want.empty() || want == "auto" || want == "mma" || want == "wgmma",
+          "MHA_CUDA_KERNEL: expected auto, mma or wgmma, got '" + want + "'");
+  if (want == "mma") return false;
+  int major = 0, minor = 0;
+  MHA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MHA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  std::string lacks;
+  if (major != 9 || minor != 0) {
+    lacks = "a device of compute capability 9.0, got " + std::to_string(major) + "." + std::to_string(minor);
+  } else if (p.dim_qk != 64 && p.dim_qk != 128) {
+    lacks = "head dim 64 or 128, got " + std::to_string(p.dim_qk);
+  } else if (p.num_masks > 0) {
+    lacks = "no attn_mask (masks run on the mma.sync kernel)";
+  }
+  require(want != "wgmma" || lacks.empty(), "MHA_CUDA_KERNEL=wgmma: the Hopper kernel needs " + lacks);
+  return lacks.empty();
+}
+
 }  // namespace
 
 void cuda_attention_forward(const AttentionProblem& p, const TensorView& out4, float* lse) {
@@ -477,7 +446,9 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& out4, f
   }
 
   DeviceGuard guard(p.q.device.index);
-  if (dt == DType::bf16) {
+  if (use_hopper_kernel(p, p.q.device.index)) {
+    gpu::launch_forward_sm90(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch), dt == DType::bf16);
+  } else if (dt == DType::bf16) {
     launch_for_dim<__nv_bfloat16>(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch));
   } else {
     launch_for_dim<__half>(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch));
