@@ -5,8 +5,9 @@
 // Tensor::empty(shape, dtype, Device::cuda()), Tensor::to) and runs the fused GPU kernel:
 // bfloat16 or float16 inputs, head dims 64, 128 and 256, causal in both alignments, GQA,
 // Lq != Lk, bool and additive masks, the log-sum-exp for training. On Hopper (compute capability
-// 9.0) head dims 64 and 128 without masks run a wgmma kernel, everything else an mma.sync one;
-// MHA_CUDA_KERNEL=mma in the environment forces the latter, =wgmma requires the former.
+// 9.0) head dim 128 without masks runs a wgmma kernel, everything else an mma.sync one;
+// MHA_CUDA_KERNEL=mma in the environment forces the latter, =wgmma asks for the former wherever it
+// can run (head dims 64 and 128 without masks; an mha::Error elsewhere).
 #pragma once
 
 #include <string>

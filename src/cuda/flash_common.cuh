@@ -85,6 +85,7 @@ template <int pending> __device__ __forceinline__ void wait_copies() {
 }
 
 // The Hopper kernel (flash_forward_sm90.cu): head dim 64 or 128, no masks, compute capability 9.0.
+// `bf16` picks bfloat16 over float16.
 void launch_forward_sm90(const Params& params, int dim, int batch, bool bf16);
 
 }  // namespace mha::detail::gpu

@@ -377,9 +377,10 @@ void copy_strides(const TensorView& t, const char* name, long long* strides) {
 }
 
 // Which kernel runs a problem: the Hopper one (wgmma) on a device of compute capability 9.0 for
-// head dims 64 and 128 without masks, the mma.sync one otherwise. MHA_CUDA_KERNEL=mma forces the
-// mma.sync kernel everywhere (to compare the two); =wgmma requires the Hopper one, and is an
-// error naming what it lacks where it cannot run.
+// head dim 128 without masks, the mma.sync one otherwise (at d = 64 both measured level on an
+// H200; docs/CUDA.md). MHA_CUDA_KERNEL=mma forces the mma.sync kernel everywhere (to compare);
+// =wgmma asks for the Hopper one wherever it can run (d = 64 too), and is an error naming what it
+// lacks where it cannot.
 bool use_hopper_kernel(const AttentionProblem& p, int device) {
   const char* env = std::getenv("MHA_CUDA_KERNEL");
   const std::string want = env ? env : "";
@@ -398,7 +399,7 @@ bool use_hopper_kernel(const AttentionProblem& p, int device) {
     lacks = "no attn_mask (masks run on the mma.sync kernel)";
   }
   require(want != "wgmma" || lacks.empty(), "MHA_CUDA_KERNEL=wgmma: the Hopper kernel needs " + lacks);
-  return lacks.empty();
+  return lacks.empty() && (want == "wgmma" || p.dim_qk == 128);
 }
 
 }  // namespace
