@@ -90,13 +90,26 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
       .enable_gqa = s.kv_heads != s.heads,
       .dropout_p = o.dropout,
       .dropout_seed = o.seed};
+  w.flops = attention_flops(s.batch, s.heads, s.len_q, s.len_k, s.dim, s.dim_v, s.causal, s.alignment);
+  if (o.backward) {
+    // The training forward runs once; each call is one backward from its output and
+    // log-sum-exp, for a random output gradient.
+    auto saved = std::make_shared<const AttentionForTraining>(scaled_dot_product_attention_for_training(q, k, v, options));
+    const Tensor grad_out = random_input({s.batch, s.heads, s.len_q, s.dim_v}, rng, dtype, device);
+    w.call = [q, k, v, saved, grad_out, options, device] {
+      (void)scaled_dot_product_attention_backward(q, k, v, *saved, grad_out, options);
+      if (!device.is_cpu()) cuda::synchronize(device.index);
+    };
+    w.flops *= 2.5;  // the FlashAttention papers' convention (docs/PERFORMANCE.md)
+    w.description = "scaled_dot_product_attention backward on " + device.str() + ", " + o.dtype;
+    return w;
+  }
   // Tensors are captured by value: the call shares, and so keeps alive, their storage. On the GPU
   // the call waits for the kernel, so that the time is its run, not its launch.
   w.call = [q, k, v, out, weights_buffer, weights_view, options, device] {
     scaled_dot_product_attention_into(q, k, v, out, options, weights_view);
     if (!device.is_cpu()) cuda::synchronize(device.index);
   };
-  w.flops = attention_flops(s.batch, s.heads, s.len_q, s.len_k, s.dim, s.dim_v, s.causal, s.alignment);
   w.description = "scaled_dot_product_attention on " + device.str() + ", " + o.dtype;
   return w;
 }
@@ -154,7 +167,7 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
   j << "{\"shape\": {\"batch\": " << s.batch << ", \"heads\": " << s.heads << ", \"kv_heads\": " << s.kv_heads
     << ", \"len_q\": " << s.len_q << ", \"len_k\": " << s.len_k << ", \"dim\": " << s.dim << ", \"dim_v\": " << s.dim_v
     << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\"}"
-    << ", \"op\": \"" << (o.module ? "module" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
+    << ", \"op\": \"" << (o.module ? "module" : o.backward ? "sdpa_backward" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
     << ", \"dropout\": " << o.dropout
     << ", \"dtype\": \"" << o.dtype << "\", \"device\": \"" << o.device << "\""
     << ", \"threads\": " << get_num_threads() << ", \"isa\": \"" << cpu_isa() << "\", \"reps\": " << o.reps
@@ -196,6 +209,9 @@ int run_bench(const BenchOptions& o) {
   std::mt19937_64 rng(o.seed);
   if (o.module && o.device != "cpu") {
     throw UsageError("--module: the module runs on the CPU; drop --device");
+  }
+  if (o.backward && (o.module || o.weights)) {
+    throw UsageError(std::string("--backward: times the SDPA backward alone; drop ") + (o.module ? "--module" : "--weights"));
   }
   const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {

@@ -38,6 +38,7 @@ struct BenchOptions {
   int reps = 5;
   int warmup = 1;
   bool module = false;   // time MultiheadAttention.forward with embed_dim = heads * dim
+  bool backward = false;  // time the SDPA backward (the gradients of q, k, v) instead of the forward
   bool weights = false;  // also return the attention weights
   double dropout = 0.0;  // dropout probability on the weights (the module in training mode)
   bool json = false;

@@ -46,7 +46,8 @@ void add_demo(CLI::App& app, DemoOptions& o) {
 
 void add_bench(CLI::App& app, BenchOptions& o) {
   CLI::App* bench = app.add_subcommand(
-      "bench", "Time one attention forward call (SDPA, or the module with --module) on random inputs");
+      "bench", "Time one attention forward call (SDPA, or the module with --module) or SDPA backward call "
+      "(--backward) on random inputs");
   bench->add_option("-b,--batch", o.batch, "Batch size B")->capture_default_str()->check(at_least(1));
   bench->add_option("--lq", o.len_q, "Query length")->capture_default_str()->check(at_least(1));
   bench->add_option("--lk", o.len_k, "Key/value length (default: --lq)")->check(at_least(1));
@@ -63,6 +64,9 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   bench->add_option("--reps", o.reps, "Timed calls")->capture_default_str()->check(at_least(1));
   bench->add_option("--warmup", o.warmup, "Untimed calls before timing")->capture_default_str()->check(at_least(0));
   bench->add_flag("--module", o.module, "Time MultiheadAttention.forward (embed_dim = heads * dim) instead of SDPA");
+  bench->add_flag("--backward", o.backward,
+                  "Time the SDPA backward (gradients of q, k and v from the training forward's output and "
+                  "log-sum-exp); FLOPs are 2.5x the forward's");
   bench->add_flag("--weights", o.weights, "Also return the attention weights (materialises Lq x Lk per head)");
   bench->add_option("--dropout", o.dropout, "Dropout probability on the attention weights (the module in training mode)")
       ->capture_default_str()
