@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <random>
 #include <cstdlib>
 #include <string>
@@ -86,13 +87,25 @@ std::vector<std::string> kernels() {
   return names;
 }
 
-// Sets MHA_CUDA_KERNEL for a scope (the kernel choice reads it at every call).
+// Sets MHA_CUDA_KERNEL for a scope (the kernel choice reads it at every call), then restores it.
 class KernelChoice {
  public:
-  explicit KernelChoice(const std::string& name) { setenv("MHA_CUDA_KERNEL", name.c_str(), 1); }
-  ~KernelChoice() { unsetenv("MHA_CUDA_KERNEL"); }
+  explicit KernelChoice(const std::string& name) {
+    if (const char* before = std::getenv("MHA_CUDA_KERNEL")) previous_ = before;
+    setenv("MHA_CUDA_KERNEL", name.c_str(), 1);
+  }
+  ~KernelChoice() {
+    if (previous_) {
+      setenv("MHA_CUDA_KERNEL", previous_->c_str(), 1);
+    } else {
+      unsetenv("MHA_CUDA_KERNEL");
+    }
+  }
   KernelChoice(const KernelChoice&) = delete;
   KernelChoice& operator=(const KernelChoice&) = delete;
+
+ private:
+  std::optional<std::string> previous_;
 };
 
 // bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3 per element, on inputs, on P

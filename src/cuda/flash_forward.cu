@@ -1,7 +1,7 @@
 // Fused attention forward on the GPU, flash-attention style, with mma.sync tensor-core
 // instructions (m16n8k16, bf16/fp16 in, fp32 accumulate): runs on Ampere (sm_80) and Hopper
-// (built for sm_90a as well). On Hopper, head dims 64 and 128 without masks run the wgmma
-// kernel instead (flash_forward_sm90.cu); this file also holds the entry point that chooses.
+// (built for sm_90a as well). On Hopper, head dim 128 without masks runs the wgmma kernel instead
+// (flash_forward_sm90.cu; d = 64 on request); this file also holds the entry point that chooses.
 //
 // One block of 4 warps owns Br = 64 * MT query rows of one (batch, head); each warp owns 16 * MT
 // rows (MT m-tiles share every K and V fragment the warp loads, halving shared-memory traffic
