@@ -345,6 +345,18 @@ TEST(ModuleLowPrecision, ConversionStateDictsAndErrors) {
   mha::TensorMap checkpoint;
   for (const auto& [name, t] : bf16.named_parameters()) checkpoint.emplace(name, t);
   EXPECT_EQ(mha::module_from_state_dict(checkpoint, 4).dtype(), mha::DType::bf16);
+  // A float64 one a float64 module, with the weights' bits (a float32 one a float32 module).
+  mha::TensorMap checkpoint64, checkpoint32;
+  for (const auto& [name, t] : f32.named_parameters()) {
+    mha::Tensor wide = mha::Tensor::copy_of(t, mha::DType::f64);
+    for (int64_t i = 0; i < wide.numel(); ++i) wide.data<double>()[i] += 1e-12 * static_cast<double>(i % 7);
+    checkpoint64.emplace(name, wide);
+    checkpoint32.emplace(name, t);
+  }
+  const mha::MultiheadAttention from64 = mha::module_from_state_dict(checkpoint64, 4);
+  EXPECT_EQ(from64.dtype(), mha::DType::f64);
+  for (const auto& [name, t] : from64.named_parameters()) EXPECT_TRUE(same_bits(t, checkpoint64.at(name))) << name;
+  EXPECT_EQ(mha::module_from_state_dict(checkpoint32, 4).dtype(), mha::DType::f32);
 
   expect_error([] { mha::MultiheadAttention(8, 2, {.dtype = mha::DType::boolean}); },
                "dtype: expected float32, float64, bfloat16 or float16");

@@ -13,8 +13,18 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// float64 inputs (numpy's default) become float32; masks keep their dtype.
-Tensor as_input(const Tensor& t) { return t.dtype() == DType::f64 ? Tensor::copy_of(t, DType::f32) : t; }
+// Inputs in the module's dtype (numpy writes float64 by default and has no bfloat16: a float32 or
+// float64 file feeds a module of any dtype).
+Tensor as_input(const Tensor& t, DType module_dtype) {
+  return t.dtype() == module_dtype ? t : Tensor::copy_of(t, module_dtype);
+}
+// Masks: bool as they are; a float mask as float32 or the module's dtype, which the module takes.
+Tensor as_mask(const Tensor& t, DType module_dtype) {
+  const DType d = t.dtype();
+  return d == DType::boolean || d == DType::f32 || d == module_dtype ? t : Tensor::copy_of(t, DType::f32);
+}
+// What a .npy file can hold: bfloat16 results (numpy has no bfloat16) are written as float32.
+Tensor for_npy(const Tensor& t) { return t.dtype() == DType::bf16 ? Tensor::copy_of(t, DType::f32) : t; }
 
 }  // namespace
 
@@ -48,18 +58,19 @@ int run_run(const RunOptions& o) {
     if (!path->empty()) inputs.insert_or_assign(name, load_npy(*path));
   }
   if (!inputs.count("query")) throw Error("--query or --inputs: no 'query' tensor given");
-  const Tensor query = as_input(inputs.at("query"));
-  const Tensor key = inputs.count("key") ? as_input(inputs.at("key")) : query;
-  const Tensor value = inputs.count("value") ? as_input(inputs.at("value")) : key;
+  const DType dtype = module.dtype();
+  const Tensor query = as_input(inputs.at("query"), dtype);
+  const Tensor key = inputs.count("key") ? as_input(inputs.at("key"), dtype) : query;
+  const Tensor value = inputs.count("value") ? as_input(inputs.at("value"), dtype) : key;
 
   ForwardOptions f;
   Tensor attn_mask, padding;
   if (inputs.count("attn_mask")) {
-    attn_mask = as_input(inputs.at("attn_mask"));
+    attn_mask = as_mask(inputs.at("attn_mask"), dtype);
     f.attn_mask = attn_mask.view();
   }
   if (inputs.count("key_padding_mask")) {
-    padding = as_input(inputs.at("key_padding_mask"));
+    padding = as_mask(inputs.at("key_padding_mask"), dtype);
     f.key_padding_mask = padding.view();
   }
   f.need_weights = o.need_weights;
@@ -73,8 +84,8 @@ int run_run(const RunOptions& o) {
     if (r.weights) out.emplace("weights", r.weights->view());
     save_safetensors(o.out, out);
   } else if (ends_with(o.out, ".npy")) {
-    save_npy(o.out, r.output);
-    if (r.weights && !o.weights_out.empty()) save_npy(o.weights_out, *r.weights);
+    save_npy(o.out, for_npy(r.output));
+    if (r.weights && !o.weights_out.empty()) save_npy(o.weights_out, for_npy(*r.weights));
   } else {
     throw Error("--out: expected a .npy or .safetensors path, got '" + o.out + "'");
   }

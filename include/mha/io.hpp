@@ -37,8 +37,8 @@ void save_npy(const std::string& path, const TensorView& tensor);
 std::unordered_map<std::string, TensorView> views_of(const TensorMap& tensors);
 
 // A module whose options are read off a state dict's names and shapes (embed_dim, kdim, vdim,
-// bias, add_bias_kv, and the dtype: bfloat16 or float16 weights make a module of that dtype, any
-// other float32) plus what a state dict cannot tell, with its weights loaded.
+// bias, add_bias_kv, and the dtype: bfloat16, float16 or float64 weights make a module of that
+// dtype, any other float32) plus what a state dict cannot tell, with its weights loaded.
 MultiheadAttention module_from_state_dict(const TensorMap& state, int64_t num_heads, bool add_zero_attn = false,
                                           bool batch_first = false);
 

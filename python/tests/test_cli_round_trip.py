@@ -92,6 +92,34 @@ def test_checkpoint_runs_from_the_command_line(case, cli, tmp_path, parity_seed)
     assert rel_err(w, expected_w.numpy()) <= TOL
 
 
+# A checkpoint saved in bfloat16, float16 or float64 runs as a module of that dtype on float32 .npy
+# inputs (numpy has no bfloat16): against PyTorch in float64 on the checkpoint's weights and the
+# inputs rounded to that dtype. bfloat16 / float16: the module rounds its projections' outputs
+# to the dtype (2^-9, 2^-12 relative) and computes in float32, so 2e-2 and 3e-3 of the largest
+# output; float64: computed in float64 throughout, 1e-12.
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3), (torch.float64, 1e-12)])
+def test_checkpoint_in_another_dtype_runs_as_that_dtype(dtype, tol, cli, tmp_path, parity_seed):
+    rng = np.random.default_rng([parity_seed, 5, int(tol * 1e12)])
+    torch.manual_seed(int(rng.integers(2**31)))
+    E, H, L, N = 32, 4, 9, 2
+    ref = torch.nn.MultiheadAttention(E, H).eval()
+    state = {k: v.to(dtype).contiguous() for k, v in ref.state_dict().items()}
+    ckpt = tmp_path / "attn.safetensors"
+    safetensors.torch.save_file(state, str(ckpt), metadata={"num_heads": str(H)})
+    query = rng.standard_normal((L, N, E)).astype(np.float32)
+    np.save(tmp_path / "q.npy", query)
+    subprocess.run([str(cli), "run", "--weights", str(ckpt), "--query", str(tmp_path / "q.npy"), "--out",
+                    str(tmp_path / "out.npy")], check=True, capture_output=True)
+    out = np.load(tmp_path / "out.npy")
+    assert out.dtype == (np.float32 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype)
+    with torch.no_grad():
+        ref64 = torch.nn.MultiheadAttention(E, H).double().eval()
+        ref64.load_state_dict({k: v.double() for k, v in state.items()})
+        x = torch.from_numpy(query).to(dtype).double()
+        expected = ref64(x, x, x, need_weights=False)[0].numpy()
+    assert rel_err(out.astype(np.float64), expected) <= tol
+
+
 def test_bad_checkpoint_is_a_clear_error(cli, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")

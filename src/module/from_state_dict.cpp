@@ -27,9 +27,10 @@ MultiheadAttention module_from_state_dict(const TensorMap& state, int64_t num_he
   o.add_bias_kv = find("bias_k") != nullptr;
   o.add_zero_attn = add_zero_attn;
   o.batch_first = batch_first;
-  // A bfloat16/float16 checkpoint makes a module of that dtype; float64 (or anything else) float32.
+  // A bfloat16, float16 or float64 checkpoint makes a module of that dtype, as the module it was
+  // saved from; anything else float32.
   const DType stored = out_w->dtype();
-  o.dtype = stored == DType::bf16 || stored == DType::f16 ? stored : DType::f32;
+  o.dtype = stored == DType::bf16 || stored == DType::f16 || stored == DType::f64 ? stored : DType::f32;
   MultiheadAttention m(E, num_heads, o);
   m.load_state_dict(views_of(state), /*strict=*/true);
   return m;
