@@ -18,7 +18,7 @@ int run_info() {
   if (!mha::cuda::is_built()) {
     std::printf("cuda      not built\n");
   } else if (mha::cuda::device_count() == 0) {
-    std::printf("cuda      built; no device\n");
+    std::printf("cuda      built, no device\n");
   } else {
     for (int d = 0; d < mha::cuda::device_count(); ++d) {
       std::printf("cuda:%-5d %s; forward: %s\n", d, mha::cuda::describe(d).c_str(),
