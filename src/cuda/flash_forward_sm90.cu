@@ -16,8 +16,8 @@
 //
 // Takes head dims 64 and 128 without masks (the common case: causal or not, GQA, Lq != Lk,
 // strided views). The entry point (flash_forward.cu) runs it by default at d = 128, where it is
-// 1.2-1.5x the mma.sync kernel (H200); at d = 64 the two measured level (the softmax, the same work per
-// score at any d, dominates there), and the mma.sync kernel stays the default.
+// 1.2-1.5x the mma.sync kernel (H200); at d = 64 the two measured level (the softmax, the same
+// work per score at any d, dominates there), and the mma.sync kernel stays the default.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
