@@ -255,6 +255,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
                             causal_alignment, num_threads, need_weights)
     _auto_threading()
+    if _transformed():
+        return _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+                                 causal_alignment, num_threads, need_weights)
     grad = _needs_grad(query, key, value, attn_mask)
     q = _as_array(query, "query", once=True)  # each feeds one extension call at most
     k = _as_array(key, "key", once=True)
@@ -268,9 +271,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         from .autograd import SdpaFunction
         if attn_mask is not None and attn_mask.requires_grad and not attn_mask.is_floating_point():
             raise ValueError("attn_mask: only a float (additive) mask can require grad")
-        out = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-                                 None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
-                                 causal_alignment == "bottom_right", int(num_threads))
+        out, _ = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                                    None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
+                                    causal_alignment == "bottom_right", int(num_threads))
         if not need_weights:
             return out
         _, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal), None if scale is None else float(scale),
@@ -283,6 +286,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if need_weights:
         return _like(query, out), _like(query, weights)
     return _like(query, out)
+
+
+def _transformed() -> bool:
+    """Whether a torch.func transform (vmap, grad, jacrev, ...) is tracing this call."""
+    torch = _loaded_torch()
+    return torch is not None and torch._C._are_functorch_transforms_active()
+
+
+def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+                      causal_alignment, num_threads, need_weights):
+    """Under torch.func transforms: the autograd Functions, whose vmap rules and setup_context
+    the transforms call (their tensors are wrappers the extension cannot read)."""
+    from .autograd import SdpaFunction, SdpaWeightsFunction
+    torch = _loaded_torch()
+    for name, x in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor under torch.func transforms, got {type(x).__name__}")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    if attn_mask is not None and attn_mask.requires_grad and not attn_mask.is_floating_point():
+        raise ValueError("attn_mask: only a float (additive) mask can require grad")
+    if dropout_seed is None:
+        dropout_seed = _new_seed() if dropout_p > 0 else 0
+    options = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
+               int(dropout_seed), causal_alignment == "bottom_right", int(num_threads))
+    out, _ = SdpaFunction.apply(query, key, value, attn_mask, *options)
+    if not need_weights:
+        return out
+    return out, SdpaWeightsFunction.apply(query, key, value, attn_mask, *options)
 
 
 def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,

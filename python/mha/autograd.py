@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _mha
+from . import _mha, _vmap
 
 
 def _detached(x):
@@ -64,39 +64,151 @@ def token_object(token: torch.Tensor):
     return _keepers[token.data_ptr()].obj
 
 
+def transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jacrev, ...) is tracing the call: its tensors are
+    wrappers that only torch operators and the Functions below (through their vmap rules and
+    setup_context) can take, not the extension."""
+    return torch._C._are_functorch_transforms_active()
+
+
 class SdpaFunction(torch.autograd.Function):
     """scaled_dot_product_attention with gradients for query, key, value and a float attn_mask.
     bfloat16 and float16 inputs go to the C++ training forward and backward as they are: float32
     arithmetic inside the kernels, the output and the gradients rounded once to the inputs' dtype
     (the log-sum-exp stays float32; a float mask's gradient is in the mask's dtype); no float32
-    copy is saved."""
+    copy is saved. Returns (output, log-sum-exp); the second is not differentiable.
+
+    Composes with torch.func: grad, vjp and jacrev through setup_context, vmap through the rule
+    below (the vmapped dimension becomes a batch dimension of one kernel call), and vmap of a
+    gradient through SdpaBackwardFunction's rule. Forward-mode AD (jvp, jacfwd) is not provided."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                bottom_right, num_threads):
-        query, key, value = query.detach(), key.detach(), value.detach()
-        out, lse = _mha.sdpa_train(query, key, value, _detached(attn_mask), dropout_p, is_causal, scale, enable_gqa,
-                                   dropout_seed, bottom_right, num_threads)
-        out, lse = _tensor(out), torch.from_numpy(lse)
+    def forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
+                num_threads):
+        out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
+                                   is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
+        return _tensor(out), torch.from_numpy(lse)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, key, value, attn_mask, *options = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(query, key, value, attn_mask, out, lse)
-        ctx.options = (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
-        return out
+        ctx.options = tuple(options)
 
     @staticmethod
     @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, _grad_lse):
         query, key, value, attn_mask, out, lse = ctx.saved_tensors
-        dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = ctx.options
         mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
         # The incoming gradient in the output's dtype (autograd may hand over another one).
         grad = grad_output.detach().to(out.dtype)
         # Only the gradients autograd needs: keys and values that need none (a frozen encoder's, a
         # cached prefix) skip their products, dK = dS^T Q and dV = P^T dO.
-        dq, dk, dv, dm = _mha.sdpa_backward(query, key, value, out, lse, grad, _detached(attn_mask), dropout_p,
-                                            is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads,
-                                            mask_grad, tuple(ctx.needs_input_grad[:3]))
-        dq, dk, dv = (None if d is None else _tensor(d) for d in (dq, dk, dv))
-        return (dq, dk, dv, _tensor(dm) if mask_grad else None, None, None, None, None, None, None, None)
+        arguments = (query, key, value, attn_mask, out, lse, grad, *ctx.options, mask_grad,
+                     tuple(ctx.needs_input_grad[:3]))
+        if transforms_active():  # (its tensors may be vmap's: the Function has the rule for them)
+            dq, dk, dv, dm = SdpaBackwardFunction.apply(*arguments)
+        else:
+            dq, dk, dv, dm = SdpaBackwardFunction.forward(*arguments)
+        return (dq, dk, dv, dm if mask_grad else None, None, None, None, None, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+             bottom_right, num_threads):
+        _vmap.check_randomness(info, dropout_p)
+        options = (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
+        tensors, dims = (query, key, value, attn_mask), in_dims[:4]
+        rank = max(_vmap.example_rank(x, d) for x, d in zip(tensors[:3], dims))
+
+        def call(*inputs):
+            return SdpaFunction.apply(*inputs, *options)
+
+        if _vmap.per_example(info, dropout_p, rank):
+            return _vmap.looped(info.batch_size, dims, tensors, call), (0, 0)
+        # (the query expanded: the output has the vmapped dimension even where only the mask has it)
+        return call(*_vmap.folded(info.batch_size, dims, tensors, (rank,) * 4, (True, False, False, False))), (0, 0)
+
+
+class SdpaBackwardFunction(torch.autograd.Function):
+    """The C++ backward of SdpaFunction: (dQ, dK, dV, dMask), None where not wanted. A Function of
+    its own only for its vmap rule (vmap of a gradient, jacrev); it is not differentiated."""
+
+    @staticmethod
+    def forward(query, key, value, attn_mask, out, lse, grad, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+                bottom_right, num_threads, mask_grad, wanted):
+        dq, dk, dv, dm = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out.detach(), lse.detach(),
+                                            grad.detach(), _detached(attn_mask), dropout_p, is_causal, scale,
+                                            enable_gqa, dropout_seed, bottom_right, num_threads, mask_grad, wanted)
+        return tuple(None if d is None else _tensor(d) for d in (dq, dk, dv, dm))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("mha.scaled_dot_product_attention: its backward is not differentiable (no second-order "
+                           "gradients)")
+
+    @staticmethod
+    def vmap(info, in_dims, query, key, value, attn_mask, out, lse, grad, dropout_p, is_causal, scale, enable_gqa,
+             dropout_seed, bottom_right, num_threads, mask_grad, wanted):
+        _vmap.check_randomness(info, dropout_p)
+        options = (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads, mask_grad, wanted)
+        tensors, dims = (query, key, value, attn_mask, out, lse, grad), in_dims[:7]
+        rank = max(_vmap.example_rank(x, d) for x, d in zip(tensors[:3], dims))
+
+        def call(*inputs):
+            return SdpaBackwardFunction.apply(*inputs, *options)
+
+        if _vmap.per_example(info, dropout_p, rank):
+            grads = _vmap.looped(info.batch_size, dims, tensors, call)
+        else:
+            # Inputs expanded to the batch: one example's gradient is not the sum over the others,
+            # as it would be for a dimension that broadcasts (the output, its log-sum-exp and its
+            # gradient have the output's shape already: nothing inserted after their first).
+            ranks = (rank, rank, rank, rank, 0, 0, 0)
+            expanded = (True, True, True, mask_grad, True, True, True)
+            grads = call(*_vmap.folded(info.batch_size, dims, tensors, ranks, expanded))
+            # (back to each example's shape: the ones inserted after the vmapped dimension dropped)
+            grads = tuple(None if g is None else g.reshape((info.batch_size,) + _vmap.example_shape(x, d))
+                          for g, x, d in zip(grads, tensors, dims))
+        return grads, tuple(None if g is None else 0 for g in grads)
+
+
+class SdpaWeightsFunction(torch.autograd.Function):
+    """The attention weights [..., Hq, L, S] of a scaled_dot_product_attention call (need_weights),
+    not differentiable, as the eager call's are not; a Function for its vmap rule."""
+
+    @staticmethod
+    def forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
+                num_threads):
+        _, weights = _mha.sdpa(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
+                               is_causal, scale, enable_gqa, dropout_seed, True, bottom_right, num_threads)
+        return _tensor(weights)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx, grad_weights):  # (not reached: the output is not differentiable)
+        return (None,) * 11
+
+    @staticmethod
+    def vmap(info, in_dims, query, key, value, attn_mask, *options):
+        _vmap.check_randomness(info, options[0])
+        tensors, dims = (query, key, value, attn_mask), in_dims[:4]
+        rank = max(_vmap.example_rank(x, d) for x, d in zip(tensors[:3], dims))
+
+        def call(*inputs):
+            return (SdpaWeightsFunction.apply(*inputs, *options),)
+
+        if _vmap.per_example(info, options[0], rank):
+            return _vmap.looped(info.batch_size, dims, tensors, call)[0], 0
+        return call(*_vmap.folded(info.batch_size, dims, tensors, (rank,) * 4, (True, False, False, False)))[0], 0
 
 
 class ModuleFunction(torch.autograd.Function):

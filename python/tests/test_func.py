@@ -1,0 +1,221 @@
+"""torch.func transforms over mha.scaled_dot_product_attention: vmap (one kernel call with the
+vmapped dimension as a batch dimension, or example by example), grad, jacrev, vmap of a gradient
+and a gradient of a vmap, against a float64 reference written from the formula (its gradients
+by autograd), on fresh random inputs (the parity seed, printed)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha
+from mha import torch_sdpa
+
+func = torch.func
+
+# float64 runs the kernel in float64 (agreement to rounding); float32 is the fused float32
+# kernel, whose online softmax reorders the sums (about 1e-6 relative at these lengths).
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+
+
+def reference(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, bottom_right=False):
+    """softmax(Q K^T * scale + mask) V in float64 torch operators; its autograd is the reference backward."""
+    q, k, v = q.double(), k.double(), v.double()
+    if enable_gqa and q.dim() >= 3:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.double())
+    if is_causal:
+        L, S = scores.shape[-2:]
+        keep = torch.ones(L, S, dtype=torch.bool).tril(S - L if bottom_right else 0)
+        scores = scores.masked_fill(~keep, -math.inf)
+    return torch.softmax(scores, -1) @ v
+
+
+def close(actual, expected, dtype):
+    scale = expected.abs().max().item() or 1.0
+    err = (actual.double() - expected.double()).abs().max().item() / scale
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert err <= TOL[dtype], f"relative error {err:.3g} above {TOL[dtype]:.0e}"
+
+
+@pytest.fixture
+def gen(parity_seed):
+    return torch.Generator().manual_seed(parity_seed)
+
+
+def randn(gen, *shape, dtype=torch.float64):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_vmap_matches_the_reference(gen, dtype):
+    B, H, L, S, E = 3, 2, 7, 9, 8
+    q, k, v = randn(gen, B, H, L, E, dtype=dtype), randn(gen, B, H, S, E, dtype=dtype), randn(gen, B, H, S, E,
+                                                                                             dtype=dtype)
+    out = func.vmap(mha.scaled_dot_product_attention)(q, k, v)
+    close(out, reference(q, k, v), dtype)
+    # the vmapped dimension elsewhere in each input, and out_dims moved
+    out = func.vmap(mha.scaled_dot_product_attention, in_dims=(2, 1, 0), out_dims=1)(
+        q.movedim(0, 2), k.movedim(0, 1), v)
+    close(out, reference(q, k, v).movedim(0, 1), dtype)
+
+
+def test_vmap_with_inputs_of_other_ranks_and_unbatched_ones(gen):
+    B, H, L, S, E = 4, 3, 5, 6, 8
+    q = randn(gen, B, H, L, E)
+    k, v = randn(gen, S, E), randn(gen, S, E)  # one key/value set for every example and head
+    out = func.vmap(mha.scaled_dot_product_attention, in_dims=(0, None, None))(q, k, v)
+    close(out, reference(q, k, v), torch.float64)
+    # only the mask vmapped: every example attends through its own mask to the same inputs
+    q1, k1, v1 = q[0], randn(gen, H, S, E), randn(gen, H, S, E)
+    masks = torch.rand(B, L, S, generator=gen) > 0.3
+    masks[..., 0] = True
+    out = func.vmap(lambda m: mha.scaled_dot_product_attention(q1, k1, v1, attn_mask=m))(masks)
+    close(out, reference(q1, k1, v1, masks[:, None]), torch.float64)
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+def test_vmap_of_grouped_causal_attention(gen, causal):
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 6, 9, 16
+    q, k, v = randn(gen, B, Hq, L, E), randn(gen, B, Hkv, S, E), randn(gen, B, Hkv, S, E)
+
+    def f(q, k, v):
+        return mha.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, causal_alignment=causal,
+                                                scale=0.3)
+
+    close(func.vmap(f)(q, k, v),
+          reference(q, k, v, is_causal=True, enable_gqa=True, bottom_right=causal == "bottom_right", scale=0.3),
+          torch.float64)
+
+
+def test_vmap_past_six_dimensions_runs_example_by_example(gen):
+    q, k, v = randn(gen, 3, 2, 1, 2, 2, 5, 8), randn(gen, 3, 2, 1, 2, 2, 5, 8), randn(gen, 3, 2, 1, 2, 2, 5, 8)
+    close(func.vmap(mha.scaled_dot_product_attention)(q, k, v), reference(q, k, v), torch.float64)
+    with pytest.raises(ValueError, match="dimensions"):  # (outside vmap, seven are an error as before)
+        mha.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grad_and_jacrev_match_the_reference(gen, dtype):
+    H, L, S, E = 2, 5, 7, 8
+    q, k, v = randn(gen, H, L, E, dtype=dtype), randn(gen, H, S, E, dtype=dtype), randn(gen, H, S, E, dtype=dtype)
+    w = randn(gen, H, L, E)
+
+    def loss(attention):
+        return lambda q, k, v: (attention(q, k, v, is_causal=True) * w.to(q.dtype)).sum()
+
+    got = func.grad(loss(mha.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    want = func.grad(loss(reference), argnums=(0, 1, 2))(q.double(), k.double(), v.double())
+    for a, b in zip(got, want):
+        close(a, b, dtype)
+    got = func.jacrev(lambda k: mha.scaled_dot_product_attention(q, k, v), argnums=0)(k)
+    want = func.jacrev(lambda k: reference(q.double(), k, v.double()))(k.double())
+    close(got, want, dtype)
+
+
+def test_vmap_of_grad_and_grad_of_vmap(gen):
+    """Per-example gradients (vmap of grad), with unbatched keys and a learned float mask, and the
+    gradient of a vmapped call."""
+    B, H, L, S, E = 3, 2, 6, 5, 8
+    q, k, v = randn(gen, B, H, L, E), randn(gen, H, S, E), randn(gen, B, H, S, E)
+    bias = randn(gen, B, L, S)
+    w = randn(gen, H, L, E)
+
+    def loss(attention):
+        return lambda q, k, v, m: (attention(q, k, v, attn_mask=m) * w).sum()
+
+    got = func.vmap(func.grad(loss(mha.scaled_dot_product_attention), argnums=(0, 1, 2, 3)),
+                    in_dims=(0, None, 0, 0))(q, k, v, bias)
+    want = func.vmap(func.grad(loss(reference), argnums=(0, 1, 2, 3)), in_dims=(0, None, 0, 0))(q, k, v, bias)
+    for a, b in zip(got, want):
+        close(a, b, torch.float64)
+    assert got[1].shape == (B, H, S, E)  # one key gradient per example, not their sum
+
+    def total(attention):
+        return lambda q: func.vmap(lambda q, v: attention(q, k, v, is_causal=True))(q, v).square().sum()
+
+    close(func.grad(total(mha.scaled_dot_product_attention))(q), func.grad(total(reference))(q), torch.float64)
+
+
+def test_vmap_with_dropout_follows_the_randomness_flag(gen):
+    B, H, L, S, E = 3, 2, 8, 8, 8
+    q, k, v = randn(gen, H, L, E), randn(gen, H, S, E), randn(gen, B, H, S, E)
+
+    def f(v):
+        return mha.scaled_dot_product_attention(q, k, v, dropout_p=0.4, dropout_seed=11)
+
+    with pytest.raises(RuntimeError, match="randomness"):
+        func.vmap(f)(v)  # vmap's default: random operations are an error
+    same_v = v[:1].expand(B, H, S, E)
+    same = func.vmap(f, randomness="same")(same_v)
+    assert torch.equal(same[0], same[1]) and torch.equal(same[0], same[2])
+    torch.testing.assert_close(same[0], f(v[0]), rtol=1e-12, atol=1e-12)  # the seed's mask, as outside vmap
+    different = func.vmap(f, randomness="different")(same_v)
+    assert not torch.equal(different[0], different[1])
+    # 'different' is the kernel's batch dimension: the call on the stacked inputs, same seed
+    stacked = mha.scaled_dot_product_attention(q, k, same_v, dropout_p=0.4, dropout_seed=11)
+    torch.testing.assert_close(different, stacked, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_vmap_of_grad_with_dropout_keeps_the_forwards_mask(gen, randomness):
+    """The backward's vmap rule must draw the forward's masks: per-example gradients equal those
+    of the unvmapped calls that draw the same masks."""
+    B, H, L, S, E = 3, 2, 6, 7, 8
+    q, k, v = randn(gen, B, H, L, E), randn(gen, H, S, E), randn(gen, H, S, E)
+    w = randn(gen, H, L, E)
+
+    def loss(q, k):
+        return (mha.scaled_dot_product_attention(q, k, v, dropout_p=0.3, dropout_seed=5) * w).sum()
+
+    got = func.vmap(func.grad(loss, argnums=(0, 1)), in_dims=(0, None), randomness=randomness)(q, k)
+    if randomness == "same":  # each example alone, with the seed's one mask
+        want = [torch.stack(g) for g in zip(*(func.grad(loss, argnums=(0, 1))(q[i], k) for i in range(B)))]
+    else:  # the stacked call, one key set per example
+        kk = k.expand(B, H, S, E).clone()
+        want = func.grad(lambda q, kk: loss(q, kk), argnums=(0, 1))(q, kk)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_need_weights_under_vmap(gen):
+    B, H, L, S, E = 2, 3, 4, 6, 8
+    q, k, v = randn(gen, B, H, L, E), randn(gen, B, H, S, E), randn(gen, B, H, S, E)
+    out, weights = func.vmap(lambda q, k, v: mha.scaled_dot_product_attention(q, k, v, need_weights=True))(q, k, v)
+    close(out, reference(q, k, v), torch.float64)
+    close(weights, torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(E), -1), torch.float64)
+
+
+def test_what_the_transforms_cannot_do_is_a_clear_error(gen):
+    q = randn(gen, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="not differentiable"):  # second order
+        func.grad(lambda x: func.grad(lambda y: mha.scaled_dot_product_attention(y, q, q).sum())(x).sum())(q)
+    with pytest.raises(RuntimeError, match="jvp"):  # forward mode
+        func.jvp(lambda x: mha.scaled_dot_product_attention(x, q, q), (q,), (q,))
+    with pytest.raises(TypeError, match="key: expected a torch tensor"):
+        func.vmap(lambda x: mha.scaled_dot_product_attention(x, q.numpy(), q))(q[None])
+
+
+def test_patched_torch_sdpa_under_vmap(gen, monkeypatch):
+    """A model that calls F.scaled_dot_product_attention, vmapped (per-example gradients) with the
+    patch on."""
+    B, H, L, E = 3, 2, 5, 8
+    x = randn(gen, B, L, H * E, dtype=torch.float32)  # (float64 calls are left to PyTorch's function)
+    weight = randn(gen, 3 * H * E, H * E, dtype=torch.float32) / 8
+
+    def model(weight, x):
+        q, k, v = (x @ weight.T).unflatten(-1, (3, H, E)).permute(1, 2, 0, 3)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+
+    want = func.vmap(func.grad(model), in_dims=(None, 0))(weight.double(), x.double())
+    calls = []
+    monkeypatch.setattr(torch_sdpa, "_mha_sdpa", lambda *a, **kw: calls.append(1) or mha.scaled_dot_product_attention(*a, **kw))
+    with mha.patch_torch_sdpa():
+        got = func.vmap(func.grad(model), in_dims=(None, 0))(weight, x)
+    assert calls, "the patched function did not run mha's kernel"
+    close(got, want, torch.float32)
