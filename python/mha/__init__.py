@@ -401,6 +401,9 @@ class MultiheadAttention:
         `self.grad` (a dict of numpy arrays by parameter name). For a torch.nn.Module whose
         parameters receive .grad, use mha.nn.MultiheadAttention."""
         _auto_threading()
+        if _transformed():
+            return self._forward_transformed(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                             average_attn_weights, is_causal)
         if _needs_grad(query, key, value):
             return self._forward_autograd(query, key, value, key_padding_mask, need_weights, attn_mask,
                                           average_attn_weights, is_causal, dropout_seed, num_threads)
@@ -428,6 +431,16 @@ class MultiheadAttention:
             _as_array(attn_mask, "attn_mask", allow_none=True), *[t for _, t in params])
         self._grad_holders = dict(params)
         return out, weights
+
+    def _forward_transformed(self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal):
+        """Under torch.func transforms (of the inputs; the parameters are constants): the module's
+        steps as torch operators around the SDPA kernel, as mha.nn.MultiheadAttention's."""
+        from .nn import _call, _composed
+        options = _call.Options(self.embed_dim, self.num_heads, self.dropout, self.bias, self.add_bias_kv,
+                                self.add_zero_attn, self.kdim, self.vdim, self.batch_first)
+        params = {name: _tensor_of(value) for name, value in self._m.parameters()}
+        return _composed.run(options, params, self.training, query, key, value, key_padding_mask, need_weights,
+                             attn_mask, average, is_causal)
 
     @property
     def grad(self) -> Dict[str, _np.ndarray]:

@@ -1,7 +1,8 @@
 """One call of a MultiheadAttention on parameters given by name: what mha.nn.MultiheadAttention
 and mha.nn.functional.multi_head_attention_forward share. Eager calls run the C++ module (through
 autograd.ModuleFunction when something needs a gradient); traced ones (torch.compile,
-torch.export) are one node of the graph, a custom operator of ops.py."""
+torch.export) are one node of the graph, a custom operator of ops.py; calls under torch.func
+transforms are torch operators around the SDPA kernel (_composed.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from .. import _mha, _auto_threading, _compiling
 from .. import ops as _ops
-from ..autograd import ModuleFunction, _tensor
+from ..autograd import ModuleFunction, _tensor, transforms_active
+from . import _composed
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -68,6 +70,9 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
                     ("attn_mask", attn_mask), *params.items()):
         _check_dense_cpu(name, x)
     dtype = checked_dtype(params)
+    if transforms_active():
+        return _composed.run(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
+                             average_attn_weights, is_causal)
     if _compiling():
         return _traced(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
                        average_attn_weights, is_causal)
