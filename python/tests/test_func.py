@@ -4,12 +4,14 @@ and a gradient of a vmap, against a float64 reference written from the formula (
 by autograd), on fresh random inputs (the parity seed, printed)."""
 
 import math
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import mha
+import mha.nn
 from mha import torch_sdpa
 
 func = torch.func
@@ -219,3 +221,153 @@ def test_patched_torch_sdpa_under_vmap(gen, monkeypatch):
         got = func.vmap(func.grad(model), in_dims=(None, 0))(weight, x)
     assert calls, "the patched function did not run mha's kernel"
     close(got, want, torch.float32)
+
+
+# ---- the module: mha.nn.MultiheadAttention (and the functional form) under transforms ----
+
+def module_case(rng, gen):
+    """A float64 torch.nn.MultiheadAttention with random options and parameters, its mha copy,
+    inputs (a vmapped first dimension of 3 examples), masks and call flags."""
+    E = rng.choice([8, 12, 16])
+    H = rng.choice([h for h in (1, 2, 4) if E % h == 0])
+    options = dict(bias=rng.random() < 0.7, add_bias_kv=rng.random() < 0.3, add_zero_attn=rng.random() < 0.3,
+                   batch_first=rng.random() < 0.5)
+    if rng.random() < 0.3:
+        options.update(kdim=rng.choice([5, 7]), vdim=rng.choice([6, 9]))
+    theirs = torch.nn.MultiheadAttention(E, H, dtype=torch.float64, **options)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    ours = mha.nn.MultiheadAttention.from_torch(theirs)
+    N, L, S = 2, rng.randint(1, 6), rng.randint(1, 6)
+    unbatched = rng.random() < 0.3  # each example [L, E]
+
+    def inputs(length, width):
+        shape = (length, width) if unbatched else (N, length, width) if options["batch_first"] else (length, N, width)
+        return randn(gen, 3, *shape)
+
+    q, k, v = inputs(L, E), inputs(S, options.get("kdim", E)), inputs(S, options.get("vdim", E))
+    kwargs = dict(need_weights=rng.random() < 0.5, average_attn_weights=rng.random() < 0.5)
+    if rng.random() < 0.5:
+        padding = torch.rand((S,) if unbatched else (N, S), generator=gen) < 0.3
+        padding[..., 0] = False  # (no fully masked rows)
+        if rng.random() < 0.5:  # a float mask: large negatives and small offsets
+            padding = torch.zeros(padding.shape, dtype=torch.float64).masked_fill(padding, -1e4) + randn(
+                gen, *padding.shape)
+        kwargs["key_padding_mask"] = padding
+    if rng.random() < 0.5:
+        kwargs["attn_mask"] = randn(gen, *((L, S) if rng.random() < 0.5 else ((1 if unbatched else N) * H, L, S)))
+    elif L == S and rng.random() < 0.4:  # PyTorch takes is_causal as a hint about this mask
+        kwargs.update(attn_mask=torch.ones(L, S, dtype=torch.bool).triu(1), is_causal=True)
+    return theirs, ours, (q, k, v), kwargs
+
+
+def module_loss(module, kwargs):
+    def loss(params, q, k, v):
+        out, weights = func.functional_call(module, params, (q, k, v), kwargs)
+        return out.square().sum() + (0 if weights is None else weights.square().sum() + weights.sum() / 2)
+    return loss
+
+
+def test_module_gradients_under_transforms_match_torch(parity_seed, gen):
+    """Per-example gradients of the parameters and inputs (vmap of grad) and the gradient of a
+    vmapped call, over random module options, masks and flags, against torch's module."""
+    rng = random.Random(parity_seed)
+    for case in range(24):
+        theirs, ours, (q, k, v), kwargs = module_case(rng, gen)
+        params = {name: p.detach() for name, p in theirs.named_parameters()}
+        transforms = {
+            "vmap(grad)": lambda f: func.vmap(func.grad(f, argnums=(0, 1, 2, 3)), in_dims=(None, 0, 0, 0)),
+            "grad(vmap)": lambda f: func.grad(lambda p, q, k, v: func.vmap(f, in_dims=(None, 0, 0, 0))(p, q, k, v).sum(),
+                                              argnums=(0, 1, 2, 3)),
+        }
+        for name, transform in transforms.items():
+            got = transform(module_loss(ours, kwargs))(params, q, k, v)
+            want = transform(module_loss(theirs, kwargs))(params, q, k, v)
+            got = [*got[0].values(), *got[1:]]
+            want = [*want[0].values(), *want[1:]]
+            floor = max(w.abs().max().item() for w in want)  # (some gradients are exact zeros: one key)
+            for a, b in zip(got, want):
+                err = (a - b).abs().max().item() / floor
+                assert err < 1e-10, f"case {case} {name}: {kwargs.keys()} relative error {err:.3g}"
+
+
+def test_module_ensemble_by_vmap_over_parameters(gen):
+    """Three modules' parameters stacked (torch.func.stack_module_state) and vmapped: an ensemble
+    in one call, as with torch's module."""
+    theirs = [torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64) for _ in range(3)]
+    ours = [mha.nn.MultiheadAttention.from_torch(t) for t in theirs]
+    x = randn(gen, 2, 5, 16)
+
+    def ensemble(modules):
+        params, buffers = func.stack_module_state(modules)
+        base = modules[0]
+        return func.vmap(lambda p, b: func.functional_call(base, (p, b), (x, x, x), {"is_causal": False})[0])(
+            params, buffers)
+
+    close(ensemble(ours), ensemble(theirs), torch.float64)
+
+
+@pytest.mark.parametrize("extra", ["bias_kv", "zero_attn", "none"])
+def test_module_under_grad_agrees_with_the_eager_module(gen, extra):
+    """mha's own conventions carry over: is_causal without attn_mask (and beside appended keys,
+    which every query sees), and the result of torch.func.grad equals the eager (C++ module)
+    backward."""
+    module = mha.nn.MultiheadAttention(16, 2, add_bias_kv=extra == "bias_kv", add_zero_attn=extra == "zero_attn",
+                                       dtype=torch.float64)
+    q, k = randn(gen, 6, 3, 16), randn(gen, 6, 3, 16)
+    padding = torch.rand(3, 6, generator=gen) < 0.3
+    padding[:, 0] = False
+    for need_weights in (False, True):
+        kwargs = dict(is_causal=True, need_weights=need_weights, average_attn_weights=False,
+                      key_padding_mask=padding)
+        params = {name: p.detach() for name, p in module.named_parameters()}
+        got = func.grad(module_loss(module, kwargs), argnums=(0, 1))(params, q, k, k)
+        module.zero_grad()
+        qq = q.clone().requires_grad_()
+        module_loss(module, kwargs)(dict(module.named_parameters()), qq, k, k).backward()
+        close(got[1], qq.grad, torch.float64)
+        for name, p in module.named_parameters():
+            close(got[0][name], p.grad, torch.float64)
+
+
+def test_low_precision_module_under_vmap(gen):
+    """bfloat16: the composed steps in bfloat16 (as PyTorch's module), against the float64 module."""
+    wide = mha.nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64)
+    narrow = mha.nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.bfloat16)
+    narrow.load_state_dict({name: p.to(torch.bfloat16) for name, p in wide.state_dict().items()})
+    x = randn(gen, 3, 2, 10, 32)
+    got = func.vmap(lambda x: narrow(x.to(torch.bfloat16), x.to(torch.bfloat16), x.to(torch.bfloat16))[0])(x)
+    wide.load_state_dict({name: p.to(torch.bfloat16).double() for name, p in wide.state_dict().items()})
+    want = func.vmap(lambda x: wide(x, x, x)[0])(x.to(torch.bfloat16).double())
+    assert got.dtype == torch.bfloat16
+    # bfloat16 rounds each of the chain's steps (8 bits of mantissa: 2^-8 relative per step)
+    err = (got.double() - want).abs().max().item() / want.abs().max().item()
+    assert err < 3e-2, err
+
+
+def test_numpy_level_module_and_functional_form_under_vmap(gen):
+    module = mha.MultiheadAttention(8, 2, batch_first=True, dtype="float64", seed=3).eval()
+    x = randn(gen, 4, 2, 5, 8)
+    out, weights = func.vmap(lambda x: module(x, x, x))(x)
+    for i in range(4):
+        o, w = module(x[i], x[i], x[i])
+        close(out[i], o, torch.float64)
+        close(weights[i], w, torch.float64)
+    torch_module = torch.nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    args = (8, 2, torch_module.in_proj_weight, torch_module.in_proj_bias, None, None, False, 0.0,
+            torch_module.out_proj.weight, torch_module.out_proj.bias)
+    x = randn(gen, 4, 5, 2, 8)
+    got = func.vmap(lambda x: mha.nn.functional.multi_head_attention_forward(x, x, x, *args)[0])(x)
+    want = func.vmap(lambda x: F.multi_head_attention_forward(x, x, x, *args)[0])(x)
+    close(got, want, torch.float64)
+
+
+def test_module_dropout_under_vmap_follows_the_randomness_flag(gen):
+    module = mha.nn.MultiheadAttention(8, 2, dropout=0.5, dtype=torch.float64)  # training mode
+    x = randn(gen, 3, 4, 2, 8)
+    for need_weights in (False, True):
+        with pytest.raises(RuntimeError, match="randomness"):
+            func.vmap(lambda x: module(x, x, x, need_weights=need_weights)[0])(x)
+        out = func.vmap(lambda x: module(x, x, x, need_weights=need_weights)[0], randomness="different")(x)
+        assert out.shape == x.shape and torch.isfinite(out).all()

@@ -3,7 +3,8 @@ torch.func transforms (vmap, grad, jacrev, functional_call ensembles): their ten
 the C++ module cannot read, while torch's operators and the SDPA's autograd Function (with its
 vmap rules) take them. The steps are torch.nn.functional.multi_head_attention_forward's: the
 in-projections, bias_k/bias_v and a zero key appended, the key padding mask merged into attn_mask
-(bool masks as -inf), the heads' attention, the out-projection. The attention itself is mha's
+(bool masks as -inf), the heads' attention, the out-projection; is_causal applies a causal mask
+as the eager module does (with attn_mask or without). The attention itself is mha's
 fused kernel, or with need_weights the explicit softmax, whose weights are differentiable as
 PyTorch's are. Arithmetic is in the parameters' dtype (bfloat16 modules: bfloat16 projections,
 as PyTorch's; the eager module computes them in float32)."""
@@ -38,7 +39,7 @@ def run(options, params, training, query, key, value, key_padding_mask, need_wei
     if not batched:  # [L, E]: a batch of one
         query, key, value = (x.unsqueeze(1) for x in (query, key, value))
         key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
-    L, N = query.shape[:2]
+    L, N, keys = query.shape[0], query.shape[1], key.shape[0]
 
     if "in_proj_weight" in params:
         wq, wk, wv = params["in_proj_weight"].chunk(3)
@@ -67,6 +68,14 @@ def run(options, params, training, query, key, value, key_padding_mask, need_wei
     if key_padding_mask is not None:
         padding = key_padding_mask.reshape(N, 1, 1, S).expand(N, H, 1, S).reshape(N * H, 1, S)
         attn_mask = padding if attn_mask is None else attn_mask + padding
+    if is_causal and S > keys:
+        # As the eager module: the causal mask hides later keys of the sequence, never the
+        # appended ones (bias_k, the zero key), which every query sees.
+        hidden = torch.ones(L, S, dtype=torch.bool).triu(1)
+        hidden[:, keys:] = False
+        causal = torch.zeros(1, L, S, dtype=dtype).masked_fill(hidden, -math.inf)
+        attn_mask = causal if attn_mask is None else attn_mask + causal
+        is_causal = False
     dropout_p = options.dropout if training else 0.0
 
     if need_weights:
