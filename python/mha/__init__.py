@@ -271,9 +271,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         from .autograd import SdpaFunction
         if attn_mask is not None and attn_mask.requires_grad and not attn_mask.is_floating_point():
             raise ValueError("attn_mask: only a float (additive) mask can require grad")
-        out, _ = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-                                    None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
-                                    causal_alignment == "bottom_right", int(num_threads))
+        out = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                                 None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
+                                 causal_alignment == "bottom_right", int(num_threads))
         if not need_weights:
             return out
         _, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal), None if scale is None else float(scale),
@@ -298,7 +298,7 @@ def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
                       causal_alignment, num_threads, need_weights):
     """Under torch.func transforms: the autograd Functions, whose vmap rules and setup_context
     the transforms call (their tensors are wrappers the extension cannot read)."""
-    from .autograd import SdpaFunction, SdpaWeightsFunction
+    from .autograd import SdpaTransformFunction, SdpaWeightsFunction
     torch = _loaded_torch()
     for name, x in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
         if x is not None and not isinstance(x, torch.Tensor):
@@ -311,7 +311,7 @@ def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     options = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
                int(dropout_seed), causal_alignment == "bottom_right", int(num_threads))
-    out, _ = SdpaFunction.apply(query, key, value, attn_mask, *options)
+    out, _ = SdpaTransformFunction.apply(query, key, value, attn_mask, *options)
     if not need_weights:
         return out
     return out, SdpaWeightsFunction.apply(query, key, value, attn_mask, *options)

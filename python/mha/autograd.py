@@ -71,23 +71,59 @@ def transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
+                  num_threads):
+    """(output, log-sum-exp) of the C++ training forward."""
+    out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
+                               is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
+    return _tensor(out), torch.from_numpy(lse)
+
+
+def _sdpa_backward(ctx, grad_output):
+    """The gradients of SdpaFunction's (or SdpaTransformFunction's) inputs, from what it saved."""
+    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+    # The incoming gradient in the output's dtype (autograd may hand over another one).
+    grad = grad_output.detach().to(out.dtype)
+    # Only the gradients autograd needs: keys and values that need none (a frozen encoder's, a
+    # cached prefix) skip their products, dK = dS^T Q and dV = P^T dO.
+    arguments = (query, key, value, attn_mask, out, lse, grad, *ctx.options, mask_grad,
+                 tuple(ctx.needs_input_grad[:3]))
+    if transforms_active():  # (its tensors may be vmap's: the Function has the rule for them)
+        dq, dk, dv, dm = SdpaBackwardFunction.apply(*arguments)
+    else:
+        dq, dk, dv, dm = SdpaBackwardFunction.forward(*arguments)
+    return (dq, dk, dv, dm if mask_grad else None, None, None, None, None, None, None, None)
+
+
 class SdpaFunction(torch.autograd.Function):
     """scaled_dot_product_attention with gradients for query, key, value and a float attn_mask.
     bfloat16 and float16 inputs go to the C++ training forward and backward as they are: float32
     arithmetic inside the kernels, the output and the gradients rounded once to the inputs' dtype
     (the log-sum-exp stays float32; a float mask's gradient is in the mask's dtype); no float32
-    copy is saved. Returns (output, log-sum-exp); the second is not differentiable.
-
-    Composes with torch.func: grad, vjp and jacrev through setup_context, vmap through the rule
-    below (the vmapped dimension becomes a batch dimension of one kernel call), and vmap of a
-    gradient through SdpaBackwardFunction's rule. Forward-mode AD (jvp, jacfwd) is not provided."""
+    copy is saved. (The eager form: a forward taking ctx costs less per call than
+    SdpaTransformFunction's, whose apply binds its arguments by signature.)"""
 
     @staticmethod
-    def forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
-                num_threads):
-        out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
-                                   is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
-        return _tensor(out), torch.from_numpy(lse)
+    def forward(ctx, query, key, value, attn_mask, *options):
+        out, lse = _sdpa_forward(query, key, value, attn_mask, *options)
+        ctx.save_for_backward(query.detach(), key.detach(), value.detach(), attn_mask, out, lse)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
+    def backward(ctx, grad_output):
+        return _sdpa_backward(ctx, grad_output)
+
+
+class SdpaTransformFunction(torch.autograd.Function):
+    """SdpaFunction for torch.func transforms; returns (output, log-sum-exp), the second not
+    differentiable. grad, vjp and jacrev go through setup_context, vmap through the rule below
+    (the vmapped dimension becomes a batch dimension of one kernel call), vmap of a gradient
+    through SdpaBackwardFunction's rule. Forward-mode AD (jvp, jacfwd) is not provided."""
+
+    forward = staticmethod(_sdpa_forward)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -100,19 +136,7 @@ class SdpaFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
     def backward(ctx, grad_output, _grad_lse):
-        query, key, value, attn_mask, out, lse = ctx.saved_tensors
-        mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
-        # The incoming gradient in the output's dtype (autograd may hand over another one).
-        grad = grad_output.detach().to(out.dtype)
-        # Only the gradients autograd needs: keys and values that need none (a frozen encoder's, a
-        # cached prefix) skip their products, dK = dS^T Q and dV = P^T dO.
-        arguments = (query, key, value, attn_mask, out, lse, grad, *ctx.options, mask_grad,
-                     tuple(ctx.needs_input_grad[:3]))
-        if transforms_active():  # (its tensors may be vmap's: the Function has the rule for them)
-            dq, dk, dv, dm = SdpaBackwardFunction.apply(*arguments)
-        else:
-            dq, dk, dv, dm = SdpaBackwardFunction.forward(*arguments)
-        return (dq, dk, dv, dm if mask_grad else None, None, None, None, None, None, None, None)
+        return _sdpa_backward(ctx, grad_output)
 
     @staticmethod
     def vmap(info, in_dims, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
@@ -123,7 +147,7 @@ class SdpaFunction(torch.autograd.Function):
         rank = max(_vmap.example_rank(x, d) for x, d in zip(tensors[:3], dims))
 
         def call(*inputs):
-            return SdpaFunction.apply(*inputs, *options)
+            return SdpaTransformFunction.apply(*inputs, *options)
 
         if _vmap.per_example(info, dropout_p, rank):
             return _vmap.looped(info.batch_size, dims, tensors, call), (0, 0)
