@@ -81,3 +81,39 @@ def per_example(info, dropout_p: float, rank: int) -> bool:
     """Whether the examples run one by one: every one drawing the same dropout mask, or too many
     dimensions to add one."""
     return (dropout_p > 0 and info.randomness == "same") or not foldable(rank)
+
+
+def forward_rule(info, in_dims, tensors, dropout_p: float, call: Callable) -> tuple:
+    """The vmap rule of a forward whose tensors are (query, key, value, attn_mask): call()'s
+    outputs (a tuple), each with the vmapped dimension first."""
+    check_randomness(info, dropout_p)
+    dims = in_dims[:4]
+    rank = max(example_rank(x, d) for x, d in zip(tensors[:3], dims))
+    if per_example(info, dropout_p, rank):
+        return looped(info.batch_size, dims, tensors, call)
+    # (the query expanded: the output has the vmapped dimension even where only the mask has it)
+    return tuple(call(*folded(info.batch_size, dims, tensors, (rank,) * 4, (True, False, False, False))))
+
+
+def backward_rule(info, in_dims, tensors, dropout_p: float, mask_grad: bool, call: Callable) -> tuple:
+    """The vmap rule of the backward whose tensors are (query, key, value, attn_mask, out, lse,
+    grad_output): call()'s gradients (dQ, dK, dV, dMask), each with the vmapped dimension first;
+    one that was not computed (None, or an empty placeholder) is returned as call() gave it."""
+    check_randomness(info, dropout_p)
+    rank = max(example_rank(x, d) for x, d in zip(tensors[:3], in_dims))
+    if per_example(info, dropout_p, rank):
+        return looped(info.batch_size, in_dims, tensors, call)
+    # Inputs expanded to the batch: one example's gradient is not the sum over the others, as it
+    # would be for a dimension that broadcasts (the output, its log-sum-exp and its gradient have
+    # the output's shape already: nothing inserted after their first).
+    ranks = (rank, rank, rank, rank, 0, 0, 0)
+    expanded = (True, True, True, mask_grad, True, True, True)
+    grads = call(*folded(info.batch_size, in_dims, tensors, ranks, expanded))
+    # (back to each example's shape: the ones inserted after the vmapped dimension dropped)
+    return tuple(g if g is None or g.numel() == 0 else g.reshape((info.batch_size,) + example_shape(x, d))
+                 for g, x, d in zip(grads, tensors, in_dims))
+
+
+def out_dims(outputs) -> tuple:
+    """0 for each batched output, None for one left out (None, or an empty placeholder)."""
+    return tuple(None if x is None or x.dim() == 1 and x.numel() == 0 else 0 for x in outputs)

@@ -139,20 +139,10 @@ class SdpaTransformFunction(torch.autograd.Function):
         return _sdpa_backward(ctx, grad_output)
 
     @staticmethod
-    def vmap(info, in_dims, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-             bottom_right, num_threads):
-        _vmap.check_randomness(info, dropout_p)
-        options = (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads)
-        tensors, dims = (query, key, value, attn_mask), in_dims[:4]
-        rank = max(_vmap.example_rank(x, d) for x, d in zip(tensors[:3], dims))
-
-        def call(*inputs):
-            return SdpaTransformFunction.apply(*inputs, *options)
-
-        if _vmap.per_example(info, dropout_p, rank):
-            return _vmap.looped(info.batch_size, dims, tensors, call), (0, 0)
-        # (the query expanded: the output has the vmapped dimension even where only the mask has it)
-        return call(*_vmap.folded(info.batch_size, dims, tensors, (rank,) * 4, (True, False, False, False))), (0, 0)
+    def vmap(info, in_dims, query, key, value, attn_mask, *options):
+        outputs = _vmap.forward_rule(info, in_dims, (query, key, value, attn_mask), options[0],
+                                     lambda *tensors: SdpaTransformFunction.apply(*tensors, *options))
+        return outputs, (0, 0)
 
 
 class SdpaBackwardFunction(torch.autograd.Function):
@@ -177,29 +167,11 @@ class SdpaBackwardFunction(torch.autograd.Function):
                            "gradients)")
 
     @staticmethod
-    def vmap(info, in_dims, query, key, value, attn_mask, out, lse, grad, dropout_p, is_causal, scale, enable_gqa,
-             dropout_seed, bottom_right, num_threads, mask_grad, wanted):
-        _vmap.check_randomness(info, dropout_p)
-        options = (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads, mask_grad, wanted)
-        tensors, dims = (query, key, value, attn_mask, out, lse, grad), in_dims[:7]
-        rank = max(_vmap.example_rank(x, d) for x, d in zip(tensors[:3], dims))
-
-        def call(*inputs):
-            return SdpaBackwardFunction.apply(*inputs, *options)
-
-        if _vmap.per_example(info, dropout_p, rank):
-            grads = _vmap.looped(info.batch_size, dims, tensors, call)
-        else:
-            # Inputs expanded to the batch: one example's gradient is not the sum over the others,
-            # as it would be for a dimension that broadcasts (the output, its log-sum-exp and its
-            # gradient have the output's shape already: nothing inserted after their first).
-            ranks = (rank, rank, rank, rank, 0, 0, 0)
-            expanded = (True, True, True, mask_grad, True, True, True)
-            grads = call(*_vmap.folded(info.batch_size, dims, tensors, ranks, expanded))
-            # (back to each example's shape: the ones inserted after the vmapped dimension dropped)
-            grads = tuple(None if g is None else g.reshape((info.batch_size,) + _vmap.example_shape(x, d))
-                          for g, x, d in zip(grads, tensors, dims))
-        return grads, tuple(None if g is None else 0 for g in grads)
+    def vmap(info, in_dims, query, key, value, attn_mask, out, lse, grad, *options):
+        dropout_p, mask_grad = options[0], options[-2]
+        grads = _vmap.backward_rule(info, in_dims[:7], (query, key, value, attn_mask, out, lse, grad), dropout_p,
+                                    mask_grad, lambda *tensors: SdpaBackwardFunction.apply(*tensors, *options))
+        return grads, _vmap.out_dims(grads)
 
 
 class SdpaWeightsFunction(torch.autograd.Function):
@@ -223,16 +195,9 @@ class SdpaWeightsFunction(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, query, key, value, attn_mask, *options):
-        _vmap.check_randomness(info, options[0])
-        tensors, dims = (query, key, value, attn_mask), in_dims[:4]
-        rank = max(_vmap.example_rank(x, d) for x, d in zip(tensors[:3], dims))
-
-        def call(*inputs):
-            return (SdpaWeightsFunction.apply(*inputs, *options),)
-
-        if _vmap.per_example(info, options[0], rank):
-            return _vmap.looped(info.batch_size, dims, tensors, call)[0], 0
-        return call(*_vmap.folded(info.batch_size, dims, tensors, (rank,) * 4, (True, False, False, False)))[0], 0
+        (weights,) = _vmap.forward_rule(info, in_dims, (query, key, value, attn_mask), options[0],
+                                        lambda *tensors: (SdpaWeightsFunction.apply(*tensors, *options),))
+        return weights, 0
 
 
 class ModuleFunction(torch.autograd.Function):

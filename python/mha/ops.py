@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import _auto_threading, _mha
+from . import _auto_threading, _mha, _vmap
 from .autograd import _tensor, weights_gradient
 
 if not hasattr(torch.library, "custom_op"):
@@ -117,6 +117,28 @@ def _backward(ctx, grad_output, grad_lse):
 sdpa_train.register_autograd(_backward, setup_context=_setup_context)
 
 
+# vmap rules (torch.func.vmap of a compiled or exported call): the vmapped dimension becomes a
+# batch dimension of one kernel call, as for the eager autograd Functions (_vmap.py).
+@sdpa_train.register_vmap
+def _(info, in_dims, query, key, value, attn_mask, *options):
+    outputs = _vmap.forward_rule(info, in_dims, (query, key, value, attn_mask), options[0],
+                                 lambda *tensors: sdpa_train(*tensors, *options))
+    return outputs, (0, 0)
+
+
+@sdpa_backward.register_vmap
+def _(info, in_dims, grad_output, query, key, value, out, lse, attn_mask, dropout_p, *options):
+    wanted = options[-1]
+
+    def call(query, key, value, attn_mask, out, lse, grad_output):
+        return sdpa_backward(grad_output, query, key, value, out, lse, attn_mask, dropout_p, *options)
+
+    tensors = (query, key, value, attn_mask, out, lse, grad_output)
+    dims = (*in_dims[1:4], in_dims[6], *in_dims[4:6], in_dims[0])
+    grads = _vmap.backward_rule(info, dims, tensors, dropout_p, bool(wanted[3]), call)
+    return list(grads), list(_vmap.out_dims(grads))
+
+
 @torch.library.custom_op("mha::sdpa_with_weights", mutates_args=(), device_types="cpu")
 def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
@@ -134,6 +156,13 @@ def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads):
     rows = _rows(query, key, value, enable_gqa)
     return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
+
+
+@sdpa_with_weights.register_vmap
+def _(info, in_dims, query, key, value, attn_mask, *options):
+    outputs = _vmap.forward_rule(info, in_dims, (query, key, value, attn_mask), options[0],
+                                 lambda *tensors: sdpa_with_weights(*tensors, *options))
+    return outputs, (0, 0)
 
 
 @torch.library.custom_op("mha::multihead_attention", mutates_args=(), device_types="cpu")

@@ -5,6 +5,7 @@ by autograd), on fresh random inputs (the parity seed, printed)."""
 
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -371,3 +372,54 @@ def test_module_dropout_under_vmap_follows_the_randomness_flag(gen):
             func.vmap(lambda x: module(x, x, x, need_weights=need_weights)[0])(x)
         out = func.vmap(lambda x: module(x, x, x, need_weights=need_weights)[0], randomness="different")(x)
         assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+def test_vmap_of_compiled_calls_uses_the_operators_rules(gen):
+    """Under torch.compile the call is the custom operator mha::sdpa_train: its vmap rule folds the
+    vmapped dimension too (no per-example fallback, which PyTorch announces with a warning). A
+    gradient transform inside a compiled function breaks the graph (PyTorch's custom operators do
+    not compose with torch.func.grad): that part runs eagerly, still correct."""
+    B, H, L, S, E = 3, 2, 6, 7, 8
+    q, k, v = randn(gen, B, H, L, E), randn(gen, H, S, E), randn(gen, B, H, S, E)
+    w = randn(gen, H, L, E)
+
+    def loss(q, k, v):
+        return (mha.scaled_dot_product_attention(q, k, v, is_causal=True) * w).sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(func.vmap(lambda q, k, v: mha.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                      in_dims=(0, None, 0)), backend="aot_eager", fullgraph=True)(q, k, v)
+    assert not [w for w in caught if "mha::" in str(w.message)], [str(w.message) for w in caught]
+    close(out, reference(q, k, v, is_causal=True), torch.float64)
+    grads = torch.compile(func.vmap(func.grad(loss, argnums=(0, 1, 2)), in_dims=(0, None, 0)),
+                          backend="aot_eager")(q, k, v)
+    want = func.vmap(func.grad(lambda q, k, v: (reference(q, k, v, is_causal=True) * w).sum(), argnums=(0, 1, 2)),
+                     in_dims=(0, None, 0))(q, k, v)
+    for a, b in zip(grads, want):
+        close(a, b, torch.float64)
+
+
+def test_vmap_of_the_custom_operators_matches_calls_one_by_one(gen):
+    """torch.ops.mha.sdpa_train / sdpa_backward / sdpa_with_weights under vmap (their registered
+    rules) against each example's own call; the backward's left-out gradients stay empty."""
+    from mha import ops
+    B, H, L, S, E = 3, 2, 5, 6, 8
+    q, k, v, g = randn(gen, B, H, L, E), randn(gen, H, S, E), randn(gen, B, H, S, E), randn(gen, B, H, L, E)
+    seed = ops.seed_tensor(0, 0.0)
+    options = (0.0, True, None, False, seed, False, 0)
+    out, lse = func.vmap(lambda q, v: torch.ops.mha.sdpa_train(q, k, v, None, *options))(q, v)
+    _, weights = func.vmap(lambda q, v: torch.ops.mha.sdpa_with_weights(q, k, v, None, *options))(q, v)
+    grads = func.vmap(lambda g, q, v, o, l: torch.ops.mha.sdpa_backward(g, q, k, v, o, l, None, 0.0, True, None,
+                                                                        False, seed, False, 0,
+                                                                        [True, True, False, False]))(g, q, v, out, lse)
+    for i in range(B):
+        o, l = torch.ops.mha.sdpa_train(q[i], k, v[i], None, *options)
+        torch.testing.assert_close(out[i], o, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[i], l, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(weights[i], torch.ops.mha.sdpa_with_weights(q[i], k, v[i], None, *options)[1])
+        dq, dk, _, _ = torch.ops.mha.sdpa_backward(g[i], q[i], k, v[i], o, l, None, 0.0, True, None, False, seed,
+                                                   False, 0, [True, True, False, False])
+        torch.testing.assert_close(grads[0][i], dq, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grads[1][i], dk, rtol=1e-12, atol=1e-12)  # each example's own dK
+    assert grads[2].numel() == 0 and grads[3].numel() == 0
