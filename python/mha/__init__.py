@@ -289,9 +289,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 
 
 def _transformed() -> bool:
-    """Whether a torch.func transform (vmap, grad, jacrev, ...) is tracing this call."""
+    """Whether a torch.func transform (vmap, grad, jacrev, jvp, ...) is tracing this call, or a
+    forward-mode AD level is open (torch.autograd.forward_ad.dual_level: the inputs may carry
+    tangents, which the extension would drop)."""
     torch = _loaded_torch()
-    return torch is not None and torch._C._are_functorch_transforms_active()
+    return torch is not None and (torch._C._are_functorch_transforms_active()
+                                  or torch.autograd.forward_ad._current_level >= 0)
 
 
 def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _mha, _vmap
+from . import _forward_ad, _mha, _vmap
 
 
 def _detached(x):
@@ -121,7 +121,8 @@ class SdpaTransformFunction(torch.autograd.Function):
     """SdpaFunction for torch.func transforms; returns (output, log-sum-exp), the second not
     differentiable. grad, vjp and jacrev go through setup_context, vmap through the rule below
     (the vmapped dimension becomes a batch dimension of one kernel call), vmap of a gradient
-    through SdpaBackwardFunction's rule. Forward-mode AD (jvp, jacfwd) is not provided."""
+    through SdpaBackwardFunction's rule; forward mode (jvp, jacfwd, torch.autograd.forward_ad)
+    through jvp, in torch operators (_forward_ad.py)."""
 
     forward = staticmethod(_sdpa_forward)
 
@@ -131,12 +132,21 @@ class SdpaTransformFunction(torch.autograd.Function):
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+        ctx.save_for_forward(query, key, value, attn_mask)
         ctx.options = tuple(options)
 
     @staticmethod
     @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
     def backward(ctx, grad_output, _grad_lse):
         return _sdpa_backward(ctx, grad_output)
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv, dmask, *_):
+        query, key, value, attn_mask = ctx.saved_tensors[:4]
+        dropout_p, is_causal, scale, enable_gqa, _seed, bottom_right, _threads = ctx.options
+        d_out = _forward_ad.sdpa_jvp(query, key, value, attn_mask, (dq, dk, dv, dmask), dropout_p, is_causal, scale,
+                                     enable_gqa, bottom_right)
+        return d_out, None
 
     @staticmethod
     def vmap(info, in_dims, query, key, value, attn_mask, *options):
@@ -165,6 +175,11 @@ class SdpaBackwardFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         raise RuntimeError("mha.scaled_dot_product_attention: its backward is not differentiable (no second-order "
                            "gradients)")
+
+    @staticmethod
+    def jvp(ctx, *tangents):  # (forward over reverse: a Hessian-vector product)
+        raise RuntimeError("mha.scaled_dot_product_attention: its backward is not differentiable (no second-order "
+                           "gradients, Hessian-vector products included)")
 
     @staticmethod
     def vmap(info, in_dims, query, key, value, attn_mask, out, lse, grad, *options):

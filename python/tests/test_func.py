@@ -121,6 +121,54 @@ def test_grad_and_jacrev_match_the_reference(gen, dtype):
     close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_forward_mode_matches_the_reference(gen, dtype, causal):
+    """jvp (tangents for query, key, value and a float mask), jacfwd and torch.autograd.forward_ad,
+    with grouped heads, against the reference's forward-mode derivative (PyTorch's own CPU SDPA
+    has none)."""
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 5, 7, 8
+    q, k, v = randn(gen, B, Hq, L, E, dtype=dtype), randn(gen, B, Hkv, S, E, dtype=dtype), randn(gen, B, Hkv, S, E,
+                                                                                                 dtype=dtype)
+    mask = randn(gen, L, S, dtype=dtype)
+    primals = (q, k, v, mask)
+    tangents = tuple(randn(gen, *x.shape, dtype=dtype) for x in primals)
+    options = dict(is_causal=causal is not None, enable_gqa=True)
+
+    def ours(q, k, v, m):
+        return mha.scaled_dot_product_attention(q, k, v, attn_mask=m, causal_alignment=causal or "top_left", **options)
+
+    def theirs(q, k, v, m):
+        return reference(q, k, v, m, bottom_right=causal == "bottom_right", **options)
+
+    out, d_out = func.jvp(ours, primals, tangents)
+    want_out, want_d_out = func.jvp(theirs, tuple(x.double() for x in primals), tuple(t.double() for t in tangents))
+    close(out, want_out, dtype)
+    close(d_out, want_d_out, dtype)
+    close(func.jacfwd(ours, argnums=1)(*primals), func.jacfwd(theirs, argnums=1)(*(x.double() for x in primals)),
+          dtype)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(v, tangents[2])
+        d_out = torch.autograd.forward_ad.unpack_dual(ours(q, k, dual, mask)).tangent
+    assert d_out is not None, "the tangent was dropped"
+    close(d_out, func.jvp(lambda v: theirs(q.double(), k.double(), v, mask.double()), (v.double(),),
+                          (tangents[2].double(),))[1], dtype)
+
+
+def test_module_forward_mode_matches_torch(gen):
+    """The module's jvp (its SDPA through the forward-mode rule) against torch's module (whose
+    need_weights path has one: its fused SDPA has none on the CPU)."""
+    theirs = torch.nn.MultiheadAttention(16, 4, add_bias_kv=True, dtype=torch.float64)
+    ours = mha.nn.MultiheadAttention.from_torch(theirs)
+    x, t = randn(gen, 6, 2, 16), randn(gen, 6, 2, 16)
+    padding = torch.rand(2, 6, generator=gen) < 0.3
+    padding[:, 0] = False
+    out, d_out = func.jvp(lambda x: ours(x, x, x, key_padding_mask=padding, need_weights=False)[0], (x,), (t,))
+    want, want_d_out = func.jvp(lambda x: theirs(x, x, x, key_padding_mask=padding)[0], (x,), (t,))
+    close(out, want, torch.float64)
+    close(d_out, want_d_out, torch.float64)
+
+
 def test_vmap_of_grad_and_grad_of_vmap(gen):
     """Per-example gradients (vmap of grad), with unbatched keys and a learned float mask, and the
     gradient of a vmapped call."""
@@ -198,8 +246,10 @@ def test_what_the_transforms_cannot_do_is_a_clear_error(gen):
     q = randn(gen, 2, 4, 8)
     with pytest.raises(RuntimeError, match="not differentiable"):  # second order
         func.grad(lambda x: func.grad(lambda y: mha.scaled_dot_product_attention(y, q, q).sum())(x).sum())(q)
-    with pytest.raises(RuntimeError, match="jvp"):  # forward mode
-        func.jvp(lambda x: mha.scaled_dot_product_attention(x, q, q), (q,), (q,))
+    with pytest.raises(RuntimeError, match="Hessian-vector"):  # forward over reverse
+        func.jvp(func.grad(lambda x: mha.scaled_dot_product_attention(x, q, q).sum()), (q,), (q,))
+    with pytest.raises(RuntimeError, match="dropout"):  # forward mode cannot redraw the kernel's mask
+        func.jvp(lambda x: mha.scaled_dot_product_attention(x, q, q, dropout_p=0.5), (q,), (q,))
     with pytest.raises(TypeError, match="key: expected a torch tensor"):
         func.vmap(lambda x: mha.scaled_dot_product_attention(x, q.numpy(), q))(q[None])
 

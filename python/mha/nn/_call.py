@@ -10,9 +10,9 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from .. import _mha, _auto_threading, _compiling
+from .. import _mha, _auto_threading, _compiling, _transformed
 from .. import ops as _ops
-from ..autograd import ModuleFunction, _tensor, transforms_active
+from ..autograd import ModuleFunction, _tensor
 from . import _composed
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -70,7 +70,7 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
                     ("attn_mask", attn_mask), *params.items()):
         _check_dense_cpu(name, x)
     dtype = checked_dtype(params)
-    if transforms_active():
+    if _transformed():
         return _composed.run(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
                              average_attn_weights, is_causal)
     if _compiling():
