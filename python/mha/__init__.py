@@ -250,6 +250,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     mha.nn.MultiheadAttention, which are differentiable as PyTorch's module's are.
     Under torch.compile (and torch.export) the call is one node of the graph, forward and backward
     (the operator mha::sdpa_train; the weights come from mha::sdpa_with_weights).
+    torch.func transforms (vmap, grad, vjp, jacrev, jvp, jacfwd) and torch.autograd.forward_ad
+    compose with it: vmap folds the vmapped dimension into the batch (one kernel call); forward
+    mode is computed in torch operators (no dropout).
     """
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
