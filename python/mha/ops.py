@@ -118,16 +118,18 @@ sdpa_train.register_autograd(_backward, setup_context=_setup_context)
 
 
 # vmap rules (torch.func.vmap of a compiled or exported call): the vmapped dimension becomes a
-# batch dimension of one kernel call, as for the eager autograd Functions (_vmap.py).
-@sdpa_train.register_vmap
-def _(info, in_dims, query, key, value, attn_mask, *options):
+# batch dimension of one kernel call, as for the eager autograd Functions (_vmap.py). (A torch
+# without CustomOpDef.register_vmap runs such calls one example at a time, PyTorch's fallback.)
+_registers_vmap = hasattr(sdpa_train, "register_vmap")
+
+
+def _train_vmap(info, in_dims, query, key, value, attn_mask, *options):
     outputs = _vmap.forward_rule(info, in_dims, (query, key, value, attn_mask), options[0],
                                  lambda *tensors: sdpa_train(*tensors, *options))
     return outputs, (0, 0)
 
 
-@sdpa_backward.register_vmap
-def _(info, in_dims, grad_output, query, key, value, out, lse, attn_mask, dropout_p, *options):
+def _backward_vmap(info, in_dims, grad_output, query, key, value, out, lse, attn_mask, dropout_p, *options):
     wanted = options[-1]
 
     def call(query, key, value, attn_mask, out, lse, grad_output):
@@ -137,6 +139,11 @@ def _(info, in_dims, grad_output, query, key, value, out, lse, attn_mask, dropou
     dims = (*in_dims[1:4], in_dims[6], *in_dims[4:6], in_dims[0])
     grads = _vmap.backward_rule(info, dims, tensors, dropout_p, bool(wanted[3]), call)
     return list(grads), list(_vmap.out_dims(grads))
+
+
+if _registers_vmap:
+    sdpa_train.register_vmap(_train_vmap)
+    sdpa_backward.register_vmap(_backward_vmap)
 
 
 @torch.library.custom_op("mha::sdpa_with_weights", mutates_args=(), device_types="cpu")
@@ -158,11 +165,14 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dro
     return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
 
 
-@sdpa_with_weights.register_vmap
-def _(info, in_dims, query, key, value, attn_mask, *options):
+def _weights_vmap(info, in_dims, query, key, value, attn_mask, *options):
     outputs = _vmap.forward_rule(info, in_dims, (query, key, value, attn_mask), options[0],
                                  lambda *tensors: sdpa_with_weights(*tensors, *options))
     return outputs, (0, 0)
+
+
+if _registers_vmap:
+    sdpa_with_weights.register_vmap(_weights_vmap)
 
 
 @torch.library.custom_op("mha::multihead_attention", mutates_args=(), device_types="cpu")
