@@ -194,6 +194,30 @@ def bench_pooling(reps, rows):
         rows.append((op, f"B={B} H={H} Lk={Lk} d={d}", ours, theirs, 3.5 * 4.0 * B * H * Lk * d))
 
 
+def bench_per_example_gradients(reps, rows):
+    """Per-example gradients (torch.func.vmap of torch.func.grad, as DP-SGD takes them) of an
+    SDPA loss over a batch of examples [H, L, d]: mha's vmap rule makes the batch one fused
+    forward and backward; PyTorch's CPU SDPA has no batching rule and runs example by example.
+    FLOPs: the forward's and 2.5x that for the backward."""
+    import warnings
+    B, H, L, d = 16, 8, 256, 64
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, H, L, d, generator=g) for _ in range(3))
+    w = torch.randn(H, L, d, generator=g)
+
+    def step(sdpa):
+        per_example = torch.func.vmap(torch.func.grad(lambda q, k, v: (sdpa(q, k, v, is_causal=True) * w).sum(),
+                                                      argnums=(0, 1, 2)))
+        return lambda: per_example(q, k, v)
+
+    with warnings.catch_warnings():  # (PyTorch's: "There is a performance drop because ... batching rule")
+        warnings.simplefilter("ignore", UserWarning)
+        ours, theirs = paired_medians(step(mha.scaled_dot_product_attention), step(F.scaled_dot_product_attention),
+                                      reps)
+    rows.append(("per-example grads fp32 causal", f"B={B} H={H} L={L} d={d}", ours, theirs,
+                 3.5 * attention_flops(B, H, L, d, True)))
+
+
 def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):
     """mha.nn.MultiheadAttention (the drop-in torch.nn.Module, its per-call copy of the parameters
     into the kernels included) against torch.nn.MultiheadAttention, both in `dtype`; with
@@ -370,6 +394,7 @@ def main():
         bench_decode(args.reps, rows, args.dtypes)
         if "fp32" in args.dtypes:
             bench_pooling(args.reps, rows)
+            bench_per_example_gradients(args.reps, rows)
     if not args.no_module:
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
