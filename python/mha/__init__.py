@@ -228,6 +228,26 @@ def _compiling() -> bool:
     return torch is not None and hasattr(torch.library, "custom_op") and torch.compiler.is_compiling()
 
 
+def _autocast_dtype():
+    """CPU autocast's lower-precision dtype where it is on (inside torch.autocast("cpu")), else None."""
+    torch = _loaded_torch()
+    if torch is None:
+        return None
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+        return None  # (the cheap test first: this runs on every call)
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def _autocast(dtype, *tensors) -> tuple:
+    """The tensors as CPU autocast casts the arguments of an operator it runs in lower precision
+    (PyTorch's SDPA and linear among them): every floating tensor but a float64 one in `dtype`;
+    bool masks, numpy arrays and None as they are. The casts are torch operators, so gradients
+    flow back to the tensors in their own dtype."""
+    torch = _loaded_torch()
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                 and x.dtype not in (dtype, torch.float64) else x for x in tensors)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False, *, dropout_seed: Optional[int] = None,
@@ -248,12 +268,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     With need_weights=True, returns (output, weights) instead of the output; the weights are
     returned detached (not differentiable: a loss of them reaches no input), unlike those of
     mha.nn.MultiheadAttention, which are differentiable as PyTorch's module's are.
+    Inside torch.autocast("cpu") the inputs are cast as PyTorch's SDPA casts them there (floating
+    tensors but float64 to the autocast dtype), so the output is in that dtype.
     Under torch.compile (and torch.export) the call is one node of the graph, forward and backward
     (the operator mha::sdpa_train; the weights come from mha::sdpa_with_weights).
     torch.func transforms (vmap, grad, vjp, jacrev, jvp, jacfwd) and torch.autograd.forward_ad
     compose with it: vmap folds the vmapped dimension into the batch (one kernel call); forward
     mode is computed in torch operators (no dropout).
     """
+    autocast = _autocast_dtype()
+    if autocast is not None:
+        query, key, value, attn_mask = _autocast(autocast, query, key, value, attn_mask)
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
                             causal_alignment, num_threads, need_weights)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _autocast, _autocast_dtype
 from . import scaled_dot_product_attention as _mha_sdpa
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,6 +49,9 @@ class patch_torch_sdpa:  # noqa: N801 - used like a function: mha.patch_torch_sd
 
         def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False):
+            autocast = _autocast_dtype()
+            if autocast is not None:  # (inputs of mixed dtypes that autocast makes one)
+                query, key, value, attn_mask = _autocast(autocast, query, key, value, attn_mask)
             if not _ours(query, key, value, attn_mask):
                 extra = {"enable_gqa": True} if enable_gqa else {}  # (older torch has no such argument)
                 return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

@@ -10,7 +10,7 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from .. import _mha, _auto_threading, _compiling, _transformed
+from .. import _mha, _auto_threading, _autocast, _autocast_dtype, _compiling, _transformed
 from .. import ops as _ops
 from ..autograd import ModuleFunction, _tensor
 from . import _composed
@@ -69,6 +69,11 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
     for name, x in (("query", query), ("key", key), ("value", value), ("key_padding_mask", key_padding_mask),
                     ("attn_mask", attn_mask), *params.items()):
         _check_dense_cpu(name, x)
+    autocast = _autocast_dtype()
+    if autocast is not None:  # (PyTorch's module runs its projections and attention in that dtype there)
+        query, key, value, key_padding_mask, attn_mask = _autocast(autocast, query, key, value, key_padding_mask,
+                                                                   attn_mask)
+        params = dict(zip(params, _autocast(autocast, *params.values())))
     dtype = checked_dtype(params)
     if _transformed():
         return _composed.run(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
