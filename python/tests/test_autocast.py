@@ -64,6 +64,7 @@ def test_sdpa_gradients_reach_the_float32_inputs(gen, dtype):
     w = torch.randn(2, 3, 7, 16, generator=gen)
     with torch.autocast("cpu", dtype=dtype):
         out = mha.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == dtype
     (out.float() * w).sum().backward()
     rounded = [x.detach().to(dtype).double().requires_grad_() for x in (q, k, v)]
     (reference(*rounded, is_causal=True) * w.double()).sum().backward()
