@@ -265,9 +265,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     is_causal may be combined with attn_mask (a key must pass both). causal_alignment is
     "top_left" (PyTorch's) or "bottom_right" (the last query sees every key). Fully masked rows
     give zeros. dropout_seed fixes the dropout mask (a fresh one is drawn when None).
-    With need_weights=True, returns (output, weights) instead of the output; the weights are
-    returned detached (not differentiable: a loss of them reaches no input), unlike those of
-    mha.nn.MultiheadAttention, which are differentiable as PyTorch's module's are.
+    With need_weights=True, returns (output, weights) instead of the output. The weights are
+    differentiable, as mha.nn.MultiheadAttention's are: where autograd (or a torch.func transform)
+    needs their derivative they are formed in torch operators (O(L*S) per head, as the weights
+    themselves; with dropout, the output's dropout mask applied), else they come from the kernel.
     Inside torch.autocast("cpu") the inputs are cast as PyTorch's SDPA casts them there (floating
     tensors but float64 to the autocast dtype), so the output is in that dtype.
     Under torch.compile (and torch.export) the call is one node of the graph, forward and backward
@@ -304,10 +305,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                  causal_alignment == "bottom_right", int(num_threads))
         if not need_weights:
             return out
-        _, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal), None if scale is None else float(scale),
-                               bool(enable_gqa), int(dropout_seed), True, causal_alignment == "bottom_right",
-                               int(num_threads))
-        return out, _like(query, weights)
+        dropped = None
+        if dropout_p > 0:  # (the kernel's weights for its dropout mask: the output's, same seed)
+            _, dropped = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
+                                   None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed), True,
+                                   causal_alignment == "bottom_right", int(num_threads))
+            dropped = _like(query, dropped)
+        return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            causal_alignment == "bottom_right", dropped)
     out, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
                              None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
                              bool(need_weights), causal_alignment == "bottom_right", int(num_threads))
@@ -345,7 +350,20 @@ def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
     out, _ = SdpaTransformFunction.apply(query, key, value, attn_mask, *options)
     if not need_weights:
         return out
-    return out, SdpaWeightsFunction.apply(query, key, value, attn_mask, *options)
+    dropped = SdpaWeightsFunction.apply(query, key, value, attn_mask, *options) if dropout_p > 0 else None
+    return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        causal_alignment == "bottom_right", dropped)
+
+
+def _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, dropped):
+    """The attention weights with their derivatives: P formed in torch operators (_explicit.py),
+    where autograd or a transform must differentiate them; with dropout, the kernel's mask (the
+    zeros of its weights `dropped`, drawn with the output's seed) applied and scaled by 1/(1-p)."""
+    from ._explicit import probabilities
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right)
+    if dropout_p > 0:
+        p = p * (dropped != 0) * (1 / (1 - dropout_p)) if dropout_p < 1 else p * 0
+    return p.to(query.dtype)
 
 
 def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
@@ -364,8 +382,12 @@ def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     out, _ = ops.sdpa_train(query, key, value, attn_mask, *args)
     if not need_weights:
         return out
-    detached = (None if t is None else t.detach() for t in (query, key, value, attn_mask))
-    return out, ops.sdpa_with_weights(*detached, *args)[1]
+    dropped = None
+    if dropout_p > 0:
+        detached = (None if t is None else t.detach() for t in (query, key, value, attn_mask))
+        dropped = ops.sdpa_with_weights(*detached, *args)[1]
+    return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        causal_alignment == "bottom_right", dropped)
 
 
 class MultiheadAttention:

@@ -1,0 +1,49 @@
+"""Attention probabilities formed explicitly in torch operators, O(L * S) per head.
+
+The fused kernels never form P = softmax(scale * Q K^T + mask) whole. Where P itself is wanted
+with derivatives, this is it, in float32 (float64 for float64 inputs): the forward-mode
+derivative (_forward_ad.py) and the weights that scaled_dot_product_attention(need_weights=True)
+returns when autograd or a torch.func transform must differentiate them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def grouped(x, heads: int, enable_gqa: bool):
+    """Key/value heads repeated to the query's count (GQA), as the kernel reads them in place."""
+    if x is None or not enable_gqa or x.dim() < 3 or x.shape[-3] == heads:
+        return x
+    return x.repeat_interleave(heads // x.shape[-3], dim=-3)
+
+
+def heads_of(query) -> int:
+    return query.shape[-3] if query.dim() >= 3 else 1
+
+
+def wide_dtype(query):
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
+def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: bool, bottom_right: bool):
+    """softmax(scale * Q K^T + mask) with the kernel's conventions: a bool mask keeps True, a causal
+    mask in either alignment, grouped key heads, broadcast batch dimensions; a row whose keys are
+    all masked is zeros, and so is its derivative (no NaN from the softmax of -inf alone)."""
+    wide = wide_dtype(query)
+    k = grouped(key, heads_of(query), enable_gqa).to(wide)
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = query.to(wide) @ k.transpose(-1, -2) * scale
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.to(wide))
+    if is_causal:
+        L, S = scores.shape[-2:]
+        hidden = torch.ones(L, S, dtype=torch.bool).triu(1 + (S - L if bottom_right else 0))
+        scores = scores.masked_fill(hidden, -math.inf)
+    top = scores.amax(dim=-1, keepdim=True).detach()
+    top = top.masked_fill(top == -math.inf, 0.0)
+    e = torch.exp(scores - top)
+    return e / e.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(wide).tiny)
