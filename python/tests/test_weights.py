@@ -81,12 +81,14 @@ def test_gradients_of_a_loss_of_the_weights(gen, dtype, case):
     close(weights, plain, dtype, "weights against the kernel's")
 
 
-def test_fully_masked_rows_have_zero_weights_and_no_nan_gradients(gen):
+@pytest.mark.parametrize("kind", ["bool", "float -inf"])
+def test_fully_masked_rows_have_zero_weights_and_no_nan_gradients(gen, kind):
     q, k, v = (randn(gen, 2, 5, 8).requires_grad_() for _ in range(3))
     keep = torch.rand(2, 5, 5, generator=gen) > 0.4
     keep[0, 2] = False  # (a query row that sees no key)
     keep[1, :, 0] = True
-    out, weights = mha.scaled_dot_product_attention(q, k, v, attn_mask=keep, need_weights=True)
+    mask = keep if kind == "bool" else torch.zeros(2, 5, 5, dtype=torch.float64).masked_fill(~keep, -math.inf)
+    out, weights = mha.scaled_dot_product_attention(q, k, v, attn_mask=mask, need_weights=True)
     weights.square().sum().backward()
     assert torch.equal(weights[0, 2], torch.zeros(5, dtype=torch.float64))
     assert all(torch.isfinite(x.grad).all() for x in (q, k))  # (value: no gradient, the loss has no output)
