@@ -359,10 +359,10 @@ def _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, 
     """The attention weights with their derivatives: P formed in torch operators (_explicit.py),
     where autograd or a transform must differentiate them; with dropout, the kernel's mask (the
     zeros of its weights `dropped`, drawn with the output's seed) applied and scaled by 1/(1-p)."""
-    from ._explicit import probabilities
+    from ._explicit import dropout_keep, probabilities
     p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right)
     if dropout_p > 0:
-        p = p * (dropped != 0) * (1 / (1 - dropout_p)) if dropout_p < 1 else p * 0
+        p = p * dropout_keep(dropped, dropout_p, p.dtype)
     return p.to(query.dtype)
 
 

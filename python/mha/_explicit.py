@@ -2,8 +2,9 @@
 
 The fused kernels never form P = softmax(scale * Q K^T + mask) whole. Where P itself is wanted
 with derivatives, this is it, in float32 (float64 for float64 inputs): the forward-mode
-derivative (_forward_ad.py) and the weights that scaled_dot_product_attention(need_weights=True)
-returns when autograd or a torch.func transform must differentiate them.
+derivative (_forward_ad.py), the weights that scaled_dot_product_attention(need_weights=True)
+returns when autograd or a torch.func transform must differentiate them, and the backward that
+a second derivative differentiates (a gradient penalty: backward(create_graph=True)).
 """
 
 from __future__ import annotations
@@ -47,3 +48,28 @@ def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: boo
     top = top.masked_fill(top == -math.inf, 0.0)
     e = torch.exp(scores - top)
     return e / e.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(wide).tiny)
+
+
+def dropout_keep(weights, dropout_p: float, dtype):
+    """The dropout mask (1 kept, 0 dropped) scaled by 1/(1-p), in `dtype`, from the kernel's
+    weights for the call's seed: a kept weight is positive, a dropped one zero."""
+    kept = (weights != 0).to(dtype)
+    return kept * (1 / (1 - dropout_p)) if dropout_p < 1 else kept * 0
+
+
+def differentiable_backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa,
+                            bottom_right, keep=None):
+    """The gradients of query, key, value and a float mask (None where not `wanted`) of the output
+    for `grad_output`, as torch operators that autograd can differentiate again."""
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right)
+    if keep is not None:
+        p = p * keep
+    out = p @ grouped(value, heads_of(query), enable_gqa).to(p.dtype)
+    inputs = (query, key, value, attn_mask)
+    chosen = [x for x, w in zip(inputs, wanted) if w]
+    grads = iter(torch.autograd.grad(out, chosen, grad_output.to(out.dtype), create_graph=True, allow_unused=True))
+    result = []
+    for x, w in zip(inputs, wanted):
+        g = next(grads) if w else None
+        result.append(None if g is None else g.to(x.dtype))
+    return result

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _forward_ad, _mha, _vmap
+from . import _explicit, _forward_ad, _mha, _vmap
 
 
 def _detached(x):
@@ -107,14 +107,32 @@ class SdpaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, *options):
         out, lse = _sdpa_forward(query, key, value, attn_mask, *options)
-        ctx.save_for_backward(query.detach(), key.detach(), value.detach(), attn_mask, out, lse)
+        ctx.save_for_backward(query, key, value, attn_mask, out, lse)
         ctx.options = options
         return out
 
     @staticmethod
-    @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
     def backward(ctx, grad_output):
+        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative follows
+            return _differentiable_sdpa_backward(ctx, grad_output)
         return _sdpa_backward(ctx, grad_output)
+
+
+def _differentiable_sdpa_backward(ctx, grad_output):
+    """SdpaFunction's gradients in torch operators (_explicit.py) that autograd differentiates
+    again: second derivatives (gradient penalties, double backward), O(L * S) memory per head.
+    With dropout, the kernel's mask for the call's seed (from its weights)."""
+    query, key, value, attn_mask, _, _ = ctx.saved_tensors
+    dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = ctx.options
+    keep = None
+    if dropout_p > 0:
+        _, weights = _mha.sdpa(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
+                               is_causal, scale, enable_gqa, dropout_seed, True, bottom_right, num_threads)
+        keep = _explicit.dropout_keep(_tensor(weights), dropout_p, _explicit.wide_dtype(query))
+    wanted = list(ctx.needs_input_grad[:3]) + [attn_mask is not None and ctx.needs_input_grad[3]]
+    grads = _explicit.differentiable_backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale,
+                                              enable_gqa, bottom_right, keep)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 class SdpaTransformFunction(torch.autograd.Function):

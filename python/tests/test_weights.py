@@ -133,3 +133,58 @@ def test_weights_under_vmap_of_grad_and_compiled(gen):
     qq = q.clone().requires_grad_()
     torch.compile(ours, backend="aot_eager", fullgraph=True)(qq, k, v).backward()
     close(qq.grad, torch_func.grad(theirs)(q, k, v), torch.float64, "compiled")
+
+
+# ---- second derivatives: backward(create_graph=True) runs the backward in torch operators ----
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["float mask", "bottom_right gqa", "broadcast"])
+def test_gradient_penalty_matches_the_reference(gen, dtype, case):
+    """The gradient of a penalty on the first gradients (WGAN-GP, R1) of query, key, value and a
+    learned float mask, against the float64 reference's double backward; PyTorch's CPU SDPA has
+    no second derivative."""
+    B, H, L, S, E = 2, 4, 5, 7, 8
+    kv_heads = 2 if "gqa" in case else H
+    q = randn(gen, B, H, L, E, dtype=dtype)
+    k, v = (randn(gen, 1 if case == "broadcast" else B, kv_heads, S, E, dtype=dtype) for _ in range(2))
+    mask = randn(gen, L, S, dtype=dtype) if case != "bottom_right gqa" else None
+    options = dict(is_causal=case != "broadcast", enable_gqa="gqa" in case)
+    bottom_right = case.startswith("bottom_right")
+    w = randn(gen, B, H, L, E)
+
+    def penalty(attention, tensors):
+        out = attention(*tensors)
+        first = torch.autograd.grad((out * w.to(out.dtype)).sum(), tensors, create_graph=True)
+        return sum(g.square().sum() for g in first), first
+
+    tensors = [x.clone().requires_grad_() for x in (q, k, v, mask) if x is not None]
+    ours, first = penalty(lambda q, k, v, m=None: mha.scaled_dot_product_attention(
+        q, k, v, attn_mask=m, causal_alignment="bottom_right" if bottom_right else "top_left", **options), tensors)
+    wide = [x.detach().double().requires_grad_() for x in tensors]
+    theirs, want_first = penalty(lambda q, k, v, m=None: reference(q, k, v, m, bottom_right=bottom_right,
+                                                                      **options)[0], wide)
+    for a, b in zip(first, want_first):
+        close(a, b, dtype, "first gradients")
+    for a, b in zip(torch.autograd.grad(ours, tensors), torch.autograd.grad(theirs, wide)):
+        close(a, b, dtype, "second derivatives")
+
+
+def test_double_backward_with_dropout_and_gradgradcheck(gen):
+    p = 0.25
+    q, k, v = (randn(gen, 2, 3, 5, 8).requires_grad_() for _ in range(3))
+    _, plain = mha.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), dropout_p=p, dropout_seed=9,
+                                                need_weights=True)
+    keep = (plain != 0).double()
+
+    def penalty(attention, tensors):
+        first = torch.autograd.grad(attention(*tensors).square().sum(), tensors, create_graph=True)
+        return sum(g.square().sum() for g in first)
+
+    ours = penalty(lambda q, k, v: mha.scaled_dot_product_attention(q, k, v, dropout_p=p, dropout_seed=9), (q, k, v))
+    wide = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    theirs = penalty(lambda q, k, v: reference(q, k, v, keep=keep, p=p)[0], wide)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v)), torch.autograd.grad(theirs, wide)):
+        close(a, b, torch.float64, "second derivatives with dropout")
+    small = [randn(gen, 1, 2, 3, 4).requires_grad_() for _ in range(3)]
+    assert torch.autograd.gradgradcheck(lambda q, k, v: mha.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                        small)
