@@ -61,11 +61,14 @@ def differentiable_backward(query, key, value, attn_mask, grad_output, wanted, i
                             bottom_right, keep=None):
     """The gradients of query, key, value and a float mask (None where not `wanted`) of the output
     for `grad_output`, as torch operators that autograd can differentiate again."""
+    # (each input its own alias: one tensor passed as query, key and value gets a gradient per
+    # position, not the whole sum three times)
+    inputs = [x.view_as(x) if w else x for x, w in zip((query, key, value, attn_mask), wanted)]
+    query, key, value, attn_mask = inputs
     p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right)
     if keep is not None:
         p = p * keep
     out = p @ grouped(value, heads_of(query), enable_gqa).to(p.dtype)
-    inputs = (query, key, value, attn_mask)
     chosen = [x for x, w in zip(inputs, wanted) if w]
     grads = iter(torch.autograd.grad(out, chosen, grad_output.to(out.dtype), create_graph=True, allow_unused=True))
     result = []

@@ -244,7 +244,9 @@ class ModuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, module, names, flags, query, key, value, key_padding_mask, attn_mask, *params):
-        need_weights, average, is_causal, dropout_seed, num_threads = flags
+        # (an optional sixth flag: the call as torch operators, for second derivatives)
+        need_weights, average, is_causal, dropout_seed, num_threads, *composed = flags
+        ctx.composed = composed[0] if composed else None
         out, weights, context = module.forward_train(query.detach(), key.detach(), value.detach(),
                                                      _detached(key_padding_mask), need_weights,
                                                      _detached(attn_mask), average, is_causal, dropout_seed,
@@ -253,7 +255,8 @@ class ModuleFunction(torch.autograd.Function):
         token = _lifetime_token(context)
         ctx.module, ctx.names = module, names
         ctx.mask_dtypes = tuple(None if m is None else m.dtype for m in (key_padding_mask, attn_mask))
-        ctx.save_for_backward(token, *params)
+        masks = [m if ctx.composed is not None else None for m in (key_padding_mask, attn_mask)]
+        ctx.save_for_backward(token, query, key, value, *masks, *params)
         # The weights are differentiable, as PyTorch's are; a loss that leaves them out hands the
         # backward None for them (not zeros), which keeps it on the fused kernels.
         ctx.set_materialize_grads(False)
@@ -262,11 +265,12 @@ class ModuleFunction(torch.autograd.Function):
         return out, None if weights is None else _tensor(weights)
 
     @staticmethod
-    @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
     def backward(ctx, grad_output, grad_weights):
+        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative follows
+            return _differentiable_module_backward(ctx, grad_output, grad_weights)
         # (autograd's checks: that no parameter changed in place since the forward, and that the
         # graph was retained where this is a second backward)
-        token, *params = ctx.saved_tensors
+        token, _, _, _, _, _, *params = ctx.saved_tensors
         context = token_object(token)
         # Gradients only where autograd needs them: a key and value that need none (a frozen
         # encoder's output) save their projections' dX products, a frozen parameter its dW.
@@ -283,3 +287,30 @@ class ModuleFunction(torch.autograd.Function):
         dpadding, dmask = (None if d is None else _tensor(d).to(dtype)
                            for d, dtype in zip((dpadding, dmask), ctx.mask_dtypes))
         return (None, None, None, dq, dk, dv, dpadding, dmask, *param_grads)
+
+
+def _differentiable_module_backward(ctx, grad_output, grad_weights):
+    """ModuleFunction's gradients that autograd differentiates again (gradient penalties): the call
+    once more as torch operators around the SDPA (nn/_composed.py), whose own backward then runs
+    in torch operators too, differentiated by autograd.grad(create_graph=True)."""
+    _, query, key, value, key_padding_mask, attn_mask, *params = ctx.saved_tensors
+    if ctx.composed is None:
+        raise RuntimeError("mha MultiheadAttention: second derivatives (backward with create_graph=True) are not "
+                           "supported with dropout in training mode or through the numpy-level module; use "
+                           "mha.nn.MultiheadAttention in eval mode or with dropout=0")
+    wanted = ctx.needs_input_grad[3:]
+    # (each input its own alias: one tensor passed as query, key and value gets a gradient per
+    # position, not the whole sum three times)
+    inputs = [x.view_as(x) if w else x for x, w in zip((query, key, value, key_padding_mask, attn_mask, *params),
+                                                        wanted)]
+    query, key, value, key_padding_mask, attn_mask, *params = inputs
+    out, weights = ctx.composed(dict(zip(ctx.names, params)), query, key, value, key_padding_mask, attn_mask)
+    outputs, seeds = [out], [torch.zeros_like(out) if grad_output is None else grad_output]
+    if weights is not None and grad_weights is not None:
+        outputs.append(weights)
+        seeds.append(grad_weights)
+    chosen = [x for x, w in zip(inputs, wanted) if w]
+    found = iter(torch.autograd.grad(outputs, chosen, seeds, create_graph=True, allow_unused=True))
+    grads = [next(found) if w else None for w in wanted]
+    grads = [None if g is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+    return (None, None, None, *grads)

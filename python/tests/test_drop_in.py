@@ -278,18 +278,34 @@ def test_attention_weights_are_differentiable_as_in_pytorch(rng, dtype):
                 assert float((a.double() - b.double()).abs().max()) <= tol * scale, (average, with_output)
 
 
-def test_second_order_gradients_are_a_clear_error(rng):
-    """The C++ backwards are not themselves differentiated: a gradient penalty through them (the
-    gradient of a gradient, create_graph=True) is autograd's once-differentiable error, not a term
-    silently left out of the loss."""
-    m = mha.nn.MultiheadAttention(16, 4)
-    x = torch.from_numpy(rng.standard_normal((5, 2, 16))).float().requires_grad_()
-    out = m(x, x, x)[0]
-    g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        (out.sum() + g.square().sum()).backward()
-    q = torch.from_numpy(rng.standard_normal((2, 3, 5, 8))).float().requires_grad_()
-    o = mha.scaled_dot_product_attention(q, q, q)
-    g, = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        (o.sum() + g.square().sum()).backward()
+def test_second_order_gradients_match_torch(rng):
+    """A gradient penalty through the module (the gradient of a gradient, create_graph=True) against
+    PyTorch's module, whose need_weights=True path is its differentiable composition (its fused SDPA
+    has no second derivative on the CPU); one tensor as query, key and value, a learned float mask,
+    bias_k/bias_v. With dropout in training, create_graph is a clear error, not a term left out."""
+    theirs = torch.nn.MultiheadAttention(16, 4, add_bias_kv=True, dtype=torch.float64)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(p.shape)))
+    ours = mha.nn.MultiheadAttention.from_torch(theirs)
+    x = torch.from_numpy(rng.standard_normal((5, 2, 16)))
+    bias = torch.from_numpy(rng.standard_normal((5, 5)))
+
+    def penalty(module, need_weights):
+        xx, b = x.clone().requires_grad_(), bias.clone().requires_grad_()
+        out, _ = module(xx, xx, xx, attn_mask=b, need_weights=need_weights)
+        g, = torch.autograd.grad(out.square().sum(), xx, create_graph=True)
+        module.zero_grad()
+        g.square().sum().backward()
+        return [xx.grad, b.grad, *(p.grad for p in module.parameters())]
+
+    want = penalty(theirs, True)
+    for need_weights in (False, True):
+        for a, b in zip(penalty(ours, need_weights), want):
+            assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())
+    m = mha.nn.MultiheadAttention(16, 4, dropout=0.1)
+    x32 = torch.from_numpy(rng.standard_normal((5, 2, 16))).float().requires_grad_()
+    out = m(x32, x32, x32)[0]
+    with pytest.raises(RuntimeError, match="second derivatives"):
+        torch.autograd.grad(out.square().sum(), x32, create_graph=True)
+    torch.autograd.grad(m(x32, x32, x32)[0].square().sum(), x32)  # (a first derivative alone is fine)

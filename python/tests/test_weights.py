@@ -188,3 +188,15 @@ def test_double_backward_with_dropout_and_gradgradcheck(gen):
     small = [randn(gen, 1, 2, 3, 4).requires_grad_() for _ in range(3)]
     assert torch.autograd.gradgradcheck(lambda q, k, v: mha.scaled_dot_product_attention(q, k, v, is_causal=True),
                                         small)
+
+
+def test_self_attention_gradient_penalty(gen):
+    """One tensor as query, key and value: each position's gradient, summed by autograd once."""
+    x = randn(gen, 2, 3, 6, 8).requires_grad_()
+    g, = torch.autograd.grad(mha.scaled_dot_product_attention(x, x, x, is_causal=True).square().sum(), x,
+                             create_graph=True)
+    ours = torch.autograd.grad(g.square().sum(), x)[0]
+    y = x.detach().clone().requires_grad_()
+    h, = torch.autograd.grad(reference(y, y, y, is_causal=True)[0].square().sum(), y, create_graph=True)
+    close(g, h, torch.float64, "first gradient")
+    close(ours, torch.autograd.grad(h.square().sum(), y)[0], torch.float64, "second derivative")

@@ -6,6 +6,7 @@ transforms are torch operators around the SDPA kernel (_composed.py)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, NamedTuple, Optional
 
 import torch
@@ -99,8 +100,18 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
                                     None if attn_mask is None else attn_mask.detach(), flags[1], flags[2], seed, 0,
                                     {name: p.detach() for name, p in params.items()})
         return _tensor(out), None if weights is None else _tensor(weights)
+    # Second derivatives recompute the call as torch operators (not with dropout: its mask is the kernel's).
+    if seed is None:
+        flags = (*flags, functools.partial(_composed_call, options, training, need_weights, average_attn_weights,
+                                           is_causal))
     return ModuleFunction.apply(impl, list(params), flags, query, key, value, key_padding_mask, attn_mask,
                                 *params.values())
+
+
+def _composed_call(options, training, need_weights, average, is_causal, params, query, key, value, key_padding_mask,
+                   attn_mask):
+    return _composed.run(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
+                         average, is_causal)
 
 
 def _traced(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask, average,
