@@ -235,6 +235,8 @@ def _autocast_dtype():
         return None
     if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
         return None  # (the cheap test first: this runs on every call)
+    if not hasattr(torch, "get_autocast_dtype"):  # (torch < 2.4 names it per device)
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
 
 
