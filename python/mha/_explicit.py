@@ -57,22 +57,37 @@ def dropout_keep(weights, dropout_p: float, dtype):
     return kept * (1 / (1 - dropout_p)) if dropout_p < 1 else kept * 0
 
 
-def differentiable_backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa,
-                            bottom_right, keep=None):
-    """The gradients of query, key, value and a float mask (None where not `wanted`) of the output
-    for `grad_output`, as torch operators that autograd can differentiate again."""
-    # (each input its own alias: one tensor passed as query, key and value gets a gradient per
-    # position, not the whole sum three times)
-    inputs = [x.view_as(x) if w else x for x, w in zip((query, key, value, attn_mask), wanted)]
-    query, key, value, attn_mask = inputs
+def _summed_to(grad, like, enable_gqa: bool, heads: int):
+    """A gradient of the grouped (repeated) or broadcast form of `like`, summed back to its shape."""
+    if enable_gqa and like.dim() >= 3 and like.shape[-3] != heads:
+        grad = grad.unflatten(-3, (like.shape[-3], heads // like.shape[-3])).sum(-3)
+    return grad.sum_to_size(like.shape).to(like.dtype)
+
+
+def backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa, bottom_right,
+             keep=None):
+    """The gradients of query, key, value and a float mask (None where not `wanted`) for
+    `grad_output`, in torch operators that autograd (or a torch.func transform) differentiates
+    again. With O = (P * keep) V:
+        dV = (P * keep)^T dO,  dP = (dO V^T) * keep,  dS = P * (dP - rowsum(P * dP)),
+        dQ = scale dS K,  dK = scale dS^T Q,  dMask = dS (each summed over what it broadcast or
+        repeated along)."""
+    wide, heads = wide_dtype(query), heads_of(query)
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right)
+    kept = p if keep is None else p * keep
+    d_out = grad_output.to(wide)
+    d_p = d_out @ grouped(value, heads, enable_gqa).to(wide).transpose(-1, -2)
     if keep is not None:
-        p = p * keep
-    out = p @ grouped(value, heads_of(query), enable_gqa).to(p.dtype)
-    chosen = [x for x, w in zip(inputs, wanted) if w]
-    grads = iter(torch.autograd.grad(out, chosen, grad_output.to(out.dtype), create_graph=True, allow_unused=True))
-    result = []
-    for x, w in zip(inputs, wanted):
-        g = next(grads) if w else None
-        result.append(None if g is None else g.to(x.dtype))
-    return result
+        d_p = d_p * keep
+    d_s = p * (d_p - (p * d_p).sum(-1, keepdim=True))
+    grads = [None, None, None, None]
+    if wanted[0]:
+        grads[0] = (d_s @ grouped(key, heads, enable_gqa).to(wide) * scale).sum_to_size(query.shape).to(query.dtype)
+    if wanted[1]:
+        grads[1] = _summed_to(d_s.transpose(-1, -2) @ query.to(wide) * scale, key, enable_gqa, heads)
+    if wanted[2]:
+        grads[2] = _summed_to(kept.transpose(-1, -2) @ d_out, value, enable_gqa, heads)
+    if wanted[3] and attn_mask is not None and attn_mask.is_floating_point():
+        grads[3] = d_s.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+    return grads

@@ -7,7 +7,6 @@ import weakref
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _explicit, _forward_ad, _mha, _vmap
 
@@ -113,26 +112,55 @@ class SdpaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative follows
+        if _differentiated_again(ctx, grad_output):
             return _differentiable_sdpa_backward(ctx, grad_output)
         return _sdpa_backward(ctx, grad_output)
 
 
 def _differentiable_sdpa_backward(ctx, grad_output):
-    """SdpaFunction's gradients in torch operators (_explicit.py) that autograd differentiates
-    again: second derivatives (gradient penalties, double backward), O(L * S) memory per head.
-    With dropout, the kernel's mask for the call's seed (from its weights)."""
+    """The gradients of SdpaFunction's (or SdpaTransformFunction's) inputs as torch operators that
+    autograd differentiates again (_explicit.py): second derivatives (gradient penalties, double
+    backward, torch.func's grad of grad and Hessians), O(L * S) memory per head. With dropout,
+    the kernel's mask for the call's seed (read off its weights)."""
     query, key, value, attn_mask, _, _ = ctx.saved_tensors
     dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = ctx.options
     keep = None
     if dropout_p > 0:
-        _, weights = _mha.sdpa(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
-                               is_causal, scale, enable_gqa, dropout_seed, True, bottom_right, num_threads)
-        keep = _explicit.dropout_keep(_tensor(weights), dropout_p, _explicit.wide_dtype(query))
+        inputs = [None if x is None else x.detach() for x in (query, key, value, attn_mask)]
+        if transforms_active():
+            weights = SdpaWeightsFunction.apply(*inputs, *ctx.options)
+        else:
+            weights = _tensor(_mha.sdpa(*inputs, dropout_p, is_causal, scale, enable_gqa, dropout_seed, True,
+                                        bottom_right, num_threads)[1])
+        keep = _explicit.dropout_keep(weights, dropout_p, _explicit.wide_dtype(query))
     wanted = list(ctx.needs_input_grad[:3]) + [attn_mask is not None and ctx.needs_input_grad[3]]
-    grads = _explicit.differentiable_backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale,
-                                              enable_gqa, bottom_right, keep)
+    grads = _explicit.backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa,
+                               bottom_right, keep)
     return (*grads, None, None, None, None, None, None, None)
+
+
+def _differentiated_again(ctx, grad_output) -> bool:
+    """Whether the backward now running will itself be differentiated: backward(create_graph=True)
+    in eager autograd; under torch.func, a grad or jvp level outside the one running it tracks
+    one of its tensors (grad of grad, jvp of grad, jacrev of jacrev: Hessians), where vmap of grad
+    (per-example gradients) keeps the fused kernels."""
+    if not transforms_active():
+        return torch.is_grad_enabled()
+    return any(_tracked_outside(x) for x in (*ctx.saved_tensors[:4], grad_output) if x is not None)
+
+
+def _tracked_outside(x) -> bool:
+    """Whether a live grad-tracking wrapper (torch.func's grad and jvp levels) wraps x beyond the
+    outermost one, which is the level running this backward (dead after vjp returned)."""
+    from torch._C import _functorch
+    own = True
+    while _functorch.is_functorch_wrapped_tensor(x):
+        if _functorch.is_gradtrackingtensor(x):
+            if not own and _functorch.maybe_get_level(x) > 0:
+                return True
+            own = False
+        x = _functorch.get_unwrapped(x)
+    return False
 
 
 class SdpaTransformFunction(torch.autograd.Function):
@@ -154,8 +182,11 @@ class SdpaTransformFunction(torch.autograd.Function):
         ctx.options = tuple(options)
 
     @staticmethod
-    @once_differentiable  # (the C++ backward is not differentiated: a second order is a clear error)
     def backward(ctx, grad_output, _grad_lse):
+        if _differentiated_again(ctx, grad_output):
+            return _differentiable_sdpa_backward(ctx, grad_output)
+        # (under a transform, SdpaBackwardFunction: its vmap rule batches it, and a level that
+        # differentiates it meets its clear error, never a gradient silently left out)
         return _sdpa_backward(ctx, grad_output)
 
     @staticmethod
@@ -191,13 +222,11 @@ class SdpaBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError("mha.scaled_dot_product_attention: its backward is not differentiable (no second-order "
-                           "gradients)")
+        raise RuntimeError(_FUSED_BACKWARD_DIFFERENTIATED)
 
     @staticmethod
-    def jvp(ctx, *tangents):  # (forward over reverse: a Hessian-vector product)
-        raise RuntimeError("mha.scaled_dot_product_attention: its backward is not differentiable (no second-order "
-                           "gradients, Hessian-vector products included)")
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_FUSED_BACKWARD_DIFFERENTIATED)
 
     @staticmethod
     def vmap(info, in_dims, query, key, value, attn_mask, out, lse, grad, *options):
@@ -207,9 +236,17 @@ class SdpaBackwardFunction(torch.autograd.Function):
         return grads, _vmap.out_dims(grads)
 
 
+_FUSED_BACKWARD_DIFFERENTIATED = (
+    "mha.scaled_dot_product_attention: the fused backward is not differentiable; a second derivative is taken "
+    "through backward(create_graph=True) or a torch.func grad/jvp transform around the call, which run the "
+    "backward in torch operators")
+
+
 class SdpaWeightsFunction(torch.autograd.Function):
-    """The attention weights [..., Hq, L, S] of a scaled_dot_product_attention call (need_weights),
-    not differentiable, as the eager call's are not; a Function for its vmap rule."""
+    """The kernel's attention weights [..., Hq, L, S] of a scaled_dot_product_attention call
+    (need_weights) under a transform, not differentiable: those returned where a derivative is
+    needed are formed in torch operators, and these give them their dropout mask. A Function for
+    its vmap rule."""
 
     @staticmethod
     def forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,

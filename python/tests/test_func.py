@@ -242,12 +242,41 @@ def test_need_weights_under_vmap(gen):
     close(weights, torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(E), -1), torch.float64)
 
 
+@pytest.mark.parametrize("transform", ["grad(grad)", "hessian", "jacrev(jacrev)", "jvp(grad)"])
+def test_second_order_transforms_match_the_reference(gen, transform, monkeypatch):
+    """Hessians and gradients of gradients (MAML, Newton steps): the backward runs as torch
+    operators where a grad or jvp level outside it differentiates it, and only there (vmap of
+    grad and plain grad keep the fused backward)."""
+    from mha import autograd
+    q, k, v, t = randn(gen, 2, 3, 4), randn(gen, 2, 5, 4), randn(gen, 2, 5, 4), randn(gen, 2, 3, 4)
+    mask = randn(gen, 3, 5)
+
+    def loss(attention):
+        return lambda q, k: (attention(q, k, v, attn_mask=mask) * t).square().sum()
+
+    transforms = {
+        "grad(grad)": lambda f: func.grad(lambda q, k: func.grad(f, argnums=(0, 1))(q, k)[1].square().sum())(q, k),
+        "hessian": lambda f: func.hessian(f)(q, k),
+        "jacrev(jacrev)": lambda f: func.jacrev(func.jacrev(f, argnums=1), argnums=0)(q, k),
+        "jvp(grad)": lambda f: func.jvp(lambda q: func.grad(f)(q, k), (q,), (t,))[1],
+    }
+    explicit = []
+    original = autograd._differentiable_sdpa_backward
+    monkeypatch.setattr(autograd, "_differentiable_sdpa_backward",
+                        lambda *a: explicit.append(1) or original(*a))
+    got = transforms[transform](loss(mha.scaled_dot_product_attention))
+    want = transforms[transform](loss(lambda q, k, v, attn_mask: reference(q, k, v, attn_mask)))
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        close(a, b, torch.float64)
+    assert explicit
+    explicit.clear()
+    func.grad(loss(mha.scaled_dot_product_attention))(q, k)
+    func.vmap(func.grad(loss(mha.scaled_dot_product_attention)), in_dims=(0, None))(q[None].expand(3, 2, 3, 4), k)
+    assert not explicit, "a first derivative left the fused backward"
+
+
 def test_what_the_transforms_cannot_do_is_a_clear_error(gen):
     q = randn(gen, 2, 4, 8)
-    with pytest.raises(RuntimeError, match="not differentiable"):  # second order
-        func.grad(lambda x: func.grad(lambda y: mha.scaled_dot_product_attention(y, q, q).sum())(x).sum())(q)
-    with pytest.raises(RuntimeError, match="Hessian-vector"):  # forward over reverse
-        func.jvp(func.grad(lambda x: mha.scaled_dot_product_attention(x, q, q).sum()), (q,), (q,))
     with pytest.raises(RuntimeError, match="dropout"):  # forward mode cannot redraw the kernel's mask
         func.jvp(lambda x: mha.scaled_dot_product_attention(x, q, q, dropout_p=0.5), (q,), (q,))
     with pytest.raises(TypeError, match="key: expected a torch tensor"):
@@ -473,3 +502,18 @@ def test_vmap_of_the_custom_operators_matches_calls_one_by_one(gen):
         torch.testing.assert_close(grads[0][i], dq, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grads[1][i], dk, rtol=1e-12, atol=1e-12)  # each example's own dK
     assert grads[2].numel() == 0 and grads[3].numel() == 0
+
+
+def test_module_hessian_matches_torch(gen):
+    """torch.func.hessian of a loss of the module's output with respect to its input, against
+    torch's module (its need_weights=True path: its fused SDPA has no second derivative)."""
+    theirs = torch.nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    ours = mha.nn.MultiheadAttention.from_torch(theirs)
+    x = randn(gen, 3, 1, 8)
+
+    def loss(module, need_weights):
+        return lambda x: module(x, x, x, need_weights=need_weights)[0].square().sum()
+
+    want = func.hessian(loss(theirs, True))(x)
+    for need_weights in (False, True):
+        close(func.hessian(loss(ours, need_weights))(x), want, torch.float64)
