@@ -149,6 +149,16 @@ def _differentiated_again(ctx, grad_output) -> bool:
     return any(_tracked_outside(x) for x in (*ctx.saved_tensors[:4], grad_output) if x is not None)
 
 
+def _forward_levels() -> int:
+    """How many torch.func jvp transforms are active (forward mode, nested)."""
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:
+        return 0
+    return sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
 def _tracked_outside(x) -> bool:
     """Whether a live grad-tracking wrapper (torch.func's grad and jvp levels) wraps x beyond the
     outermost one, which is the level running this backward (dead after vjp returned)."""
@@ -191,6 +201,12 @@ class SdpaTransformFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, dmask, *_):
+        if _forward_levels() > 1:
+            # (torch.func drops the outer derivative of an autograd.Function's jvp rule: the
+            # result would be silently wrong, so it is an error)
+            raise RuntimeError("mha.scaled_dot_product_attention: forward mode over forward mode (jvp of jvp, "
+                               "jacfwd of jacfwd) is not supported for autograd Functions; take second "
+                               "derivatives as hessian (jacfwd of jacrev), jacrev of jacrev or jvp of grad")
         query, key, value, attn_mask = ctx.saved_tensors[:4]
         dropout_p, is_causal, scale, enable_gqa, _seed, bottom_right, _threads = ctx.options
         d_out = _forward_ad.sdpa_jvp(query, key, value, attn_mask, (dq, dk, dv, dmask), dropout_p, is_causal, scale,

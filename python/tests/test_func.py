@@ -242,7 +242,7 @@ def test_need_weights_under_vmap(gen):
     close(weights, torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(E), -1), torch.float64)
 
 
-@pytest.mark.parametrize("transform", ["grad(grad)", "hessian", "jacrev(jacrev)", "jvp(grad)"])
+@pytest.mark.parametrize("transform", ["grad(grad)", "hessian", "jacrev(jacrev)", "jvp(grad)", "jacrev(jacfwd)"])
 def test_second_order_transforms_match_the_reference(gen, transform, monkeypatch):
     """Hessians and gradients of gradients (MAML, Newton steps): the backward runs as torch
     operators where a grad or jvp level outside it differentiates it, and only there (vmap of
@@ -259,6 +259,7 @@ def test_second_order_transforms_match_the_reference(gen, transform, monkeypatch
         "hessian": lambda f: func.hessian(f)(q, k),
         "jacrev(jacrev)": lambda f: func.jacrev(func.jacrev(f, argnums=1), argnums=0)(q, k),
         "jvp(grad)": lambda f: func.jvp(lambda q: func.grad(f)(q, k), (q,), (t,))[1],
+        "jacrev(jacfwd)": lambda f: func.jacrev(func.jacfwd(f, argnums=1), argnums=0)(q, k),
     }
     explicit = []
     original = autograd._differentiable_sdpa_backward
@@ -268,7 +269,7 @@ def test_second_order_transforms_match_the_reference(gen, transform, monkeypatch
     want = transforms[transform](loss(lambda q, k, v, attn_mask: reference(q, k, v, attn_mask)))
     for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         close(a, b, torch.float64)
-    assert explicit
+    assert explicit or transform == "jacrev(jacfwd)"  # (reverse over the jvp rule's torch operators)
     explicit.clear()
     func.grad(loss(mha.scaled_dot_product_attention))(q, k)
     func.vmap(func.grad(loss(mha.scaled_dot_product_attention)), in_dims=(0, None))(q[None].expand(3, 2, 3, 4), k)
@@ -277,6 +278,8 @@ def test_second_order_transforms_match_the_reference(gen, transform, monkeypatch
 
 def test_what_the_transforms_cannot_do_is_a_clear_error(gen):
     q = randn(gen, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="forward mode over forward mode"):  # (torch.func would drop a term)
+        func.jacfwd(func.jacfwd(lambda x: mha.scaled_dot_product_attention(x, q, q).sum()))(q)
     with pytest.raises(RuntimeError, match="dropout"):  # forward mode cannot redraw the kernel's mask
         func.jvp(lambda x: mha.scaled_dot_product_attention(x, q, q, dropout_p=0.5), (q,), (q,))
     with pytest.raises(TypeError, match="key: expected a torch tensor"):
