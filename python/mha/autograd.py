@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import _explicit, _forward_ad, _mha, _vmap
+from . import _explicit, _forward_ad, _levels, _mha, _vmap
 
 
 def _detached(x):
@@ -63,13 +63,6 @@ def token_object(token: torch.Tensor):
     return _keepers[token.data_ptr()].obj
 
 
-def transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jacrev, ...) is tracing the call: its tensors are
-    wrappers that only torch operators and the Functions below (through their vmap rules and
-    setup_context) can take, not the extension."""
-    return torch._C._are_functorch_transforms_active()
-
-
 def _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
                   num_threads):
     """(output, log-sum-exp) of the C++ training forward."""
@@ -88,7 +81,7 @@ def _sdpa_backward(ctx, grad_output):
     # cached prefix) skip their products, dK = dS^T Q and dV = P^T dO.
     arguments = (query, key, value, attn_mask, out, lse, grad, *ctx.options, mask_grad,
                  tuple(ctx.needs_input_grad[:3]))
-    if transforms_active():  # (its tensors may be vmap's: the Function has the rule for them)
+    if _levels.transforms_active():  # (its tensors may be vmap's: the Function has the rule for them)
         dq, dk, dv, dm = SdpaBackwardFunction.apply(*arguments)
     else:
         dq, dk, dv, dm = SdpaBackwardFunction.forward(*arguments)
@@ -112,7 +105,7 @@ class SdpaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        if _differentiated_again(ctx, grad_output):
+        if _levels.differentiated_again(ctx, grad_output):
             return _differentiable_sdpa_backward(ctx, grad_output)
         return _sdpa_backward(ctx, grad_output)
 
@@ -127,7 +120,7 @@ def _differentiable_sdpa_backward(ctx, grad_output):
     keep = None
     if dropout_p > 0:
         inputs = [None if x is None else x.detach() for x in (query, key, value, attn_mask)]
-        if transforms_active():
+        if _levels.transforms_active():
             weights = SdpaWeightsFunction.apply(*inputs, *ctx.options)
         else:
             weights = _tensor(_mha.sdpa(*inputs, dropout_p, is_causal, scale, enable_gqa, dropout_seed, True,
@@ -137,40 +130,6 @@ def _differentiable_sdpa_backward(ctx, grad_output):
     grads = _explicit.backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa,
                                bottom_right, keep)
     return (*grads, None, None, None, None, None, None, None)
-
-
-def _differentiated_again(ctx, grad_output) -> bool:
-    """Whether the backward now running will itself be differentiated: backward(create_graph=True)
-    in eager autograd; under torch.func, a grad or jvp level outside the one running it tracks
-    one of its tensors (grad of grad, jvp of grad, jacrev of jacrev: Hessians), where vmap of grad
-    (per-example gradients) keeps the fused kernels."""
-    if not transforms_active():
-        return torch.is_grad_enabled()
-    return any(_tracked_outside(x) for x in (*ctx.saved_tensors[:4], grad_output) if x is not None)
-
-
-def _forward_levels() -> int:
-    """How many torch.func jvp transforms are active (forward mode, nested)."""
-    try:
-        from torch._C._functorch import TransformType
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    except ImportError:
-        return 0
-    return sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
-
-
-def _tracked_outside(x) -> bool:
-    """Whether a live grad-tracking wrapper (torch.func's grad and jvp levels) wraps x beyond the
-    outermost one, which is the level running this backward (dead after vjp returned)."""
-    from torch._C import _functorch
-    own = True
-    while _functorch.is_functorch_wrapped_tensor(x):
-        if _functorch.is_gradtrackingtensor(x):
-            if not own and _functorch.maybe_get_level(x) > 0:
-                return True
-            own = False
-        x = _functorch.get_unwrapped(x)
-    return False
 
 
 class SdpaTransformFunction(torch.autograd.Function):
@@ -193,7 +152,7 @@ class SdpaTransformFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, _grad_lse):
-        if _differentiated_again(ctx, grad_output):
+        if _levels.differentiated_again(ctx, grad_output):
             return _differentiable_sdpa_backward(ctx, grad_output)
         # (under a transform, SdpaBackwardFunction: its vmap rule batches it, and a level that
         # differentiates it meets its clear error, never a gradient silently left out)
@@ -201,7 +160,7 @@ class SdpaTransformFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, dmask, *_):
-        if _forward_levels() > 1:
+        if _levels.forward_levels() > 1:
             # (torch.func drops the outer derivative of an autograd.Function's jvp rule: the
             # result would be silently wrong, so it is an error)
             raise RuntimeError("mha.scaled_dot_product_attention: forward mode over forward mode (jvp of jvp, "
