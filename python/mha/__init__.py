@@ -294,14 +294,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     k = _as_array(key, "key", once=True)
     v = _as_array(value, "value", once=True)
     m = _as_array(attn_mask, "attn_mask", allow_none=True, once=True)
-    if causal_alignment not in ("top_left", "bottom_right"):
-        raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    _check_alignment_and_mask(causal_alignment, attn_mask)
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     if grad:
         from .autograd import SdpaFunction
-        if attn_mask is not None and attn_mask.requires_grad and not attn_mask.is_floating_point():
-            raise ValueError("attn_mask: only a float (additive) mask can require grad")
         out = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
                                  None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
                                  causal_alignment == "bottom_right", int(num_threads))
@@ -323,6 +320,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     return _like(query, out)
 
 
+def _check_alignment_and_mask(causal_alignment, attn_mask) -> None:
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    if getattr(attn_mask, "requires_grad", False) and not attn_mask.is_floating_point():
+        raise ValueError("attn_mask: only a float (additive) mask can require grad")
+
+
 def _transformed() -> bool:
     """Whether a torch.func transform (vmap, grad, jacrev, jvp, ...) is tracing this call, or a
     forward-mode AD level is open (torch.autograd.forward_ad.dual_level: the inputs may carry
@@ -341,10 +345,7 @@ def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
     for name, x in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor under torch.func transforms, got {type(x).__name__}")
-    if causal_alignment not in ("top_left", "bottom_right"):
-        raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    if attn_mask is not None and attn_mask.requires_grad and not attn_mask.is_floating_point():
-        raise ValueError("attn_mask: only a float (additive) mask can require grad")
+    _check_alignment_and_mask(causal_alignment, attn_mask)
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     options = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
@@ -372,10 +373,7 @@ def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
                  causal_alignment, num_threads, need_weights):
     from . import ops
 
-    if causal_alignment not in ("top_left", "bottom_right"):
-        raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    if attn_mask is not None and attn_mask.requires_grad and not attn_mask.is_floating_point():
-        raise ValueError("attn_mask: only a float (additive) mask can require grad")
+    _check_alignment_and_mask(causal_alignment, attn_mask)
     # (one seed for both operators: the weights are those of the output's dropout mask)
     args = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
             ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right", int(num_threads))
