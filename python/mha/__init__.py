@@ -242,11 +242,12 @@ def _autocast_dtype():
 
 def _autocast(dtype, *tensors) -> tuple:
     """The tensors as CPU autocast casts the arguments of an operator it runs in lower precision
-    (PyTorch's SDPA and linear among them): every floating tensor but a float64 one in `dtype`;
-    bool masks, numpy arrays and None as they are. The casts are torch operators, so gradients
-    flow back to the tensors in their own dtype."""
+    (PyTorch's SDPA and linear among them): every floating CPU tensor but a float64 one in
+    `dtype`; bool masks, tensors on other devices (another autocast's), numpy arrays and None as
+    they are. The casts are torch operators, so gradients flow back to the tensors in their own
+    dtype."""
     torch = _loaded_torch()
-    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_cpu
                  and x.dtype not in (dtype, torch.float64) else x for x in tensors)
 
 
