@@ -7,6 +7,7 @@
 #include "core/attention_problem.hpp"
 #include "core/batch_dims.hpp"
 #include "core/parallel_copy.hpp"
+#include "core/sdpa_host.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/attention_f64.hpp"
@@ -22,26 +23,6 @@ void set_strides(const TensorView& view4d, int64_t* strides) {
   for (int d = 0; d < 4; ++d) strides[d] = view4d.strides[d];
 }
 
-// out is float32, or the inputs' bfloat16 / float16 (rounded in the kernel); weights float32.
-void run(const AttentionProblem& p, const TensorView& out, const TensorView* weights) {
-  detail::ForwardOutputs o;
-  const TensorView out4 = detail::folded(p, out, p.heads_q, "out");
-  o.out = out4.data;
-  o.out_dtype = out4.dtype;
-  set_strides(out4, o.out_strides);
-  if (weights) {
-    const TensorView w4 = detail::folded(p, *weights, p.heads_q, "weights");
-    o.weights = w4.data_as<float>();
-    set_strides(w4, o.weights_strides);
-  }
-  detail::run_attention(p, o);
-}
-
-// The forward for inputs of any supported dtype, into outputs of the inputs' dtype. float32 goes
-// straight to the fused kernel; bfloat16 to the AMX kernel where the CPU has one and the problem
-// fits it (no weights, head dims multiples of 32); otherwise bfloat16 and float16 run the float32
-// kernel, which widens the inputs as it reads them and rounds each output row once as it stores
-// it: the bits of the float32 kernel on widened copies, without the copies.
 // float64 (host only): its own kernel, in float64 throughout (cpu/attention_f64.hpp).
 void forward_f64(const AttentionProblem& p, const TensorView& out, const TensorView* weights, double* lse) {
   detail::Float64Outputs o;
@@ -57,30 +38,6 @@ void forward_f64(const AttentionProblem& p, const TensorView& out, const TensorV
   detail::attention_forward_f64(p, o);
 }
 
-void forward(const AttentionProblem& p, const SdpaOptions& options, const TensorView& out, const TensorView* weights) {
-  if (p.q.dtype == DType::f64) {
-    forward_f64(p, out, weights, nullptr);
-    return;
-  }
-  if (p.q.dtype == DType::f32) {
-    run(p, out, weights);
-    return;
-  }
-  if (weights == nullptr && detail::amx_usable() && detail::amx_bf16_supports(p)) {  // bf16 on the tile unit
-    detail::AmxOutputs o;
-    const TensorView out4 = detail::folded(p, out, p.heads_q, "out");
-    o.out = out4.data_as<uint16_t>();
-    set_strides(out4, o.out_strides);
-    detail::amx_bf16_forward(p, o);
-    return;
-  }
-  const int threads = detail::resolve_threads(options.num_threads);
-  Tensor weights32;
-  if (weights) weights32 = Tensor::empty(weights->sizes());
-  run(p, out, weights ? &weights32.view() : nullptr);
-  if (weights) detail::parallel_copy_into(weights32, *weights, threads);
-}
-
 // Operands in CUDA memory go to the GPU kernel, which computes no weights matrix.
 void require_no_weights_on_device(const AttentionProblem& p) {
   if (!p.on_cpu()) {
@@ -92,6 +49,88 @@ void require_no_weights_on_device(const AttentionProblem& p) {
 
 }  // namespace
 
+namespace detail {
+
+void sdpa_forward_host(const AttentionProblem& p, const TensorView& out, const TensorView* weights, void* lse) {
+  if (p.q.dtype == DType::f64) {
+    forward_f64(p, out, weights, static_cast<double*>(lse));
+    return;
+  }
+  if (p.q.dtype != DType::f32 && weights == nullptr && lse == nullptr && amx_usable() && amx_bf16_supports(p)) {
+    AmxOutputs o;  // bfloat16 on the tile unit
+    const TensorView out4 = folded(p, out, p.heads_q, "out");
+    o.out = out4.data_as<uint16_t>();
+    set_strides(out4, o.out_strides);
+    amx_bf16_forward(p, o);
+    return;
+  }
+  // float32, and bfloat16 / float16 in the float32 kernel, which widens the inputs as it reads
+  // them and rounds each output row once as it stores it: the bits of the float32 kernel on
+  // widened copies, without the copies (the log-sum-exp stays float32).
+  Tensor weights32;
+  const bool narrow_weights = weights && p.q.dtype != DType::f32;
+  if (narrow_weights) weights32 = Tensor::empty(weights->sizes());
+  ForwardOutputs o;
+  const TensorView out4 = folded(p, out, p.heads_q, "out");
+  o.out = out4.data;
+  o.out_dtype = out4.dtype;
+  set_strides(out4, o.out_strides);
+  if (weights) {
+    const TensorView w4 = folded(p, narrow_weights ? weights32.view() : *weights, p.heads_q, "weights");
+    o.weights = w4.data_as<float>();
+    set_strides(w4, o.weights_strides);
+  }
+  o.lse = static_cast<float*>(lse);
+  run_attention(p, o);
+  if (narrow_weights) parallel_copy_into(weights32, *weights, resolve_threads(p.num_threads));
+}
+
+void sdpa_backward_host(const AttentionProblem& p, const BackwardViews& views) {
+  // bfloat16 / float16: the float32 kernel widens q, k, v and the output's gradient as it reads
+  // their rows, reads the saved output as it is (for D = rowsum(dO O)) and rounds each gradient
+  // row once, as it stores it: the bits of the float32 kernel on widened copies, without the
+  // copies.
+  BackwardInputs in;
+  in.out = views.out.data;
+  in.out_dtype = views.out.dtype;
+  set_strides(views.out, in.out_strides);
+  in.grad_out = views.grad_out.data;
+  in.grad_out_dtype = views.grad_out.dtype;
+  set_strides(views.grad_out, in.grad_out_strides);
+  in.lse = static_cast<const float*>(views.lse);
+  BackwardOutputs out;
+  const std::optional<TensorView>* grads[] = {&views.dq, &views.dk, &views.dv};
+  void** data_of[] = {&out.dq, &out.dk, &out.dv};
+  int64_t* strides_of[] = {out.dq_strides, out.dk_strides, out.dv_strides};
+  out.grad_dtype = p.q.dtype;
+  for (int i = 0; i < 3; ++i) {
+    if (!*grads[i]) continue;  // a null pointer: its products are skipped
+    out.grad_dtype = (*grads[i])->dtype;
+    *data_of[i] = (*grads[i])->data;
+    set_strides(**grads[i], strides_of[i]);
+  }
+  if (views.dscores) set_strides(*views.dscores, out.dscores_strides);
+  if (p.q.dtype == DType::f64) {  // float64: its own kernel (cpu/attention_f64.hpp), on the same views
+    Float64Backward b;
+    b.out = static_cast<const double*>(in.out);
+    b.grad_out = static_cast<const double*>(in.grad_out);
+    std::copy_n(in.out_strides, 4, b.out_strides);
+    std::copy_n(in.grad_out_strides, 4, b.grad_out_strides);
+    b.dq = static_cast<double*>(out.dq), b.dk = static_cast<double*>(out.dk), b.dv = static_cast<double*>(out.dv);
+    std::copy_n(out.dq_strides, 4, b.dq_strides);
+    std::copy_n(out.dk_strides, 4, b.dk_strides);
+    std::copy_n(out.dv_strides, 4, b.dv_strides);
+    b.dscores = views.dscores ? views.dscores->data_as<double>() : nullptr;
+    std::copy_n(out.dscores_strides, 4, b.dscores_strides);
+    attention_backward_f64(p, b);
+    return;
+  }
+  out.dscores = views.dscores ? views.dscores->data_as<float>() : nullptr;
+  run_attention_backward(p, in, out);
+}
+
+}  // namespace detail
+
 Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const SdpaOptions& options) {
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::fused);
@@ -101,7 +140,7 @@ Tensor scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
     detail::cuda_attention_forward(p, detail::folded(p, out, p.heads_q, "out"), nullptr);
     return out;
   }
-  forward(p, options, out, nullptr);
+  detail::sdpa_forward_host(p, out, nullptr, nullptr);
   return out;
 }
 
@@ -113,7 +152,7 @@ AttentionWithWeights scaled_dot_product_attention_with_weights(const TensorView&
   AttentionWithWeights r;
   r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype);
   r.weights = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k), q.dtype);
-  forward(p, options, r.output, &r.weights.view());
+  detail::sdpa_forward_host(p, r.output, &r.weights.view(), nullptr);
   return r;
 }
 
@@ -138,7 +177,7 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
     if (!p.on_cpu()) throw Error("out: on " + out.device.str() + " its batch dimensions must fold into one stride");
     Tensor out_copy = Tensor::empty(out.sizes(), out.dtype), weights_copy;
     if (weights) weights_copy = Tensor::empty(weights->sizes(), weights->dtype);
-    forward(p, options, out_copy, weights ? &weights_copy.view() : nullptr);
+    detail::sdpa_forward_host(p, out_copy, weights ? &weights_copy.view() : nullptr, nullptr);
     copy_into(out_copy, out);
     if (weights) copy_into(weights_copy, *weights);
     return;
@@ -147,7 +186,7 @@ void scaled_dot_product_attention_into(const TensorView& q, const TensorView& k,
     detail::cuda_attention_forward(p, detail::folded(p, out, p.heads_q, "out"), nullptr);
     return;
   }
-  forward(p, options, out, weights ? &*weights : nullptr);
+  detail::sdpa_forward_host(p, out, weights ? &*weights : nullptr, nullptr);
 }
 
 AttentionForTraining scaled_dot_product_attention_for_training(const TensorView& q, const TensorView& k,
@@ -162,22 +201,11 @@ AttentionForTraining scaled_dot_product_attention_for_training(const TensorView&
     detail::cuda_attention_forward(p, detail::folded(p, r.output, p.heads_q, "out"), r.lse.data<float>());
     return r;
   }
-  // bfloat16 / float16: the float32 kernel widens the inputs as it reads them and rounds the
-  // output once (the bits of the float32 path on widened copies); the log-sum-exp stays float32.
+  // bfloat16 / float16: computed in float32, the output rounded once, the log-sum-exp float32;
   // float64: output and log-sum-exp in float64.
   r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), q.dtype);
   r.lse = Tensor::empty(lse_shape, q.dtype == DType::f64 ? DType::f64 : DType::f32);
-  if (q.dtype == DType::f64) {
-    forward_f64(p, r.output, nullptr, r.lse.data<double>());
-    return r;
-  }
-  detail::ForwardOutputs o;
-  const TensorView out4 = detail::folded(p, r.output, p.heads_q, "out");
-  o.out = out4.data;
-  o.out_dtype = out4.dtype;
-  set_strides(out4, o.out_strides);
-  o.lse = r.lse.data<float>();
-  detail::run_attention(p, o);
+  detail::sdpa_forward_host(p, r.output, nullptr, r.lse.view().data);
   return r;
 }
 
@@ -207,23 +235,13 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   if (attn_mask_grad && (!options.attn_mask || options.attn_mask->dtype == DType::boolean)) {
     throw Error("attn_mask_grad: a gradient exists only for a float (additive) attn_mask");
   }
-  // bfloat16 / float16: the float32 kernel widens q, k, v and the output's gradient as it reads
-  // their rows, reads the saved output as it is (for D = rowsum(dO O)) and rounds each gradient
-  // row once, as it stores it: the bits of the float32 kernel on widened copies, without the
-  // copies. A mask's gradient is summed in float32 and rounded once to the mask's dtype.
-  detail::BackwardInputs in;
+  // A mask's gradient is summed in float32 and rounded once to the mask's dtype.
+  detail::BackwardViews views;
   Tensor output_copy, grad_copy, lse_copy;
-  const TensorView o4 = detail::fold_batch_or_copy(saved.output, p.batch_shape, output_copy, "saved.output");
-  in.out = o4.data;
-  in.out_dtype = o4.dtype;
-  set_strides(o4, in.out_strides);
-  const TensorView g4 = detail::fold_batch_or_copy(grad_output, p.batch_shape, grad_copy, "grad_output");
-  in.grad_out = g4.data;
-  in.grad_out_dtype = g4.dtype;
-  set_strides(g4, in.grad_out_strides);
+  views.out = detail::fold_batch_or_copy(saved.output, p.batch_shape, output_copy, "saved.output");
+  views.grad_out = detail::fold_batch_or_copy(grad_output, p.batch_shape, grad_copy, "grad_output");
   if (!saved.lse.view().is_contiguous()) lse_copy = Tensor::copy_of(saved.lse);  // the kernels read it packed
-  const TensorView lse = lse_copy.defined() ? lse_copy.view() : saved.lse.view();
-  in.lse = lse.data_as<float>();
+  views.lse = (lse_copy.defined() ? lse_copy.view() : saved.lse.view()).data;
 
   // The gradient of an input that broadcasts (along batch or head dimensions) is its gradient
   // over the full batch shape summed over those dimensions: the kernels write the full one in
@@ -248,44 +266,23 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   const bool f64 = q.dtype == DType::f64;
   const bool via_float32 = any_reduces && q.dtype != DType::f32 && !f64;
   const DType full_dtype = f64 ? DType::f64 : DType::f32;  // of the full gradients that are summed
-  detail::BackwardOutputs out;
-  out.grad_dtype = via_float32 ? DType::f32 : q.dtype;
   std::array<Tensor, 3> written;  // what the kernels write: each gradient, or its full float32 form
-  void** data_of[] = {&out.dq, &out.dk, &out.dv};
-  int64_t* strides_of[] = {out.dq_strides, out.dk_strides, out.dv_strides};
+  std::optional<TensorView>* views_of[] = {&views.dq, &views.dk, &views.dv};
   for (int i = 0; i < 3; ++i) {
-    if (!wanted_of[i]) continue;  // a null pointer: its products are skipped
+    if (!wanted_of[i]) continue;  // not computed: its products are skipped
     if (reduces[i] || via_float32) {
       written[i] = Tensor::empty(full_shape(i), full_dtype);
     } else {
       written[i] = Tensor::empty(inputs[i]->sizes(), q.dtype);
     }
-    const TensorView w4 = detail::folded(p, written[i], heads_of[i], names_of[i]);
-    *data_of[i] = w4.data;
-    set_strides(w4, strides_of[i]);
+    *views_of[i] = detail::folded(p, written[i], heads_of[i], names_of[i]);
   }
   Tensor dscores;
   if (attn_mask_grad) {
     dscores = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k), full_dtype);
-    out.dscores = f64 ? nullptr : dscores.data<float>();
-    set_strides(detail::folded(p, dscores, p.heads_q, "attn_mask"), out.dscores_strides);
+    views.dscores = detail::folded(p, dscores, p.heads_q, "attn_mask");
   }
-  if (f64) {  // float64: its own kernel (cpu/attention_f64.hpp), on the same views
-    detail::Float64Backward b;
-    b.out = static_cast<const double*>(in.out);
-    b.grad_out = static_cast<const double*>(in.grad_out);
-    std::copy_n(in.out_strides, 4, b.out_strides);
-    std::copy_n(in.grad_out_strides, 4, b.grad_out_strides);
-    b.dq = static_cast<double*>(out.dq), b.dk = static_cast<double*>(out.dk), b.dv = static_cast<double*>(out.dv);
-    std::copy_n(out.dq_strides, 4, b.dq_strides);
-    std::copy_n(out.dk_strides, 4, b.dk_strides);
-    std::copy_n(out.dv_strides, 4, b.dv_strides);
-    b.dscores = dscores.defined() ? dscores.data<double>() : nullptr;
-    std::copy_n(out.dscores_strides, 4, b.dscores_strides);
-    detail::attention_backward_f64(p, b);
-  } else {
-    detail::run_attention_backward(p, in, out);
-  }
+  detail::sdpa_backward_host(p, views);
   AttentionGradients g;
   const int threads = detail::resolve_threads(p.num_threads);  // for the sums over broadcast dimensions
   Tensor* results[] = {&g.query, &g.key, &g.value};
