@@ -317,3 +317,31 @@ TEST(Edges, LargeHalfPrecisionInputs) {
 }
 
 }  // namespace
+
+// Queries with no key at all (Lk = 0): the output is zero, so is every query's gradient, on each
+// ISA and through each backward schedule (a handful of rows, tiles, a long sequence). The
+// gradient's storage was just freed full of NaN, so a gradient the kernels leave unwritten shows.
+TEST(Edges, BackwardWithoutKeysGivesZeroQueryGradients) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    for (const mha::Shape& shape : {mha::Shape{1, 1, 1, 16}, mha::Shape{3, 7, 16}, mha::Shape{2, 2, 100, 32},
+                                    mha::Shape{1, 2, 4096, 64}}) {
+      SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " " + std::to_string(shape[shape.size() - 2]) + " rows");
+      mha::Shape kv_shape = shape;
+      kv_shape[kv_shape.size() - 2] = 0;
+      const mha::Tensor q = mha_test::randn(shape, rng), grad = mha_test::randn(shape, rng);
+      const mha::Tensor kv = mha::Tensor::empty(kv_shape);
+      const auto saved = mha::scaled_dot_product_attention_for_training(q, kv, kv);
+      EXPECT_EQ(mha_test::max_abs(saved.output), 0.0);
+      {
+        mha::Tensor stale = mha::Tensor::empty(shape);
+        std::fill_n(stale.data<float>(), stale.numel(), std::numeric_limits<float>::quiet_NaN());
+      }
+      const auto g = mha::scaled_dot_product_attention_backward(q, kv, kv, saved, grad);
+      EXPECT_EQ(mha_test::max_abs(g.query), 0.0);
+      EXPECT_EQ(g.key.numel(), 0);
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}

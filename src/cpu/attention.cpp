@@ -157,8 +157,9 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   const int64_t dk_shape[4] = {p0.batch, p0.heads_kv, p0.len_k, p0.dim_qk};
   const int64_t dv_shape[4] = {p0.batch, p0.heads_kv, p0.len_k, p0.dim_v};
   const int64_t ds_shape[4] = {p0.batch, p0.heads_q, p0.len_q, p0.len_k};
-  if (p0.batch == 0 || p0.heads_q == 0 || p0.len_q == 0 || p0.dropout_p >= 1.0) {
-    // No query, or every weight dropped: nothing flows back.
+  if (p0.batch == 0 || p0.heads_q == 0 || p0.len_q == 0 || p0.len_k == 0 || p0.dropout_p >= 1.0) {
+    // No query, no key (every row fully masked: a zero output), or every weight dropped:
+    // nothing flows back.
     fill_zero(out.dq, out.grad_dtype, dq_shape, out.dq_strides);
     fill_zero(out.dk, out.grad_dtype, dk_shape, out.dk_strides);
     fill_zero(out.dv, out.grad_dtype, dv_shape, out.dv_strides);
