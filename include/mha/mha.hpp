@@ -10,3 +10,4 @@
 #include "mha/sdpa.hpp"
 #include "mha/tensor.hpp"
 #include "mha/threading.hpp"
+#include "mha/varlen.hpp"

@@ -1,0 +1,225 @@
+// Variable-length attention: each packed sequence is one scaled_dot_product_attention problem on
+// strided views of the packed tensors, run by the same kernels, the sequences spread over the
+// threads by cost.
+#include "mha/varlen.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "core/attention_problem.hpp"
+#include "core/sdpa_host.hpp"
+#include "core/thread_pool.hpp"
+
+namespace mha {
+
+uint64_t varlen_dropout_seed(uint64_t seed, int64_t sequence) {
+  // splitmix64's finaliser over the seed and the sequence index: nearby seeds and indices give
+  // unrelated results, and sequence s of one call never shares a mask with sequence s + 1.
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(sequence) + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+namespace {
+
+using detail::AttentionProblem;
+
+struct PackedShape {
+  int64_t sequences = 0, total_q = 0, total_k = 0, heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
+};
+
+void check_offsets(std::span<const int64_t> cu, int64_t total, const std::string& name, const std::string& rows) {
+  if (cu.empty()) {
+    throw Error(name + ": expected one offset per sequence plus one (starting at 0), got none");
+  }
+  if (cu.front() != 0) throw Error(name + ": expected the first offset to be 0, got " + std::to_string(cu.front()));
+  for (size_t s = 1; s < cu.size(); ++s) {
+    if (cu[s] < cu[s - 1]) {
+      throw Error(name + ": expected non-decreasing offsets, got " + name + "[" + std::to_string(s) + "] = " +
+                  std::to_string(cu[s]) + " after " + std::to_string(cu[s - 1]));
+    }
+  }
+  if (cu.back() != total) {
+    throw Error(name + ": expected the last offset to be the number of " + rows + " rows, " + std::to_string(total) +
+                ", got " + std::to_string(cu.back()));
+  }
+}
+
+// Checks what is particular to the packed layout; make_sdpa_problem checks the rest (dtypes,
+// head counts, head dims, scale, dropout) on the whole packed tensors as one sequence.
+PackedShape validate(const TensorView& q, const TensorView& k, const TensorView& v, std::span<const int64_t> cu_q,
+                     std::span<const int64_t> cu_k, const SdpaOptions& options) {
+  const TensorView* inputs[] = {&q, &k, &v};
+  const char* names[] = {"query", "key", "value"};
+  const char* layouts[] = {"[Tq, Hq, Dk]", "[Tk, Hkv, Dk]", "[Tk, Hkv, Dv]"};
+  for (int i = 0; i < 3; ++i) {
+    if (inputs[i]->ndim != 3) {
+      throw Error(std::string(names[i]) + ": expected a packed " + layouts[i] + " tensor (rank 3), got shape " +
+                  inputs[i]->shape_str());
+    }
+    require_cpu(*inputs[i], names[i]);
+  }
+  if (k.size(0) != v.size(0) || k.size(1) != v.size(1)) {
+    throw Error("key/value: expected the same rows and heads [Tk, Hkv], got key " + k.shape_str() + " and value " +
+                v.shape_str());
+  }
+  if (options.attn_mask) {
+    throw Error("attn_mask: not taken by the variable-length functions (causality and the sequence boundaries are "
+                "their masks); pad the batch and call scaled_dot_product_attention to pass a mask");
+  }
+  check_offsets(cu_q, q.size(0), "cu_seqlens_q", "query");
+  check_offsets(cu_k, k.size(0), "cu_seqlens_k", "key/value");
+  if (cu_q.size() != cu_k.size()) {
+    throw Error("cu_seqlens_q/cu_seqlens_k: expected one offset per sequence plus one in each, got " +
+                std::to_string(cu_q.size()) + " and " + std::to_string(cu_k.size()) + " offsets");
+  }
+  SdpaOptions whole = options;
+  whole.is_causal = false;
+  (void)detail::make_sdpa_problem(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), whole,
+                                  detail::InputDtypes::fused);
+  return {static_cast<int64_t>(cu_q.size()) - 1, q.size(0), k.size(0), q.size(1), k.size(1), q.size(2), v.size(2)};
+}
+
+// Rows [begin, end) of a packed [T, H, D] tensor as the [H, L, D] view SDPA reads.
+TensorView rows(const TensorView& packed, int64_t begin, int64_t end) {
+  return packed.slice(0, begin, end).transpose(0, 1);
+}
+
+// Runs run(s, threads) for every sequence s with work in it (`cost[s]` > 0). A sequence that holds
+// at least a (4 x threads)-th of the work runs on all threads (its own tasks balance), longest
+// first; the rest run whole on one thread each, longest first, handed out one at a time.
+template <class Run>
+void for_each_sequence(const std::vector<double>& cost, int threads, Run run) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  while (!order.empty() && cost[order.back()] <= 0) order.pop_back();
+  const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
+  size_t wide = 0;
+  while (threads > 1 && wide < order.size() && cost[order[wide]] * 4.0 * threads >= total) run(order[wide++], threads);
+  detail::parallel_for(static_cast<int64_t>(order.size() - wide), threads,
+                       [&](int64_t t, int) { run(order[wide + static_cast<size_t>(t)], 1); });
+}
+
+// The options of sequence s's own problem.
+SdpaOptions sequence_options(const SdpaOptions& options, int64_t s, int threads) {
+  SdpaOptions o = options;
+  o.num_threads = threads;
+  if (options.dropout_p > 0) o.dropout_seed = varlen_dropout_seed(options.dropout_seed, s);
+  return o;
+}
+
+// Each sequence's share of the work: its (query, key) pairs times the head dims and heads.
+std::vector<double> sequence_costs(const PackedShape& shape, std::span<const int64_t> cu_q,
+                                   std::span<const int64_t> cu_k, const SdpaOptions& options) {
+  std::vector<double> cost(static_cast<size_t>(shape.sequences));
+  for (int64_t s = 0; s < shape.sequences; ++s) {
+    const int64_t lq = cu_q[s + 1] - cu_q[s], lk = cu_k[s + 1] - cu_k[s];
+    // (head dims of 0 still leave the softmax's work, which the kernels still do)
+    cost[s] = lq == 0 || lk == 0 ? 0.0
+                                 : attention_flops(1, shape.heads_q, lq, lk, std::max<int64_t>(shape.dim_qk, 1),
+                                                   std::max<int64_t>(shape.dim_v, 1), options.is_causal,
+                                                   options.causal_alignment);
+  }
+  return cost;
+}
+
+// The forward, into out [Tq, Hq, Dv] and, when defined, lse [Hq, Tq].
+void varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v, std::span<const int64_t> cu_q,
+                    std::span<const int64_t> cu_k, const SdpaOptions& options, const PackedShape& shape,
+                    const Tensor& out, const Tensor* lse) {
+  const DType lse_dtype = q.dtype == DType::f64 ? DType::f64 : DType::f32;
+  // Sequences with queries and no key: zeros, and +inf for the log-sum-exp (no visible key).
+  for (int64_t s = 0; s < shape.sequences; ++s) {
+    if (cu_q[s + 1] == cu_q[s] || cu_k[s + 1] != cu_k[s]) continue;
+    const Tensor zeros = Tensor::zeros({shape.heads_q, cu_q[s + 1] - cu_q[s], shape.dim_v}, q.dtype);
+    copy_into(zeros, rows(out, cu_q[s], cu_q[s + 1]));
+    if (lse) {
+      Tensor inf = Tensor::empty({shape.heads_q, cu_q[s + 1] - cu_q[s]}, DType::f64);
+      std::fill_n(inf.data<double>(), inf.numel(), std::numeric_limits<double>::infinity());
+      copy_into(inf, lse->view().slice(1, cu_q[s], cu_q[s + 1]));
+    }
+  }
+  const int threads = detail::resolve_threads(options.num_threads);
+  for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
+    const int64_t q0 = cu_q[s], q1 = cu_q[s + 1], k0 = cu_k[s], k1 = cu_k[s + 1];
+    AttentionProblem p = detail::make_sdpa_problem(rows(q, q0, q1), rows(k, k0, k1), rows(v, k0, k1),
+                                                   sequence_options(options, s, call_threads),
+                                                   detail::InputDtypes::fused);
+    detail::materialise_inputs(p);
+    if (!lse) {
+      detail::sdpa_forward_host(p, rows(out, q0, q1), nullptr, nullptr);
+      return;
+    }
+    Tensor own_lse = Tensor::empty({shape.heads_q, q1 - q0}, lse_dtype);  // the kernels write it packed
+    detail::sdpa_forward_host(p, rows(out, q0, q1), nullptr, own_lse.view().data);
+    copy_into(own_lse, lse->view().slice(1, q0, q1));
+  });
+}
+
+}  // namespace
+
+Tensor scaled_dot_product_attention_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                                           std::span<const int64_t> cu_seqlens_q,
+                                           std::span<const int64_t> cu_seqlens_k, const SdpaOptions& options) {
+  const PackedShape shape = validate(q, k, v, cu_seqlens_q, cu_seqlens_k, options);
+  Tensor out = Tensor::empty({shape.total_q, shape.heads_q, shape.dim_v}, q.dtype);
+  varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options, shape, out, nullptr);
+  return out;
+}
+
+AttentionForTraining scaled_dot_product_attention_varlen_for_training(const TensorView& q, const TensorView& k,
+                                                                      const TensorView& v,
+                                                                      std::span<const int64_t> cu_seqlens_q,
+                                                                      std::span<const int64_t> cu_seqlens_k,
+                                                                      const SdpaOptions& options) {
+  const PackedShape shape = validate(q, k, v, cu_seqlens_q, cu_seqlens_k, options);
+  AttentionForTraining r;
+  r.output = Tensor::empty({shape.total_q, shape.heads_q, shape.dim_v}, q.dtype);
+  r.lse = Tensor::empty({shape.heads_q, shape.total_q}, q.dtype == DType::f64 ? DType::f64 : DType::f32);
+  varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options, shape, r.output, &r.lse);
+  return r;
+}
+
+AttentionGradients scaled_dot_product_attention_varlen_backward(
+    const TensorView& q, const TensorView& k, const TensorView& v, std::span<const int64_t> cu_q,
+    std::span<const int64_t> cu_k, const AttentionForTraining& saved, const TensorView& grad_output,
+    const SdpaOptions& options, const SdpaGradientsWanted& wanted) {
+  const PackedShape shape = validate(q, k, v, cu_q, cu_k, options);
+  if (wanted.attn_mask) throw Error("wanted.attn_mask: the variable-length functions take no attn_mask");
+  const DType lse_dtype = q.dtype == DType::f64 ? DType::f64 : DType::f32;
+  detail::check_output_view(saved.output, {shape.total_q, shape.heads_q, shape.dim_v}, q.dtype, "saved.output");
+  detail::check_output_view(saved.lse, {shape.heads_q, shape.total_q}, lse_dtype, "saved.lse");
+  detail::check_output_view(grad_output, {shape.total_q, shape.heads_q, shape.dim_v}, q.dtype, "grad_output");
+  require_cpu(grad_output, "grad_output");
+
+  // Rows no query reads (a sequence without queries, or without keys) keep zero gradients.
+  AttentionGradients g;
+  if (wanted.query) g.query = Tensor::zeros(q.sizes(), q.dtype);
+  if (wanted.key) g.key = Tensor::zeros(k.sizes(), q.dtype);
+  if (wanted.value) g.value = Tensor::zeros(v.sizes(), q.dtype);
+  const int threads = detail::resolve_threads(options.num_threads);
+  for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
+    const int64_t q0 = cu_q[s], q1 = cu_q[s + 1], k0 = cu_k[s], k1 = cu_k[s + 1];
+    AttentionProblem p = detail::make_sdpa_problem(rows(q, q0, q1), rows(k, k0, k1), rows(v, k0, k1),
+                                                   sequence_options(options, s, call_threads),
+                                                   detail::InputDtypes::fused);
+    detail::materialise_inputs(p);
+    const Tensor own_lse = Tensor::copy_of(saved.lse.view().slice(1, q0, q1));  // the kernels read it packed
+    detail::BackwardViews views;
+    views.out = detail::folded(p, rows(saved.output, q0, q1), shape.heads_q, "saved.output");
+    views.grad_out = detail::folded(p, rows(grad_output, q0, q1), shape.heads_q, "grad_output");
+    views.lse = own_lse.view().data;
+    if (wanted.query) views.dq = detail::folded(p, rows(g.query, q0, q1), shape.heads_q, "query");
+    if (wanted.key) views.dk = detail::folded(p, rows(g.key, k0, k1), shape.heads_kv, "key");
+    if (wanted.value) views.dv = detail::folded(p, rows(g.value, k0, k1), shape.heads_kv, "value");
+    detail::sdpa_backward_host(p, views);
+  });
+  return g;
+}
+
+}  // namespace mha
