@@ -22,11 +22,14 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as _np
 
-from . import _mha
+from . import _mha, _varlen
+from ._varlen import varlen_attention, varlen_dropout_seed
 
 __all__ = [
     "MultiheadAttention",
     "scaled_dot_product_attention",
+    "varlen_attention",
+    "varlen_dropout_seed",
     "set_num_threads",
     "get_num_threads",
     "cpu_isa",
@@ -283,6 +286,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     autocast = _autocast_dtype()
     if autocast is not None:
         query, key, value, attn_mask = _autocast(autocast, query, key, value, attn_mask)
+    if _is_torch(query) and query.is_nested:  # jagged [B, H, j, D]: packed sequences, no padding
+        return _varlen.nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                   dropout_seed, causal_alignment, num_threads, need_weights)
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
                             causal_alignment, num_threads, need_weights)

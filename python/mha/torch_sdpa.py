@@ -7,8 +7,10 @@ transformers' "sdpa" attention, torch.nn.MultiheadAttention itself, timm, ...):
 
     patch = mha.patch_torch_sdpa()     # or for the rest of the program (patch.restore() undoes it)
 
-Calls the kernel cannot take (a device other than the CPU, nested or float64 tensors, more than
-six dimensions, a mask of another dtype) go to PyTorch's function unchanged. Code that bound
+Jagged nested tensors ([B, H, j, D], layout=torch.jagged, no mask) run the varlen kernel
+(mha.varlen_attention): each sequence its own attention, no padding. Calls the kernel cannot
+take (a device other than the CPU, strided nested or float64 tensors, more than six dimensions, a
+mask of another dtype) go to PyTorch's function unchanged. Code that bound
 the function under another name before the patch (`from torch.nn.functional import
 scaled_dot_product_attention`) keeps PyTorch's. Dropout draws its seed from torch's generator,
 so torch.manual_seed makes it repeatable; the masks differ from PyTorch's own.
@@ -39,6 +41,16 @@ def _ours(query, key, value, attn_mask) -> bool:
                                  and attn_mask.dtype in _MASK_DTYPES)
 
 
+def _ours_nested(query, key, value, attn_mask) -> bool:
+    """Whether mha's varlen kernel takes a call on jagged nested tensors [B, H, j, D] (PyTorch's
+    CPU build runs those only in its unfused math path, and by default finds no backend)."""
+    for t in (query, key, value):
+        if not (isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged and t.device.type == "cpu"
+                and t.dtype == query.dtype and t.dim() == 4 and t._ragged_idx == 2):
+            return False
+    return query.dtype in _DTYPES and attn_mask is None
+
+
 class patch_torch_sdpa:  # noqa: N801 - used like a function: mha.patch_torch_sdpa()
     """Replaces torch.nn.functional.scaled_dot_product_attention until restore() (or the end of
     a with block), which puts back what was there before, so patches nest."""
@@ -52,7 +64,7 @@ class patch_torch_sdpa:  # noqa: N801 - used like a function: mha.patch_torch_sd
             autocast = _autocast_dtype()
             if autocast is not None:  # (inputs of mixed dtypes that autocast makes one)
                 query, key, value, attn_mask = _autocast(autocast, query, key, value, attn_mask)
-            if not _ours(query, key, value, attn_mask):
+            if not (_ours(query, key, value, attn_mask) or _ours_nested(query, key, value, attn_mask)):
                 extra = {"enable_gqa": True} if enable_gqa else {}  # (older torch has no such argument)
                 return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                 scale=scale, **extra)

@@ -262,6 +262,62 @@ ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, con
   return {to_numpy(out), std::nullopt};
 }
 
+// Variable-length attention over packed [T, H, D] arrays and offsets (cu_seqlens_q, cu_seqlens_k):
+// the output, or (output, lse) for training, and the gradients.
+using Offsets = std::vector<int64_t>;
+
+NumpyArray sdpa_varlen(const Array& query, const Array& key, const Array& value, const Offsets& cu_q,
+                       const Offsets& cu_k, double dropout_p, bool is_causal, std::optional<double> scale,
+                       bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int num_threads) {
+  const mha::SdpaOptions o =
+      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  mha::Tensor out;
+  {
+    nb::gil_scoped_release release;
+    out = mha::scaled_dot_product_attention_varlen(q, k, v, cu_q, cu_k, o);
+  }
+  return to_numpy(out);
+}
+
+std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Array& key, const Array& value,
+                                                    const Offsets& cu_q, const Offsets& cu_k, double dropout_p,
+                                                    bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                                    uint64_t dropout_seed, bool bottom_right, int num_threads) {
+  const mha::SdpaOptions o =
+      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  mha::AttentionForTraining r;
+  {
+    nb::gil_scoped_release release;
+    r = mha::scaled_dot_product_attention_varlen_for_training(q, k, v, cu_q, cu_k, o);
+  }
+  return {to_numpy(r.output), to_numpy(r.lse)};
+}
+
+std::tuple<MaybeArray, MaybeArray, MaybeArray> sdpa_varlen_backward(
+    const Array& query, const Array& key, const Array& value, const Offsets& cu_q, const Offsets& cu_k,
+    const Array& output, const Array& lse, const Array& grad_output, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int num_threads,
+    std::tuple<bool, bool, bool> wanted) {
+  const mha::SdpaOptions o =
+      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  mha::AttentionForTraining saved;
+  saved.output = mha::Tensor::copy_of(view_of(output, "output"));  // in its dtype, the inputs' (checked there)
+  saved.lse = mha::Tensor::copy_of(view_of(lse, "lse"));
+  const mha::TensorView g = view_of(grad_output, "grad_output");
+  mha::AttentionGradients r;
+  {
+    nb::gil_scoped_release release;
+    r = mha::scaled_dot_product_attention_varlen_backward(
+        q, k, v, cu_q, cu_k, saved, g, o,
+        mha::SdpaGradientsWanted{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted), false});
+  }
+  auto maybe = [](const mha::Tensor& t) { return t.defined() ? MaybeArray(to_numpy(t)) : std::nullopt; };
+  return {maybe(r.query), maybe(r.key), maybe(r.value)};
+}
+
 }  // namespace
 
 NB_MODULE(_mha, m) {
@@ -391,6 +447,19 @@ NB_MODULE(_mha, m) {
         nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"),
         nb::arg("bottom_right"), nb::arg("num_threads"), nb::arg("attn_mask_grad"),
         nb::arg("wanted") = std::make_tuple(true, true, true));
+  m.def("sdpa_varlen", &sdpa_varlen, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("cu_seqlens_q"),
+        nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(),
+        nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("num_threads"));
+  m.def("sdpa_varlen_train", &sdpa_varlen_train, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+        nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"),
+        nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"),
+        nb::arg("num_threads"));
+  m.def("sdpa_varlen_backward", &sdpa_varlen_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+        nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("output"), nb::arg("lse"), nb::arg("grad_output"),
+        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
+        nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("num_threads"),
+        nb::arg("wanted") = std::make_tuple(true, true, true));
+  m.def("varlen_dropout_seed", &mha::varlen_dropout_seed, nb::arg("seed"), nb::arg("sequence"));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
   m.def("cpu_isa", &mha::cpu_isa);
