@@ -118,6 +118,32 @@ void sdpa_decode_padded(benchmark::State& state) {
   time_decode_steps(state, q, k, v, out, options);
 }
 
+// Args: sequences, shortest, longest, causal. Variable-length self-attention, H=16, d=64: the
+// lengths drawn once (fixed seed) between shortest and longest, packed; FLOPs count the pairs of
+// the sequences themselves. Many short sequences show the per-sequence cost and the spreading of
+// whole sequences over the threads; a few long ones, the tile kernel.
+void sdpa_varlen(benchmark::State& state) {
+  const int64_t sequences = state.range(0), shortest = state.range(1), longest = state.range(2);
+  const bool causal = state.range(3) != 0;
+  constexpr int64_t kHeads = 16, kDim = 64;
+  std::mt19937_64 rng(47);
+  std::vector<int64_t> cu{0};
+  double flops = 0;
+  for (int64_t s = 0; s < sequences; ++s) {
+    const int64_t len = std::uniform_int_distribution<int64_t>(shortest, longest)(rng);
+    cu.push_back(cu.back() + len);
+    flops += mha::attention_flops(1, kHeads, len, len, kDim, kDim, causal);
+  }
+  const mha::Tensor q = random_normal({cu.back(), kHeads, kDim}, rng);
+  const mha::Tensor k = random_normal({cu.back(), kHeads, kDim}, rng);
+  const mha::Tensor v = random_normal({cu.back(), kHeads, kDim}, rng);
+  for (auto _ : state) {
+    const mha::Tensor out = mha::scaled_dot_product_attention_varlen(q, k, v, cu, cu, {.is_causal = causal});
+    benchmark::DoNotOptimize(out.view().data);
+  }
+  state.counters["FLOPS"] = flops_counter(flops);
+}
+
 // Args: E, H, B, L. Self-attention without weights (need_weights=false), the fast path of a
 // transformer layer; FLOPs include the four E x E projections.
 void module_forward(benchmark::State& state) {
@@ -164,6 +190,13 @@ void register_benchmarks() {
   padded->ArgNames({"B", "Hq", "Hkv", "S", "d", "bf16", "padded"})->UseRealTime()->Unit(benchmark::kMillisecond);
   for (const int64_t bf16 : {0, 1})
     for (const int64_t percent : {0, 25, 50}) padded->Args({8, 32, 8, 2048, 128, bf16, percent});
+
+  auto* varlen = benchmark::RegisterBenchmark("SDPA_varlen", sdpa_varlen);
+  varlen->ArgNames({"sequences", "shortest", "longest", "causal"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (const int64_t causal : {0, 1}) {
+    varlen->Args({256, 8, 128, causal});   // many short sequences
+    varlen->Args({16, 64, 1024, causal});  // a few long ones
+  }
 
   auto* module = benchmark::RegisterBenchmark("MHA_module_forward", module_forward);
   module->ArgNames({"E", "H", "B", "L"})->UseRealTime()->Unit(benchmark::kMillisecond);

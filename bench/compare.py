@@ -174,6 +174,62 @@ def bench_decode(reps, rows, dtypes):
         rows.append((op, f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * Lq * S * d))
 
 
+def bench_varlen(reps, rows):
+    """A batch of sequences of different lengths (16, drawn once from 64..1024 with a fixed seed),
+    H=16, d=64, fp32: mha.varlen_attention on the packed rows against what PyTorch runs on the CPU:
+    its SDPA on the batch padded to the longest sequence, a bool mask hiding the padding keys (and
+    the future, causal), forward and forward+backward; and its nested-tensor SDPA (jagged, the
+    math path under sdpa_kernel(MATH): its only CPU path, which takes no causal call). FLOPs count
+    the (query, key) pairs of the sequences themselves, not the padding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, d = 16, 64
+    lengths = np.random.default_rng(5).integers(64, 1025, 16).tolist()
+    B, longest, total = len(lengths), max(lengths), sum(lengths)
+    cu = torch.tensor(np.cumsum([0] + lengths))
+    g = torch.Generator().manual_seed(3)
+    q, k, v, go = (torch.randn(total, H, d, generator=g) for _ in range(4))
+
+    def padded(x):
+        out = torch.zeros(B, H, longest, d)
+        for b in range(B):
+            out[b, :, :lengths[b]] = x[cu[b]:cu[b + 1]].transpose(0, 1)
+        return out
+
+    qp, kp, vp, gp = (padded(x) for x in (q, k, v, go))
+    keys = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # [B, S]: a real key
+    shape = f"B={B} H={H} L=64..1024 d={d}"
+    for causal in (False, True):
+        mask = keys[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(longest, longest, dtype=torch.bool).tril()
+        pairs = sum(n * (n + 1) / 2 if causal else n * n for n in lengths)
+        flops = 4.0 * H * pairs * d
+        tag = " causal" if causal else ""
+        ours, theirs = paired_medians(lambda: mha.varlen_attention(q, k, v, cu, cu, is_causal=causal),
+                                      lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask), reps)
+        rows.append(("varlen fwd fp32 vs padded", shape + tag, ours, theirs, flops))
+        qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+        qpt, kpt, vpt = (x.clone().requires_grad_() for x in (qp, kp, vp))
+        ours, theirs = paired_medians(
+            lambda: torch.autograd.grad(mha.varlen_attention(qt, kt, vt, cu, cu, is_causal=causal), (qt, kt, vt), go),
+            lambda: torch.autograd.grad(F.scaled_dot_product_attention(qpt, kpt, vpt, attn_mask=mask), (qpt, kpt, vpt),
+                                        gp), reps)
+        rows.append(("varlen fwd+bwd fp32 vs padded", shape + tag, ours, theirs, 3.5 * flops))
+        if not causal:
+            def nested(x):
+                return torch.nested.nested_tensor_from_jagged(x, cu).transpose(1, 2)
+
+            qn, kn, vn = nested(q), nested(k), nested(v)
+
+            def theirs_nested():
+                with sdpa_kernel(SDPBackend.MATH):
+                    return F.scaled_dot_product_attention(qn, kn, vn)
+
+            ours, theirs = paired_medians(lambda: mha.varlen_attention(q, k, v, cu, cu), theirs_nested, reps)
+            rows.append(("varlen fwd fp32 vs nested", shape, ours, theirs, flops))
+
+
 def bench_pooling(reps, rows):
     """Attention pooling in training: one learned query per head (a class token) over the 197
     tokens of a ViT-B/16 image, forward and backward through autograd on both sides, without and
@@ -393,6 +449,7 @@ def main():
     if not args.no_sdpa:
         bench_decode(args.reps, rows, args.dtypes)
         if "fp32" in args.dtypes:
+            bench_varlen(args.reps, rows)
             bench_pooling(args.reps, rows)
             bench_per_example_gradients(args.reps, rows)
     if not args.no_module:
