@@ -1,4 +1,5 @@
-// Option and shape validation of SDPA (forward, _into, training forward and backward) and of
+// Option and shape validation of SDPA (forward, _into, training forward and backward), of
+// variable-length SDPA (offsets too), and of
 // MultiheadAttention (construction, forward, backward, on its own parameters or given ones):
 // random ranks, sizes (0 to 2^62), strides (0 included), dtypes, masks, flags, scales, dropout
 // probabilities, thread counts.
@@ -206,6 +207,52 @@ void fuzz_sdpa(FuzzInput& in) {
   }
 }
 
+// Variable-length attention: fuzzed packed tensors and offsets (any count, order, sign and size;
+// often well-formed at the ends), forward, or training forward then backward.
+void fuzz_varlen(FuzzInput& in) {
+  Arg q = make(in, 4), k = make(in, 4), v = make(in, 4);
+  auto offsets = [&](const mha::TensorView& t) {
+    std::vector<int64_t> cu;
+    const int64_t n = in.small(6);
+    for (int64_t i = 0; i < n; ++i) cu.push_back(in.small(4) == 0 ? in.dim() : i == 0 ? 0 : cu.back() + in.small(9));
+    if (!cu.empty() && t.ndim >= 1 && in.flag()) cu.back() = t.shape[0];
+    return cu;
+  };
+  const std::vector<int64_t> cu_q = offsets(q.view), cu_k = in.flag() ? cu_q : offsets(k.view);
+  mha::SdpaOptions o;
+  o.is_causal = in.flag();
+  o.causal_alignment = in.flag() ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+  if (in.flag()) o.scale = in.small(7) == 0 ? std::nan("") : in.value();
+  o.enable_gqa = in.flag();
+  o.dropout_p = in.small(4) == 0 ? in.value() : 0.0;
+  o.dropout_seed = in.byte();
+  o.num_threads = static_cast<int>(in.small(4)) - 1;  // -1 (refused) to 3
+  const bool runs = tiny(q) && tiny(k) && tiny(v) && small_pairs(q.view, k.view);
+  if (!runs) {
+    if (has_null(q.view) || has_null(k.view) || has_null(v.view)) {
+      must_refuse([&] { mha::scaled_dot_product_attention_varlen(q.view, k.view, v.view, cu_q, cu_k, o); });
+    }
+    return;
+  }
+  if (in.flag()) {
+    check_finite_any(mha::scaled_dot_product_attention_varlen(q.view, k.view, v.view, cu_q, cu_k, o));
+    return;
+  }
+  const auto saved = mha::scaled_dot_product_attention_varlen_for_training(q.view, k.view, v.view, cu_q, cu_k, o);
+  check_finite_any(saved.output);
+  Arg grad = make(in, 4);
+  const mha::Tensor g = saved.output.clone();
+  const mha::TensorView gv = in.flag() ? g.view() : grad.view;
+  if (!tiny(grad) && gv.data == grad.view.data) return;
+  mha::SdpaGradientsWanted wanted;
+  if (in.flag()) wanted.query = in.flag(), wanted.key = in.flag(), wanted.value = in.flag();
+  const auto grads =
+      mha::scaled_dot_product_attention_varlen_backward(q.view, k.view, v.view, cu_q, cu_k, saved, gv, o, wanted);
+  check_finite_any(grads.query);
+  check_finite_any(grads.key);
+  check_finite_any(grads.value);
+}
+
 void fuzz_module(FuzzInput& in) {
   const int64_t heads = in.dim(), embed = in.dim();
   mha::MultiheadAttentionOptions mo;
@@ -326,7 +373,9 @@ void fuzz_module(FuzzInput& in) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in{data, size};
   try {
-    if (in.flag()) {
+    if (in.tail_byte() % 8 == 1) {  // (a decision read from the end: kept inputs keep their meaning)
+      fuzz_varlen(in);
+    } else if (in.flag()) {
       fuzz_sdpa(in);
     } else {
       fuzz_module(in);

@@ -2,9 +2,10 @@
 cu_seqlens, and jagged nested tensors through mha.scaled_dot_product_attention and through
 PyTorch's function under mha.patch_torch_sdpa. The reference is PyTorch's SDPA in float64 on each
 sequence alone (its output and gradients); tolerances of the largest reference value per tensor:
-float32 1e-5 forward and 1e-4 for gradients (as the other parity suites), bfloat16 2e-2 (one
-rounding of inputs already in bfloat16, then of the output: 2^-8 relative, with a margin for
-sums that cancel)."""
+float32 1e-5 forward and 1e-4 for gradients (as the other parity suites), bfloat16 2e-2 forward
+and 3e-2 for gradients (the output rounded once to bfloat16, 2^-9 relative, and the backward
+reading that rounded output, as PyTorch's does; the bound of the bfloat16 SDPA gradient suite),
+float64 1e-12 and 1e-11. A gradient that cancels to zero is judged against a floor (below)."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 import mha
 
-TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float64: (1e-12, 1e-11)}
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 3e-2), torch.float64: (1e-12, 1e-11)}
 
 
 @pytest.fixture
@@ -21,9 +22,11 @@ def rng(parity_seed):
     return np.random.default_rng([parity_seed, 41])
 
 
-def _relative(a, r):
-    scale = max(r.abs().max().item(), 1e-30)
-    return (a.double() - r).abs().max().item() / scale if r.numel() else 0.0
+def _relative(a, r, floor=0.0):
+    if r.numel() == 0:
+        return 0.0
+    scale = max(r.abs().max().item(), floor, 1e-30)
+    return (a.double() - r).abs().max().item() / scale
 
 
 def _draw(rng, dtype):
@@ -59,8 +62,10 @@ def _reference_per_sequence(q, k, v, cu_q, cu_k, options, grad):
             continue
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, **options).transpose(0, 1))
     out = torch.cat(outs) if outs else torch.zeros(0, q.shape[1], v.shape[-1], dtype=torch.float64)
-    (out * grad.double()).sum().backward()
-    return out.detach(), q64.grad, k64.grad, v64.grad
+    if out.requires_grad:  # (not when no sequence has both queries and keys)
+        (out * grad.double()).sum().backward()
+    grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in (q64, k64, v64)]
+    return (out.detach(), *grads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -76,9 +81,12 @@ def test_varlen_matches_each_sequence_alone(rng, dtype):
         ref, dq, dk, dv = _reference_per_sequence(q, k, v, cu_q, cu_k, options, grad)
         what = f"{dtype} cu_q={cu_q.tolist()} cu_k={cu_k.tolist()} {options}"
         assert _relative(out.detach(), ref) < fwd_tol, what
+        # A gradient that is zero in exact arithmetic (one visible key) is what is left of
+        # cancelling sums: judged against 5% of the sequence batch's largest gradient.
+        floor = 0.05 * max((g.abs().max().item() for g in (dq, dk, dv) if g.numel()), default=0.0)
         for got, want in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
             assert got.dtype == dtype
-            assert _relative(got, want) < grad_tol, what
+            assert _relative(got, want, floor) < grad_tol, what
 
 
 def test_numpy_in_numpy_out_and_offsets_of_every_kind(rng):
