@@ -7,6 +7,8 @@ and 3e-2 for gradients (the output rounded once to bfloat16, 2^-9 relative, and 
 reading that rounded output, as PyTorch's does; the bound of the bfloat16 SDPA gradient suite),
 float64 1e-12 and 1e-11. A gradient that cancels to zero is judged against a floor (below)."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -177,3 +179,50 @@ def test_bad_arguments_are_clear_errors():
     (g,) = torch.autograd.grad(out.sum(), qg, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_on_nested_tensors(rng, causal):
+    """mha.nn.MultiheadAttention (batch_first) on jagged nested [B, j, E] query, key and value, self-
+    and cross-attention, in training mode with gradients: each sequence's output and the gradients
+    of the parameters and inputs are those of PyTorch's module applied to each sequence alone, in
+    float64 (PyTorch's module takes no jagged tensor; its fast path only strided ones, in inference)."""
+    E, H = 32, 4
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    ours = mha.nn.MultiheadAttention.from_torch(copy.deepcopy(ref)).float()  # (it shares the parameters)
+    for cross in (False, True):
+        lq = [int(rng.integers(1, 40)) for _ in range(4)]
+        lk = [int(rng.integers(1, 40)) for _ in range(4)] if cross else lq
+        xq = torch.from_numpy(rng.standard_normal((sum(lq), E))).float().requires_grad_()
+        xk = torch.from_numpy(rng.standard_normal((sum(lk), E))).float().requires_grad_() if cross else xq
+        cu_q, cu_k = torch.tensor(np.cumsum([0] + lq)), torch.tensor(np.cumsum([0] + lk))
+        q = torch.nested.nested_tensor_from_jagged(xq, cu_q)
+        k = torch.nested.nested_tensor_from_jagged(xk, cu_k) if cross else q
+        out, weights = ours(q, k, k, need_weights=False, is_causal=causal)
+        assert out.is_nested and weights is None
+        grad = torch.from_numpy(rng.standard_normal((sum(lq), E))).float()
+        out.values().backward(grad)
+
+        ref.zero_grad()
+        xq64 = xq.detach().double().requires_grad_()
+        xk64 = xk.detach().double().requires_grad_() if cross else xq64
+        loss = 0
+        for s in range(len(lq)):
+            qs, ks = xq64[cu_q[s]:cu_q[s + 1]][None], xk64[cu_k[s]:cu_k[s + 1]][None]
+            mask = torch.ones(lq[s], lk[s], dtype=torch.bool).triu(1) if causal else None
+            o, _ = ref(qs, ks, ks, need_weights=False, attn_mask=mask)
+            assert _relative(out.values()[cu_q[s]:cu_q[s + 1]].detach(), o[0].detach()) < 1e-5
+            loss = loss + (o[0] * grad[cu_q[s]:cu_q[s + 1]].double()).sum()
+        loss.backward()
+        assert _relative(xq.grad, xq64.grad) < 1e-4
+        if cross:
+            assert _relative(xk.grad, xk64.grad) < 1e-4
+        for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+            assert _relative(a.grad, b.grad) < 1e-4, name
+        ours.zero_grad()
+
+    x = torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)], layout=torch.jagged)
+    with pytest.raises(ValueError, match="need_weights: the weights of nested inputs are not returned"):
+        ours(x, x, x)
+    with pytest.raises(ValueError, match="batch_first"):
+        mha.nn.MultiheadAttention(E, H)(x, x, x, need_weights=False)

@@ -14,7 +14,7 @@ import torch
 from .. import _mha, _auto_threading, _autocast, _autocast_dtype, _compiling, _transformed
 from .. import ops as _ops
 from ..autograd import ModuleFunction, _tensor
-from . import _composed
+from . import _composed, _nested
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -51,8 +51,8 @@ def _check_dense_cpu(name: str, x) -> None:
     if x is None or not isinstance(x, torch.Tensor):
         return
     if x.is_nested:
-        raise ValueError(f"{name}: nested tensors are not supported; pad them (to_padded_tensor) and pass "
-                         "key_padding_mask")
+        raise ValueError(f"{name}: nested tensors are taken as query, key and value only (jagged, [B, j, E]); "
+                         "pad them (to_padded_tensor) and pass key_padding_mask")
     if x.layout != torch.strided:
         raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
     if x.device.type != "cpu":
@@ -67,6 +67,9 @@ def run(impl, options: Options, params: Dict[str, torch.Tensor], training: bool,
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if query.is_nested or key.is_nested or value.is_nested:  # jagged [B, j, E]: sequences without padding
+        return _nested.run(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask,
+                           average_attn_weights, is_causal)
     for name, x in (("query", query), ("key", key), ("value", value), ("key_padding_mask", key_padding_mask),
                     ("attn_mask", attn_mask), *params.items()):
         _check_dense_cpu(name, x)
