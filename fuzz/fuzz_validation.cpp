@@ -137,11 +137,8 @@ template <class F> void must_refuse(F&& call) {
   __builtin_trap();
 }
 
-void fuzz_sdpa(FuzzInput& in) {
-  Arg q = make(in, 6), k = make(in, 6), v = make(in, 6), mask = make(in, 6);
-  mha::SdpaOptions o, op;  // op: the same options with the placeholder mask
-  const bool with_mask = in.flag();
-  if (with_mask) o.attn_mask = mask.view, op.attn_mask = mask.placeholder;
+// The SDPA options besides the mask: causality, alignment, scale (NaN too), GQA, dropout, threads.
+void fuzz_options(FuzzInput& in, mha::SdpaOptions& o) {
   o.is_causal = in.flag();
   o.causal_alignment = in.flag() ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
   if (in.flag()) o.scale = in.small(7) == 0 ? std::nan("") : in.value();
@@ -149,6 +146,14 @@ void fuzz_sdpa(FuzzInput& in) {
   o.dropout_p = in.small(4) == 0 ? in.value() : 0.0;
   o.dropout_seed = in.byte();
   o.num_threads = static_cast<int>(in.small(4)) - 1;  // -1 (refused) to 3
+}
+
+void fuzz_sdpa(FuzzInput& in) {
+  Arg q = make(in, 6), k = make(in, 6), v = make(in, 6), mask = make(in, 6);
+  mha::SdpaOptions o, op;  // op: the same options with the placeholder mask
+  const bool with_mask = in.flag();
+  if (with_mask) o.attn_mask = mask.view, op.attn_mask = mask.placeholder;
+  fuzz_options(in, o);
   op.is_causal = o.is_causal, op.causal_alignment = o.causal_alignment, op.scale = o.scale;
   op.enable_gqa = o.enable_gqa, op.dropout_p = o.dropout_p, op.num_threads = o.num_threads;
 
@@ -214,19 +219,16 @@ void fuzz_varlen(FuzzInput& in) {
   auto offsets = [&](const mha::TensorView& t) {
     std::vector<int64_t> cu;
     const int64_t n = in.small(6);
-    for (int64_t i = 0; i < n; ++i) cu.push_back(in.small(4) == 0 ? in.dim() : i == 0 ? 0 : cu.back() + in.small(9));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t step = in.small(9);  // (no step past the int64 limit: the offsets' own overflow is not tested here)
+      cu.push_back(in.small(4) == 0 ? in.dim() : i == 0 ? 0 : cu.back() > INT64_MAX - step ? cu.back() : cu.back() + step);
+    }
     if (!cu.empty() && t.ndim >= 1 && in.flag()) cu.back() = t.shape[0];
     return cu;
   };
   const std::vector<int64_t> cu_q = offsets(q.view), cu_k = in.flag() ? cu_q : offsets(k.view);
   mha::SdpaOptions o;
-  o.is_causal = in.flag();
-  o.causal_alignment = in.flag() ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
-  if (in.flag()) o.scale = in.small(7) == 0 ? std::nan("") : in.value();
-  o.enable_gqa = in.flag();
-  o.dropout_p = in.small(4) == 0 ? in.value() : 0.0;
-  o.dropout_seed = in.byte();
-  o.num_threads = static_cast<int>(in.small(4)) - 1;  // -1 (refused) to 3
+  fuzz_options(in, o);
   const bool runs = tiny(q) && tiny(k) && tiny(v) && small_pairs(q.view, k.view);
   if (!runs) {
     if (has_null(q.view) || has_null(k.view) || has_null(v.view)) {

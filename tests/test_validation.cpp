@@ -7,6 +7,7 @@
 #include <random>
 #include <string>
 
+#include "core/attention_problem.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
 
@@ -291,6 +292,29 @@ TEST(Edges, BoolMasksReadAnyNonzeroByteAsTrue) {
   EXPECT_TRUE(mha_test::same_bits(a, b));
   const auto ref = mha::reference::scaled_dot_product_attention(q, k, k, {.attn_mask = bytes.view()});
   EXPECT_LT(mha_test::rel_error(b, ref.output), 1e-5);
+}
+
+// The validator never reads data (the fuzzers hand it views of storage that does not exist):
+// keys and values with head counts of their own are repeated by materialise_inputs, not by it.
+TEST(Validation, ValidatorReadsNoDataWhenKeyAndValueHeadCountsDiffer) {
+  void* const nowhere = reinterpret_cast<void*>(uintptr_t{1} << 40);  // never mapped
+  const mha::TensorView q(nowhere, mha::DType::f32, {2, 8, 5, 16});
+  const mha::TensorView k(nowhere, mha::DType::f32, {2, 2, 7, 16}), v(nowhere, mha::DType::f32, {2, 4, 7, 16});
+  const auto p = mha::detail::make_sdpa_problem(q, k, v, {.enable_gqa = true}, mha::detail::InputDtypes::fused);
+  EXPECT_EQ(p.heads_kv, 4);
+  EXPECT_EQ(p.k.size(1), 4);
+}
+
+// Calls without heads: empty results and gradients, float64 included (whose backward divided by
+// the zero key/value head count).
+TEST(Validation, CallsWithoutHeadsGiveEmptyGradients) {
+  for (const mha::DType dtype : {mha::DType::f32, mha::DType::f64}) {
+    const mha::Tensor q = mha::Tensor::empty({2, 0, 5, 8}, dtype), k = mha::Tensor::empty({2, 0, 6, 8}, dtype);
+    const auto saved = mha::scaled_dot_product_attention_for_training(q, k, k, {.enable_gqa = true});
+    const auto g = mha::scaled_dot_product_attention_backward(q, k, k, saved, saved.output, {.enable_gqa = true});
+    EXPECT_EQ(g.query.numel(), 0);
+    EXPECT_EQ(g.key.numel(), 0);
+  }
 }
 
 }  // namespace

@@ -98,12 +98,8 @@ TensorView fold_or_defer(AttentionProblem& p, const TensorView& t, const Shape& 
 
 // t ([..., h, rows, cols], on the host) with each head repeated to / h times, as
 // repeat_interleave along the heads gives it, copied into `storage`: keys or values read by
-// grouped attention with a head count of their own (make_sdpa_problem).
-TensorView repeat_heads(const TensorView& t, int64_t to, Tensor& storage, const std::string& name) {
-  if (!t.device.is_cpu()) {
-    throw Error(name + ": grouped attention with key and value head counts that differ copies the repeated heads on "
-                "the host; on " + t.device.str() + " give key and value the same head count");
-  }
+// grouped attention with a head count of their own (materialise_inputs; host only).
+TensorView repeat_heads(const TensorView& t, int64_t to, Tensor& storage) {
   Shape repeated = t.sizes();
   repeated[t.ndim - 3] = to;
   storage = Tensor::empty(repeated, t.dtype);  // (its size checked against overflow and memory)
@@ -224,12 +220,31 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   p.batch = checked_numel(leading, "query, key, value: batch dimensions");
   p.q = fold_or_defer(p, q_in, p.batch_shape, 0, "query");
   // (A head count of 1 needs no copy: it broadcasts, which is what repeating it does.)
-  const TensorView k_read =
-      hk > 1 && hk != p.heads_kv ? repeat_heads(k_in, p.heads_kv, p.input_storage[1], "key") : k_in;
-  const TensorView v_read =
-      hv > 1 && hv != p.heads_kv ? repeat_heads(v_in, p.heads_kv, p.input_storage[2], "value") : v_in;
-  p.k = fold_or_defer(p, k_read, p.batch_shape_with_heads(p.heads_kv), 1, "key");
-  p.v = fold_or_defer(p, v_read, p.batch_shape_with_heads(p.heads_kv), 2, "value");
+  // Keys or values with a head count of their own are repeated to heads_kv by materialise_inputs
+  // (a copy: it reads data); until then their slot holds a stand-in of the repeated shape.
+  const TensorView* kv_in[] = {&k_in, &v_in};
+  const int64_t kv_heads[] = {hk, hv};
+  const char* kv_names[] = {"key", "value"};
+  TensorView* kv_slots[] = {&p.k, &p.v};
+  for (int i = 0; i < 2; ++i) {
+    const TensorView& t = *kv_in[i];
+    if (kv_heads[i] > 1 && kv_heads[i] != p.heads_kv) {
+      if (!t.device.is_cpu()) {
+        throw Error(std::string(kv_names[i]) + ": grouped attention with key and value head counts that differ "
+                    "copies the repeated heads on the host; on " + t.device.str() +
+                    " give key and value the same head count");
+      }
+      Shape repeated = t.sizes();
+      repeated[t.ndim - 3] = p.heads_kv;
+      (void)checked_numel(repeated, kv_names[i]);
+      *kv_slots[i] = fold_or_defer(p, TensorView(t.data, t.dtype, repeated).on(t.device),
+                                   p.batch_shape_with_heads(p.heads_kv), i + 1, kv_names[i]);
+      p.unfolded[i + 1] = t;
+      p.repeat_heads_to[i + 1] = p.heads_kv;
+    } else {
+      *kv_slots[i] = fold_or_defer(p, t, p.batch_shape_with_heads(p.heads_kv), i + 1, kv_names[i]);
+    }
+  }
   if (p.dim_qk == 0 && !options.scale) {
     throw Error("query: head dimension is 0, so the default scale 1/sqrt(0) is undefined; pass scale");
   }
@@ -270,8 +285,10 @@ void materialise_inputs(AttentionProblem& p) {
   TensorView* slots[] = {&p.q, &p.k, &p.v};
   for (int i = 0; i < 4; ++i) {
     if (!p.unfolded[i]) continue;
-    const TensorView& t = *p.unfolded[i];
     const Shape batch = i == 1 || i == 2 ? p.batch_shape_with_heads(p.heads_kv) : p.batch_shape;
+    const TensorView t = p.repeat_heads_to[i] > 0
+                             ? repeat_heads(*p.unfolded[i], p.repeat_heads_to[i], p.input_storage[i])
+                             : *p.unfolded[i];
     const TensorView folded = fold_batch_or_copy(t, batch, p.input_storage[i], "");
     if (i < 3) {
       *slots[i] = folded;

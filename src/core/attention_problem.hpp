@@ -62,6 +62,9 @@ struct AttentionProblem {
   // and the copies.
   std::array<std::optional<TensorView>, 4> unfolded;
   std::array<Tensor, 4> input_storage;
+  // Keys (slot 1) or values (slot 2) with a head count of their own, which materialise_inputs
+  // repeats to heads_kv (PyTorch's repeat_interleave) before folding them; 0 where not.
+  std::array<int64_t, 4> repeat_heads_to{};
 
   // batch_shape with the heads replaced by `heads` (the key/value heads): the batch dimensions of
   // a tensor read or written per key/value head.
@@ -72,7 +75,8 @@ struct AttentionProblem {
   }
 
   bool on_cpu() const { return q.device.is_cpu(); }
-  int64_t group() const { return heads_q / heads_kv; }  // query heads per key/value head
+  // Query heads per key/value head (1 for a call without heads, which has nothing to group).
+  int64_t group() const { return heads_kv > 0 ? heads_q / heads_kv : 1; }
   // Keys [0, causal_end(i)) are visible to query i (all of them without causality).
   int64_t causal_end(int64_t i) const {
     if (!causal) return len_k;

@@ -105,12 +105,17 @@ void for_each_sequence(const std::vector<double>& cost, int threads, Run run) {
                        [&](int64_t t, int) { run(order[wide + static_cast<size_t>(t)], 1); });
 }
 
-// The options of sequence s's own problem.
-SdpaOptions sequence_options(const SdpaOptions& options, int64_t s, int threads) {
+// Sequence s's own problem, on `threads` threads, ready to run.
+AttentionProblem sequence_problem(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  std::span<const int64_t> cu_q, std::span<const int64_t> cu_k,
+                                  const SdpaOptions& options, int64_t s, int threads) {
   SdpaOptions o = options;
   o.num_threads = threads;
   if (options.dropout_p > 0) o.dropout_seed = varlen_dropout_seed(options.dropout_seed, s);
-  return o;
+  AttentionProblem p = detail::make_sdpa_problem(rows(q, cu_q[s], cu_q[s + 1]), rows(k, cu_k[s], cu_k[s + 1]),
+                                                 rows(v, cu_k[s], cu_k[s + 1]), o, detail::InputDtypes::fused);
+  detail::materialise_inputs(p);
+  return p;
 }
 
 // Each sequence's share of the work: its (query, key) pairs times the head dims and heads.
@@ -146,11 +151,8 @@ void varlen_forward(const TensorView& q, const TensorView& k, const TensorView& 
   }
   const int threads = detail::resolve_threads(options.num_threads);
   for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
-    const int64_t q0 = cu_q[s], q1 = cu_q[s + 1], k0 = cu_k[s], k1 = cu_k[s + 1];
-    AttentionProblem p = detail::make_sdpa_problem(rows(q, q0, q1), rows(k, k0, k1), rows(v, k0, k1),
-                                                   sequence_options(options, s, call_threads),
-                                                   detail::InputDtypes::fused);
-    detail::materialise_inputs(p);
+    const int64_t q0 = cu_q[s], q1 = cu_q[s + 1];
+    const AttentionProblem p = sequence_problem(q, k, v, cu_q, cu_k, options, s, call_threads);
     if (!lse) {
       detail::sdpa_forward_host(p, rows(out, q0, q1), nullptr, nullptr);
       return;
@@ -205,10 +207,7 @@ AttentionGradients scaled_dot_product_attention_varlen_backward(
   const int threads = detail::resolve_threads(options.num_threads);
   for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
     const int64_t q0 = cu_q[s], q1 = cu_q[s + 1], k0 = cu_k[s], k1 = cu_k[s + 1];
-    AttentionProblem p = detail::make_sdpa_problem(rows(q, q0, q1), rows(k, k0, k1), rows(v, k0, k1),
-                                                   sequence_options(options, s, call_threads),
-                                                   detail::InputDtypes::fused);
-    detail::materialise_inputs(p);
+    const AttentionProblem p = sequence_problem(q, k, v, cu_q, cu_k, options, s, call_threads);
     const Tensor own_lse = Tensor::copy_of(saved.lse.view().slice(1, q0, q1));  // the kernels read it packed
     detail::BackwardViews views;
     views.out = detail::folded(p, rows(saved.output, q0, q1), shape.heads_q, "saved.output");
