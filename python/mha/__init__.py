@@ -277,6 +277,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     themselves; with dropout, the output's dropout mask applied), else they come from the kernel.
     Inside torch.autocast("cpu") the inputs are cast as PyTorch's SDPA casts them there (floating
     tensors but float64 to the autocast dtype), so the output is in that dtype.
+    Jagged nested tensors [B, H, j, D] (layout=torch.jagged, as PyTorch's SDPA takes them; no
+    attn_mask, no weights) run mha.varlen_attention on their values: a nested output.
     Under torch.compile (and torch.export) the call is one node of the graph, forward and backward
     (the operator mha::sdpa_train; the weights come from mha::sdpa_with_weights).
     torch.func transforms (vmap, grad, vjp, jacrev, jvp, jacfwd) and torch.autograd.forward_ad

@@ -10,7 +10,12 @@ backward. A drop-in replacement inside a PyTorch model on the CPU:
 The returned weights are differentiable, as PyTorch's are (a loss may supervise them); a float
 mask that requires grad (a learned bias) gets its gradient; backward(retain_graph=True), activation
 checkpointing and torch.compile work as with PyTorch's module. A second-order gradient through it
-(create_graph=True, then a backward of that gradient) is an error.
+(create_graph=True, then a backward of that gradient) runs the call again as torch operators around
+the attention kernel; with dropout in training it is an error.
+
+Jagged nested tensors [B, j, E] (layout=torch.jagged; batch_first modules) are taken as query, key
+and value: each sequence attends to its own keys in the varlen kernel, without padding, and the
+output is nested (need_weights=False; no masks, no bias_k/bias_v or zero key).
 
 Parameters may be float32, float64, bfloat16 or float16 (`dtype=` or `.to(dtype)`, as in
 PyTorch); the inputs must then be of that dtype. float64 computes in float64 throughout, so that
