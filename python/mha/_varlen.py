@@ -138,13 +138,18 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
     dropout with seed mha.varlen_dropout_seed(dropout_seed, s). float32, bfloat16, float16 or
     float64; torch tensors (differentiable, once) or numpy arrays. Nested inputs to
     mha.scaled_dot_product_attention (and to PyTorch's, under mha.patch_torch_sdpa) come here.
+    Under torch.compile (and torch.export) the call is one node of the graph, mha::sdpa_varlen_train,
+    its gradient mha::sdpa_varlen_backward; the offsets are tensor operands there.
     """
-    from . import _as_array, _like, _needs_grad, _new_seed  # noqa: PLC0415 - the package is loaded
+    from . import _as_array, _compiling, _like, _needs_grad, _new_seed  # noqa: PLC0415 - the package is loaded
 
-    cu_q = offsets_list(cu_seqlens_q, "cu_seqlens_q")
-    cu_k = cu_q if cu_seqlens_k is None else offsets_list(cu_seqlens_k, "cu_seqlens_k")
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    if _compiling():  # one node of the graph, the offsets tensor operands (no specialisation on lengths)
+        return _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, enable_gqa, dropout_p,
+                              dropout_seed, causal_alignment == "bottom_right", num_threads)
+    cu_q = offsets_list(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = cu_q if cu_seqlens_k is None else offsets_list(cu_seqlens_k, "cu_seqlens_k")
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     options = _options(dropout_p, is_causal, scale, enable_gqa, dropout_seed, causal_alignment == "bottom_right",
@@ -158,6 +163,25 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
     k = _as_array(key, "key", once=True)
     v = _as_array(value, "value", once=True)
     return _like(query, _mha.sdpa_varlen(q, k, v, cu_q, cu_k, *options))
+
+
+def _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, enable_gqa, dropout_p,
+                   dropout_seed, bottom_right, num_threads):
+    """varlen_attention inside torch.compile / torch.export: the operator mha::sdpa_varlen_train."""
+    import torch  # noqa: PLC0415
+
+    from . import ops  # noqa: PLC0415
+
+    def offsets(x):
+        return x.to(torch.int64) if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=torch.int64)
+
+    cu_q = offsets(cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is None else offsets(cu_seqlens_k)
+    out, _ = torch.ops.mha.sdpa_varlen_train(query, key, value, cu_q, cu_k, float(dropout_p), bool(is_causal),
+                                             None if scale is None else float(scale), bool(enable_gqa),
+                                             ops.seed_tensor(dropout_seed, dropout_p), bool(bottom_right),
+                                             int(num_threads))
+    return out
 
 
 def varlen_dropout_seed(seed: int, sequence: int) -> int:

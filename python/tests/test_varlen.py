@@ -226,3 +226,34 @@ def test_module_on_nested_tensors(rng, causal):
         ours(x, x, x)
     with pytest.raises(ValueError, match="batch_first"):
         mha.nn.MultiheadAttention(E, H)(x, x, x, need_weights=False)
+
+
+def test_compiled_varlen_is_one_node_with_the_eager_bits(rng):
+    """Inside torch.compile (fullgraph: no graph break) the call is the operator
+    mha::sdpa_varlen_train, its gradient mha::sdpa_varlen_backward: the eager output and gradients,
+    bit for bit, and a second batch of other lengths runs the same graph's operator."""
+    for _ in range(2):
+        q, k, v, cu_q, cu_k, options = _draw(rng, torch.float32)
+        grad = torch.from_numpy(rng.standard_normal((q.shape[0], q.shape[1], v.shape[-1]))).float()
+
+        def loss(q, k, v, cu_q, cu_k):
+            return (mha.varlen_attention(q, k, v, cu_q, cu_k, **options) * grad).sum()
+
+        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        got = torch.autograd.grad(compiled(q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k)), (q, k, v))
+        want = torch.autograd.grad(loss(q, k, v, cu_q, cu_k), (q, k, v))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_varlen_operator_passes_opcheck(rng):
+    """PyTorch's checks of the custom operator: schema, autograd registration, fake implementation
+    against the real one, AOT dispatch with dynamic shapes."""
+    from mha import ops
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, cu_q, cu_k, options = _draw(rng, dtype)
+        args = (q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 0.25, options["is_causal"], options["scale"],
+                options["enable_gqa"], ops.seed_tensor(7, 0.25), False, 0)
+        result = torch.library.opcheck(torch.ops.mha.sdpa_varlen_train.default, args)
+        assert all(r == "SUCCESS" for r in result.values()), result
