@@ -1,10 +1,12 @@
 // The README's example, complete: a self-attention and a cross-attention call on the module, a
-// state dict round trip, and SDPA on [B, L, H, D] storage through transposed views.
+// state dict round trip, SDPA on [B, L, H, D] storage through transposed views, and sequences of
+// different lengths packed without padding.
 #include <mha/mha.hpp>
 
 #include <cstdio>
 #include <random>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -53,5 +55,13 @@ int main() {
       {.is_causal = true, .enable_gqa = true});
   std::printf("SDPA output %s (ISA %s, %d threads)\n", out.shape_str().c_str(), mha::cpu_isa().c_str(),
               mha::get_num_threads());
+
+  // Sequences of different lengths, packed without padding: [T, H, D] rows and their offsets.
+  const std::vector<int64_t> cu_seqlens{0, 37, 128, 141};  // three sequences: 37, 91 and 13 tokens
+  const mha::Tensor packed_q = random_tensor({141, Hq, D}, rng);
+  const mha::Tensor packed_kv = random_tensor({141, Hkv, D}, rng);
+  const mha::Tensor ragged = mha::scaled_dot_product_attention_varlen(
+      packed_q, packed_kv, packed_kv, cu_seqlens, cu_seqlens, {.is_causal = true, .enable_gqa = true});
+  std::printf("varlen output %s for %zu sequences\n", ragged.shape_str().c_str(), cu_seqlens.size() - 1);
   return 0;
 }
