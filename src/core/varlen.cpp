@@ -89,6 +89,12 @@ TensorView rows(const TensorView& packed, int64_t begin, int64_t end) {
   return packed.slice(0, begin, end).transpose(0, 1);
 }
 
+// Sets rows [begin, end) of a packed [T, H, D] tensor to zero.
+void zero_rows(const Tensor& packed, int64_t begin, int64_t end) {
+  const TensorView r = packed.view().slice(0, begin, end);
+  copy_into(Tensor::zeros(r.sizes(), r.dtype), r);
+}
+
 // Runs run(s, threads) for every sequence s with work in it (`cost[s]` > 0). A sequence that holds
 // at least a (4 x threads)-th of the work runs on all threads (its own tasks balance), longest
 // first; the rest run whole on one thread each, longest first, handed out one at a time.
@@ -141,8 +147,7 @@ void varlen_forward(const TensorView& q, const TensorView& k, const TensorView& 
   // Sequences with queries and no key: zeros, and +inf for the log-sum-exp (no visible key).
   for (int64_t s = 0; s < shape.sequences; ++s) {
     if (cu_q[s + 1] == cu_q[s] || cu_k[s + 1] != cu_k[s]) continue;
-    const Tensor zeros = Tensor::zeros({shape.heads_q, cu_q[s + 1] - cu_q[s], shape.dim_v}, q.dtype);
-    copy_into(zeros, rows(out, cu_q[s], cu_q[s + 1]));
+    zero_rows(out, cu_q[s], cu_q[s + 1]);
     if (lse) {
       Tensor inf = Tensor::empty({shape.heads_q, cu_q[s + 1] - cu_q[s]}, DType::f64);
       std::fill_n(inf.data<double>(), inf.numel(), std::numeric_limits<double>::infinity());
@@ -199,11 +204,17 @@ AttentionGradients scaled_dot_product_attention_varlen_backward(
   detail::check_output_view(grad_output, {shape.total_q, shape.heads_q, shape.dim_v}, q.dtype, "grad_output");
   require_cpu(grad_output, "grad_output");
 
-  // Rows no query reads (a sequence without queries, or without keys) keep zero gradients.
   AttentionGradients g;
-  if (wanted.query) g.query = Tensor::zeros(q.sizes(), q.dtype);
-  if (wanted.key) g.key = Tensor::zeros(k.sizes(), q.dtype);
-  if (wanted.value) g.value = Tensor::zeros(v.sizes(), q.dtype);
+  if (wanted.query) g.query = Tensor::empty(q.sizes(), q.dtype);
+  if (wanted.key) g.key = Tensor::empty(k.sizes(), q.dtype);
+  if (wanted.value) g.value = Tensor::empty(v.sizes(), q.dtype);
+  // A sequence without queries or without keys runs no kernel: its rows' gradients are zero.
+  for (int64_t s = 0; s < shape.sequences; ++s) {
+    if (cu_q[s + 1] != cu_q[s] && cu_k[s + 1] != cu_k[s]) continue;
+    if (wanted.query) zero_rows(g.query, cu_q[s], cu_q[s + 1]);
+    if (wanted.key) zero_rows(g.key, cu_k[s], cu_k[s + 1]);
+    if (wanted.value) zero_rows(g.value, cu_k[s], cu_k[s + 1]);
+  }
   const int threads = detail::resolve_threads(options.num_threads);
   for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
     const int64_t q0 = cu_q[s], q1 = cu_q[s + 1], k0 = cu_k[s], k1 = cu_k[s + 1];
