@@ -38,6 +38,14 @@ struct SdpaOptions {
   std::optional<TensorView> attn_mask;
   bool is_causal = false;  // may be combined with attn_mask: a key must pass both
   CausalAlignment causal_alignment = CausalAlignment::TopLeft;
+  // Sliding-window (local) attention, FlashAttention's window_size: query i sees keys from
+  // window_left before to window_right after its diagonal (key i, or key i + Lk - Lq with
+  // CausalAlignment::BottomRight), both ends included; -1 leaves that side unbounded. With
+  // is_causal or attn_mask, a key must pass them all (Mistral's window of W keys: is_causal,
+  // window_left = W - 1). window_right bounds keys as is_causal does, a diagonal moved right;
+  // window_left excludes the keys before its own diagonal, on the host only.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
   std::optional<double> scale;  // default 1/sqrt(Dk)
   bool enable_gqa = false;      // allow Hq to be a multiple of Hkv (grouped-query attention)
   double dropout_p = 0.0;       // dropout on the attention weights, in [0, 1]

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/batch_dims.hpp"
+#include "core/thread_pool.hpp"
 
 namespace mha::detail {
 namespace {
@@ -256,7 +257,20 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   p.dropout_p = options.dropout_p;
   p.dropout_seed = options.dropout_seed;
   p.causal = options.is_causal;
-  p.causal_offset = options.causal_alignment == CausalAlignment::BottomRight ? p.len_k - p.len_q : 0;
+  const int64_t diagonal = options.causal_alignment == CausalAlignment::BottomRight ? p.len_k - p.len_q : 0;
+  p.causal_offset = diagonal;
+  if (options.window_left < -1 || options.window_right < -1) {
+    throw Error("window_left, window_right: expected -1 (unbounded) or a key count >= 0, got (" +
+                std::to_string(options.window_left) + ", " + std::to_string(options.window_right) + ")");
+  }
+  if (options.window_right >= 0 && !(p.causal && p.causal_offset <= diagonal + options.window_right)) {
+    p.causal = true;  // the window's right end is a diagonal further right (or the causal one)
+    p.causal_offset = diagonal + options.window_right;
+  }
+  if (options.window_left >= 0) {
+    p.windowed = true;
+    p.window_offset = diagonal - options.window_left;
+  }
   if (options.attn_mask) {
     const TensorView& mask = *options.attn_mask;
     // It broadcasts to the weights' shape, batch_shape + [Lq, Lk], without growing it (leading
@@ -280,7 +294,7 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   return p;
 }
 
-void materialise_inputs(AttentionProblem& p) {
+void materialise_inputs(AttentionProblem& p, bool window_as_mask) {
   const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
   TensorView* slots[] = {&p.q, &p.k, &p.v};
   for (int i = 0; i < 4; ++i) {
@@ -317,6 +331,25 @@ void materialise_inputs(AttentionProblem& p) {
     term.data = w.data;
     term.dtype = DType::f32;
     for (int d = 0; d < 4; ++d) term.strides[d] = shape[d] == 1 ? 0 : w.strides[d];
+  }
+  if (p.windowed && window_as_mask && !p.window_mask.defined()) {
+    if (!p.on_cpu()) {
+      throw Error("window_left: a sliding window's left end is a mask on the host; on " + p.q.device.str() +
+                  " pass window_left = -1 (window_right and is_causal run there)");
+    }
+    p.window_mask = Tensor::empty({p.len_q, p.len_k}, DType::boolean);
+    uint8_t* keep = p.window_mask.data<uint8_t>();
+    parallel_for(p.len_q, resolve_threads(p.num_threads), [&](int64_t i, int) {
+      const int64_t begin = p.window_begin(i);
+      std::fill_n(keep + i * p.len_k, begin, uint8_t{0});
+      std::fill_n(keep + i * p.len_k + begin, p.len_k - begin, uint8_t{1});
+    });
+    MaskTerm term;
+    term.data = keep;
+    term.dtype = DType::boolean;
+    term.kind = MaskKind::keep_if_true;
+    term.strides = {0, 0, p.len_k, 1};
+    p.add_mask(term);
   }
 }
 

@@ -48,11 +48,16 @@ struct AttentionProblem {
   int num_masks = 0;
   bool causal = false;
   int64_t causal_offset = 0;  // query i sees key j iff j <= i + causal_offset
+  // The left end of a sliding window: query i sees no key j < i + window_offset. (Its right end
+  // is a causal offset.) materialise_inputs turns it into a mask term the kernels read.
+  bool windowed = false;
+  int64_t window_offset = 0;
   double scale = 1.0;
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;
   int num_threads = 1;
   Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads (materialise_inputs)
+  Tensor window_mask;   // [Lq, Lk] bool, the sliding window's left end as a mask term (materialise_inputs)
   // The call's batch dimensions (every dimension of the output before its last two, broadcast as
   // PyTorch broadcasts them; empty for 2-D inputs): batch = the product of all but the last,
   // heads_q the last.
@@ -83,6 +88,13 @@ struct AttentionProblem {
     const int64_t e = i + causal_offset + 1;
     return e < 0 ? 0 : (e > len_k ? len_k : e);
   }
+  // Keys [window_begin(i), causal_end(i)) are visible to query i.
+  int64_t window_begin(int64_t i) const {
+    if (!windowed) return 0;
+    const int64_t b = i + window_offset;
+    return b < 0 ? 0 : (b > len_k ? len_k : b);
+  }
+  bool visible(int64_t i, int64_t j) const { return j >= window_begin(i) && j < causal_end(i); }
   void add_mask(const MaskTerm& m) { masks[num_masks++] = m; }
 };
 
@@ -99,8 +111,11 @@ AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, con
 // reads data) leaves to the public functions that run it: inputs whose batch dimensions do not
 // fold into one stride are copied (p.unfolded), and a float mask term of bfloat16 or float16
 // (PyTorch's usual mask for a bfloat16 model) is replaced by a float32 copy the kernels read
-// (exact), held in p.mask_storage. mha::Error for either on a device.
-void materialise_inputs(AttentionProblem& p);
+// (exact), held in p.mask_storage; and the left end of a sliding window becomes a bool mask term
+// ([Lq, Lk], p.window_mask; the kernels skip the blocks it excludes, as they skip a padding
+// mask's) unless `window_as_mask` is false (the reference applies it itself). mha::Error for
+// any of them on a device.
+void materialise_inputs(AttentionProblem& p, bool window_as_mask = true);
 
 // t, of shape p.batch_shape_with_heads(heads) + [rows, cols], as the [B, heads, rows, cols] view
 // the kernels read or write (fold_batch); mha::Error naming `name` where its strides do not fold.

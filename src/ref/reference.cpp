@@ -39,13 +39,13 @@ void attention(const AttentionProblem& p, double* out, double* weights) {
     for (int64_t h = 0; h < p.heads_q; ++h) {
       const int64_t hk = h / p.group();  // the key/value head this query head reads
       for (int64_t i = 0; i < p.len_q; ++i) {
-        // scores = q k^T * scale + masks, with causally hidden keys at -inf
+        // scores = q k^T * scale + masks, with keys outside causality or the window at -inf
         for (int64_t j = 0; j < p.len_k; ++j) {
           double dot = 0;
           for (int64_t d = 0; d < p.dim_qk; ++d) dot += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
           double s = dot * p.scale;
           for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias_f64(b, h, i, j);
-          if (j >= p.causal_end(i)) s = neg_inf;
+          if (!p.visible(i, j)) s = neg_inf;
           scores[j] = s;
         }
         // softmax; a row with no visible key gets all-zero weights (documented in sdpa.hpp)
@@ -102,7 +102,7 @@ Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
                                     const SdpaOptions& options) {
   require_cpu(q, "query");
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
-  detail::materialise_inputs(p);
+  detail::materialise_inputs(p, /*window_as_mask=*/false);  // (applied below, from its definition)
   Result r;
   r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), DType::f64);  // [B, Hq, Lq, Dv] in memory
   r.weights = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k), DType::f64);
@@ -114,7 +114,7 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
                                                 const TensorView& grad_output, const SdpaOptions& options) {
   require_cpu(q, "query");
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
-  detail::materialise_inputs(p);
+  detail::materialise_inputs(p, /*window_as_mask=*/false);  // (applied below, from its definition)
   Tensor grad_copy;
   const TensorView g = detail::fold_batch_or_copy(grad_output, p.batch_shape, grad_copy, "grad_output");
   // Gradients over the full batch shape, summed at the end over what each input broadcasts along.
@@ -147,7 +147,7 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
           for (int64_t d = 0; d < p.dim_qk; ++d) s += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
           s *= p.scale;
           for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias_f64(b, h, i, j);
-          if (j >= p.causal_end(i)) s = neg_inf;
+          if (!p.visible(i, j)) s = neg_inf;
           prob[j] = s;
           max = std::max(max, s);
         }
