@@ -22,7 +22,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as _np
 
-from . import _mha, _varlen
+from . import _mha, _varlen, _window
 from ._varlen import varlen_attention, varlen_dropout_seed
 
 __all__ = [
@@ -258,7 +258,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                  is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False, *, dropout_seed: Optional[int] = None,
                                  causal_alignment: str = "top_left", need_weights: bool = False,
-                                 num_threads: int = 0):
+                                 num_threads: int = 0, window_size: Optional[Tuple[int, int]] = None):
     """torch.nn.functional.scaled_dot_product_attention on the fused kernel.
 
     query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev], rank 2
@@ -271,6 +271,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     is_causal may be combined with attn_mask (a key must pass both). causal_alignment is
     "top_left" (PyTorch's) or "bottom_right" (the last query sees every key). Fully masked rows
     give zeros. dropout_seed fixes the dropout mask (a fresh one is drawn when None).
+    window_size=(left, right) is sliding-window (local) attention, FlashAttention's: query i sees
+    keys from `left` before to `right` after its diagonal (the one causal_alignment names), -1
+    leaving a side unbounded; with is_causal or attn_mask a key must pass them all (Mistral's
+    window of W keys: is_causal=True, window_size=(W - 1, -1)). It is applied as a bool band
+    [L, S] joined to attn_mask; blocks of keys it excludes are skipped, not computed.
     With need_weights=True, returns (output, weights) instead of the output. The weights are
     differentiable, as mha.nn.MultiheadAttention's are: where autograd (or a torch.func transform)
     needs their derivative they are formed in torch operators (O(L*S) per head, as the weights
@@ -288,9 +293,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     autocast = _autocast_dtype()
     if autocast is not None:
         query, key, value, attn_mask = _autocast(autocast, query, key, value, attn_mask)
+    window = _window.check_window(window_size)
     if _is_torch(query) and query.is_nested:  # jagged [B, H, j, D]: packed sequences, no padding
         return _varlen.nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                   dropout_seed, causal_alignment, num_threads, need_weights)
+                                   dropout_seed, causal_alignment, num_threads, need_weights, window)
+    if window is not None:
+        attn_mask = _window.window_in_mask(query, key, attn_mask, window, causal_alignment == "bottom_right")
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
                             causal_alignment, num_threads, need_weights)

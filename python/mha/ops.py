@@ -333,19 +333,19 @@ multihead_attention_train.register_autograd(_module_backward, setup_context=_mod
 @torch.library.custom_op("mha::sdpa_varlen_train", mutates_args=(), device_types="cpu")
 def sdpa_varlen_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, dropout_p: float, is_causal: bool, scale: Optional[float],
-                      enable_gqa: bool, dropout_seed: torch.Tensor, bottom_right: bool,
-                      num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      enable_gqa: bool, dropout_seed: torch.Tensor, bottom_right: bool, window_left: int,
+                      window_right: int, num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The packed output [Tq, Hq, Ev] and the log-sum-exp [Hq, Tq] of the varlen training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_varlen_train(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dropout_p,
                                       is_causal, scale, enable_gqa, _seed_value(dropout_seed), bottom_right,
-                                      num_threads)
+                                      window_left, window_right, num_threads)
     return _tensor(out), torch.from_numpy(lse)
 
 
 @sdpa_varlen_train.register_fake
 def _(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, num_threads):
+      bottom_right, window_left, window_right, num_threads):
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return (query.new_empty((query.shape[0], query.shape[1], value.shape[-1])),
             query.new_empty((query.shape[1], query.shape[0]), dtype=lse_dtype))
@@ -355,29 +355,30 @@ def _(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale
 def sdpa_varlen_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                          dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
-                         dropout_seed: torch.Tensor, bottom_right: bool, num_threads: int,
-                         wanted: List[bool]) -> List[torch.Tensor]:
+                         dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
+                         num_threads: int, wanted: List[bool]) -> List[torch.Tensor]:
     """The gradients of query, key and value; one not in `wanted` is an empty tensor, not computed."""
     grads = _mha.sdpa_varlen_backward(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), out, lse,
                                       grad_output.to(out.dtype).contiguous(), dropout_p, is_causal, scale,
-                                      enable_gqa, _seed_value(dropout_seed), bottom_right, num_threads,
-                                      tuple(bool(w) for w in wanted))
+                                      enable_gqa, _seed_value(dropout_seed), bottom_right, window_left,
+                                      window_right, num_threads, tuple(bool(w) for w in wanted))
     return [query.new_empty(0) if d is None else _tensor(d) for d in grads]
 
 
 @sdpa_varlen_backward.register_fake
 def _(grad_output, query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_p, is_causal, scale, enable_gqa,
-      dropout_seed, bottom_right, num_threads, wanted):
+      dropout_seed, bottom_right, window_left, window_right, num_threads, wanted):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
             for t, w in zip((query, key, value), wanted)]
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    query, key, value, cu_q, cu_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, threads = inputs
+    (query, key, value, cu_q, cu_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
+     window_right, threads) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, cu_q, cu_k, out, lse, dropout_seed)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa)
-    ctx.threading = (bottom_right, threads)
+    ctx.threading = (bottom_right, window_left, window_right, threads)
 
 
 def _varlen_backward(ctx, grad_output, grad_lse):
@@ -385,7 +386,7 @@ def _varlen_backward(ctx, grad_output, grad_lse):
     wanted = [bool(n) for n in ctx.needs_input_grad[:3]]
     grads = torch.ops.mha.sdpa_varlen_backward(grad_output, query, key, value, cu_q, cu_k, out, lse, *ctx.options,
                                                dropout_seed, *ctx.threading, wanted)
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 9
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 11
 
 
 sdpa_varlen_train.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -263,14 +263,23 @@ ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, con
 }
 
 // Variable-length attention over packed [T, H, D] arrays and offsets (cu_seqlens_q, cu_seqlens_k):
-// the output, or (output, lse) for training, and the gradients.
+// the output, or (output, lse) for training, and the gradients; with a sliding window
+// (window_left, window_right; -1 unbounded).
 using Offsets = std::vector<int64_t>;
+
+mha::SdpaOptions windowed(mha::SdpaOptions o, int64_t window_left, int64_t window_right) {
+  o.window_left = window_left;
+  o.window_right = window_right;
+  return o;
+}
 
 NumpyArray sdpa_varlen(const Array& query, const Array& key, const Array& value, const Offsets& cu_q,
                        const Offsets& cu_k, double dropout_p, bool is_causal, std::optional<double> scale,
-                       bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int num_threads) {
-  const mha::SdpaOptions o =
-      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
+                       bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
+                       int64_t window_right, int num_threads) {
+  const mha::SdpaOptions o = windowed(
+      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads),
+      window_left, window_right);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::Tensor out;
   {
@@ -283,9 +292,11 @@ NumpyArray sdpa_varlen(const Array& query, const Array& key, const Array& value,
 std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Array& key, const Array& value,
                                                     const Offsets& cu_q, const Offsets& cu_k, double dropout_p,
                                                     bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                                    uint64_t dropout_seed, bool bottom_right, int num_threads) {
-  const mha::SdpaOptions o =
-      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
+                                                    uint64_t dropout_seed, bool bottom_right, int64_t window_left,
+                                                    int64_t window_right, int num_threads) {
+  const mha::SdpaOptions o = windowed(
+      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads),
+      window_left, window_right);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
   {
@@ -298,10 +309,11 @@ std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Ar
 std::tuple<MaybeArray, MaybeArray, MaybeArray> sdpa_varlen_backward(
     const Array& query, const Array& key, const Array& value, const Offsets& cu_q, const Offsets& cu_k,
     const Array& output, const Array& lse, const Array& grad_output, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int num_threads,
-    std::tuple<bool, bool, bool> wanted) {
-  const mha::SdpaOptions o =
-      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads);
+    std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
+    int64_t window_right, int num_threads, std::tuple<bool, bool, bool> wanted) {
+  const mha::SdpaOptions o = windowed(
+      sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads),
+      window_left, window_right);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
   saved.output = mha::Tensor::copy_of(view_of(output, "output"));  // in its dtype, the inputs' (checked there)
@@ -449,16 +461,17 @@ NB_MODULE(_mha, m) {
         nb::arg("wanted") = std::make_tuple(true, true, true));
   m.def("sdpa_varlen", &sdpa_varlen, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(),
-        nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("num_threads"));
+        nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"),
+        nb::arg("window_right"), nb::arg("num_threads"));
   m.def("sdpa_varlen_train", &sdpa_varlen_train, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"),
         nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"),
-        nb::arg("num_threads"));
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("num_threads"));
   m.def("sdpa_varlen_backward", &sdpa_varlen_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("output"), nb::arg("lse"), nb::arg("grad_output"),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
-        nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("num_threads"),
-        nb::arg("wanted") = std::make_tuple(true, true, true));
+        nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
+        nb::arg("num_threads"), nb::arg("wanted") = std::make_tuple(true, true, true));
   m.def("varlen_dropout_seed", &mha::varlen_dropout_seed, nb::arg("seed"), nb::arg("sequence"));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
