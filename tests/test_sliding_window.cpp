@@ -89,11 +89,13 @@ mha::SdpaOptions as_band_mask(const WindowCase& c) {
   return o;
 }
 
-// The same bits; in float64, whose kernel hands blocks to BLAS with the keys causality leaves
-// (fewer than the band mask's), within 1e-13 (a few units of float64 rounding in sums of up to
-// a few hundred terms).
+// The same bits, but for the sign of a zero (the gradient of a key no query sees is +0 in one
+// schedule and may be -0 in the other); in float64, whose kernel hands blocks to BLAS with the keys
+// causality leaves (fewer than the band mask's), within 1e-13 (a few units of float64 rounding in
+// sums of up to a few hundred terms).
 ::testing::AssertionResult agree(const mha::TensorView& a, const mha::TensorView& b) {
-  if (a.dtype == mha::DType::f64 ? rel_error(a, b) < 1e-13 : same_bits(a, b)) return ::testing::AssertionSuccess();
+  const bool same = a.dtype == mha::DType::f64 ? rel_error(a, b) < 1e-13 : same_bits(a, b) || rel_error(a, b) == 0;
+  if (same) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "relative difference " << rel_error(a, b);
 }
 

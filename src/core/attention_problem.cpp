@@ -294,7 +294,7 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   return p;
 }
 
-void materialise_inputs(AttentionProblem& p, bool window_as_mask) {
+void materialise_inputs(AttentionProblem& p) {
   const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
   TensorView* slots[] = {&p.q, &p.k, &p.v};
   for (int i = 0; i < 4; ++i) {
@@ -332,25 +332,33 @@ void materialise_inputs(AttentionProblem& p, bool window_as_mask) {
     term.dtype = DType::f32;
     for (int d = 0; d < 4; ++d) term.strides[d] = shape[d] == 1 ? 0 : w.strides[d];
   }
-  if (p.windowed && window_as_mask && !p.window_mask.defined()) {
-    if (!p.on_cpu()) {
-      throw Error("window_left: a sliding window's left end is a mask on the host; on " + p.q.device.str() +
-                  " pass window_left = -1 (window_right and is_causal run there)");
-    }
-    p.window_mask = Tensor::empty({p.len_q, p.len_k}, DType::boolean);
-    uint8_t* keep = p.window_mask.data<uint8_t>();
-    parallel_for(p.len_q, resolve_threads(p.num_threads), [&](int64_t i, int) {
-      const int64_t begin = p.window_begin(i);
-      std::fill_n(keep + i * p.len_k, begin, uint8_t{0});
-      std::fill_n(keep + i * p.len_k + begin, p.len_k - begin, uint8_t{1});
-    });
-    MaskTerm term;
-    term.data = keep;
-    term.dtype = DType::boolean;
-    term.kind = MaskKind::keep_if_true;
-    term.strides = {0, 0, p.len_k, 1};
-    p.add_mask(term);
+  if (p.windowed && !p.on_cpu()) {
+    throw Error("window_left: a sliding window's left end is applied on the host; on " + p.q.device.str() +
+                " pass window_left = -1 (window_right and is_causal run there)");
   }
+}
+
+AttentionProblem with_window_as_mask(const AttentionProblem& problem) {
+  if (!problem.windowed) return problem;
+  AttentionProblem p = problem;
+  // One query row (decoding): a row broadcast along the queries, which the decoding kernel maps
+  // by key blocks and skips without reading the keys.
+  const int64_t rows = p.len_q == 1 ? 1 : p.len_q;
+  p.window_mask = Tensor::empty({rows, p.len_k}, DType::boolean);
+  uint8_t* keep = p.window_mask.data<uint8_t>();
+  parallel_for(rows, resolve_threads(p.num_threads), [&](int64_t i, int) {
+    const int64_t begin = p.window_begin(i);
+    std::fill_n(keep + i * p.len_k, begin, uint8_t{0});
+    std::fill_n(keep + i * p.len_k + begin, p.len_k - begin, uint8_t{1});
+  });
+  MaskTerm term;
+  term.data = keep;
+  term.dtype = DType::boolean;
+  term.kind = MaskKind::keep_if_true;
+  term.strides = {0, 0, rows == 1 ? 0 : p.len_k, 1};
+  p.add_mask(term);
+  p.windowed = false;
+  return p;
 }
 
 }  // namespace mha::detail

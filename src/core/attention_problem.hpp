@@ -49,7 +49,8 @@ struct AttentionProblem {
   bool causal = false;
   int64_t causal_offset = 0;  // query i sees key j iff j <= i + causal_offset
   // The left end of a sliding window: query i sees no key j < i + window_offset. (Its right end
-  // is a causal offset.) materialise_inputs turns it into a mask term the kernels read.
+  // is a causal offset.) The float32 flash forward skips and masks by it; the other paths read it
+  // as a mask term (with_window_as_mask).
   bool windowed = false;
   int64_t window_offset = 0;
   double scale = 1.0;
@@ -57,7 +58,7 @@ struct AttentionProblem {
   uint64_t dropout_seed = 0;
   int num_threads = 1;
   Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads (materialise_inputs)
-  Tensor window_mask;   // [Lq, Lk] bool, the sliding window's left end as a mask term (materialise_inputs)
+  Tensor window_mask;   // [Lq, Lk] bool, the sliding window's left end as a mask term (with_window_as_mask)
   // The call's batch dimensions (every dimension of the output before its last two, broadcast as
   // PyTorch broadcasts them; empty for 2-D inputs): batch = the product of all but the last,
   // heads_q the last.
@@ -111,11 +112,15 @@ AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, con
 // reads data) leaves to the public functions that run it: inputs whose batch dimensions do not
 // fold into one stride are copied (p.unfolded), and a float mask term of bfloat16 or float16
 // (PyTorch's usual mask for a bfloat16 model) is replaced by a float32 copy the kernels read
-// (exact), held in p.mask_storage; and the left end of a sliding window becomes a bool mask term
-// ([Lq, Lk], p.window_mask; the kernels skip the blocks it excludes, as they skip a padding
-// mask's) unless `window_as_mask` is false (the reference applies it itself). mha::Error for
-// any of them on a device.
-void materialise_inputs(AttentionProblem& p, bool window_as_mask = true);
+// (exact), held in p.mask_storage. mha::Error for either on a device, and for a sliding window's
+// left end (window_left), which the host kernels apply.
+void materialise_inputs(AttentionProblem& p);
+
+// p with the left end of its sliding window as a bool mask term ([Lq, Lk], or [1, Lk] broadcast
+// along the queries for one query row; held in window_mask; the kernels skip the blocks it
+// excludes, as they skip a padding mask's) for the paths that do not apply the window
+// themselves; p as it is without a window.
+AttentionProblem with_window_as_mask(const AttentionProblem& p);
 
 // t, of shape p.batch_shape_with_heads(heads) + [rows, cols], as the [B, heads, rows, cols] view
 // the kernels read or write (fold_batch); mha::Error naming `name` where its strides do not fold.

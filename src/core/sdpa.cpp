@@ -35,7 +35,7 @@ void forward_f64(const AttentionProblem& p, const TensorView& out, const TensorV
     set_strides(w4, o.weights_strides);
   }
   o.lse = lse;
-  detail::attention_forward_f64(p, o);
+  detail::attention_forward_f64(detail::with_window_as_mask(p), o);
 }
 
 // Operands in CUDA memory go to the GPU kernel, which computes no weights matrix.
@@ -56,7 +56,8 @@ void sdpa_forward_host(const AttentionProblem& p, const TensorView& out, const T
     forward_f64(p, out, weights, static_cast<double*>(lse));
     return;
   }
-  if (p.q.dtype != DType::f32 && weights == nullptr && lse == nullptr && amx_usable() && amx_bf16_supports(p)) {
+  if (p.q.dtype != DType::f32 && weights == nullptr && lse == nullptr && !p.windowed && amx_usable() &&
+      amx_bf16_supports(p)) {  // (a sliding window runs in the float32 kernel, which skips by it)
     AmxOutputs o;  // bfloat16 on the tile unit
     const TensorView out4 = folded(p, out, p.heads_q, "out");
     o.out = out4.data_as<uint16_t>();
@@ -122,7 +123,7 @@ void sdpa_backward_host(const AttentionProblem& p, const BackwardViews& views) {
     std::copy_n(out.dv_strides, 4, b.dv_strides);
     b.dscores = views.dscores ? views.dscores->data_as<double>() : nullptr;
     std::copy_n(out.dscores_strides, 4, b.dscores_strides);
-    attention_backward_f64(p, b);
+    attention_backward_f64(with_window_as_mask(p), b);
     return;
   }
   out.dscores = views.dscores ? views.dscores->data_as<float>() : nullptr;

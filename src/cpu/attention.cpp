@@ -10,6 +10,7 @@
 #include "cpu/backward_rows.hpp"
 #include "cpu/dispatch.hpp"
 #include "cpu/mask_only_rows.hpp"
+#include "cpu/mask_scores.hpp"
 
 namespace mha::detail {
 namespace {
@@ -119,6 +120,9 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
 
   std::vector<Tensor> copies;
   AttentionProblem p = with_unit_row_strides(problem, copies);
+  // Rows of mask values alone (below) are found along whole causal rows: with a sliding window,
+  // the window is a mask term there too.
+  if (p.windowed && one_contiguous_term(p)) p = with_window_as_mask(p);
   if (p.len_k == 0) {  // no key: every row is fully masked
     const int64_t out_shape[4] = {p.batch, p.heads_q, p.len_q, p.dim_v};
     fill_zero(o.out, o.out_dtype, out_shape, o.out_strides);
@@ -167,7 +171,7 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     return;
   }
   std::vector<Tensor> copies;
-  AttentionProblem p = with_unit_row_strides(problem, copies);
+  AttentionProblem p = with_window_as_mask(with_unit_row_strides(problem, copies));  // (blocks it excludes are skipped)
   for (TensorView* t : {&p.q, &p.k, &p.v}) stand_in_if_empty(*t);
   BackwardInputs inputs = in;
   const int64_t* gs = in.grad_out_strides;

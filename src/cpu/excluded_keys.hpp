@@ -151,10 +151,11 @@ inline OrdinaryRows ordinary_rows(const AttentionProblem& p, int threads, std::v
       return true;
     };
     for (int64_t i = task % chunks * kRowsPerTask; i < std::min(p.len_q, (task % chunks + 1) * kRowsPerTask); ++i) {
-      // The diagonal first (a causal mask's nearest key), then from the first key on.
-      const int64_t end = p.causal_end(i), diagonal = std::min(i, end - 1);
-      bool found = end > 0 && ordinary(i, diagonal);
-      for (int64_t j = 0; j < end && !found; ++j) found = ordinary(i, j);
+      // The diagonal first (a causal mask's nearest key), then from the first key (of a sliding
+      // window) on.
+      const int64_t begin = p.window_begin(i), end = p.causal_end(i);
+      bool found = begin < end && ordinary(i, std::clamp(i, begin, end - 1));
+      for (int64_t j = begin; j < end && !found; ++j) found = ordinary(i, j);
       flags[slice * p.len_q + i] = found;
     }
   });

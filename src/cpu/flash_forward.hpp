@@ -84,7 +84,8 @@ struct FlashForward {
     float* m;       // [kBlockQ] running max (base 2)
     float* l;       // [kBlockQ] running sum
     float* zero_row;  // stands in for keys past Lk in a partial tile
-    uint32_t* lim;    // [kBlockQ] keys [0, lim) visible to each query (causality, Lk)
+    uint32_t* lim;    // [kBlockQ] keys [lo, lim) visible to each query (causality, Lk; a sliding window)
+    uint32_t* lo;
     uint32_t* key_lo; // [kBlockQ] dropout row keys
     uint32_t* key_hi;
     float* kconv;     // [kBlockK][Dk] the key block widened to float32 (bf16/fp16 inputs only)
@@ -141,7 +142,7 @@ struct FlashForward {
     const int64_t kept = wants_weights() ? (keys + keys / kBlockK) * kBlockQ + round_up(p.len_k, kLanes) : 0;
     const int64_t floats =
         (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes + conv + kept;
-    const int64_t words = 3 * kBlockQ;
+    const int64_t words = 4 * kBlockQ;
     void* mem = thread_scratch(static_cast<size_t>(round_up((floats + words) * 4, 64)));
     Scratch s;
     s.memory = mem;
@@ -163,6 +164,7 @@ struct FlashForward {
     std::memset(s.zero_row, 0, sizeof(float) * (std::max(p.dim_qk, p.dim_v) + kLanes));
     uint32_t* u = reinterpret_cast<uint32_t*>(f);
     s.lim = u, u += kBlockQ;
+    s.lo = u, u += kBlockQ;
     s.key_lo = u, u += kBlockQ;
     s.key_hi = u;
     return s;
@@ -171,8 +173,8 @@ struct FlashForward {
   // The pass over the visible key blocks of a task: the online softmax, O rescaled as the max
   // grows. When weights are wanted, each block's P stays in s.pt with the max it was taken
   // against, for finish_weights to bring to the final max once the pass is over.
-  void key_pass(Scratch& s, const KeyValueRows& kv, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t key_end,
-                int64_t clean_end) const {
+  void key_pass(Scratch& s, const KeyValueRows& kv, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t key_begin,
+                int64_t key_end, int64_t clean_begin, int64_t clean_end) const {
     // Vectors of the panel that hold a query: the last task of a short sequence (L=128 is 2 2/3
     // panels) skips the empty ones where the register block is one vector wide.
     const int vecs = T::vecs_for(rows);
@@ -182,7 +184,7 @@ struct FlashForward {
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
 
-    for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+    for (int64_t j0 = key_begin; j0 < key_end; j0 += kBlockK) {
       // A block a mask excludes entirely is skipped (its weights, when kept, need its P: zeros).
       if (!s.pt && block_excluded(b, h, i0, j0, s.skips_swamped)) continue;
       const int64_t nb = std::min<int64_t>(kBlockK, key_end - j0);
@@ -225,6 +227,17 @@ struct FlashForward {
             float* row = s.st + jj * kBlockQ + c * kLanes;
             const M visible = S::lt_i(jv, S::load_u(s.lim + c * kLanes));
             S::store(row, S::select(visible, S::load(row), minus_inf));
+          }
+        }
+      }
+      if (j0 < clean_begin) {  // some pairs are before a sliding window's left end
+        const F minus_inf = S::set1(neg_inf);
+        for (int64_t jj = 0; jj < nbp; ++jj) {
+          const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
+          for (int c = 0; c < vecs; ++c) {
+            float* row = s.st + jj * kBlockQ + c * kLanes;
+            const M before = S::lt_i(jv, S::load_u(s.lo + c * kLanes));
+            S::store(row, S::select(before, minus_inf, S::load(row)));
           }
         }
       }
@@ -357,6 +370,7 @@ struct FlashForward {
       int64_t lim = p.len_k;
       if (p.causal) lim = std::clamp<int64_t>(i + p.causal_offset + 1, 0, p.len_k);
       s.lim[ii] = static_cast<uint32_t>(lim);
+      s.lo[ii] = static_cast<uint32_t>(std::min(p.window_begin(i), lim));
       s.m[ii] = -std::numeric_limits<float>::infinity();
       s.l[ii] = 0.0f;
       if (p.dropout_p > 0) {
@@ -367,11 +381,16 @@ struct FlashForward {
     }
     // Limits grow with the query index, so the first row bounds the blocks that need no mask and
     // the last row bounds the blocks that are visited at all: causal blocks are skipped, not masked.
+    // A sliding window's left ends grow too: blocks before the first row's are skipped (but where
+    // weights are kept, which holds every block from the first), and those before the last row's
+    // are masked.
     const int64_t key_end = s.lim[rows - 1];
     const int64_t clean_end = s.lim[0];
+    const int64_t key_begin = s.pt ? 0 : s.lo[0] / kBlockK * kBlockK;
+    const int64_t clean_begin = s.lo[rows - 1];
 
     s.skips_swamped = mask_columns.ordinary.all(b, h, i0, i0 + rows);
-    key_pass(s, kv, b, h, i0, rows, key_end, clean_end);
+    key_pass(s, kv, b, h, i0, rows, key_begin, key_end, clean_begin, clean_end);
     write_lse(s, b, h, i0, rows);
     for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
     if (s.pt) finish_weights(s, b, h, i0, rows, key_end);
@@ -610,7 +629,10 @@ struct FlashForward {
   void run() const {
     const int threads = resolve_threads(p.num_threads);
     if (FewQueries<S>::applies(p, o)) {  // decoding; the head average from its per-head weights
-      return o.average_weights != nullptr ? run_then_average(threads) : FewQueries<S>{p, o}.run();
+      if (o.average_weights != nullptr) return run_then_average(threads);
+      if (!p.windowed) return FewQueries<S>{p, o}.run();
+      const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)
+      return FewQueries<S>{masked, o}.run();
     }
     if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
     if (!mask_columns.done) {

@@ -102,7 +102,7 @@ Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
                                     const SdpaOptions& options) {
   require_cpu(q, "query");
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
-  detail::materialise_inputs(p, /*window_as_mask=*/false);  // (applied below, from its definition)
+  detail::materialise_inputs(p);
   Result r;
   r.output = Tensor::empty(detail::output_shape(p, p.len_q, p.dim_v), DType::f64);  // [B, Hq, Lq, Dv] in memory
   r.weights = Tensor::empty(detail::output_shape(p, p.len_q, p.len_k), DType::f64);
@@ -114,7 +114,7 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
                                                 const TensorView& grad_output, const SdpaOptions& options) {
   require_cpu(q, "query");
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
-  detail::materialise_inputs(p, /*window_as_mask=*/false);  // (applied below, from its definition)
+  detail::materialise_inputs(p);
   Tensor grad_copy;
   const TensorView g = detail::fold_batch_or_copy(grad_output, p.batch_shape, grad_copy, "grad_output");
   // Gradients over the full batch shape, summed at the end over what each input broadcasts along.
