@@ -46,6 +46,33 @@ void sdpa_forward(benchmark::State& state) {
   state.counters["FLOPS"] = flops_counter(mha::attention_flops(batch, heads, len, len, dim, dim, causal));
 }
 
+// Args: B, H, L, d, W, mode. Causal self-attention over a sliding window of W keys (Mistral's
+// local attention: is_causal, window_left = W - 1), mode 0 through the window option, 1 with the
+// same band as a bool attn_mask [L, L], 2 over every earlier key (plain causal, the baseline).
+// FLOPs count the pairs each call computes: the window's (L W - W (W - 1) / 2), or the causal ones.
+void sdpa_window(benchmark::State& state) {
+  const int64_t batch = state.range(0), heads = state.range(1), len = state.range(2), dim = state.range(3);
+  const int64_t window = state.range(4), mode = state.range(5);
+  std::mt19937_64 rng(47);
+  const mha::Tensor q = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor k = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor v = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor out = mha::Tensor::empty({batch, heads, len, dim});
+  mha::Tensor band = mha::Tensor::empty({len, len}, mha::DType::boolean);
+  for (int64_t i = 0; i < len; ++i)
+    for (int64_t j = 0; j < len; ++j) band.data<uint8_t>()[i * len + j] = j <= i && j > i - window;
+  mha::SdpaOptions options{.is_causal = mode != 1};
+  if (mode == 0) options.window_left = window - 1;
+  if (mode == 1) options.attn_mask = band.view();
+  for (auto _ : state) {
+    mha::scaled_dot_product_attention_into(q, k, v, out, options);
+    benchmark::ClobberMemory();
+  }
+  const double w = static_cast<double>(std::min(window, len)), l = static_cast<double>(len);
+  const double pairs = mode == 2 ? l * (l + 1) / 2 : l * w - w * (w - 1) / 2;
+  state.counters["FLOPS"] = flops_counter(2.0 * pairs * 2.0 * static_cast<double>(dim * batch * heads));
+}
+
 // Args: B, H, L, d, causal, bf16 (0: float32 inputs). The backward alone (the forward's output
 // and log-sum-exp are computed once, outside the loop); FLOPs are 2.5x the forward's, the usual
 // convention.
@@ -171,6 +198,11 @@ void register_benchmarks() {
       for (const int64_t causal : {0, 1}) sdpa->Args({4, 16, len, dim, causal});
   // ...and a small call, where per-call overhead and threading show.
   for (const int64_t causal : {0, 1}) sdpa->Args({1, 8, 128, 64, causal});
+
+  auto* window = benchmark::RegisterBenchmark("SDPA_window", sdpa_window);
+  window->ArgNames({"B", "H", "L", "d", "W", "mode"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (const int64_t mode : {0, 1, 2}) window->Args({1, 16, 4096, 64, 512, mode});
+  for (const int64_t mode : {0, 2}) window->Args({1, 8, 16384, 64, 256, mode});
 
   auto* backward = benchmark::RegisterBenchmark("SDPA_backward", sdpa_backward);
   backward->ArgNames({"B", "H", "L", "d", "causal", "bf16"})->UseRealTime()->Unit(benchmark::kMillisecond);
