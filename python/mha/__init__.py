@@ -274,8 +274,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     window_size=(left, right) is sliding-window (local) attention, FlashAttention's: query i sees
     keys from `left` before to `right` after its diagonal (the one causal_alignment names), -1
     leaving a side unbounded; with is_causal or attn_mask a key must pass them all (Mistral's
-    window of W keys: is_causal=True, window_size=(W - 1, -1)). It is applied as a bool band
-    [L, S] joined to attn_mask; blocks of keys it excludes are skipped, not computed.
+    window of W keys: is_causal=True, window_size=(W - 1, -1)). Blocks of keys outside it are
+    skipped, not computed.
     With need_weights=True, returns (output, weights) instead of the output. The weights are
     differentiable, as mha.nn.MultiheadAttention's are: where autograd (or a torch.func transform)
     needs their derivative they are formed in torch operators (O(L*S) per head, as the weights
@@ -297,15 +297,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if _is_torch(query) and query.is_nested:  # jagged [B, H, j, D]: packed sequences, no padding
         return _varlen.nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    dropout_seed, causal_alignment, num_threads, need_weights, window)
-    if window is not None:
-        attn_mask = _window.window_in_mask(query, key, attn_mask, window, causal_alignment == "bottom_right")
+    window = _window.sides(window)
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                            causal_alignment, num_threads, need_weights)
+                            causal_alignment, num_threads, need_weights, window)
     _auto_threading()
     if _transformed():
         return _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                 causal_alignment, num_threads, need_weights)
+                                 causal_alignment, num_threads, need_weights, window)
     grad = _needs_grad(query, key, value, attn_mask)
     q = _as_array(query, "query", once=True)  # each feeds one extension call at most
     k = _as_array(key, "key", once=True)
@@ -318,20 +317,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         from .autograd import SdpaFunction
         out = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
                                  None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
-                                 causal_alignment == "bottom_right", int(num_threads))
+                                 causal_alignment == "bottom_right", *window, int(num_threads))
         if not need_weights:
             return out
         dropped = None
         if dropout_p > 0:  # (the kernel's weights for its dropout mask: the output's, same seed)
             _, dropped = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
                                    None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed), True,
-                                   causal_alignment == "bottom_right", int(num_threads))
+                                   causal_alignment == "bottom_right", *window, int(num_threads))
             dropped = _like(query, dropped)
         return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                            causal_alignment == "bottom_right", dropped)
+                                            causal_alignment == "bottom_right", window, dropped)
     out, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
                              None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
-                             bool(need_weights), causal_alignment == "bottom_right", int(num_threads))
+                             bool(need_weights), causal_alignment == "bottom_right", *window, int(num_threads))
     if need_weights:
         return _like(query, out), _like(query, weights)
     return _like(query, out)
@@ -354,7 +353,7 @@ def _transformed() -> bool:
 
 
 def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                      causal_alignment, num_threads, need_weights):
+                      causal_alignment, num_threads, need_weights, window):
     """Under torch.func transforms: the autograd Functions, whose vmap rules and setup_context
     the transforms call (their tensors are wrappers the extension cannot read)."""
     from .autograd import SdpaTransformFunction, SdpaWeightsFunction
@@ -366,34 +365,36 @@ def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     options = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
-               int(dropout_seed), causal_alignment == "bottom_right", int(num_threads))
+               int(dropout_seed), causal_alignment == "bottom_right", *window, int(num_threads))
     out, _ = SdpaTransformFunction.apply(query, key, value, attn_mask, *options)
     if not need_weights:
         return out
     dropped = SdpaWeightsFunction.apply(query, key, value, attn_mask, *options) if dropout_p > 0 else None
     return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                        causal_alignment == "bottom_right", dropped)
+                                        causal_alignment == "bottom_right", window, dropped)
 
 
-def _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, dropped):
+def _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, window,
+                            dropped):
     """The attention weights with their derivatives: P formed in torch operators (_explicit.py),
     where autograd or a transform must differentiate them; with dropout, the kernel's mask (the
     zeros of its weights `dropped`, drawn with the output's seed) applied and scaled by 1/(1-p)."""
     from ._explicit import dropout_keep, probabilities
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window)
     if dropout_p > 0:
         p = p * dropout_keep(dropped, dropout_p, p.dtype)
     return p.to(query.dtype)
 
 
 def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                 causal_alignment, num_threads, need_weights):
+                 causal_alignment, num_threads, need_weights, window):
     from . import ops
 
     _check_alignment_and_mask(causal_alignment, attn_mask)
     # (one seed for both operators: the weights are those of the output's dropout mask)
     args = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
-            ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right", int(num_threads))
+            ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right", *window,
+            int(num_threads))
     if need_weights and not _needs_grad(query, key, value, attn_mask):
         return ops.sdpa_with_weights(query, key, value, attn_mask, *args)
     out, _ = ops.sdpa_train(query, key, value, attn_mask, *args)
@@ -404,7 +405,7 @@ def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         detached = (None if t is None else t.detach() for t in (query, key, value, attn_mask))
         dropped = ops.sdpa_with_weights(*detached, *args)[1]
     return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                        causal_alignment == "bottom_right", dropped)
+                                        causal_alignment == "bottom_right", window, dropped)
 
 
 class MultiheadAttention:

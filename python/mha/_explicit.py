@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from ._window import band
+
 
 def grouped(x, heads: int, enable_gqa: bool):
     """Key/value heads repeated to the query's count (GQA), as the kernel reads them in place."""
@@ -29,9 +31,11 @@ def wide_dtype(query):
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
-def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: bool, bottom_right: bool):
+def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: bool, bottom_right: bool,
+                  window=(-1, -1)):
     """softmax(scale * Q K^T + mask) with the kernel's conventions: a bool mask keeps True, a causal
-    mask in either alignment, grouped key heads, broadcast batch dimensions; a row whose keys are
+    mask in either alignment, a sliding window (left, right), grouped key heads, broadcast batch
+    dimensions; a row whose keys are
     all masked is zeros, and so is its derivative (no NaN from the softmax of -inf alone)."""
     wide = wide_dtype(query)
     k = grouped(key, heads_of(query), enable_gqa).to(wide)
@@ -44,6 +48,9 @@ def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: boo
         L, S = scores.shape[-2:]
         hidden = torch.ones(L, S, dtype=torch.bool).triu(1 + (S - L if bottom_right else 0))
         scores = scores.masked_fill(hidden, -math.inf)
+    if tuple(window) != (-1, -1):
+        L, S = scores.shape[-2:]
+        scores = scores.masked_fill(~band(L, S, window, bottom_right, scores.device), -math.inf)
     top = scores.amax(dim=-1, keepdim=True).detach()
     top = top.masked_fill(top == -math.inf, 0.0)
     e = torch.exp(scores - top)
@@ -65,7 +72,7 @@ def _summed_to(grad, like, enable_gqa: bool, heads: int):
 
 
 def backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa, bottom_right,
-             keep=None):
+             window=(-1, -1), keep=None):
     """The gradients of query, key, value and a float mask (None where not `wanted`) for
     `grad_output`, in torch operators that autograd (or a torch.func transform) differentiates
     again. With O = (P * keep) V:
@@ -74,7 +81,7 @@ def backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale
         repeated along)."""
     wide, heads = wide_dtype(query), heads_of(query)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window)
     kept = p if keep is None else p * keep
     d_out = grad_output.to(wide)
     d_p = d_out @ grouped(value, heads, enable_gqa).to(wide).transpose(-1, -2)

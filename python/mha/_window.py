@@ -20,41 +20,23 @@ def check_window(window_size: Any) -> Optional[Tuple[int, int]]:
     return left, right
 
 
-def window_in_mask(query, key, attn_mask, window: Tuple[int, int], bottom_right: bool):
-    """attn_mask with the window written into it: query i keeps keys from `left` before to `right`
-    after its diagonal (key i, or key i + S - L bottom-right); a bool mask is and-ed with the band,
-    a float one gets -inf outside it (its gradient is then 0 there, as the output does not depend
-    on those entries). Torch tensors or numpy arrays, like the query; the band is [L, S] and
-    broadcasts as an attn_mask does."""
+def band(L: int, S: int, window: Tuple[int, int], bottom_right: bool, device=None):
+    """The keys [L, S] (bool, torch) a sliding window keeps: query i keeps keys from `left` before
+    to `right` after its diagonal (key i, or key i + S - L bottom-right); the kernels' rule, for
+    the paths formed in torch operators (weights with derivatives, second derivatives, jvp)."""
+    import torch  # noqa: PLC0415
+
     left, right = window
-    L, S = query.shape[-2], key.shape[-2]
-    offset = S - L if bottom_right else 0
-    if hasattr(query, "is_nested"):  # a torch tensor
-        import torch  # noqa: PLC0415
-
-        distance = (torch.arange(S, device=query.device)[None, :] - torch.arange(L, device=query.device)[:, None]
-                    - offset)
-        keep = torch.ones(L, S, dtype=torch.bool, device=query.device)
-        if left >= 0:
-            keep = keep & (distance >= -left)
-        if right >= 0:
-            keep = keep & (distance <= right)
-        if attn_mask is None:
-            return keep
-        if attn_mask.dtype == torch.bool:
-            return attn_mask & keep
-        return attn_mask.masked_fill(~keep, float("-inf"))
-    import numpy as np  # noqa: PLC0415
-
-    distance = np.arange(S)[None, :] - np.arange(L)[:, None] - offset
-    keep = np.ones((L, S), dtype=bool)
+    distance = (torch.arange(S, device=device)[None, :] - torch.arange(L, device=device)[:, None]
+                - (S - L if bottom_right else 0))
+    keep = torch.ones(L, S, dtype=torch.bool, device=device)
     if left >= 0:
-        keep &= distance >= -left
+        keep = keep & (distance >= -left)
     if right >= 0:
-        keep &= distance <= right
-    if attn_mask is None:
-        return keep
-    mask = np.asarray(attn_mask)
-    if mask.dtype == np.bool_:
-        return mask & keep
-    return np.where(keep, mask, np.array(-np.inf, dtype=mask.dtype))
+        keep = keep & (distance <= right)
+    return keep
+
+
+def sides(window: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+    """(window_left, window_right) as the extension takes them: -1 for an unbounded side."""
+    return (-1, -1) if window is None else window

@@ -47,12 +47,13 @@ def seed_tensor(dropout_seed: Optional[int], dropout_p: float) -> torch.Tensor:
 @torch.library.custom_op("mha::sdpa_train", mutates_args=(), device_types="cpu")
 def sdpa_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
-               bottom_right: bool, num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+               bottom_right: bool, window_left: int, window_right: int,
+               num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [..., Hq, L, Ev] and the row log-sum-exp [..., Hq, L] (float32; float64 for float64
     inputs) of the training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_train(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                               _seed_value(dropout_seed), bottom_right, num_threads)
+                               _seed_value(dropout_seed), bottom_right, window_left, window_right, num_threads)
     return _tensor(out), torch.from_numpy(lse)
 
 
@@ -67,7 +68,8 @@ def _rows(query, key, value, enable_gqa):
 
 
 @sdpa_train.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads):
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
+      window_right, num_threads):
     rows = _rows(query, key, value, enable_gqa)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=lse_dtype)
@@ -77,12 +79,14 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dro
 def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
                   is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
-                  bottom_right: bool, num_threads: int, wanted: List[bool]) -> List[torch.Tensor]:
+                  bottom_right: bool, window_left: int, window_right: int, num_threads: int,
+                  wanted: List[bool]) -> List[torch.Tensor]:
     """The gradients of query, key, value and a float mask, in that order; one not in `wanted` (four
     flags) is an empty tensor and is not computed."""
     dq, dk, dv, dm = _mha.sdpa_backward(query, key, value, out, lse, grad_output.to(out.dtype).contiguous(),
                                         attn_mask, dropout_p, is_causal, scale, enable_gqa, _seed_value(dropout_seed),
-                                        bottom_right, num_threads, bool(wanted[3]), tuple(bool(w) for w in wanted[:3]))
+                                        bottom_right, window_left, window_right, num_threads, bool(wanted[3]),
+                                        tuple(bool(w) for w in wanted[:3]))
     # (each left-out slot its own empty tensor: a custom operator's outputs may not alias)
     return [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)] + [
         _tensor(dm) if dm is not None else query.new_empty(0, dtype=torch.float32)]
@@ -90,7 +94,7 @@ def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 @sdpa_backward.register_fake
 def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, num_threads, wanted):
+      bottom_right, window_left, window_right, num_threads, wanted):
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
              for t, w in zip((query, key, value), wanted[:3])]
     mask = attn_mask.new_empty(attn_mask.shape) if wanted[3] else query.new_empty(0, dtype=torch.float32)
@@ -98,20 +102,22 @@ def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads = inputs
+    (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
+     window_right, num_threads) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
-    ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, num_threads)
+    ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads)
     ctx.mask_is_float = attn_mask is not None and attn_mask.is_floating_point()
 
 
 def _backward(ctx, grad_output, grad_lse):
     query, key, value, attn_mask, out, lse, dropout_seed = ctx.saved_tensors
-    dropout_p, is_causal, scale, enable_gqa, bottom_right, num_threads = ctx.options
+    dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads = ctx.options
     wanted = [bool(n) for n in ctx.needs_input_grad[:3]] + [ctx.mask_is_float and bool(ctx.needs_input_grad[3])]
     grads = torch.ops.mha.sdpa_backward(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
-                                        scale, enable_gqa, dropout_seed, bottom_right, num_threads, wanted)
-    return (*(g if w else None for g, w in zip(grads, wanted)), None, None, None, None, None, None, None)
+                                        scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right,
+                                        num_threads, wanted)
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 9
 
 
 sdpa_train.register_autograd(_backward, setup_context=_setup_context)
@@ -149,18 +155,19 @@ if _registers_vmap:
 @torch.library.custom_op("mha::sdpa_with_weights", mutates_args=(), device_types="cpu")
 def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
-                      dropout_seed: torch.Tensor, bottom_right: bool, num_threads: int) -> Tuple[torch.Tensor,
-                                                                                              torch.Tensor]:
+                      dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
+                      num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output and the attention weights [..., Hq, L, S] (after dropout), in the inputs' dtype;
     not differentiated (a training call takes its output from mha::sdpa_train)."""
     _auto_threading()
     out, weights = _mha.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                             _seed_value(dropout_seed), True, bottom_right, num_threads)
+                             _seed_value(dropout_seed), True, bottom_right, window_left, window_right, num_threads)
     return _tensor(out), _tensor(weights)
 
 
 @sdpa_with_weights.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, num_threads):
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
+      window_right, num_threads):
     rows = _rows(query, key, value, enable_gqa)
     return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
 

@@ -175,3 +175,45 @@ def test_bad_windows_are_clear_errors():
     with pytest.raises(ValueError, match="window_size"):
         mha.varlen_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), [0, 8],
                              window_size=(0, -3))
+
+
+def test_window_under_torch_func_and_second_derivatives(rng):
+    """The paths formed in torch operators take the window too: vmap (one kernel call), jvp,
+    second derivatives (backward of backward) and differentiable weights, against the float64
+    band reference within 1e-10."""
+    B, H, L, S, E = 2, 2, 12, 15, 8
+    window = (3, 1)
+
+    def t(*shape):
+        return torch.from_numpy(rng.standard_normal(shape)).requires_grad_()
+
+    q, k, v = t(B, H, L, E), t(B, H, S, E), t(B, H, S, E)
+    keep = _band(L, S, *window, False, True)
+
+    def ours(q, k, v):
+        return mha.scaled_dot_product_attention(q, k, v, window_size=window, causal_alignment="bottom_right")
+
+    def reference(q, k, v):
+        return _reference(q, k, v, keep, None, None)
+
+    want = reference(q, k, v)
+    assert _relative(torch.func.vmap(ours)(q, k, v), want.detach()) < 1e-10
+    tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+    _, jvp_ours = torch.func.jvp(ours, (q, k, v), tangents)
+    _, jvp_ref = torch.func.jvp(reference, (q, k, v), tangents)
+    assert _relative(jvp_ours, jvp_ref) < 1e-10
+    grad = torch.randn_like(want)
+    first_ours = torch.autograd.grad(ours(q, k, v), (q, k, v), grad, create_graph=True)
+    first_ref = torch.autograd.grad(want, (q, k, v), grad, create_graph=True)
+    second_ours = torch.autograd.grad(sum((g * g).sum() for g in first_ours), (q, k, v))
+    second_ref = torch.autograd.grad(sum((g * g).sum() for g in first_ref), (q, k, v))
+    for a, b in zip(second_ours, second_ref):
+        assert _relative(a, b) < 1e-10
+    _, weights = mha.scaled_dot_product_attention(q, k, v, window_size=window, causal_alignment="bottom_right",
+                                                  need_weights=True)
+    assert torch.all(weights[..., ~keep] == 0)
+    (dq_w,) = torch.autograd.grad((weights * torch.arange(S, dtype=torch.float64)).sum(), (q,))
+    scores = q @ k.transpose(-1, -2) / E ** 0.5
+    p_ref = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1)
+    (dq_ref,) = torch.autograd.grad((p_ref * torch.arange(S, dtype=torch.float64)).sum(), (q,))
+    assert _relative(dq_w, dq_ref) < 1e-10
