@@ -230,6 +230,34 @@ def bench_varlen(reps, rows):
             rows.append(("varlen fwd fp32 vs nested", shape, ours, theirs, flops))
 
 
+def bench_window(reps, rows):
+    """Sliding-window (local) causal attention, each query over its W most recent keys (Mistral's
+    layers): mha's window_size against what a PyTorch user runs on the CPU, its SDPA with the band
+    as a bool mask [L, L] (built once, outside the timing), forward and forward+backward. FLOPs
+    count the window's pairs (L W - W (W - 1) / 2 per head)."""
+    B, H, L, d, W = 1, 16, 4096, 64, 512
+    g = torch.Generator().manual_seed(4)
+    q, k, v, go = (torch.randn(B, H, L, d, generator=g) for _ in range(4))
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    band = (j <= i) & (j > i - W)
+    flops = 4.0 * B * H * (L * W - W * (W - 1) / 2) * d
+    shape = f"B={B} H={H} L={L} d={d} W={W}"
+    ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                          window_size=(W - 1, -1)),
+                                  lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=band), reps)
+    rows.append(("window fwd fp32 vs mask", shape, ours, theirs, flops))
+    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+    def ours_train():
+        out = mha.scaled_dot_product_attention(qt, kt, vt, is_causal=True, window_size=(W - 1, -1))
+        return torch.autograd.grad(out, (qt, kt, vt), go)
+
+    def theirs_train():
+        return torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, attn_mask=band), (qt, kt, vt), go)
+
+    ours, theirs = paired_medians(ours_train, theirs_train, reps)
+    rows.append(("window fwd+bwd fp32 vs mask", shape, ours, theirs, 3.5 * flops))
+
+
 def bench_pooling(reps, rows):
     """Attention pooling in training: one learned query per head (a class token) over the 197
     tokens of a ViT-B/16 image, forward and backward through autograd on both sides, without and
@@ -450,6 +478,7 @@ def main():
         bench_decode(args.reps, rows, args.dtypes)
         if "fp32" in args.dtypes:
             bench_varlen(args.reps, rows)
+            bench_window(args.reps, rows)
             bench_pooling(args.reps, rows)
             bench_per_example_gradients(args.reps, rows)
     if not args.no_module:
