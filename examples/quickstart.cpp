@@ -55,6 +55,11 @@ int main() {
       {.is_causal = true, .enable_gqa = true});
   std::printf("SDPA output %s (ISA %s, %d threads)\n", out.shape_str().c_str(), mha::cpu_isa().c_str(),
               mha::get_num_threads());
+  // The same with a sliding window: each query sees its 32 most recent keys (itself included).
+  const mha::Tensor local = mha::scaled_dot_product_attention(
+      q.view().transpose(1, 2), k.view().transpose(1, 2), v.view().transpose(1, 2),
+      {.is_causal = true, .window_left = 31, .enable_gqa = true});
+  std::printf("sliding-window output %s\n", local.shape_str().c_str());
 
   // Sequences of different lengths, packed without padding: [T, H, D] rows and their offsets.
   const std::vector<int64_t> cu_seqlens{0, 37, 128, 141};  // three sequences: 37, 91 and 13 tokens

@@ -82,6 +82,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (in.flag()) o.dropout_p = 0.25, o.dropout_seed = in.byte();
   if (in.flag()) o.scale = (0.05 + in.small(39) / 20.0) / std::sqrt(static_cast<double>(Dk));  // 0.05x to 2x the default
   o.num_threads = 1 + static_cast<int>(in.small(2));
+  // A sliding window (read from the end: kept inputs keep their meaning): none, one side or both,
+  // from the diagonal alone to wider than the sequences.
+  const uint8_t w = in.tail_byte();
+  if (w % 4 == 1 || w % 4 == 3) o.window_left = (w >> 2) % 2 == 0 ? (w >> 3) % 4 : (w >> 3) % 32 * 5;
+  if (w % 4 == 2 || w % 4 == 3) o.window_right = (w >> 2) % 2 == 0 ? (w >> 4) % 3 : (w >> 4) % 16 * 9;
   mha::Tensor mask;
   switch (in.small(6)) {
     case 1: {  // bool [Lq, Lk], true = attend

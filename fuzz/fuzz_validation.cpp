@@ -146,6 +146,11 @@ void fuzz_options(FuzzInput& in, mha::SdpaOptions& o) {
   o.dropout_p = in.small(4) == 0 ? in.value() : 0.0;
   o.dropout_seed = in.byte();
   o.num_threads = static_cast<int>(in.small(4)) - 1;  // -1 (refused) to 3
+  // A sliding window (read from the end: kept inputs keep their meaning): none, one side or both,
+  // from -2 (refused) to a few keys.
+  const uint8_t w = in.tail_byte();
+  if (w % 4 == 1 || w % 4 == 3) o.window_left = (w >> 2) % 9 - 2;
+  if (w % 4 == 2 || w % 4 == 3) o.window_right = (w >> 5) % 5 - 2;
 }
 
 void fuzz_sdpa(FuzzInput& in) {
@@ -156,6 +161,7 @@ void fuzz_sdpa(FuzzInput& in) {
   fuzz_options(in, o);
   op.is_causal = o.is_causal, op.causal_alignment = o.causal_alignment, op.scale = o.scale;
   op.enable_gqa = o.enable_gqa, op.dropout_p = o.dropout_p, op.num_threads = o.num_threads;
+  op.window_left = o.window_left, op.window_right = o.window_right;
 
   // The validator on every size, absurd ones included.
   try {
