@@ -171,7 +171,10 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     return;
   }
   std::vector<Tensor> copies;
-  AttentionProblem p = with_window_as_mask(with_unit_row_strides(problem, copies));  // (blocks it excludes are skipped)
+  AttentionProblem p = with_unit_row_strides(problem, copies);
+  // Rows of mask values alone (backward_row_normalisers) are found along whole causal rows: with
+  // a sliding window, the window is a mask term there too.
+  if (p.windowed && one_contiguous_term(p)) p = with_window_as_mask(p);
   for (TensorView* t : {&p.q, &p.k, &p.v}) stand_in_if_empty(*t);
   BackwardInputs inputs = in;
   const int64_t* gs = in.grad_out_strides;

@@ -55,7 +55,7 @@ struct RowScores {
   bool max_and_sum(float& max, double& sum) const {
     const float none = -std::numeric_limits<float>::infinity();
     max = none, sum = 0;
-    for (int64_t j = 0, end = p.causal_end(i); j < end; ++j) {
+    for (int64_t j = p.window_begin(i), end = p.causal_end(i); j < end; ++j) {
       float s;
       if (!score(j, s)) return false;
       if (s == max) sum += 1;  // (the usual case: a padded row's keys share one value)

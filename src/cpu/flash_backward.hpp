@@ -292,8 +292,10 @@ struct FlashBackward {
       const F delta = S::set1(in.delta[r]);
       const float p_scale = in.p_scale[r];  // 1 but in rows of mask values alone (backward_rows.hpp)
       const int64_t row_limit = causal_limit(i);
+      const int64_t row_begin = std::min(p.window_begin(i), row_limit);  // (a sliding window's first key)
       const U limit = S::set1_u(static_cast<uint32_t>(row_limit));
-      const bool all_visible = row_limit >= j0 + kPanel;  // the usual case: no lane to zero
+      const U begin = S::set1_u(static_cast<uint32_t>(row_begin));
+      const bool all_visible = row_limit >= j0 + kPanel && row_begin <= j0;  // the usual case: no lane to zero
       U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
       if (dropout) {
         const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
@@ -303,7 +305,10 @@ struct FlashBackward {
       for (int c = 0; c < vecs; ++c) {
         F pr = S::exp2(S::sub(S::load(prow + c * kLanes), lse2));
         if (p_scale != 1.0f) pr = S::mul(pr, S::set1(p_scale));
-        if (!all_visible) pr = S::select(S::lt_i(jv[c], limit), pr, zero);  // causality, keys past Lk
+        if (!all_visible) {
+          pr = S::select(S::lt_i(jv[c], limit), pr, zero);  // causality, keys past Lk
+          if (row_begin > j0) pr = S::select(S::lt_i(jv[c], begin), zero, pr);  // before the window
+        }
         F dp = S::load(grow + c * kLanes);
         F pd = pr;
         if (dropout) {
@@ -341,14 +346,16 @@ struct FlashBackward {
     const float* qrows[kBlock];
     const float* grows[kBlock];
 
-    // The first query that sees any key of the block; earlier ones are skipped, not masked.
-    int64_t i_start = 0;
+    // The first query that sees any key of the block, and the first past those whose sliding
+    // windows reach it; the others are skipped, not masked.
+    int64_t i_start = 0, i_end = p.len_q;
     if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q);
+    if (p.windowed) i_end = std::clamp<int64_t>(j0 + nk - p.window_offset, 0, p.len_q);
     const int64_t group = p.heads_q / p.heads_kv;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       if (tile_excluded(b, h, j0 / kPanel, 0, 0, p.len_q)) continue;  // a padding mask excludes every key of the panel
-      for (int64_t i0 = i_start; i0 < p.len_q; i0 += kBlock) {
-        const int64_t ni = std::min<int64_t>(kBlock, p.len_q - i0);
+      for (int64_t i0 = i_start; i0 < i_end; i0 += kBlock) {
+        const int64_t ni = std::min<int64_t>(kBlock, i_end - i0);
         if (query_rows_excluded(b, h, i0, ni, j0)) continue;  // P = 0, dS = 0: it adds nothing
         const int64_t nip = T::round_up(ni, kRows);
         for (int64_t ii = 0; ii < nip; ++ii) {
@@ -376,7 +383,7 @@ struct FlashBackward {
     const int64_t hk = h / (p.heads_q / p.heads_kv);
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const int64_t slots = copies_any() ? kBlock * (dk + dv) : 0;
-    Buffer buf((2 * dk + dv + 2 * kBlock + 6) * kPanel + std::max(dk, dv) + kLanes + slots);
+    Buffer buf((2 * dk + dv + 2 * kBlock + 7) * kPanel + std::max(dk, dv) + kLanes + slots);
     float* qt = buf.data;            // [Dk][48] Q^T, scaled
     float* got = qt + dk * kPanel;   // [Dv][48] dO^T
     float* dqt = got + dv * kPanel;  // [Dk][48] dQ^T accumulator
@@ -388,8 +395,9 @@ struct FlashBackward {
     uint32_t* limit = reinterpret_cast<uint32_t*>(delta + kPanel);
     uint32_t* key_lo = limit + kPanel;
     uint32_t* key_hi = key_lo + kPanel;
-    const float* zero_row = reinterpret_cast<const float*>(key_hi + kPanel);
-    float* k_slots = reinterpret_cast<float*>(key_hi + kPanel) + std::max(dk, dv) + kLanes;  // [kBlock][Dk]
+    uint32_t* begin = key_hi + kPanel;  // a sliding window's first key
+    const float* zero_row = reinterpret_cast<const float*>(begin + kPanel);
+    float* k_slots = reinterpret_cast<float*>(begin + kPanel) + std::max(dk, dv) + kLanes;  // [kBlock][Dk]
     float* v_slots = k_slots + kBlock * dk;                                                  // [kBlock][Dv]
     transposed_panel(q_rows(), b, h, i0, ni, qt, qk_scale, k_slots);  // (the slots are free until the key loop)
     transposed_panel(grad_out_rows(), b, h, i0, ni, got, 1.0f, v_slots);
@@ -403,6 +411,7 @@ struct FlashBackward {
       rescaled = rescaled || p_scale[ii] != 1.0f;
       delta[ii] = real ? in.delta[r] : 0.0f;
       limit[ii] = static_cast<uint32_t>(real ? causal_limit(i) : 0);
+      begin[ii] = static_cast<uint32_t>(real ? std::min(p.window_begin(i), causal_limit(i)) : 0);
       if (p.dropout_p > 0 && real) {
         const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(r));
         key_lo[ii] = key.lo;
@@ -417,7 +426,17 @@ struct FlashBackward {
     const float* vrows[kBlock];
     const int vecs = T::vecs_for(ni);  // the last block of a short sequence skips its empty vectors
     const int64_t key_end = limit[ni - 1];  // limits grow with the query: later keys are unseen
-    for (int64_t j0 = 0; j0 < key_end; j0 += kBlock) {
+    // A sliding window's first keys grow too: blocks before the first row's are skipped, those
+    // before the last row's masked.
+    const int64_t key_begin = std::min<int64_t>(begin[0], key_end) / kBlock * kBlock, masked_before = begin[ni - 1];
+    if (out.dscores) {  // keys before every row's window
+      for (int64_t ii = 0; ii < ni; ++ii) {
+        float* dsr = out.dscores + b * out.dscores_strides[0] + h * out.dscores_strides[1] +
+                     (i0 + ii) * out.dscores_strides[2];
+        for (int64_t j = 0; j < key_begin; ++j) dsr[j * out.dscores_strides[3]] = 0.0f;
+      }
+    }
+    for (int64_t j0 = key_begin; j0 < key_end; j0 += kBlock) {
       const int64_t nj = std::min<int64_t>(kBlock, key_end - j0);
       if (key_block_excluded(b, h, i0, j0)) {  // a mask excludes every pair of the tile: dS = 0
         if (out.dscores) {
@@ -444,13 +463,14 @@ struct FlashBackward {
         const F l2 = S::load(lse2 + c * kLanes);
         const F sc = S::load(p_scale + c * kLanes);
         const F dl = S::load(delta + c * kLanes);
-        const U lim = S::load_u(limit + c * kLanes);
+        const U lim = S::load_u(limit + c * kLanes), first = S::load_u(begin + c * kLanes);
         const U lo = S::load_u(key_lo + c * kLanes), hi = S::load_u(key_hi + c * kLanes);
         for (int64_t jj = 0; jj < njp; ++jj) {
           float* srow = st + jj * kPanel + c * kLanes;
           const U j = S::set1_u(static_cast<uint32_t>(j0 + jj));
           const M visible = S::lt_i(j, lim);
           F pr = S::select(visible, S::exp2(S::sub(S::load(srow), l2)), zero);
+          if (j0 + jj < masked_before) pr = S::select(S::lt_i(j, first), zero, pr);  // before the window
           if (rescaled) pr = S::mul(pr, sc);
           F dp = S::load(gt + jj * kPanel + c * kLanes);
           if (dropout) dp = S::select(S::ge_u(T::dropout_bits(j, lo, hi), threshold), S::mul(dp, keep_scale), zero);
@@ -538,10 +558,15 @@ struct FlashBackward {
         key_lanes(j0, jv);
         const int key_vecs = T::vecs_for(nk);  // a partly filled block (the last) skips its empty
                                                // vectors, and a partly filled query panel its rows
-        int64_t i_start = 0;  // queries before it see no key of the block: skipped
+        int64_t i_start = 0, i_end = p.len_q;  // queries before and past them see no key of the block: skipped
         if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q) / kPanel * kPanel;
+        if (p.windowed) i_end = T::round_up(std::clamp<int64_t>(j0 + nk - p.window_offset, 0, p.len_q), kPanel);
+        i_end = std::max(std::min(i_end, p.len_q), i_start);
         for (int64_t i0 = 0; out.dscores && i0 < i_start; i0 += kPanel) store_dscores(b, h, i0, kPanel, j0, nk, nullptr);
-        for (int64_t i0 = i_start; i0 < p.len_q; i0 += kPanel) {
+        for (int64_t i0 = i_end; out.dscores && i0 < p.len_q; i0 += kPanel) {
+          store_dscores(b, h, i0, std::min<int64_t>(kPanel, p.len_q - i0), j0, nk, nullptr);
+        }
+        for (int64_t i0 = i_start; i0 < i_end; i0 += kPanel) {
           const int64_t ni = std::min<int64_t>(kPanel, p.len_q - i0);
           if (tile_excluded(b, h, kb, i0 / kPanel, i0, i0 + ni)) {  // P = 0, dS = 0
             if (out.dscores) store_dscores(b, h, i0, ni, j0, nk, nullptr);
@@ -651,7 +676,11 @@ struct FlashBackward {
 
   void run() const {
     if (!out.dq && !out.dk && !out.dv && !out.dscores) return;  // nothing wanted
-    if (FewQueriesBackward<S>::applies(p)) return FewQueriesBackward<S>{p, in, out}.run();
+    if (FewQueriesBackward<S>::applies(p)) {
+      if (!p.windowed) return FewQueriesBackward<S>{p, in, out}.run();
+      const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)
+      return FewQueriesBackward<S>{masked, in, out}.run();
+    }
     const int threads = resolve_threads(p.num_threads);
     // Many head groups: one pass per group, which writes dS (a mask's gradient) from its tiles as
     // it goes. Otherwise two passes, over key blocks then query blocks, which split the sequence
