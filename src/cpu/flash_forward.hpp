@@ -219,25 +219,17 @@ struct FlashForward {
           T::add_mask(p.masks[t], s.st, 1, kBlockQ, b, h, i0, rows, j0, nb);
         }
       }
-      if (j0 + nbp > clean_end) {  // some (query, key) pairs are past causality or Lk
+      // Some (query, key) pairs are past causality or Lk, or before a sliding window's first key.
+      const bool before = j0 < clean_begin;
+      if (j0 + nbp > clean_end || before) {
         const F minus_inf = S::set1(neg_inf);
         for (int64_t jj = 0; jj < nbp; ++jj) {
           const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
           for (int c = 0; c < vecs; ++c) {
             float* row = s.st + jj * kBlockQ + c * kLanes;
-            const M visible = S::lt_i(jv, S::load_u(s.lim + c * kLanes));
-            S::store(row, S::select(visible, S::load(row), minus_inf));
-          }
-        }
-      }
-      if (j0 < clean_begin) {  // some pairs are before a sliding window's left end
-        const F minus_inf = S::set1(neg_inf);
-        for (int64_t jj = 0; jj < nbp; ++jj) {
-          const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
-          for (int c = 0; c < vecs; ++c) {
-            float* row = s.st + jj * kBlockQ + c * kLanes;
-            const M before = S::lt_i(jv, S::load_u(s.lo + c * kLanes));
-            S::store(row, S::select(before, minus_inf, S::load(row)));
+            F x = S::select(S::lt_i(jv, S::load_u(s.lim + c * kLanes)), S::load(row), minus_inf);
+            if (before) x = S::select(S::lt_i(jv, S::load_u(s.lo + c * kLanes)), minus_inf, x);
+            S::store(row, x);
           }
         }
       }
