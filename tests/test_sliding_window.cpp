@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -211,6 +212,22 @@ TEST(SlidingWindow, TheDiagonalAloneAndRowsThatSeeNoKey) {
     }
     for (int64_t i = 4; i < 9; ++i)
       for (int64_t d = 0; d < 8; ++d) EXPECT_EQ(saved.output.view().at({0, h, i, d}), v.view().at({0, h, i - 4, d}));
+  }
+}
+
+// Windows wider than the sequences (the largest int64 included) bound nothing: the bits of the
+// call without them (and no overflow on the way, which the sanitizer build would report).
+TEST(SlidingWindow, WindowsWiderThanTheSequencesBoundNothing) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({1, 2, 70, 16}, rng), k = randn({1, 2, 90, 16}, rng), v = randn({1, 2, 90, 16}, rng);
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  for (const auto alignment : {mha::CausalAlignment::TopLeft, mha::CausalAlignment::BottomRight}) {
+    const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, {.causal_alignment = alignment});
+    for (const auto& [left, right] : {std::pair{huge, huge}, std::pair{int64_t{160}, int64_t{-1}},
+                                      std::pair{int64_t{-1}, int64_t{160}}}) {
+      const mha::SdpaOptions o{.causal_alignment = alignment, .window_left = left, .window_right = right};
+      EXPECT_TRUE(same_bits(mha::scaled_dot_product_attention(q, k, v, o), plain)) << left << ", " << right;
+    }
   }
 }
 

@@ -263,13 +263,16 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     throw Error("window_left, window_right: expected -1 (unbounded) or a key count >= 0, got (" +
                 std::to_string(options.window_left) + ", " + std::to_string(options.window_right) + ")");
   }
-  if (options.window_right >= 0 && !(p.causal && p.causal_offset <= diagonal + options.window_right)) {
+  // A side wider than both sequences together bounds nothing; capped there, the offsets cannot overflow.
+  const int64_t widest = p.len_q + p.len_k;
+  const int64_t window_left = std::min(options.window_left, widest), window_right = std::min(options.window_right, widest);
+  if (window_right >= 0 && !(p.causal && p.causal_offset <= diagonal + window_right)) {
     p.causal = true;  // the window's right end is a diagonal further right (or the causal one)
-    p.causal_offset = diagonal + options.window_right;
+    p.causal_offset = diagonal + window_right;
   }
-  if (options.window_left >= 0) {
+  if (window_left >= 0) {
     p.windowed = true;
-    p.window_offset = diagonal - options.window_left;
+    p.window_offset = diagonal - window_left;
   }
   if (options.attn_mask) {
     const TensorView& mask = *options.attn_mask;
