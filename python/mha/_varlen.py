@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _mha
-from ._window import check_window
+from ._window import check_window, sides
 
 
 def offsets_list(offsets: Any, name: str) -> list:
@@ -35,9 +35,8 @@ def offsets_list(offsets: Any, name: str) -> list:
 
 
 def _options(dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window, num_threads) -> tuple:
-    left, right = window if window is not None else (-1, -1)
     return (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
-            int(dropout_seed), bool(bottom_right), left, right, int(num_threads))
+            int(dropout_seed), bool(bottom_right), *sides(window), int(num_threads))
 
 
 def varlen_function():
@@ -185,7 +184,7 @@ def _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, sca
     out, _ = torch.ops.mha.sdpa_varlen_train(query, key, value, cu_q, cu_k, float(dropout_p), bool(is_causal),
                                              None if scale is None else float(scale), bool(enable_gqa),
                                              ops.seed_tensor(dropout_seed, dropout_p), bool(bottom_right),
-                                             *(window if window is not None else (-1, -1)), int(num_threads))
+                                             *sides(window), int(num_threads))
     return out
 
 

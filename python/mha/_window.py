@@ -17,7 +17,7 @@ def check_window(window_size: Any) -> Optional[Tuple[int, int]]:
     if left < -1 or right < -1:
         raise ValueError(f"window_size: expected -1 (unbounded) or a key count >= 0 on each side, "
                          f"got ({left}, {right})")
-    return left, right
+    return min(left, 1 << 62), min(right, 1 << 62)  # (wider than any sequence: int64 for the extension)
 
 
 def band(L: int, S: int, window: Tuple[int, int], bottom_right: bool, device=None):

@@ -164,6 +164,13 @@ def test_numpy_inputs_take_a_window(rng):
     assert isinstance(got, np.ndarray) and np.array_equal(got, want.numpy())
 
 
+def test_windows_wider_than_the_sequences_bound_nothing():
+    q = torch.randn(1, 2, 30, 16)
+    plain = mha.scaled_dot_product_attention(q, q, q)
+    for window in ((10**30, 10**30), (60, -1), (-1, 60)):
+        assert torch.equal(mha.scaled_dot_product_attention(q, q, q, window_size=window), plain), window
+
+
 def test_bad_windows_are_clear_errors():
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r"window_size: expected -1 \(unbounded\) or a key count >= 0 on each side, "
