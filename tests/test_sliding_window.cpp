@@ -187,12 +187,19 @@ TEST(SlidingWindow, MaskGradientsInBothBackwardSchedules) {
     mha::SdpaOptions o{.attn_mask = transposed, .causal_alignment = mha::CausalAlignment::BottomRight,
                        .window_left = 20, .window_right = 5, .num_threads = 2};
     const mha::SdpaGradientsWanted all{.attn_mask = true};
-    const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
-    const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o, all);
     mha::SdpaOptions oc = o;
     oc.attn_mask = contiguous.view();
     const auto saved_c = mha::scaled_dot_product_attention_for_training(q, k, v, oc);
     const auto gc = mha::scaled_dot_product_attention_backward(q, k, v, saved_c, grad, oc, all);
+    {  // a call without the window first: its score gradients, nonzero everywhere, stay in the
+       // blocks the host cache hands the next call, so one the kernels fail to write would show
+      mha::SdpaOptions unbounded = o;
+      unbounded.window_left = unbounded.window_right = -1;
+      const auto s = mha::scaled_dot_product_attention_for_training(q, k, v, unbounded);
+      (void)mha::scaled_dot_product_attention_backward(q, k, v, s, grad, unbounded, all);
+    }
+    const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o, all);
     EXPECT_TRUE(agree(saved.output, saved_c.output));
     EXPECT_TRUE(agree(g.query, gc.query));
     EXPECT_TRUE(agree(g.key, gc.key));
