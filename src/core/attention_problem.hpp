@@ -49,8 +49,8 @@ struct AttentionProblem {
   bool causal = false;
   int64_t causal_offset = 0;  // query i sees key j iff j <= i + causal_offset
   // The left end of a sliding window: query i sees no key j < i + window_offset. (Its right end
-  // is a causal offset.) The float32 flash forward skips and masks by it; the other paths read it
-  // as a mask term (with_window_as_mask).
+  // is a causal offset.) The float32 flash forward and backward skip and mask by it; the other
+  // paths read it as a mask term (with_window_as_mask).
   bool windowed = false;
   int64_t window_offset = 0;
   double scale = 1.0;

@@ -85,7 +85,7 @@ struct FlashForward {
     float* l;       // [kBlockQ] running sum
     float* zero_row;  // stands in for keys past Lk in a partial tile
     uint32_t* lim;    // [kBlockQ] keys [lo, lim) visible to each query (causality, Lk; a sliding window)
-    uint32_t* lo;
+    uint32_t* lo;     // [kBlockQ] (0 without a sliding window)
     uint32_t* key_lo; // [kBlockQ] dropout row keys
     uint32_t* key_hi;
     float* kconv;     // [kBlockK][Dk] the key block widened to float32 (bf16/fp16 inputs only)
