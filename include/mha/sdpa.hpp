@@ -46,6 +46,14 @@ struct SdpaOptions {
   // window_left excludes the keys before its own diagonal, on the host only.
   int64_t window_left = -1;
   int64_t window_right = -1;
+  // ALiBi (attention with linear biases), FlashAttention's alibi_slopes: -slope * |i + diagonal - j|
+  // is added to the scaled score of query i and key j, the diagonal the one causal_alignment
+  // names (FlashAttention's is BottomRight's). float32 (or float64 with float64 inputs) of shape
+  // [Hq] or broadcastable to the batch dimensions and heads [.., Hq] (per batch entry and head,
+  // FlashAttention's [B, Hq]); finite. Combines with the other options (a second additive term
+  // next to attn_mask). The kernels read the biases of one head from a buffer of Lq + Lk - 1
+  // floats, never an Lq x Lk matrix; on the host only.
+  std::optional<TensorView> alibi_slopes;
   std::optional<double> scale;  // default 1/sqrt(Dk)
   bool enable_gqa = false;      // allow Hq to be a multiple of Hkv (grouped-query attention)
   double dropout_p = 0.0;       // dropout on the attention weights, in [0, 1]

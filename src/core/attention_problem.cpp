@@ -290,6 +290,32 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     const std::array<int64_t, 4> target{p.batch, p.heads_q, p.len_q, p.len_k};
     p.add_mask(make_mask_term(mask4, "attn_mask", MaskKind::keep_if_true, target, q_in.dtype == DType::f64));
   }
+  if (options.alibi_slopes) {
+    const TensorView& slopes = *options.alibi_slopes;
+    const bool float64_call = q_in.dtype == DType::f64;
+    if (slopes.dtype != DType::f32 && !(float64_call && slopes.dtype == DType::f64)) {
+      throw Error("alibi_slopes: expected dtype float32" + std::string(float64_call ? " or float64" : "") + ", got " +
+                  std::string(dtype_name(slopes.dtype)));
+    }
+    if (!slopes.device.is_cpu()) {
+      throw Error("alibi_slopes: expected a host tensor (the biases are built on the host), got one on " +
+                  slopes.device.str());
+    }
+    check_data(slopes, "alibi_slopes");
+    // One slope per query head, per batch entry too where given: broadcastable to the batch
+    // dimensions and heads without growing them.
+    bool fits = true;
+    for (int d = 0; fits && d < slopes.ndim; ++d) {
+      const int64_t td = static_cast<int64_t>(p.batch_shape.size()) - slopes.ndim + d;
+      fits = slopes.shape[d] == 1 || (td >= 0 && slopes.shape[d] == p.batch_shape[td]);
+    }
+    if (!fits) {
+      throw Error("alibi_slopes: shape " + slopes.shape_str() + " cannot be broadcast to the batch dimensions and heads " +
+                  TensorView(nullptr, DType::f32, p.batch_shape).shape_str());
+    }
+    p.alibi_input = slopes;
+    p.alibi_diagonal = diagonal;
+  }
   p.num_threads = options.num_threads;
   if (p.num_threads < 0) {
     throw Error("num_threads: expected >= 0 (0 for the library setting), got " + std::to_string(p.num_threads));
@@ -339,6 +365,53 @@ void materialise_inputs(AttentionProblem& p) {
     throw Error("window_left: a sliding window's left end is applied on the host; on " + p.q.device.str() +
                 " pass window_left = -1 (window_right and is_causal run there)");
   }
+  if (p.alibi_input) add_alibi_term(p);
+}
+
+void add_alibi_term(AttentionProblem& p) {
+  if (!p.on_cpu()) {
+    throw Error("alibi_slopes: ALiBi's biases are applied by the host kernels; on " + p.q.device.str() +
+                " it is not available (pass the biases as attn_mask)");
+  }
+  // The slopes as [..., H, 1, 1], so that they fold over the batch and heads as a mask does.
+  const TensorView& given = *p.alibi_input;
+  Shape shape = given.sizes(), strides(given.strides.begin(), given.strides.begin() + given.ndim);
+  shape.insert(shape.end(), {1, 1});
+  strides.insert(strides.end(), {0, 0});
+  const TensorView folded =
+      fold_batch_or_copy(TensorView(given.data, given.dtype, shape, strides), p.batch_shape, p.alibi_storage, "alibi_slopes");
+  p.alibi_slopes = folded;
+  const int64_t batches = folded.strides[0] != 0 ? p.batch : 1, heads = folded.strides[1] != 0 ? p.heads_q : 1;
+  for (int64_t b = 0; b < batches; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      if (!std::isfinite(p.alibi_slope(b, h))) {
+        throw Error("alibi_slopes: expected finite slopes, got " + std::to_string(p.alibi_slope(b, h)) + " at batch entry " +
+                    std::to_string(b) + ", head " + std::to_string(h));
+      }
+  if (p.len_q == 0 || p.len_k == 0) return;  // no scores
+  // Bias t of a slice is that of every (i, j) with j - i = t - (Lq - 1): Lq + Lk - 1 of them.
+  const int64_t n = p.len_q + p.len_k - 1;
+  const bool f64 = p.q.dtype == DType::f64;
+  p.alibi_biases = Tensor::empty({batches * heads, n}, f64 ? DType::f64 : DType::f32);
+  for (int64_t b = 0; b < batches; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      const double slope = p.alibi_slope(b, h);
+      const int64_t row = (b * heads + h) * n;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t distance = std::abs(t - (p.len_q - 1) - p.alibi_diagonal);
+        if (f64) p.alibi_biases.data<double>()[row + t] = -(slope * static_cast<double>(distance));
+        else p.alibi_biases.data<float>()[row + t] = -(static_cast<float>(slope) * static_cast<float>(distance));
+      }
+    }
+  MaskTerm term;
+  term.dtype = p.alibi_biases.dtype();
+  term.kind = MaskKind::additive;
+  const size_t size = dtype_size(term.dtype);
+  term.data = static_cast<const std::byte*>(p.alibi_biases.view().data) + (p.len_q - 1) * size;  // bias (0, 0)
+  term.strides = {batches > 1 ? heads * n : 0, heads > 1 ? n : 0, -1, 1};
+  if (p.num_masks == static_cast<int>(p.masks.size())) throw Error("alibi_slopes: too many mask terms in one call");
+  p.alibi_term = p.num_masks;
+  p.add_mask(term);
 }
 
 AttentionProblem with_window_as_mask(const AttentionProblem& problem) {

@@ -53,12 +53,22 @@ struct AttentionProblem {
   // paths read it as a mask term (with_window_as_mask).
   bool windowed = false;
   int64_t window_offset = 0;
+  // ALiBi: -slope(b, h) * |i + alibi_diagonal - j| added to score (b, h, i, j). make_sdpa_problem
+  // keeps the slopes as given; materialise_inputs folds them to [B, H] (alibi_slopes) and adds the
+  // term every kernel reads (alibi_term its index): per slope slice a buffer of the biases by
+  // j - i, read with query stride -1 and key stride 1 (Lq + Lk - 1 floats, not Lq x Lk).
+  std::optional<TensorView> alibi_input;
+  TensorView alibi_slopes;  // [B, H] view (stride 0 where the slopes broadcast), float32 or float64
+  int64_t alibi_diagonal = 0;
+  int alibi_term = -1;
   double scale = 1.0;
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;
   int num_threads = 1;
   Tensor mask_storage;  // a float32 copy of a bfloat16/float16 attn_mask, which its term reads (materialise_inputs)
   Tensor window_mask;   // [Lq, Lk] bool, the sliding window's left end as a mask term (with_window_as_mask)
+  Tensor alibi_storage;  // the folded slopes where they do not fold in place, then the term's biases
+  Tensor alibi_biases;   // [slope slices, Lq + Lk - 1]: ALiBi's term reads it
   // The call's batch dimensions (every dimension of the output before its last two, broadcast as
   // PyTorch broadcasts them; empty for 2-D inputs): batch = the product of all but the last,
   // heads_q the last.
@@ -96,6 +106,11 @@ struct AttentionProblem {
     return b < 0 ? 0 : (b > len_k ? len_k : b);
   }
   bool visible(int64_t i, int64_t j) const { return j >= window_begin(i) && j < causal_end(i); }
+  // ALiBi's slope for (b, h) (after materialise_inputs).
+  double alibi_slope(int64_t b, int64_t h) const {
+    const int64_t off = b * alibi_slopes.strides[0] + h * alibi_slopes.strides[1];
+    return alibi_slopes.dtype == DType::f64 ? alibi_slopes.data_as<double>()[off] : alibi_slopes.data_as<float>()[off];
+  }
   void add_mask(const MaskTerm& m) { masks[num_masks++] = m; }
 };
 
@@ -112,9 +127,14 @@ AttentionProblem make_sdpa_problem(const TensorView& q, const TensorView& k, con
 // reads data) leaves to the public functions that run it: inputs whose batch dimensions do not
 // fold into one stride are copied (p.unfolded), and a float mask term of bfloat16 or float16
 // (PyTorch's usual mask for a bfloat16 model) is replaced by a float32 copy the kernels read
-// (exact), held in p.mask_storage. mha::Error for either on a device, and for a sliding window's
-// left end (window_left), which the host kernels apply.
+// (exact), held in p.mask_storage; ALiBi's slopes become its term (add_alibi_term). mha::Error for
+// any of these on a device, and for a sliding window's left end (window_left), which the host
+// kernels apply.
 void materialise_inputs(AttentionProblem& p);
+
+// ALiBi's term (materialise_inputs): folds p.alibi_input to p.alibi_slopes, checks the slopes are
+// finite, and adds the mask term of their biases. mha::Error on a device.
+void add_alibi_term(AttentionProblem& p);
 
 // p with the left end of its sliding window as a bool mask term ([Lq, Lk], or [1, Lk] broadcast
 // along the queries for one query row; held in window_mask; the kernels skip the blocks it

@@ -77,11 +77,22 @@ PackedShape validate(const TensorView& q, const TensorView& k, const TensorView&
     throw Error("cu_seqlens_q/cu_seqlens_k: expected one offset per sequence plus one in each, got " +
                 std::to_string(cu_q.size()) + " and " + std::to_string(cu_k.size()) + " offsets");
   }
+  const int64_t sequences = static_cast<int64_t>(cu_q.size()) - 1;
   SdpaOptions whole = options;
   whole.is_causal = false;
+  if (options.alibi_slopes) {
+    // [Hq] or [sequences, Hq] (FlashAttention's [batch, Hq]), either dimension 1 to broadcast; the
+    // rest (dtype, heads) is checked below on one sequence's slopes.
+    const TensorView& slopes = *options.alibi_slopes;
+    if (slopes.ndim > 2 || (slopes.ndim == 2 && slopes.shape[0] != 1 && slopes.shape[0] != sequences)) {
+      throw Error("alibi_slopes: expected shape [Hq] or [sequences, Hq] (" + std::to_string(sequences) +
+                  " sequences), got " + slopes.shape_str());
+    }
+    if (slopes.ndim == 2) whole.alibi_slopes = TensorView(slopes.data, slopes.dtype, {slopes.shape[1]}, {slopes.strides[1]}).on(slopes.device);
+  }
   (void)detail::make_sdpa_problem(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), whole,
                                   detail::InputDtypes::fused);
-  return {static_cast<int64_t>(cu_q.size()) - 1, q.size(0), k.size(0), q.size(1), k.size(1), q.size(2), v.size(2)};
+  return {sequences, q.size(0), k.size(0), q.size(1), k.size(1), q.size(2), v.size(2)};
 }
 
 // Rows [begin, end) of a packed [T, H, D] tensor as the [H, L, D] view SDPA reads.
@@ -118,6 +129,8 @@ AttentionProblem sequence_problem(const TensorView& q, const TensorView& k, cons
   SdpaOptions o = options;
   o.num_threads = threads;
   if (options.dropout_p > 0) o.dropout_seed = varlen_dropout_seed(options.dropout_seed, s);
+  if (options.alibi_slopes && options.alibi_slopes->ndim == 2 && options.alibi_slopes->shape[0] > 1)
+    o.alibi_slopes = options.alibi_slopes->slice(0, s, s + 1);  // [1, Hq]: this sequence's slopes
   AttentionProblem p = detail::make_sdpa_problem(rows(q, cu_q[s], cu_q[s + 1]), rows(k, cu_k[s], cu_k[s + 1]),
                                                  rows(v, cu_k[s], cu_k[s + 1]), o, detail::InputDtypes::fused);
   detail::materialise_inputs(p);

@@ -31,6 +31,11 @@ double element(const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) 
   throw Error("reference: unexpected dtype");
 }
 
+// ALiBi from its definition (not from the kernels' term): -slope |i + diagonal - j|.
+double alibi_bias(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
+  return -p.alibi_slope(b, h) * std::abs(static_cast<double>(i + p.alibi_diagonal - j));
+}
+
 // out: [B, Hq, Lq, Dv] and weights: [B, Hq, Lq, Lk], both contiguous float64.
 void attention(const AttentionProblem& p, double* out, double* weights) {
   const double neg_inf = -std::numeric_limits<double>::infinity();
@@ -44,7 +49,7 @@ void attention(const AttentionProblem& p, double* out, double* weights) {
           double dot = 0;
           for (int64_t d = 0; d < p.dim_qk; ++d) dot += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
           double s = dot * p.scale;
-          for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias_f64(b, h, i, j);
+          for (int m = 0; m < p.num_masks; ++m) s += m == p.alibi_term ? alibi_bias(p, b, h, i, j) : p.masks[m].bias_f64(b, h, i, j);
           if (!p.visible(i, j)) s = neg_inf;
           scores[j] = s;
         }
@@ -146,7 +151,7 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
           double s = 0;
           for (int64_t d = 0; d < p.dim_qk; ++d) s += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
           s *= p.scale;
-          for (int m = 0; m < p.num_masks; ++m) s += p.masks[m].bias_f64(b, h, i, j);
+          for (int m = 0; m < p.num_masks; ++m) s += m == p.alibi_term ? alibi_bias(p, b, h, i, j) : p.masks[m].bias_f64(b, h, i, j);
           if (!p.visible(i, j)) s = neg_inf;
           prob[j] = s;
           max = std::max(max, s);
