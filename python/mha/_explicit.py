@@ -31,11 +31,19 @@ def wide_dtype(query):
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
+def alibi_biases(slopes, L: int, S: int, bottom_right: bool, dtype):
+    """ALiBi's biases [..., Hq, L, S] for slopes [..., Hq]: -slope * |i + diagonal - j|, the slope
+    and the distance multiplied in `dtype` (as the kernels do: float32, float64 for float64 calls)."""
+    i = torch.arange(L, device=slopes.device).unsqueeze(-1) + (S - L if bottom_right else 0)
+    distance = (i - torch.arange(S, device=slopes.device)).abs().to(dtype)
+    return -(slopes.to(dtype)[..., None, None] * distance)
+
+
 def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: bool, bottom_right: bool,
-                  window=(-1, -1)):
+                  window=(-1, -1), alibi_slopes=None):
     """softmax(scale * Q K^T + mask) with the kernel's conventions: a bool mask keeps True, a causal
-    mask in either alignment, a sliding window (left, right), grouped key heads, broadcast batch
-    dimensions; a row whose keys are
+    mask in either alignment, a sliding window (left, right), ALiBi's biases, grouped key heads,
+    broadcast batch dimensions; a row whose keys are
     all masked is zeros, and so is its derivative (no NaN from the softmax of -inf alone)."""
     wide = wide_dtype(query)
     k = grouped(key, heads_of(query), enable_gqa).to(wide)
@@ -44,6 +52,13 @@ def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: boo
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool
                   else scores + attn_mask.to(wide))
+    if alibi_slopes is not None:
+        L, S = scores.shape[-2:]
+        bias = alibi_biases(alibi_slopes.detach(), L, S, bottom_right,
+                            torch.float64 if alibi_slopes.dtype == torch.float64 else torch.float32).to(wide)
+        while bias.dim() > scores.dim() and bias.shape[0] == 1:  # (a call without heads: one slope)
+            bias = bias[0]
+        scores = scores + bias
     if is_causal:
         L, S = scores.shape[-2:]
         hidden = torch.ones(L, S, dtype=torch.bool).triu(1 + (S - L if bottom_right else 0))
@@ -72,7 +87,7 @@ def _summed_to(grad, like, enable_gqa: bool, heads: int):
 
 
 def backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa, bottom_right,
-             window=(-1, -1), keep=None):
+             window=(-1, -1), alibi_slopes=None, keep=None):
     """The gradients of query, key, value and a float mask (None where not `wanted`) for
     `grad_output`, in torch operators that autograd (or a torch.func transform) differentiates
     again. With O = (P * keep) V:
@@ -81,7 +96,7 @@ def backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale
         repeated along)."""
     wide, heads = wide_dtype(query), heads_of(query)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes)
     kept = p if keep is None else p * keep
     d_out = grad_output.to(wide)
     d_p = d_out @ grouped(value, heads, enable_gqa).to(wide).transpose(-1, -2)

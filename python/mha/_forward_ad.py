@@ -17,7 +17,7 @@ from ._explicit import grouped, heads_of, probabilities, wide_dtype
 
 
 def sdpa_jvp(query, key, value, attn_mask, tangents, dropout_p, is_causal, scale, enable_gqa, bottom_right,
-             window=(-1, -1)):
+             window=(-1, -1), alibi_slopes=None):
     """The output's tangent for the inputs' `tangents` (dQ, dK, dV, dMask; None for none)."""
     if dropout_p > 0:
         raise RuntimeError("mha.scaled_dot_product_attention: forward-mode AD (jvp, jacfwd, forward_ad) with "
@@ -29,7 +29,7 @@ def sdpa_jvp(query, key, value, attn_mask, tangents, dropout_p, is_causal, scale
     k = grouped(key, heads, enable_gqa).to(wide)
     v = grouped(value, heads, enable_gqa).to(wide)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes)
 
     d_scores = None
     if dq is not None:

@@ -87,6 +87,9 @@ def forward_rule(info, in_dims, tensors, dropout_p: float, call: Callable) -> tu
     """The vmap rule of a forward whose tensors are (query, key, value, attn_mask): call()'s
     outputs (a tuple), each with the vmapped dimension first."""
     check_randomness(info, dropout_p)
+    if any(d is not None for d in in_dims[4:]):
+        raise ValueError("alibi_slopes: vmap over the slopes is not supported; pass slopes shared by every example "
+                         "(or per example, as a batch dimension [B, Hq] of the call)")
     dims = in_dims[:4]
     rank = max(example_rank(x, d) for x, d in zip(tensors[:3], dims))
     if per_example(info, dropout_p, rank):

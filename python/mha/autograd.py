@@ -64,11 +64,11 @@ def token_object(token: torch.Tensor):
 
 
 def _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
-                  window_left, window_right, num_threads):
+                  window_left, window_right, alibi_slopes, num_threads):
     """(output, log-sum-exp) of the C++ training forward."""
     out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
                                is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right,
-                               num_threads)
+                               _detached(alibi_slopes), num_threads)
     return _tensor(out), torch.from_numpy(lse)
 
 
@@ -117,8 +117,8 @@ def _differentiable_sdpa_backward(ctx, grad_output):
     backward, torch.func's grad of grad and Hessians), O(L * S) memory per head. With dropout,
     the kernel's mask for the call's seed (read off its weights)."""
     query, key, value, attn_mask, _, _ = ctx.saved_tensors
-    dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right, num_threads = \
-        ctx.options
+    (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right, alibi_slopes,
+     num_threads) = ctx.options
     keep = None
     if dropout_p > 0:
         inputs = [None if x is None else x.detach() for x in (query, key, value, attn_mask)]
@@ -126,11 +126,11 @@ def _differentiable_sdpa_backward(ctx, grad_output):
             weights = SdpaWeightsFunction.apply(*inputs, *ctx.options)
         else:
             weights = _tensor(_mha.sdpa(*inputs, dropout_p, is_causal, scale, enable_gqa, dropout_seed, True,
-                                        bottom_right, window_left, window_right, num_threads)[1])
+                                        bottom_right, window_left, window_right, _detached(alibi_slopes), num_threads)[1])
         keep = _explicit.dropout_keep(weights, dropout_p, _explicit.wide_dtype(query))
     wanted = list(ctx.needs_input_grad[:3]) + [attn_mask is not None and ctx.needs_input_grad[3]]
     grads = _explicit.backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa,
-                               bottom_right, (window_left, window_right), keep)
+                               bottom_right, (window_left, window_right), alibi_slopes, keep)
     return (*grads,) + (None,) * len(ctx.options)
 
 
@@ -169,9 +169,10 @@ class SdpaTransformFunction(torch.autograd.Function):
                                "jacfwd of jacfwd) is not supported for autograd Functions; take second "
                                "derivatives as hessian (jacfwd of jacrev), jacrev of jacrev or jvp of grad")
         query, key, value, attn_mask = ctx.saved_tensors[:4]
-        dropout_p, is_causal, scale, enable_gqa, _seed, bottom_right, window_left, window_right, _threads = ctx.options
+        (dropout_p, is_causal, scale, enable_gqa, _seed, bottom_right, window_left, window_right, alibi_slopes,
+         _threads) = ctx.options
         d_out = _forward_ad.sdpa_jvp(query, key, value, attn_mask, (dq, dk, dv, dmask), dropout_p, is_causal, scale,
-                                     enable_gqa, bottom_right, (window_left, window_right))
+                                     enable_gqa, bottom_right, (window_left, window_right), alibi_slopes)
         return d_out, None
 
     @staticmethod
@@ -187,11 +188,11 @@ class SdpaBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(query, key, value, attn_mask, out, lse, grad, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                bottom_right, window_left, window_right, num_threads, mask_grad, wanted):
+                bottom_right, window_left, window_right, alibi_slopes, num_threads, mask_grad, wanted):
         dq, dk, dv, dm = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out.detach(), lse.detach(),
                                             grad.detach(), _detached(attn_mask), dropout_p, is_causal, scale,
                                             enable_gqa, dropout_seed, bottom_right, window_left, window_right,
-                                            num_threads, mask_grad, wanted)
+                                            _detached(alibi_slopes), num_threads, mask_grad, wanted)
         return tuple(None if d is None else _tensor(d) for d in (dq, dk, dv, dm))
 
     @staticmethod
@@ -228,10 +229,10 @@ class SdpaWeightsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
-                window_left, window_right, num_threads):
+                window_left, window_right, alibi_slopes, num_threads):
         _, weights = _mha.sdpa(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
                                is_causal, scale, enable_gqa, dropout_seed, True, bottom_right, window_left,
-                               window_right, num_threads)
+                               window_right, _detached(alibi_slopes), num_threads)
         return _tensor(weights)
 
     @staticmethod

@@ -48,12 +48,12 @@ def seed_tensor(dropout_seed: Optional[int], dropout_p: float) -> torch.Tensor:
 def sdpa_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
                bottom_right: bool, window_left: int, window_right: int,
-               num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+               alibi_slopes: Optional[torch.Tensor], num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [..., Hq, L, Ev] and the row log-sum-exp [..., Hq, L] (float32; float64 for float64
     inputs) of the training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_train(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                               _seed_value(dropout_seed), bottom_right, window_left, window_right, num_threads)
+                               _seed_value(dropout_seed), bottom_right, window_left, window_right, alibi_slopes, num_threads)
     return _tensor(out), torch.from_numpy(lse)
 
 
@@ -69,7 +69,7 @@ def _rows(query, key, value, enable_gqa):
 
 @sdpa_train.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-      window_right, num_threads):
+      window_right, alibi_slopes, num_threads):
     rows = _rows(query, key, value, enable_gqa)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=lse_dtype)
@@ -79,13 +79,13 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dro
 def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
                   is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
-                  bottom_right: bool, window_left: int, window_right: int, num_threads: int,
+                  bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor], num_threads: int,
                   wanted: List[bool]) -> List[torch.Tensor]:
     """The gradients of query, key, value and a float mask, in that order; one not in `wanted` (four
     flags) is an empty tensor and is not computed."""
     dq, dk, dv, dm = _mha.sdpa_backward(query, key, value, out, lse, grad_output.to(out.dtype).contiguous(),
                                         attn_mask, dropout_p, is_causal, scale, enable_gqa, _seed_value(dropout_seed),
-                                        bottom_right, window_left, window_right, num_threads, bool(wanted[3]),
+                                        bottom_right, window_left, window_right, alibi_slopes, num_threads, bool(wanted[3]),
                                         tuple(bool(w) for w in wanted[:3]))
     # (each left-out slot its own empty tensor: a custom operator's outputs may not alias)
     return [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)] + [
@@ -94,7 +94,7 @@ def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 @sdpa_backward.register_fake
 def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, window_left, window_right, num_threads, wanted):
+      bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted):
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
              for t, w in zip((query, key, value), wanted[:3])]
     mask = attn_mask.new_empty(attn_mask.shape) if wanted[3] else query.new_empty(0, dtype=torch.float32)
@@ -103,21 +103,21 @@ def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-     window_right, num_threads) = inputs
+     window_right, alibi_slopes, num_threads) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads)
     ctx.mask_is_float = attn_mask is not None and attn_mask.is_floating_point()
 
 
 def _backward(ctx, grad_output, grad_lse):
-    query, key, value, attn_mask, out, lse, dropout_seed = ctx.saved_tensors
+    query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes = ctx.saved_tensors
     dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads = ctx.options
     wanted = [bool(n) for n in ctx.needs_input_grad[:3]] + [ctx.mask_is_float and bool(ctx.needs_input_grad[3])]
     grads = torch.ops.mha.sdpa_backward(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
                                         scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right,
-                                        num_threads, wanted)
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 9
+                                        alibi_slopes, num_threads, wanted)
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 10
 
 
 sdpa_train.register_autograd(_backward, setup_context=_setup_context)
@@ -156,18 +156,18 @@ if _registers_vmap:
 def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                       dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
-                      num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      alibi_slopes: Optional[torch.Tensor], num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output and the attention weights [..., Hq, L, S] (after dropout), in the inputs' dtype;
     not differentiated (a training call takes its output from mha::sdpa_train)."""
     _auto_threading()
     out, weights = _mha.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                             _seed_value(dropout_seed), True, bottom_right, window_left, window_right, num_threads)
+                             _seed_value(dropout_seed), True, bottom_right, window_left, window_right, alibi_slopes, num_threads)
     return _tensor(out), _tensor(weights)
 
 
 @sdpa_with_weights.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-      window_right, num_threads):
+      window_right, alibi_slopes, num_threads):
     rows = _rows(query, key, value, enable_gqa)
     return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
 
@@ -341,18 +341,18 @@ multihead_attention_train.register_autograd(_module_backward, setup_context=_mod
 def sdpa_varlen_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, dropout_p: float, is_causal: bool, scale: Optional[float],
                       enable_gqa: bool, dropout_seed: torch.Tensor, bottom_right: bool, window_left: int,
-                      window_right: int, num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      window_right: int, alibi_slopes: Optional[torch.Tensor], num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The packed output [Tq, Hq, Ev] and the log-sum-exp [Hq, Tq] of the varlen training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_varlen_train(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dropout_p,
                                       is_causal, scale, enable_gqa, _seed_value(dropout_seed), bottom_right,
-                                      window_left, window_right, num_threads)
+                                      window_left, window_right, alibi_slopes, num_threads)
     return _tensor(out), torch.from_numpy(lse)
 
 
 @sdpa_varlen_train.register_fake
 def _(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, window_left, window_right, num_threads):
+      bottom_right, window_left, window_right, alibi_slopes, num_threads):
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return (query.new_empty((query.shape[0], query.shape[1], value.shape[-1])),
             query.new_empty((query.shape[1], query.shape[0]), dtype=lse_dtype))
@@ -363,37 +363,38 @@ def sdpa_varlen_backward(grad_output: torch.Tensor, query: torch.Tensor, key: to
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                          dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                          dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
-                         num_threads: int, wanted: List[bool]) -> List[torch.Tensor]:
+                         alibi_slopes: Optional[torch.Tensor], num_threads: int, wanted: List[bool]) -> List[torch.Tensor]:
     """The gradients of query, key and value; one not in `wanted` is an empty tensor, not computed."""
     grads = _mha.sdpa_varlen_backward(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), out, lse,
                                       grad_output.to(out.dtype).contiguous(), dropout_p, is_causal, scale,
                                       enable_gqa, _seed_value(dropout_seed), bottom_right, window_left,
-                                      window_right, num_threads, tuple(bool(w) for w in wanted))
+                                      window_right, alibi_slopes, num_threads, tuple(bool(w) for w in wanted))
     return [query.new_empty(0) if d is None else _tensor(d) for d in grads]
 
 
 @sdpa_varlen_backward.register_fake
 def _(grad_output, query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_p, is_causal, scale, enable_gqa,
-      dropout_seed, bottom_right, window_left, window_right, num_threads, wanted):
+      dropout_seed, bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
             for t, w in zip((query, key, value), wanted)]
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (query, key, value, cu_q, cu_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-     window_right, threads) = inputs
+     window_right, alibi_slopes, threads) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, cu_q, cu_k, out, lse, dropout_seed)
+    ctx.save_for_backward(query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa)
-    ctx.threading = (bottom_right, window_left, window_right, threads)
+    ctx.threading = (bottom_right, window_left, window_right)
+    ctx.threads = threads
 
 
 def _varlen_backward(ctx, grad_output, grad_lse):
-    query, key, value, cu_q, cu_k, out, lse, dropout_seed = ctx.saved_tensors
+    query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes = ctx.saved_tensors
     wanted = [bool(n) for n in ctx.needs_input_grad[:3]]
     grads = torch.ops.mha.sdpa_varlen_backward(grad_output, query, key, value, cu_q, cu_k, out, lse, *ctx.options,
-                                               dropout_seed, *ctx.threading, wanted)
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 11
+                                               dropout_seed, *ctx.threading, alibi_slopes, ctx.threads, wanted)
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 12
 
 
 sdpa_varlen_train.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -187,10 +187,12 @@ ModuleGradientArrays module_backward_restored(
 
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
                               std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right,
-                              int64_t window_left, int64_t window_right, int num_threads) {
+                              int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes,
+                              int num_threads) {
   mha::SdpaOptions o;
   o.window_left = window_left;
   o.window_right = window_right;
+  o.alibi_slopes = optional_view(alibi_slopes, "alibi_slopes");
   o.attn_mask = optional_view(attn_mask, "attn_mask");
   o.dropout_p = dropout_p;
   o.is_causal = is_causal;
@@ -206,10 +208,10 @@ std::pair<NumpyArray, NumpyArray> sdpa_train(const Array& query, const Array& ke
                                              const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
                                              std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
                                              bool bottom_right, int64_t window_left, int64_t window_right,
-                                             int num_threads) {
+                                             const std::optional<Array>& alibi_slopes, int num_threads) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-                   window_right, num_threads);
+                   window_right, alibi_slopes, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
   {
@@ -225,10 +227,10 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_backward(
     const Array& query, const Array& key, const Array& value, const Array& output, const Array& lse,
     const Array& grad_output, const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
-    int64_t window_right, int num_threads, bool attn_mask_grad, std::tuple<bool, bool, bool> wanted) {
+    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads, bool attn_mask_grad, std::tuple<bool, bool, bool> wanted) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-                   window_right, num_threads);
+                   window_right, alibi_slopes, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
   saved.output = mha::Tensor::copy_of(view_of(output, "output"));  // in its dtype, the inputs' (checked there)
@@ -248,10 +250,10 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_backward(
 ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, const std::optional<Array>& attn_mask,
                    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
                    bool need_weights, bool bottom_right, int64_t window_left, int64_t window_right,
-                   int num_threads) {
+                   const std::optional<Array>& alibi_slopes, int num_threads) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-                   window_right, num_threads);
+                   window_right, alibi_slopes, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   if (need_weights) {
     mha::AttentionWithWeights r;
@@ -277,9 +279,9 @@ using Offsets = std::vector<int64_t>;
 NumpyArray sdpa_varlen(const Array& query, const Array& key, const Array& value, const Offsets& cu_q,
                        const Offsets& cu_k, double dropout_p, bool is_causal, std::optional<double> scale,
                        bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
-                       int64_t window_right, int num_threads) {
+                       int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                          bottom_right, window_left, window_right, num_threads);
+                                          bottom_right, window_left, window_right, alibi_slopes, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::Tensor out;
   {
@@ -293,9 +295,9 @@ std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Ar
                                                     const Offsets& cu_q, const Offsets& cu_k, double dropout_p,
                                                     bool is_causal, std::optional<double> scale, bool enable_gqa,
                                                     uint64_t dropout_seed, bool bottom_right, int64_t window_left,
-                                                    int64_t window_right, int num_threads) {
+                                                    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                          bottom_right, window_left, window_right, num_threads);
+                                          bottom_right, window_left, window_right, alibi_slopes, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
   {
@@ -309,9 +311,9 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray> sdpa_varlen_backward(
     const Array& query, const Array& key, const Array& value, const Offsets& cu_q, const Offsets& cu_k,
     const Array& output, const Array& lse, const Array& grad_output, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
-    int64_t window_right, int num_threads, std::tuple<bool, bool, bool> wanted) {
+    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads, std::tuple<bool, bool, bool> wanted) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                          bottom_right, window_left, window_right, num_threads);
+                                          bottom_right, window_left, window_right, alibi_slopes, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
   saved.output = mha::Tensor::copy_of(view_of(output, "output"));  // in its dtype, the inputs' (checked there)
@@ -426,7 +428,7 @@ NB_MODULE(_mha, m) {
   m.def("sdpa", &sdpa, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("need_weights"), nb::arg("bottom_right"), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("num_threads"));
+        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
   m.def(
       "load_safetensors",
       [](const std::string& path) {
@@ -453,26 +455,26 @@ NB_MODULE(_mha, m) {
   m.def("sdpa_train", &sdpa_train, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("num_threads"));
+        nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
   m.def("sdpa_backward", &sdpa_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("output"),
         nb::arg("lse"), nb::arg("grad_output"), nb::arg("attn_mask").none(), nb::arg("dropout_p"),
         nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"),
-        nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("num_threads"),
+        nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"),
         nb::arg("attn_mask_grad"),
         nb::arg("wanted") = std::make_tuple(true, true, true));
   m.def("sdpa_varlen", &sdpa_varlen, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(),
         nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("num_threads"));
+        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
   m.def("sdpa_varlen_train", &sdpa_varlen_train, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"),
         nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"),
-        nb::arg("window_left"), nb::arg("window_right"), nb::arg("num_threads"));
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
   m.def("sdpa_varlen_backward", &sdpa_varlen_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("output"), nb::arg("lse"), nb::arg("grad_output"),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("num_threads"), nb::arg("wanted") = std::make_tuple(true, true, true));
+        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("wanted") = std::make_tuple(true, true, true));
   m.def("varlen_dropout_seed", &mha::varlen_dropout_seed, nb::arg("seed"), nb::arg("sequence"));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
