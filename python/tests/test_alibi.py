@@ -157,7 +157,7 @@ def test_alibi_under_compile_is_one_graph(rng):
     the eager bits."""
     q, k, v = (torch.from_numpy(rng.standard_normal((2, 4, 70, 16))).float().requires_grad_() for _ in range(3))
     cu = torch.tensor([0, 30, 140])
-    packed = [x.detach()[0].transpose(0, 1).reshape(140, 2, 16).contiguous() for x in (q, k, v)]
+    packed = [x.detach()[0].transpose(0, 1).reshape(140, 2, 16).contiguous().requires_grad_() for x in (q, k, v)]
     slopes, per_sequence = _slopes(rng, (4,), 4), _slopes(rng, (2, 2), 2)
 
     def both(q, k, v, packed_q, packed_k, packed_v, cu):
@@ -169,8 +169,9 @@ def test_alibi_under_compile_is_one_graph(rng):
     got, want = compiled(q, k, v, *packed, cu), both(q, k, v, *packed, cu)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    grad = torch.randn_like(want[0])
-    for a, b in zip(torch.autograd.grad(got[0], (q, k, v), grad), torch.autograd.grad(want[0], (q, k, v), grad)):
+    grads = [torch.randn_like(w) for w in want]
+    inputs = (q, k, v, *packed)
+    for a, b in zip(torch.autograd.grad(got, inputs, grads), torch.autograd.grad(want, inputs, grads)):
         assert torch.equal(a, b)
 
 
