@@ -41,16 +41,18 @@ def test_custom_operators_pass_opcheck(rng):
 
     seed = ops.seed_tensor(int(rng.integers(2**64, dtype=np.uint64)), 0.3)
     cases = [
-        (t(2, 4, 9, 16), t(2, 2, 11, 16), t(2, 2, 11, 12), t(9, 11), 0.3, False, 0.3, True, seed, False, -1, -1, 0),
+        (t(2, 4, 9, 16), t(2, 2, 11, 16), t(2, 2, 11, 12), t(9, 11), 0.3, False, 0.3, True, seed, False, -1, -1, None,
+         0),
         (t(2, 4, 9, 16, dtype=torch.bfloat16), t(2, 4, 11, 16, dtype=torch.bfloat16, grad=False),
-         t(2, 4, 11, 16, dtype=torch.bfloat16), None, 0.0, True, None, False, seed, True, -1, -1, 0),
+         t(2, 4, 11, 16, dtype=torch.bfloat16), None, 0.0, True, None, False, seed, True, -1, -1,
+         torch.tensor([0.5, 0.25, 0.125, 0.0625]), 0),  # (ALiBi's slopes)
         (t(3, 5, 8), t(3, 7, 8), t(3, 7, 8, grad=False), t(5, 7, grad=False) > 0, 0.0, False, None, False, seed,
-         False, 3, 1, 1),  # (a sliding window of (3, 1))
+         False, 3, 1, None, 1),  # (a sliding window of (3, 1))
         # batch dimensions that broadcast: keys and values shared across a batch, one key/value
         # head for every query head, a 5-D query; grouped heads with a value-only batch dimension
         (t(2, 3, 4, 9, 16), t(4, 11, 16), t(1, 1, 11, 12), t(3, 1, 9, 11), 0.0, True, None, False, seed, False, -1, -1,
-         0),
-        (t(1, 4, 9, 16), t(2, 11, 16), t(3, 2, 11, 8), None, 0.0, False, None, True, seed, False, -1, -1, 0),
+         t(3, 4, grad=False), 0),  # (slopes per second batch dimension and head, shared along the first)
+        (t(1, 4, 9, 16), t(2, 11, 16), t(3, 2, 11, 8), None, 0.0, False, None, True, seed, False, -1, -1, None, 0),
     ]
     for args in cases:
         result = torch.library.opcheck(torch.ops.mha.sdpa_train.default, args)
@@ -123,7 +125,7 @@ def test_sdpa_with_weights_compiles_into_one_graph(rng):
                             torch.autograd.grad((e_out * g).sum(), (q, k, v))):
                 assert torch.equal(a, b)
         args = (q.detach(), k.detach(), v.detach(), mask, dropout, n == 2, None, False, ops.seed_tensor(seed, dropout),
-                False, -1, 2 if n == 1 else -1, 0)
+                False, -1, 2 if n == 1 else -1, torch.tensor([0.5, 0.25]) if n == 2 else None, 0)
         result = torch.library.opcheck(torch.ops.mha.sdpa_with_weights.default, args)
         assert all(v == "SUCCESS" for v in result.values()), result
         _expect_fake_like_real(torch.ops.mha.sdpa_with_weights.default, args)

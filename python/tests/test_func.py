@@ -496,11 +496,11 @@ def test_vmap_of_the_custom_operators_matches_calls_one_by_one(gen):
     B, H, L, S, E = 3, 2, 5, 6, 8
     q, k, v, g = randn(gen, B, H, L, E), randn(gen, H, S, E), randn(gen, B, H, S, E), randn(gen, B, H, L, E)
     seed = ops.seed_tensor(0, 0.0)
-    options = (0.0, True, None, False, seed, False, 2, -1, 0)  # (causal, a window of 2 keys back)
+    options = (0.0, True, None, False, seed, False, 2, -1, None, 0)  # (causal, a window of 2 keys back)
     out, lse = func.vmap(lambda q, v: torch.ops.mha.sdpa_train(q, k, v, None, *options))(q, v)
     _, weights = func.vmap(lambda q, v: torch.ops.mha.sdpa_with_weights(q, k, v, None, *options))(q, v)
     grads = func.vmap(lambda g, q, v, o, l: torch.ops.mha.sdpa_backward(g, q, k, v, o, l, None, 0.0, True, None,
-                                                                        False, seed, False, 2, -1, 0,
+                                                                        False, seed, False, 2, -1, None, 0,
                                                                         [True, True, False, False]))(g, q, v, out, lse)
     for i in range(B):
         o, l = torch.ops.mha.sdpa_train(q[i], k, v[i], None, *options)
@@ -508,7 +508,7 @@ def test_vmap_of_the_custom_operators_matches_calls_one_by_one(gen):
         torch.testing.assert_close(lse[i], l, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(weights[i], torch.ops.mha.sdpa_with_weights(q[i], k, v[i], None, *options)[1])
         dq, dk, _, _ = torch.ops.mha.sdpa_backward(g[i], q[i], k, v[i], o, l, None, 0.0, True, None, False, seed,
-                                                   False, 2, -1, 0, [True, True, False, False])
+                                                   False, 2, -1, None, 0, [True, True, False, False])
         torch.testing.assert_close(grads[0][i], dq, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grads[1][i], dk, rtol=1e-12, atol=1e-12)  # each example's own dK
     assert grads[2].numel() == 0 and grads[3].numel() == 0

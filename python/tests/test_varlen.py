@@ -254,6 +254,7 @@ def test_varlen_operator_passes_opcheck(rng):
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, cu_q, cu_k, options = _draw(rng, dtype)
         args = (q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 0.25, options["is_causal"], options["scale"],
-                options["enable_gqa"], ops.seed_tensor(7, 0.25), False, 6, 2, 0)  # (a window of (6, 2))
+                options["enable_gqa"], ops.seed_tensor(7, 0.25), False, 6, 2,
+                torch.tensor([0.5] * q.shape[1]) if dtype == torch.float32 else None, 0)  # (a window of (6, 2); ALiBi)
         result = torch.library.opcheck(torch.ops.mha.sdpa_varlen_train.default, args)
         assert all(r == "SUCCESS" for r in result.values()), result
