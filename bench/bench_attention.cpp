@@ -10,6 +10,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -71,6 +72,39 @@ void sdpa_window(benchmark::State& state) {
   const double w = static_cast<double>(std::min(window, len)), l = static_cast<double>(len);
   const double pairs = mode == 2 ? l * (l + 1) / 2 : l * w - w * (w - 1) / 2;
   state.counters["FLOPS"] = flops_counter(2.0 * pairs * 2.0 * static_cast<double>(dim * batch * heads));
+}
+
+// Args: B, H, L, d, causal, mode. Self-attention with ALiBi's biases (BLOOM's slopes 2^(-8 h / H)),
+// mode 0 through alibi_slopes, 1 with the same biases as a float attn_mask [H, L, L] (what
+// PyTorch's SDPA takes), 2 without biases (the baseline). FLOPs as SDPA_forward's.
+void sdpa_alibi(benchmark::State& state) {
+  const int64_t batch = state.range(0), heads = state.range(1), len = state.range(2), dim = state.range(3);
+  const bool causal = state.range(4) != 0;
+  const int64_t mode = state.range(5);
+  std::mt19937_64 rng(48);
+  const mha::Tensor q = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor k = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor v = random_normal({batch, heads, len, dim}, rng);
+  const mha::Tensor out = mha::Tensor::empty({batch, heads, len, dim});
+  mha::Tensor slopes = mha::Tensor::empty({heads});
+  for (int64_t h = 0; h < heads; ++h)
+    slopes.data<float>()[h] = static_cast<float>(std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(heads)));
+  mha::SdpaOptions options{.is_causal = causal};
+  mha::Tensor biases;
+  if (mode == 0) options.alibi_slopes = slopes.view();
+  if (mode == 1) {
+    biases = mha::Tensor::empty({heads, len, len});
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < len; ++i)
+        for (int64_t j = 0; j < len; ++j)
+          biases.data<float>()[(h * len + i) * len + j] = -(slopes.data<float>()[h] * static_cast<float>(std::abs(i - j)));
+    options.attn_mask = biases.view();
+  }
+  for (auto _ : state) {
+    mha::scaled_dot_product_attention_into(q, k, v, out, options);
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = flops_counter(mha::attention_flops(batch, heads, len, len, dim, dim, causal));
 }
 
 // Args: B, H, L, d, causal, bf16 (0: float32 inputs). The backward alone (the forward's output
@@ -203,6 +237,11 @@ void register_benchmarks() {
   window->ArgNames({"B", "H", "L", "d", "W", "mode"})->UseRealTime()->Unit(benchmark::kMillisecond);
   for (const int64_t mode : {0, 1, 2}) window->Args({1, 16, 4096, 64, 512, mode});
   for (const int64_t mode : {0, 2}) window->Args({1, 8, 16384, 64, 256, mode});
+
+  auto* alibi = benchmark::RegisterBenchmark("SDPA_alibi", sdpa_alibi);
+  alibi->ArgNames({"B", "H", "L", "d", "causal", "mode"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (const int64_t causal : {0, 1})
+    for (const int64_t mode : {0, 1, 2}) alibi->Args({4, 16, 2048, 64, causal, mode});
 
   auto* backward = benchmark::RegisterBenchmark("SDPA_backward", sdpa_backward);
   backward->ArgNames({"B", "H", "L", "d", "causal", "bf16"})->UseRealTime()->Unit(benchmark::kMillisecond);

@@ -258,6 +258,36 @@ def bench_window(reps, rows):
     rows.append(("window fwd+bwd fp32 vs mask", shape, ours, theirs, 3.5 * flops))
 
 
+def bench_alibi(reps, rows):
+    """ALiBi (BLOOM's, MPT's: slopes 2^(-8 h / H)): mha's alibi_slopes against what a PyTorch user
+    runs on the CPU, its SDPA with the biases as a float mask [H, L, L] (built once, outside the
+    timing), causal, forward and forward+backward."""
+    B, H, L, d = 4, 16, 2048, 64
+    g = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(B, H, L, d, generator=g) for _ in range(4))
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    causal = j <= i
+    biases = (-(slopes[:, None, None] * (i - j).abs())).masked_fill(~causal, float("-inf"))
+    flops = 4.0 * B * H * L * (L + 1) / 2 * d
+    shape = f"B={B} H={H} L={L} d={d} causal"
+    ours, theirs = paired_medians(lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                          alibi_slopes=slopes),
+                                  lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=biases), reps)
+    rows.append(("alibi fwd fp32 vs mask", shape, ours, theirs, flops))
+    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def ours_train():
+        out = mha.scaled_dot_product_attention(qt, kt, vt, is_causal=True, alibi_slopes=slopes)
+        return torch.autograd.grad(out, (qt, kt, vt), go)
+
+    def theirs_train():
+        return torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, attn_mask=biases), (qt, kt, vt), go)
+
+    ours, theirs = paired_medians(ours_train, theirs_train, reps)
+    rows.append(("alibi fwd+bwd fp32 vs mask", shape, ours, theirs, 3.5 * flops))
+
+
 def bench_pooling(reps, rows):
     """Attention pooling in training: one learned query per head (a class token) over the 197
     tokens of a ViT-B/16 image, forward and backward through autograd on both sides, without and
@@ -479,6 +509,7 @@ def main():
         if "fp32" in args.dtypes:
             bench_varlen(args.reps, rows)
             bench_window(args.reps, rows)
+            bench_alibi(args.reps, rows)
             bench_pooling(args.reps, rows)
             bench_per_example_gradients(args.reps, rows)
     if not args.no_module:

@@ -2,8 +2,8 @@
 // The input picks the ISA (every one this CPU runs), the layouts (contiguous [B, H, L, D] or a
 // transposed view of [B, L, H, D] storage), GQA, causality and its alignment, a bool or additive
 // mask (with -inf entries, broadcast or not; bands and padding that exclude whole blocks; huge
-// finite values, Hugging Face's), scale, dropout and the thread count; then, for a quarter of the
-// inputs, the backward. Aborts when
+// finite values, Hugging Face's), a sliding window, ALiBi's slopes, scale, dropout and the thread
+// count; then, for a quarter of the inputs, the backward. Aborts when
 //   - an output, weight or gradient is NaN or infinite (the inputs are finite and bounded by 3), or
 //   - the normwise relative error max|fused - ref| / max|ref| of the output (with and without
 //     weights), of the weights or of a gradient exceeds 1e-4.
@@ -143,7 +143,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // float64 (a tail byte, for a sixth of the inputs): the same problem in float64, whose kernel
   // must agree with the reference to float64 rounding, forward and backward.
-  if (in.tail_byte() % 6 == 5) {
+  const bool float64 = in.tail_byte() % 6 == 5;
+  // ALiBi (the next tail byte): none, slopes per head or per batch entry and head, BLOOM's
+  // 2^(-8 h / H) times 1/16 to 1, or of either sign (biases below 300: the float32 sums of scores
+  // and biases round by 2e-5 at most, within the 1e-4 bound).
+  const uint8_t a = in.tail_byte();
+  mha::Tensor slopes;
+  if (a % 3 != 0) {
+    slopes = a % 3 == 1 ? mha::Tensor::empty({Hq}) : mha::Tensor::empty({B, Hq});
+    static const float factors[] = {0.0625f, 0.25f, 0.5f, 1.0f};
+    const float factor = factors[(a >> 2) % 4];
+    const bool signed_slopes = (a >> 4) % 4 == 0;
+    for (int64_t x = 0; x < slopes.numel(); ++x) {
+      const float base = factor * std::exp2(-8.0f * static_cast<float>(x % Hq + 1) / static_cast<float>(Hq));
+      slopes.data<float>()[x] = signed_slopes && rng() % 2 ? -base : base;
+    }
+    o.alibi_slopes = slopes.view();
+  }
+  if (float64) {
     const mha::Tensor q64 = mha::Tensor::copy_of(q, mha::DType::f64), k64 = mha::Tensor::copy_of(k, mha::DType::f64),
                       v64 = mha::Tensor::copy_of(v, mha::DType::f64);
     mha::Tensor mask64;  // an additive mask in float64 too, as PyTorch takes it (its gradient is then float64)

@@ -151,6 +151,20 @@ void fuzz_options(FuzzInput& in, mha::SdpaOptions& o) {
   const uint8_t w = in.tail_byte();
   if (w % 4 == 1 || w % 4 == 3) o.window_left = (w >> 2) % 9 - 2;
   if (w % 4 == 2 || w % 4 == 3) o.window_right = (w >> 5) % 5 - 2;
+  // ALiBi's slopes (the next tail byte): none, or a shape that fits the call or not (of 0 to 7
+  // elements, up to 3 dimensions), float32, float64 or bfloat16, values in [-1, 1] or inf or NaN
+  // (refused).
+  const uint8_t a = in.tail_byte();
+  if (a % 3 != 0) {
+    static thread_local mha::Tensor slopes;
+    static const mha::Shape shapes[] = {{1}, {2}, {3}, {4}, {0}, {2, 3}, {1, 3}, {2, 1}, {7}, {1, 1, 2}};
+    static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::f64, mha::DType::bf16};
+    mha::Tensor values = mha::Tensor::empty(shapes[(a >> 2) % 10]);
+    for (int64_t i = 0; i < values.numel(); ++i) values.data<float>()[i] = static_cast<float>((a >> 4) + i) / 8.0f - 1.0f;
+    if (values.numel() > 0 && (a >> 6) == 3) values.data<float>()[0] = a % 2 ? INFINITY : NAN;
+    slopes = mha::Tensor::copy_of(values.view(), dtypes[(a >> 6) % 4 == 3 ? 0 : (a >> 4) % 4]);
+    o.alibi_slopes = slopes.view();
+  }
 }
 
 void fuzz_sdpa(FuzzInput& in) {
@@ -161,7 +175,7 @@ void fuzz_sdpa(FuzzInput& in) {
   fuzz_options(in, o);
   op.is_causal = o.is_causal, op.causal_alignment = o.causal_alignment, op.scale = o.scale;
   op.enable_gqa = o.enable_gqa, op.dropout_p = o.dropout_p, op.num_threads = o.num_threads;
-  op.window_left = o.window_left, op.window_right = o.window_right;
+  op.window_left = o.window_left, op.window_right = o.window_right, op.alibi_slopes = o.alibi_slopes;
 
   // The validator on every size, absurd ones included.
   try {
