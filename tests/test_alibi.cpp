@@ -122,14 +122,6 @@ mha::SdpaOptions as_bias_mask(const AlibiCase& c) {
   return o;
 }
 
-// The same bits, but for the sign of a zero; float64 within 1e-13 of the largest value or 1 (its
-// kernel adds the two terms of a call with a bool mask in another order than one float mask).
-::testing::AssertionResult agree(const mha::TensorView& a, const mha::TensorView& b) {
-  const bool same = a.dtype == mha::DType::f64 ? rel_error(a, b, 1.0) < 1e-13 : same_bits(a, b) || rel_error(a, b) == 0;
-  if (same) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "relative difference " << rel_error(a, b);
-}
-
 TEST(Alibi, GivesTheBitsOfTheBiasesAsAMask) {
   std::mt19937_64 rng(test_seed());
   for (mha::detail::Isa isa : mha::detail::supported_isas()) {
@@ -139,24 +131,7 @@ TEST(Alibi, GivesTheBitsOfTheBiasesAsAMask) {
                                                        mha::DType::f64}[n % 4];
       const AlibiCase c = draw_case(rng, dtype);
       SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " " + c.describe);
-      const mha::SdpaOptions mask = as_bias_mask(c);
-      EXPECT_TRUE(agree(mha::scaled_dot_product_attention(c.q, c.k, c.v, c.options),
-                        mha::scaled_dot_product_attention(c.q, c.k, c.v, mask)));
-      if (dtype != mha::DType::f16) {
-        const auto w = mha::scaled_dot_product_attention_with_weights(c.q, c.k, c.v, c.options);
-        const auto wm = mha::scaled_dot_product_attention_with_weights(c.q, c.k, c.v, mask);
-        EXPECT_TRUE(agree(w.output, wm.output));
-        EXPECT_TRUE(agree(w.weights, wm.weights));
-      }
-      const auto saved = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
-      const auto saved_mask = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, mask);
-      EXPECT_TRUE(agree(saved.output, saved_mask.output));
-      EXPECT_TRUE(agree(saved.lse, saved_mask.lse));
-      const auto g = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, c.options);
-      const auto gm = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved_mask, c.grad, mask);
-      EXPECT_TRUE(agree(g.query, gm.query));
-      EXPECT_TRUE(agree(g.key, gm.key));
-      EXPECT_TRUE(agree(g.value, gm.value));
+      mha_test::expect_same_calls(c.q, c.k, c.v, c.grad, c.options, as_bias_mask(c));
     }
   }
   mha::detail::force_isa(std::nullopt);

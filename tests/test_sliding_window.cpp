@@ -19,6 +19,7 @@
 
 namespace {
 
+using mha_test::agree;
 using mha_test::expect_error;
 using mha_test::max_abs;
 using mha_test::randn;
@@ -90,18 +91,6 @@ mha::SdpaOptions as_band_mask(const WindowCase& c) {
   return o;
 }
 
-// The same bits, but for the sign of a zero (the gradient of a key no query sees is +0 in one
-// schedule and may be -0 in the other); in float64, whose kernel hands blocks to BLAS with the keys
-// causality leaves (fewer than the band mask's), within 1e-13 of the largest value or of 1,
-// whichever is larger (a few units of float64 rounding in sums of up to a few hundred O(1) terms;
-// gradients that are 0 in exact arithmetic, as a key's where each query sees one key, are
-// rounding noise of either sign).
-::testing::AssertionResult agree(const mha::TensorView& a, const mha::TensorView& b) {
-  const bool same = a.dtype == mha::DType::f64 ? rel_error(a, b, 1.0) < 1e-13 : same_bits(a, b) || rel_error(a, b) == 0;
-  if (same) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "relative difference " << rel_error(a, b);
-}
-
 TEST(SlidingWindow, GivesTheBitsOfTheBandAsAMask) {
   std::mt19937_64 rng(test_seed());
   for (mha::detail::Isa isa : mha::detail::supported_isas()) {
@@ -111,24 +100,7 @@ TEST(SlidingWindow, GivesTheBitsOfTheBandAsAMask) {
                                                        mha::DType::f64}[n % 4];
       const WindowCase c = draw_case(rng, dtype);
       SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " " + c.describe);
-      const mha::SdpaOptions band = as_band_mask(c);
-      EXPECT_TRUE(agree(mha::scaled_dot_product_attention(c.q, c.k, c.v, c.options),
-                            mha::scaled_dot_product_attention(c.q, c.k, c.v, band)));
-      if (dtype != mha::DType::f16) {
-        const auto w = mha::scaled_dot_product_attention_with_weights(c.q, c.k, c.v, c.options);
-        const auto wb = mha::scaled_dot_product_attention_with_weights(c.q, c.k, c.v, band);
-        EXPECT_TRUE(agree(w.output, wb.output));
-        EXPECT_TRUE(agree(w.weights, wb.weights));
-      }
-      const auto saved = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
-      const auto saved_band = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, band);
-      EXPECT_TRUE(agree(saved.output, saved_band.output));
-      EXPECT_TRUE(agree(saved.lse, saved_band.lse));
-      const auto g = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, c.options);
-      const auto gb = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved_band, c.grad, band);
-      EXPECT_TRUE(agree(g.query, gb.query));
-      EXPECT_TRUE(agree(g.key, gb.key));
-      EXPECT_TRUE(agree(g.value, gb.value));
+      mha_test::expect_same_calls(c.q, c.k, c.v, c.grad, c.options, as_band_mask(c));
     }
   }
   mha::detail::force_isa(std::nullopt);

@@ -77,4 +77,37 @@ inline bool same_bits(const mha::TensorView& a, const mha::TensorView& b) {
   return bytes == 0 || std::memcmp(a.data, b.data, bytes) == 0;  // (an empty tensor's data may be null)
 }
 
+// The same bits, but for the sign of a zero (the gradient of a key no query sees is +0 in one
+// schedule and may be -0 in another); float64 within 1e-13 of the largest value or of 1, whichever
+// is larger (its kernel hands BLAS blocks whose extent may differ between two ways of writing one
+// call: a few units of float64 rounding in sums of up to a few hundred O(1) terms).
+inline ::testing::AssertionResult agree(const mha::TensorView& a, const mha::TensorView& b) {
+  const bool same = a.dtype == mha::DType::f64 ? rel_error(a, b, 1.0) < 1e-13 : same_bits(a, b) || rel_error(a, b) == 0;
+  if (same) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "relative difference " << rel_error(a, b);
+}
+
+// Two ways of writing one SDPA call (options `a` and `b`) agree on every public function: the
+// output, the weights (bfloat16 and float32, float64), the training forward's output and
+// log-sum-exp, and the gradients of q, k and v for `grad`.
+inline void expect_same_calls(const mha::TensorView& q, const mha::TensorView& k, const mha::TensorView& v,
+                              const mha::TensorView& grad, const mha::SdpaOptions& a, const mha::SdpaOptions& b) {
+  EXPECT_TRUE(agree(mha::scaled_dot_product_attention(q, k, v, a), mha::scaled_dot_product_attention(q, k, v, b)));
+  if (q.dtype != mha::DType::f16) {
+    const auto wa = mha::scaled_dot_product_attention_with_weights(q, k, v, a);
+    const auto wb = mha::scaled_dot_product_attention_with_weights(q, k, v, b);
+    EXPECT_TRUE(agree(wa.output, wb.output));
+    EXPECT_TRUE(agree(wa.weights, wb.weights));
+  }
+  const auto saved_a = mha::scaled_dot_product_attention_for_training(q, k, v, a);
+  const auto saved_b = mha::scaled_dot_product_attention_for_training(q, k, v, b);
+  EXPECT_TRUE(agree(saved_a.output, saved_b.output));
+  EXPECT_TRUE(agree(saved_a.lse, saved_b.lse));
+  const auto ga = mha::scaled_dot_product_attention_backward(q, k, v, saved_a, grad, a);
+  const auto gb = mha::scaled_dot_product_attention_backward(q, k, v, saved_b, grad, b);
+  EXPECT_TRUE(agree(ga.query, gb.query));
+  EXPECT_TRUE(agree(ga.key, gb.key));
+  EXPECT_TRUE(agree(ga.value, gb.value));
+}
+
 }  // namespace mha_test

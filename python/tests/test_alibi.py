@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mha
+from _compare import relative as _relative
 
 TOL = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-12, 1e-11)}
 U32 = 2.0 ** -24
@@ -20,13 +21,6 @@ U32 = 2.0 ** -24
 @pytest.fixture
 def rng(parity_seed):
     return np.random.default_rng([parity_seed, 47])
-
-
-def _relative(a, r, floor=0.0):
-    if r.numel() == 0:
-        return 0.0
-    scale = max(r.abs().max().item(), floor, 1e-30)
-    return (a.double() - r).abs().max().item() / scale
 
 
 def _biases(slopes, L, S, bottom_right):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
+from _compare import relative as _relative
 
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 3e-2), torch.float64: (1e-12, 1e-11)}
 
@@ -22,13 +23,6 @@ TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 3e-2), torch.float64:
 @pytest.fixture
 def rng(parity_seed):
     return np.random.default_rng([parity_seed, 41])
-
-
-def _relative(a, r, floor=0.0):
-    if r.numel() == 0:
-        return 0.0
-    scale = max(r.abs().max().item(), floor, 1e-30)
-    return (a.double() - r).abs().max().item() / scale
 
 
 def _draw(rng, dtype):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mha
+from _compare import relative as _relative
 
 TOL = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-12, 1e-11)}
 
@@ -18,13 +19,6 @@ TOL = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-12, 1e-11)}
 @pytest.fixture
 def rng(parity_seed):
     return np.random.default_rng([parity_seed, 43])
-
-
-def _relative(a, r, floor=0.0):
-    if r.numel() == 0:
-        return 0.0
-    scale = max(r.abs().max().item(), floor, 1e-30)
-    return (a.double() - r).abs().max().item() / scale
 
 
 def _band(L, S, left, right, is_causal, bottom_right):
