@@ -34,6 +34,9 @@ struct MaskTerm {
     const bool v = static_cast<const uint8_t*>(data)[off] != 0;  // any nonzero byte is true
     return v == (kind == MaskKind::keep_if_true) ? 0.0f : -std::numeric_limits<float>::infinity();
   }
+  // A term of j - i alone read with query stride -1 (ALiBi's biases, add_alibi_term): a key's
+  // values for consecutive queries lie consecutive in memory, the last query's first.
+  bool by_distance() const { return kind == MaskKind::additive && strides[2] == -1 && strides[3] == 1; }
   // bias() in float64, for float64 calls: a float64 term's values as they are.
   double bias_f64(int64_t b, int64_t h, int64_t i, int64_t j) const {
     if (kind != MaskKind::additive || dtype != DType::f64) return bias(b, h, i, j);

@@ -522,6 +522,7 @@ struct FlashForward {
   int64_t slices_per_entry(const MaskTerm& m) const { return m.strides[1] != 0 ? p.heads_q : 1; }
   MaskRead mask_read(const MaskTerm& m) const {
     if (m.strides[2] == 0) return MaskRead::by_key;
+    if (m.by_distance()) return MaskRead::in_place;  // (read as fast as a copy: add_mask's one load per key)
     const int64_t cap = transposed_mask_floats().load();
     int64_t slices = 0, floats = 0;
     if (!mask_slice_count(m, p.batch, p.heads_q, &slices)) return MaskRead::in_place;

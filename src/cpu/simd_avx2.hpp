@@ -39,6 +39,11 @@ struct Avx2 {
   static F sub(F a, F b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
   static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
   static F max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+  // The lanes in reverse order (lane i takes lane 15 - i).
+  static F reverse(F v) {
+    const __m256i down = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    return {_mm256_permutevar8x32_ps(v.hi, down), _mm256_permutevar8x32_ps(v.lo, down)};
+  }
   // a * b where a is finite kept finite (saturated at +-FLT_MAX rather than overflowing to inf);
   // an infinite or NaN a as multiplied.
   static F mul_saturated(F a, F b) {

@@ -33,6 +33,8 @@ struct Portable {
   static F sub(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] - b.v[i]; return r; }
   static F mul(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] * b.v[i]; return r; }
   static F max(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+  // The lanes in reverse order (lane i takes lane 15 - i).
+  static F reverse(F a) { F r; MHA_LANES r.v[i] = a.v[kLanes - 1 - i]; return r; }
   // a * b where a is finite kept finite (saturated at +-FLT_MAX rather than overflowing to inf);
   // an infinite or NaN a as multiplied.
   static F mul_saturated(F a, F b) {

@@ -229,6 +229,7 @@ struct Tiles {
   // other step is at least that count rounded up to kLanes (the lanes past it get + 0).
   //   [query][key] tiles (col_step 1): a mask row onto each tile row.
   //   [key][query] tiles (the forward's S^T): a key padding mask adds one broadcast value per key;
+  //   a term by distance (ALiBi's) one load per key and kLanes queries, its lanes reversed;
   //   others a square of kLanes x kLanes at a time, transposed in registers. Element by element,
   //   a 48-query tile's stores fell 192 bytes apart and masks took 14-23% of a forward (d=64,
   //   L=1024). The forward reads masks that vary along the queries from a transposed copy
@@ -257,7 +258,17 @@ struct Tiles {
           for (int64_t ii0 = 0; ii0 < rows; ii0 += kLanes) add(tile + (jj0 + c) * col_step + ii0, S::set1(square[c]));
         continue;
       }
-      for (int64_t ii0 = 0; ii0 < rows; ii0 += kLanes) {
+      int64_t ii0 = 0;
+      if (t.by_distance()) {  // a key's whole vector of queries is one load, reversed: no square to transpose
+        const float* slice = static_cast<const float*>(t.data) + b * t.strides[0] + h * t.strides[1];
+        const F log2e = S::set1(kLog2e);
+        for (; ii0 + kLanes <= rows; ii0 += kLanes)  // (whole vectors of queries only: the others' values may lie outside)
+          for (int c = 0; c < nc; ++c) {
+            const F v = S::reverse(S::load(slice + (j0 + jj0 + c) - (i0 + ii0 + kLanes - 1)));
+            add(tile + (jj0 + c) * col_step + ii0, S::mul_saturated(v, log2e));
+          }
+      }
+      for (; ii0 < rows; ii0 += kLanes) {
         mask_square(t, b, h, i0 + ii0, static_cast<int>(std::min<int64_t>(kLanes, rows - ii0)), j0 + jj0, nc, square);
         transpose_square(square, turned);
         for (int c = 0; c < nc; ++c) add(tile + (jj0 + c) * col_step + ii0, S::load(turned + c * kLanes));
