@@ -32,6 +32,13 @@ TEST(Cuda, CpuFunctionsRefuseDeviceMemory) {
   expect_error([&] { mha::scaled_dot_product_attention(device, device, device, {.attn_mask = host}); },
                "attn_mask: expected the query's device");
   expect_error([&] { mha::reference::scaled_dot_product_attention(device, device, device); }, "host (cpu) memory");
+  // ALiBi's slopes are read on the host, and its biases are a host kernels' term.
+  static float slopes[2] = {0.5f, 0.25f};
+  const mha::TensorView host_slopes(slopes, {2});
+  expect_error([&] { mha::scaled_dot_product_attention(host, host, host, {.alibi_slopes = host_slopes.on(mha::Device::cuda())}); },
+               "alibi_slopes: expected a host tensor (the biases are built on the host), got one on cuda:0");
+  expect_error([&] { mha::scaled_dot_product_attention(device, device, device, {.alibi_slopes = host_slopes}); },
+               "alibi_slopes: ALiBi's biases are applied by the host kernels; on cuda:0");
   expect_error([&] { (void)mha::Tensor::copy_of(device); }, "host (cpu) memory");
   expect_error([&] { (void)device.at({0, 0, 0, 0}); }, "host (cpu) memory");
   const mha::MultiheadAttention m(8, 2);
