@@ -1,5 +1,7 @@
 // `mha bench`: times one forward call on random inputs, either SDPA (the fused kernel) or the
 // whole MultiheadAttention module (projections + attention + output projection).
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <iomanip>
@@ -25,6 +27,7 @@ struct BenchShape {
   int64_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
   bool causal;
   CausalAlignment alignment;
+  int64_t window_left, window_right;
 };
 
 BenchShape resolve(const BenchOptions& o) {
@@ -36,7 +39,31 @@ BenchShape resolve(const BenchOptions& o) {
           o.dim,
           o.dim_v.value_or(o.dim),
           o.causal,
-          o.align == "bottom-right" ? CausalAlignment::BottomRight : CausalAlignment::TopLeft};
+          o.align == "bottom-right" ? CausalAlignment::BottomRight : CausalAlignment::TopLeft,
+          o.window_left,
+          o.window_right};
+}
+
+// The (query, key) pairs of one head that causality and the window leave, for the FLOP count.
+double visible_pairs(const BenchShape& s) {
+  const int64_t diagonal = s.alignment == CausalAlignment::BottomRight ? s.len_k - s.len_q : 0;
+  double pairs = 0;
+  for (int64_t i = 0; i < s.len_q; ++i) {
+    int64_t begin = 0, end = s.len_k;  // keys [begin, end)
+    if (s.window_left >= 0) begin = std::max<int64_t>(begin, i + diagonal - s.window_left);
+    if (s.causal) end = std::min<int64_t>(end, i + diagonal + 1);
+    if (s.window_right >= 0) end = std::min<int64_t>(end, i + diagonal + s.window_right + 1);
+    pairs += static_cast<double>(std::max<int64_t>(end - begin, 0));
+  }
+  return pairs;
+}
+
+// ALiBi's slopes as BLOOM sets them: 2^(-8 h / H) for head h = 1..H.
+Tensor bloom_slopes(int64_t heads) {
+  Tensor slopes = Tensor::empty({heads});
+  for (int64_t h = 0; h < heads; ++h)
+    slopes.data<float>()[h] = static_cast<float>(std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(heads)));
+  return slopes;
 }
 
 // What is timed: one call, its floating-point work, and a line that describes it.
@@ -73,6 +100,10 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
   const DType dtype = parse_dtype(o.dtype);
   if (!device.is_cpu() && o.weights) throw UsageError("--weights: the GPU kernel never forms the weights; drop --weights");
   if (!device.is_cpu() && o.dropout > 0) throw UsageError("--dropout: the GPU kernel has no dropout; drop --dropout");
+  if (!device.is_cpu() && o.alibi) throw UsageError("--alibi: ALiBi runs on the host kernels; drop --alibi or --device");
+  if (!device.is_cpu() && o.window_left >= 0) {
+    throw UsageError("--window-left: a window's left end runs on the host kernels; drop --window-left or --device");
+  }
   const Tensor q = random_input({s.batch, s.heads, s.len_q, s.dim}, rng, dtype, device);
   const Tensor k = random_input({s.batch, s.kv_heads, s.len_k, s.dim}, rng, dtype, device);
   const Tensor v = random_input({s.batch, s.kv_heads, s.len_k, s.dim_v}, rng, dtype, device);
@@ -84,19 +115,23 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
     weights_buffer = Tensor::empty({s.batch, s.heads, s.len_q, s.len_k}, dtype);
     weights_view = weights_buffer.view();
   }
+  const Tensor slopes = o.alibi ? bloom_slopes(s.heads) : Tensor();
   const SdpaOptions options{
       .is_causal = s.causal,
       .causal_alignment = s.alignment,
+      .window_left = s.window_left,
+      .window_right = s.window_right,
+      .alibi_slopes = o.alibi ? std::optional<TensorView>(slopes.view()) : std::nullopt,
       .enable_gqa = s.kv_heads != s.heads,
       .dropout_p = o.dropout,
       .dropout_seed = o.seed};
-  w.flops = attention_flops(s.batch, s.heads, s.len_q, s.len_k, s.dim, s.dim_v, s.causal, s.alignment);
+  w.flops = 2.0 * visible_pairs(s) * static_cast<double>(s.dim + s.dim_v) * static_cast<double>(s.batch * s.heads);
   if (o.backward) {
     // The training forward runs once; each call is one backward from its output and
     // log-sum-exp, for a random output gradient.
     auto saved = std::make_shared<const AttentionForTraining>(scaled_dot_product_attention_for_training(q, k, v, options));
     const Tensor grad_out = random_input({s.batch, s.heads, s.len_q, s.dim_v}, rng, dtype, device);
-    w.call = [q, k, v, saved, grad_out, options, device] {
+    w.call = [q, k, v, saved, grad_out, slopes, options, device] {
       (void)scaled_dot_product_attention_backward(q, k, v, *saved, grad_out, options);
       if (!device.is_cpu()) cuda::synchronize(device.index);
     };
@@ -106,7 +141,7 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
   }
   // Tensors are captured by value: the call shares, and so keeps alive, their storage. On the GPU
   // the call waits for the kernel, so that the time is its run, not its launch.
-  w.call = [q, k, v, out, weights_buffer, weights_view, options, device] {
+  w.call = [q, k, v, out, weights_buffer, weights_view, slopes, options, device] {
     scaled_dot_product_attention_into(q, k, v, out, options, weights_view);
     if (!device.is_cpu()) cuda::synchronize(device.index);
   };
@@ -124,6 +159,10 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   }
   if (s.causal && s.alignment == CausalAlignment::BottomRight) {
     throw UsageError("--align bottom-right: MultiheadAttention's is_causal is top-left only; drop --module or --align");
+  }
+  if (s.window_left >= 0 || s.window_right >= 0 || o.alibi) {
+    throw UsageError(std::string(o.alibi ? "--alibi" : "--window-left/--window-right") +
+                     ": MultiheadAttention has neither (as PyTorch's); drop --module");
   }
   const int64_t embed_dim = s.heads * s.dim;
   const DType dtype = parse_dtype(o.dtype);
@@ -146,7 +185,7 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   return w;
 }
 
-std::string shape_line(const BenchShape& s, bool weights, double dropout) {
+std::string shape_line(const BenchShape& s, bool alibi, bool weights, double dropout) {
   std::ostringstream line;
   line << "B=" << s.batch << " Hq=" << s.heads << " Hkv=" << s.kv_heads << " Lq=" << s.len_q << " Lk=" << s.len_k
        << " Dk=" << s.dim << " Dv=" << s.dim_v << ' ';
@@ -155,6 +194,8 @@ std::string shape_line(const BenchShape& s, bool weights, double dropout) {
   } else {
     line << "causal (" << (s.alignment == CausalAlignment::BottomRight ? "bottom-right" : "top-left") << ")";
   }
+  if (s.window_left >= 0 || s.window_right >= 0) line << ", window (" << s.window_left << ", " << s.window_right << ")";
+  if (alibi) line << ", ALiBi";
   if (weights) line << ", with weights";
   if (dropout > 0) line << ", dropout " << dropout;
   return line.str();
@@ -166,7 +207,8 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
   auto boolean = [](bool b) { return b ? "true" : "false"; };
   j << "{\"shape\": {\"batch\": " << s.batch << ", \"heads\": " << s.heads << ", \"kv_heads\": " << s.kv_heads
     << ", \"len_q\": " << s.len_q << ", \"len_k\": " << s.len_k << ", \"dim\": " << s.dim << ", \"dim_v\": " << s.dim_v
-    << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\"}"
+    << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\", \"window_left\": " << s.window_left
+    << ", \"window_right\": " << s.window_right << ", \"alibi\": " << boolean(o.alibi) << "}"
     << ", \"op\": \"" << (o.module ? "module" : o.backward ? "sdpa_backward" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
     << ", \"dropout\": " << o.dropout
     << ", \"dtype\": \"" << o.dtype << "\", \"device\": \"" << o.device << "\""
@@ -215,7 +257,7 @@ int run_bench(const BenchOptions& o) {
   }
   const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {
-    std::printf("shape    %s\n", shape_line(s, o.weights, o.dropout).c_str());
+    std::printf("shape    %s\n", shape_line(s, o.alibi, o.weights, o.dropout).c_str());
     std::printf("op       %s, ISA %s, threads: %d\n", w.description.c_str(), cpu_isa().c_str(), get_num_threads());
     std::fflush(stdout);  // before the progress display on stderr
   }

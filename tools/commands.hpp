@@ -34,6 +34,8 @@ struct BenchOptions {
   std::optional<int64_t> dim_v;  // default: dim
   bool causal = false;
   std::string align = "top-left";  // or "bottom-right"
+  int64_t window_left = -1, window_right = -1;  // a sliding window (-1: unbounded on that side)
+  bool alibi = false;                           // ALiBi with BLOOM's slopes 2^(-8 h / H)
   std::optional<int> threads;
   int reps = 5;
   int warmup = 1;

@@ -60,6 +60,15 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   bench->add_option("--align", o.align, "Diagonal of the causal mask when Lq != Lk")
       ->capture_default_str()
       ->check(CLI::IsMember({"top-left", "bottom-right"}));
+  bench->add_option("--window-left", o.window_left,
+                    "Sliding window: keys before each query's diagonal it sees (-1: unbounded)")
+      ->capture_default_str()
+      ->check(at_least(-1));
+  bench->add_option("--window-right", o.window_right,
+                    "Sliding window: keys after each query's diagonal it sees (-1: unbounded)")
+      ->capture_default_str()
+      ->check(at_least(-1));
+  bench->add_flag("--alibi", o.alibi, "ALiBi biases with BLOOM's slopes 2^(-8 h / H) per head h = 1..H");
   bench->add_option("--threads", o.threads, "Worker threads (default: the library's setting)")->check(at_least(1));
   bench->add_option("--reps", o.reps, "Timed calls")->capture_default_str()->check(at_least(1));
   bench->add_option("--warmup", o.warmup, "Untimed calls before timing")->capture_default_str()->check(at_least(0));
