@@ -242,6 +242,30 @@ TEST(Alibi, SlopesBroadcastOverTheBatchDimensions) {
   EXPECT_LT(rel_error(broadcast, ref.output), 2e-5 + 4 * std::ldexp(1.0, -24) * max_abs(slopes) * 29);  // (|i - j| <= 29)
 }
 
+// Inputs without heads (2-D: one slope, shape [1] or []), and sequences of no queries or no keys
+// (no scores: an empty output, or zeros).
+TEST(Alibi, InputsWithoutHeadsAndEmptySequences) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({20, 16}, rng), k = randn({30, 16}, rng), v = randn({30, 8}, rng);
+  const float slope = 0.3f;
+  for (const mha::Shape& shape : {mha::Shape{1}, mha::Shape{}}) {
+    const mha::TensorView slopes(&slope, shape);
+    const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, {.alibi_slopes = slopes});
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, {.alibi_slopes = slopes});
+    EXPECT_LT(rel_error(out, ref.output), 2e-5 + 4 * std::ldexp(1.0, -24) * 0.3 * 29);
+    const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v);
+    EXPECT_GT(rel_error(out, plain), 1e-3);  // (the biases change the result)
+  }
+  const float slopes[2] = {0.5f, 0.25f};
+  const mha::TensorView per_head(slopes, {2});
+  const mha::Tensor q0 = randn({1, 2, 0, 16}, rng), k0 = randn({1, 2, 0, 16}, rng), v0 = randn({1, 2, 0, 8}, rng);
+  const mha::Tensor qs = randn({1, 2, 5, 16}, rng), ks = randn({1, 2, 7, 16}, rng), vs = randn({1, 2, 7, 8}, rng);
+  EXPECT_EQ(mha::scaled_dot_product_attention(q0, ks, vs, {.alibi_slopes = per_head}).numel(), 0);
+  const mha::Tensor no_keys = mha::scaled_dot_product_attention(qs, k0, v0, {.alibi_slopes = per_head});
+  EXPECT_EQ(max_abs(no_keys), 0.0);
+  EXPECT_EQ(no_keys.numel(), 2 * 5 * 8);
+}
+
 TEST(Alibi, BadSlopesAreClearErrors) {
   std::mt19937_64 rng(test_seed());
   const mha::Tensor q = randn({2, 3, 8, 16}, rng), k = randn({2, 3, 8, 16}, rng);
