@@ -278,6 +278,8 @@ TEST(Alibi, BadSlopesAreClearErrors) {
                "alibi_slopes: shape [4] cannot be broadcast to the batch dimensions and heads [2, 3]");
   expect_error([&] { call(randn({3, 3}, rng)); }, "cannot be broadcast");
   expect_error([&] { call(randn({2, 1, 3}, rng)); }, "cannot be broadcast");
+  expect_error([&] { call(randn({1, 1, 1, 1, 2, 3}, rng)); },
+               "alibi_slopes: expected at most 4 dimensions (the batch dimensions and heads), got shape [1, 1, 1, 1, 2, 3]");
   mha::Tensor bad = randn({2, 3}, rng);
   bad.data<float>()[4] = std::numeric_limits<float>::infinity();
   expect_error([&] { call(bad); }, "alibi_slopes: expected finite slopes, got inf at batch entry 1, head 1");

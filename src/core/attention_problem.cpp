@@ -302,6 +302,10 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
                   slopes.device.str());
     }
     check_data(slopes, "alibi_slopes");
+    if (slopes.ndim > 4) {
+      throw Error("alibi_slopes: expected at most 4 dimensions (the batch dimensions and heads), got shape " +
+                  slopes.shape_str());
+    }
     // One slope per query head, per batch entry too where given: broadcastable to the batch
     // dimensions and heads without growing them.
     bool fits = true;
