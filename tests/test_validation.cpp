@@ -305,6 +305,28 @@ TEST(Validation, ValidatorReadsNoDataWhenKeyAndValueHeadCountsDiffer) {
   EXPECT_EQ(p.k.size(1), 4);
 }
 
+// Windows on sequences near the int64 limit (views of storage that does not exist, as the fuzzers
+// pass them): the offsets saturate, no overflow (the sanitizer build found Lq + Lk overflowing);
+// a side as long as the longer sequence is no bound.
+TEST(Validation, WindowOffsetsOfSequencesNearTheInt64Limit) {
+  void* const nowhere = reinterpret_cast<void*>(uintptr_t{1} << 40);  // never mapped
+  const int64_t huge = std::numeric_limits<int64_t>::max() - 1;
+  const mha::TensorView q(nowhere, mha::DType::f32, {1, 1, 3, 1}), k(nowhere, mha::DType::f32, {1, 1, huge, 1});
+  for (const auto alignment : {mha::CausalAlignment::TopLeft, mha::CausalAlignment::BottomRight}) {
+    for (const int64_t side : {int64_t{3}, huge - 1, huge}) {
+      const mha::SdpaOptions o{.causal_alignment = alignment, .window_left = side, .window_right = side};
+      const auto p = mha::detail::make_sdpa_problem(q, k, k, o, mha::detail::InputDtypes::fused);
+      const auto pq = mha::detail::make_sdpa_problem(k, q, q, o, mha::detail::InputDtypes::fused);  // Lq huge
+      EXPECT_EQ(p.causal, side < huge);  // (huge: no bound)
+      EXPECT_EQ(pq.windowed, side < huge);
+      if (side < huge) {
+        EXPECT_GT(p.causal_offset, 0);      // Lk - Lq + side: saturated, not wrapped to negative
+        EXPECT_LT(pq.window_offset, 0);     // (Lk - Lq or 0) - side: saturated, not wrapped to positive
+      }
+    }
+  }
+}
+
 // Calls without heads: empty results and gradients, float64 included (whose backward divided by
 // the zero key/value head count).
 TEST(Validation, CallsWithoutHeadsGiveEmptyGradients) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <utility>
 
@@ -263,16 +264,22 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     throw Error("window_left, window_right: expected -1 (unbounded) or a key count >= 0, got (" +
                 std::to_string(options.window_left) + ", " + std::to_string(options.window_right) + ")");
   }
-  // A side wider than both sequences together bounds nothing; capped there, the offsets cannot overflow.
-  const int64_t widest = p.len_q + p.len_k;
-  const int64_t window_left = std::min(options.window_left, widest), window_right = std::min(options.window_right, widest);
-  if (window_right >= 0 && !(p.causal && p.causal_offset <= diagonal + window_right)) {
+  // A side of max(Lq, Lk) keys or more reaches past every key from every diagonal: it bounds
+  // nothing, and is dropped. The offsets saturate: the validators see sizes near the int64 limit.
+  const int64_t longest = std::max(p.len_q, p.len_k);
+  const int64_t window_left = options.window_left >= longest ? -1 : options.window_left;
+  const int64_t window_right = options.window_right >= longest ? -1 : options.window_right;
+  auto saturated_add = [](int64_t a, int64_t b) {
+    int64_t r = 0;
+    return __builtin_add_overflow(a, b, &r) ? (b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min()) : r;
+  };
+  if (window_right >= 0 && !(p.causal && p.causal_offset <= saturated_add(diagonal, window_right))) {
     p.causal = true;  // the window's right end is a diagonal further right (or the causal one)
-    p.causal_offset = diagonal + window_right;
+    p.causal_offset = saturated_add(diagonal, window_right);
   }
   if (window_left >= 0) {
     p.windowed = true;
-    p.window_offset = diagonal - window_left;
+    p.window_offset = saturated_add(diagonal, -window_left);
   }
   if (options.attn_mask) {
     const TensorView& mask = *options.attn_mask;
