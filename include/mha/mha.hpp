@@ -6,6 +6,7 @@
 #include "mha/error.hpp"
 #include "mha/io.hpp"
 #include "mha/multihead_attention.hpp"
+#include "mha/paged_attention.hpp"
 #include "mha/reference.hpp"
 #include "mha/sdpa.hpp"
 #include "mha/tensor.hpp"

@@ -64,6 +64,12 @@ struct AttentionProblem {
   TensorView alibi_slopes;  // [B, H] view (stride 0 where the slopes broadcast), float32 or float64
   int64_t alibi_diagonal = 0;
   int alibi_term = -1;
+  // A paged key/value cache (core/paged_attention.cpp; one batch entry): key j lies in page
+  // key_pages[j / page_size] at row j % page_size, k's and v's strides[0] stepping from page to
+  // page. Null for keys and values in one strided view. Only the decoding kernel (few_queries.hpp)
+  // reads pages; other calls gather them first.
+  const int32_t* key_pages = nullptr;
+  int64_t page_size = 0;
   double scale = 1.0;
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;
@@ -109,6 +115,15 @@ struct AttentionProblem {
     return b < 0 ? 0 : (b > len_k ? len_k : b);
   }
   bool visible(int64_t i, int64_t j) const { return j >= window_begin(i) && j < causal_end(i); }
+  // Where row j of k or v (key/value head h of batch entry b) starts, in elements from t.data.
+  int64_t key_row_offset(const TensorView& t, int64_t b, int64_t h, int64_t j) const {
+    if (key_pages == nullptr) return b * t.strides[0] + h * t.strides[1] + j * t.strides[2];
+    return key_pages[j / page_size] * t.strides[0] + h * t.strides[1] + j % page_size * t.strides[2];
+  }
+  // Whether keys [j, j + n) lie t.strides[2] apart (in one page of a paged cache).
+  bool key_rows_evenly_spaced(int64_t j, int64_t n) const {
+    return key_pages == nullptr || j % page_size + n <= page_size;
+  }
   // ALiBi's slope for (b, h) (after materialise_inputs).
   double alibi_slope(int64_t b, int64_t h) const {
     const int64_t off = b * alibi_slopes.strides[0] + h * alibi_slopes.strides[1];

@@ -5,12 +5,12 @@
 
 #include <algorithm>
 #include <limits>
-#include <numeric>
 #include <string>
 #include <vector>
 
 #include "core/attention_problem.hpp"
 #include "core/sdpa_host.hpp"
+#include "core/sequence_schedule.hpp"
 #include "core/thread_pool.hpp"
 
 namespace mha {
@@ -106,22 +106,6 @@ void zero_rows(const Tensor& packed, int64_t begin, int64_t end) {
   copy_into(Tensor::zeros(r.sizes(), r.dtype), r);
 }
 
-// Runs run(s, threads) for every sequence s with work in it (`cost[s]` > 0). A sequence that holds
-// at least a (4 x threads)-th of the work runs on all threads (its own tasks balance), longest
-// first; the rest run whole on one thread each, longest first, handed out one at a time.
-template <class Run>
-void for_each_sequence(const std::vector<double>& cost, int threads, Run run) {
-  std::vector<int64_t> order(cost.size());
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  while (!order.empty() && cost[order.back()] <= 0) order.pop_back();
-  const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
-  size_t wide = 0;
-  while (threads > 1 && wide < order.size() && cost[order[wide]] * 4.0 * threads >= total) run(order[wide++], threads);
-  detail::parallel_for(static_cast<int64_t>(order.size() - wide), threads,
-                       [&](int64_t t, int) { run(order[wide + static_cast<size_t>(t)], 1); });
-}
-
 // Sequence s's own problem, on `threads` threads, ready to run.
 AttentionProblem sequence_problem(const TensorView& q, const TensorView& k, const TensorView& v,
                                   std::span<const int64_t> cu_q, std::span<const int64_t> cu_k,
@@ -168,7 +152,7 @@ void varlen_forward(const TensorView& q, const TensorView& k, const TensorView& 
     }
   }
   const int threads = detail::resolve_threads(options.num_threads);
-  for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
+  detail::for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
     const int64_t q0 = cu_q[s], q1 = cu_q[s + 1];
     const AttentionProblem p = sequence_problem(q, k, v, cu_q, cu_k, options, s, call_threads);
     if (!lse) {
@@ -229,7 +213,7 @@ AttentionGradients scaled_dot_product_attention_varlen_backward(
     if (wanted.value) zero_rows(g.value, cu_k[s], cu_k[s + 1]);
   }
   const int threads = detail::resolve_threads(options.num_threads);
-  for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
+  detail::for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
     const int64_t q0 = cu_q[s], q1 = cu_q[s + 1], k0 = cu_k[s], k1 = cu_k[s + 1];
     const AttentionProblem p = sequence_problem(q, k, v, cu_q, cu_k, options, s, call_threads);
     const Tensor own_lse = Tensor::copy_of(saved.lse.view().slice(1, q0, q1));  // the kernels read it packed

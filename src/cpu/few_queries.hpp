@@ -169,7 +169,7 @@ struct FewQueries {
   // Row j of k (or v) of batch b, head hk, as float32 of `padded` elements: in place, or into dst.
   const float* key_row(const TensorView& t, int64_t b, int64_t hk, int64_t j, int64_t width, int64_t padded,
                        bool in_place, float* dst) const {
-    const int64_t offset = b * t.strides[0] + hk * t.strides[1] + j * t.strides[2];
+    const int64_t offset = p.key_row_offset(t, b, hk, j);
     if (in_place) return t.data_as<float>() + offset;
     if (t.dtype == DType::f32) std::memcpy(dst, t.data_as<float>() + offset, sizeof(float) * width);
     else T::widen(t.dtype, t.data_as<uint16_t>() + offset, dst, width);
@@ -178,8 +178,8 @@ struct FewQueries {
   }
 
   // Row j of a bfloat16 or float16 k (or v) of batch b, head hk, in place.
-  static const uint16_t* row16(const TensorView& t, int64_t b, int64_t hk, int64_t j) {
-    return t.data_as<uint16_t>() + b * t.strides[0] + hk * t.strides[1] + j * t.strides[2];
+  const uint16_t* row16(const TensorView& t, int64_t b, int64_t hk, int64_t j) const {
+    return t.data_as<uint16_t>() + p.key_row_offset(t, b, hk, j);
   }
 
   // kt[d][c] = key j0 + c, element d, for c < nc (rounded up to 8 keys, zero rows past nc) and
@@ -188,8 +188,8 @@ struct FewQueries {
     const int keys = static_cast<int>(T::round_up(nc, 8));
     const float* src;
     int64_t stride;
-    if (keys_in_place() && nc == kKeys) {
-      src = p.k.data_as<float>() + b * p.k.strides[0] + hk * p.k.strides[1] + j0 * p.k.strides[2];
+    if (keys_in_place() && nc == kKeys && p.key_rows_evenly_spaced(j0, nc)) {
+      src = p.k.data_as<float>() + p.key_row_offset(p.k, b, hk, j0);
       stride = p.k.strides[2];
     } else {
       for (int c = 0; c < nc; ++c) key_row(p.k, b, hk, j0 + c, p.dim_qk, dk8(), false, s.kbuf + c * dk8());
@@ -268,7 +268,14 @@ struct FewQueries {
   // the hardware prefetchers follow less well (steps at S=4096 d=128 took 1.1-1.3x the time without).
   [[gnu::always_inline]] void prefetch_rows(const TensorView& t, int64_t b, int64_t hk, int64_t j0, int64_t count) const {
     const int64_t size = dtype_size(t.dtype), row_bytes = t.shape[3] * size, stride = t.strides[2] * size;
-    const char* rows = static_cast<const char*>(t.data) + (b * t.strides[0] + hk * t.strides[1] + j0 * t.strides[2]) * size;
+    if (!p.key_rows_evenly_spaced(j0, count)) {  // across pages: each row's own address
+      for (int64_t c = 0; c < count; ++c) {
+        const char* row = static_cast<const char*>(t.data) + p.key_row_offset(t, b, hk, j0 + c) * size;
+        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(row + x);
+      }
+      return;
+    }
+    const char* rows = static_cast<const char*>(t.data) + p.key_row_offset(t, b, hk, j0) * size;
     for (int64_t c = 0; c < count; ++c)
       for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(rows + c * stride + x);
   }

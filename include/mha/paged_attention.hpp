@@ -1,0 +1,55 @@
+// Attention over a paged key/value cache, the layout of vLLM's PagedAttention and of
+// FlashAttention's flash_attn_with_kvcache with a block_table: an inference server keeps the keys
+// and values of all its sequences in one pool of fixed-size pages, and each sequence lists the
+// pages that hold its keys, in order, so that sequences grow, end and share prefixes without
+// moving the cache.
+//
+//   q           [B, Hq, Lq, Dk]                       out [B, Hq, Lq, Dv]
+//   key_cache   [pages, Hkv, page_size, Dk]          value_cache [pages, Hkv, page_size, Dv]
+//   block_table [B, pages_per_sequence] (int32, row-major)   cache_seqlens [B]
+//
+// Sequence b's keys are positions [0, cache_seqlens[b]): key j lies in page
+// block_table[b][j / page_size], row j % page_size. Entries past a sequence's last page are not
+// read (-1 padding is fine). Any strides with unit stride in the last dimension, so the vLLM /
+// FlashAttention cache [pages, page_size, Hkv, D] is passed as its transpose(1, 2) view, in place.
+// The result for sequence b is scaled_dot_product_attention of q[b] over its cache_seqlens[b]
+// keys gathered in order, bit for bit (a test holds it to that); a sequence with no key gives
+// zeros.
+//
+// Options are SdpaOptions: is_causal with causal_alignment (BottomRight for decoding: q's Lq rows
+// are the last Lq positions, so the last query sees every key; FlashAttention's kvcache
+// alignment), a sliding window, ALiBi (alibi_slopes [Hq] or [B, Hq]), scale, enable_gqa (Hq a
+// multiple of Hkv: the cache is read once per key/value head), num_threads. attn_mask and dropout
+// are not taken (inference: the sequences' lengths are their masks).
+//
+// Up to 32 queries per head (decoding, speculative decoding) the kernel reads the pages where
+// they are. Longer query blocks (chunked prefill), float64 and the AMX path gather each
+// sequence's pages into one buffer first (keys and values once per sequence, against Lq times as
+// many multiply-adds).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "mha/sdpa.hpp"
+#include "mha/tensor.hpp"
+
+namespace mha {
+
+// Returns out [B, Hq, Lq, Dv] (contiguous, the inputs' dtype: float32, bfloat16, float16 or
+// float64, one dtype for q and both caches; on the host).
+Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
+                       std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
+                       const SdpaOptions& options = {});
+
+// Writes new keys and values into the cache, as a decoding step does before its attention: row t
+// of sequence b (key[b, :, t, :], value[b, :, t, :]) goes to position cache_seqlens[b] + t of
+// that sequence's pages. key [B, Hkv, Lnew, Dk], value [B, Hkv, Lnew, Dv] of the caches' dtype;
+// every position written must lie in a listed page. cache_seqlens is left as it is (the caller
+// advances it by Lnew). Sequences are written in order, so where two share a page slot the later
+// sequence's row is the one kept.
+void write_paged_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, std::span<const int32_t> block_table,
+                       std::span<const int64_t> cache_seqlens);
+
+}  // namespace mha

@@ -1,0 +1,265 @@
+// Attention over a paged key/value cache: each sequence is one scaled_dot_product_attention
+// problem whose keys and values the decoding kernel reads page by page where they lie
+// (AttentionProblem::key_pages), or, on the paths that read rows at one stride, from a gathered
+// copy; the sequences are spread over the threads as variable-length batches spread theirs.
+#include "mha/paged_attention.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/attention_problem.hpp"
+#include "core/sdpa_host.hpp"
+#include "core/sequence_schedule.hpp"
+#include "core/thread_pool.hpp"
+#include "cpu/attention_kernel.hpp"
+#include "cpu/amx.hpp"
+
+namespace mha {
+namespace {
+
+using detail::AttentionProblem;
+
+struct PagedShape {
+  int64_t batch = 0, heads_q = 0, len_q = 0, dim_qk = 0, heads_kv = 0, dim_v = 0;
+  int64_t pages = 0, page_size = 0, pages_per_sequence = 0;
+};
+
+void check_rank4(const TensorView& t, const char* name, const char* layout) {
+  if (t.ndim != 4) {
+    throw Error(std::string(name) + ": expected a " + layout + " tensor (rank 4), got shape " + t.shape_str());
+  }
+  require_cpu(t, name);
+}
+
+// The pages of the caches a sequence of `len` keys reads: ceil(len / page_size).
+int64_t pages_used(int64_t len, int64_t page_size) { return len == 0 ? 0 : (len - 1) / page_size + 1; }
+
+// Checks the table and the lengths: every sequence's keys fit its row of the table and every page
+// it reads exists. `what` names the positions ("keys", or the rows a write reaches).
+void check_table(const PagedShape& s, std::span<const int32_t> table, std::span<const int64_t> lens,
+                 std::span<const int64_t> extra, const char* what) {
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t len = lens[b], end = len + (extra.empty() ? 0 : extra[b]);
+    if (len < 0) {
+      throw Error("cache_seqlens: expected lengths >= 0, got cache_seqlens[" + std::to_string(b) +
+                  "] = " + std::to_string(len));
+    }
+    if (end > s.pages_per_sequence * s.page_size) {
+      throw Error("cache_seqlens: sequence " + std::to_string(b) + " " + what + " up to position " +
+                  std::to_string(end) + ", more than its " + std::to_string(s.pages_per_sequence) +
+                  " table entries of " + std::to_string(s.page_size) + " rows hold");
+    }
+    for (int64_t i = 0; i < pages_used(end, s.page_size); ++i) {
+      const int32_t page = table[b * s.pages_per_sequence + i];
+      if (page < 0 || page >= s.pages) {
+        throw Error("block_table: expected page indices in [0, " + std::to_string(s.pages) + "), got block_table[" +
+                    std::to_string(b) + "][" + std::to_string(i) + "] = " + std::to_string(page) +
+                    " (a page sequence " + std::to_string(b) + " reads)");
+      }
+    }
+  }
+}
+
+// What both functions check of the caches, the table and the lengths, for `batch` sequences.
+PagedShape check_cache(const TensorView& key_cache, const TensorView& value_cache, std::span<const int32_t> table,
+                       std::span<const int64_t> lens, int64_t batch) {
+  check_rank4(key_cache, "key_cache", "[pages, Hkv, page_size, Dk]");
+  check_rank4(value_cache, "value_cache", "[pages, Hkv, page_size, Dv]");
+  for (int d = 0; d < 3; ++d) {
+    if (key_cache.shape[d] != value_cache.shape[d]) {
+      throw Error("key_cache/value_cache: expected the same [pages, Hkv, page_size], got key_cache " +
+                  key_cache.shape_str() + " and value_cache " + value_cache.shape_str());
+    }
+  }
+  if (key_cache.dtype != value_cache.dtype) {
+    throw Error(std::string("value_cache: expected the key cache's dtype ") + std::string(dtype_name(key_cache.dtype)) +
+                ", got " + std::string(dtype_name(value_cache.dtype)));
+  }
+  for (const TensorView* t : {&key_cache, &value_cache}) {
+    if (t->shape[3] > 1 && t->strides[3] != 1) {
+      throw Error(std::string(t == &key_cache ? "key_cache" : "value_cache") +
+                  ": expected unit stride in the last dimension (rows read in place), got strides [" +
+                  std::to_string(t->strides[0]) + ", " + std::to_string(t->strides[1]) + ", " +
+                  std::to_string(t->strides[2]) + ", " + std::to_string(t->strides[3]) + "]");
+    }
+  }
+  PagedShape s;
+  s.batch = batch;
+  s.pages = key_cache.shape[0];
+  s.heads_kv = key_cache.shape[1];
+  s.page_size = key_cache.shape[2];
+  s.dim_qk = key_cache.shape[3];
+  s.dim_v = value_cache.shape[3];
+  if (s.page_size < 1) throw Error("key_cache: expected a page size (dimension 2) of at least 1, got " + key_cache.shape_str());
+  if (static_cast<int64_t>(lens.size()) != batch) {
+    throw Error("cache_seqlens: expected one length per sequence (" + std::to_string(batch) + "), got " +
+                std::to_string(lens.size()));
+  }
+  const auto table_size = static_cast<int64_t>(table.size());
+  if (batch == 0 ? table_size != 0 : table_size % batch != 0) {
+    throw Error("block_table: expected [B, pages_per_sequence] entries, a multiple of B = " + std::to_string(batch) +
+                ", got " + std::to_string(table_size));
+  }
+  s.pages_per_sequence = batch == 0 ? 0 : table_size / batch;
+  return s;
+}
+
+PagedShape validate(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
+                    std::span<const int32_t> table, std::span<const int64_t> lens, const SdpaOptions& options) {
+  check_rank4(q, "query", "[B, Hq, Lq, Dk]");
+  PagedShape s = check_cache(key_cache, value_cache, table, lens, q.shape[0]);
+  s.heads_q = q.shape[1];
+  s.len_q = q.shape[2];
+  if (options.attn_mask) {
+    throw Error("attn_mask: not taken by paged_attention (each sequence's length is its mask; causality, windows "
+                "and ALiBi are options)");
+  }
+  if (options.dropout_p != 0.0) {
+    throw Error("dropout_p: paged_attention is for inference and takes no dropout, got " +
+                std::to_string(options.dropout_p));
+  }
+  SdpaOptions one = options;
+  if (options.alibi_slopes) {  // [Hq] or [B, Hq]; the rest is checked on one sequence's slopes below
+    const TensorView& slopes = *options.alibi_slopes;
+    if (slopes.ndim > 2 || (slopes.ndim == 2 && slopes.shape[0] != 1 && slopes.shape[0] != s.batch)) {
+      throw Error("alibi_slopes: expected shape [Hq] or [B, Hq] (B = " + std::to_string(s.batch) + "), got " +
+                  slopes.shape_str());
+    }
+    if (slopes.ndim == 2) one.alibi_slopes = slopes.select(0, 0);
+  }
+  // The options against one sequence of a page's keys: dtypes, head counts, head dims, scale.
+  const TensorView k = key_cache.slice(0, 0, std::min<int64_t>(1, s.pages));
+  const TensorView v = value_cache.slice(0, 0, std::min<int64_t>(1, s.pages));
+  (void)detail::make_sdpa_problem(q.slice(0, 0, std::min<int64_t>(1, s.batch)), k, v, one, detail::InputDtypes::fused);
+  check_table(s, table, lens, {}, "reads keys");
+  return s;
+}
+
+// Keys and values of sequence b: the first `len` rows through its pages, as one [1, Hkv, len, D]
+// view each. In place, the view's strides[0] steps from page to page and key_pages says which
+// (only AttentionProblem::key_row_offset reads them so); gathered, contiguous copies in `storage`.
+struct SequenceCache {
+  TensorView k, v;
+  const int32_t* pages = nullptr;
+};
+
+TensorView first_rows(const TensorView& cache, int64_t len) {
+  return TensorView(cache.data, cache.dtype, {1, cache.shape[1], len, cache.shape[3]},
+                    {cache.strides[0], cache.strides[1], cache.strides[2], cache.strides[3]});
+}
+
+Tensor gather_pages(const TensorView& cache, const int32_t* pages, int64_t page_size, int64_t len, int threads) {
+  Tensor out = Tensor::empty({1, cache.shape[1], len, cache.shape[3]}, cache.dtype);
+  const int64_t heads = cache.shape[1], width = cache.shape[3], size = dtype_size(cache.dtype);
+  const int64_t row_bytes = width * size;
+  auto* dst = static_cast<char*>(out.view().data);
+  const auto* src = static_cast<const char*>(cache.data);
+  const int64_t n_pages = pages_used(len, page_size);
+  detail::parallel_for(heads * n_pages, threads, [&](int64_t t, int) {
+    const int64_t h = t / n_pages, i = t % n_pages, j0 = i * page_size, j1 = std::min(len, j0 + page_size);
+    const char* page = src + (pages[i] * cache.strides[0] + h * cache.strides[1]) * size;
+    for (int64_t j = j0; j < j1; ++j)
+      std::memcpy(dst + ((h * len + j) * width) * size, page + (j - j0) * cache.strides[2] * size, row_bytes);
+  });
+  return out;
+}
+
+// Whether the kernel that will run reads the pages in place: the float32 kernel's decoding path
+// (few_queries.hpp, up to kFewQueriesPerHead queries), unless the AMX kernel takes the call.
+bool reads_pages_in_place(const AttentionProblem& p) {
+  if (p.q.dtype == DType::f64 || p.len_q > detail::kFewQueriesPerHead) return false;
+  return !(p.q.dtype != DType::f32 && detail::amx_usable() && detail::amx_bf16_supports(p));
+}
+
+// Sequence b's problem, ready to run on `threads` threads; gathered copies (if any) in `storage`.
+AttentionProblem sequence_problem(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
+                                  std::span<const int32_t> table, std::span<const int64_t> lens,
+                                  const SdpaOptions& options, const PagedShape& s, int64_t b, int threads,
+                                  std::vector<Tensor>& storage) {
+  SdpaOptions o = options;
+  o.num_threads = threads;
+  if (options.alibi_slopes && options.alibi_slopes->ndim == 2 && options.alibi_slopes->shape[0] > 1)
+    o.alibi_slopes = options.alibi_slopes->slice(0, b, b + 1);  // [1, Hq]: this sequence's slopes
+  const int64_t len = lens[b];
+  const int32_t* pages = table.data() + b * s.pages_per_sequence;
+  const TensorView qb = q.slice(0, b, b + 1);
+  AttentionProblem p = detail::make_sdpa_problem(qb, first_rows(key_cache, len), first_rows(value_cache, len), o,
+                                                 detail::InputDtypes::fused);
+  detail::materialise_inputs(p);
+  if (reads_pages_in_place(p)) {
+    p.key_pages = pages;
+    p.page_size = s.page_size;
+    p.k.strides[0] = key_cache.strides[0];  // (batch entry 0 only: the stride from page to page)
+    p.v.strides[0] = value_cache.strides[0];
+    return p;
+  }
+  storage.push_back(gather_pages(key_cache, pages, s.page_size, len, threads));
+  storage.push_back(gather_pages(value_cache, pages, s.page_size, len, threads));
+  p = detail::make_sdpa_problem(qb, storage[storage.size() - 2].view(), storage.back().view(), o,
+                                detail::InputDtypes::fused);
+  detail::materialise_inputs(p);
+  return p;
+}
+
+}  // namespace
+
+Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
+                       std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
+                       const SdpaOptions& options) {
+  const PagedShape s = validate(q, key_cache, value_cache, block_table, cache_seqlens, options);
+  Tensor out = Tensor::empty({s.batch, s.heads_q, s.len_q, s.dim_v}, q.dtype);
+  std::vector<double> cost(static_cast<size_t>(s.batch));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t len = cache_seqlens[b];
+    if (len == 0 && s.len_q > 0) {  // no key: every row fully masked, zeros (as the kernels give)
+      copy_into(Tensor::zeros({1, s.heads_q, s.len_q, s.dim_v}, q.dtype), out.view().slice(0, b, b + 1));
+    }
+    // The cache each sequence reads (decoding is bound by it) and the multiply-adds, alike per key.
+    cost[b] = s.len_q == 0 ? 0.0 : static_cast<double>(len) * static_cast<double>(s.heads_q * s.len_q + s.heads_kv);
+  }
+  const int threads = detail::resolve_threads(options.num_threads);
+  detail::for_each_sequence(cost, threads, [&](int64_t b, int call_threads) {
+    std::vector<Tensor> storage;
+    const AttentionProblem p =
+        sequence_problem(q, key_cache, value_cache, block_table, cache_seqlens, options, s, b, call_threads, storage);
+    detail::sdpa_forward_host(p, out.view().slice(0, b, b + 1), nullptr, nullptr);
+  });
+  return out;
+}
+
+void write_paged_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, std::span<const int32_t> block_table,
+                       std::span<const int64_t> cache_seqlens) {
+  check_rank4(key, "key", "[B, Hkv, Lnew, Dk]");
+  check_rank4(value, "value", "[B, Hkv, Lnew, Dv]");
+  const PagedShape s = check_cache(key_cache, value_cache, block_table, cache_seqlens, key.shape[0]);
+  const Shape key_expected{s.batch, s.heads_kv, key.shape[2], s.dim_qk};
+  const Shape value_expected{s.batch, s.heads_kv, key.shape[2], s.dim_v};
+  if (key.sizes() != key_expected || value.sizes() != value_expected) {
+    throw Error("key/value: expected [B, Hkv, Lnew, Dk] and [B, Hkv, Lnew, Dv] with the caches' Hkv = " +
+                std::to_string(s.heads_kv) + ", Dk = " + std::to_string(s.dim_qk) + ", Dv = " +
+                std::to_string(s.dim_v) + ", got key " + key.shape_str() + " and value " + value.shape_str());
+  }
+  for (const TensorView* t : {&key, &value}) {
+    if (t->dtype != key_cache.dtype) {
+      throw Error(std::string(t == &key ? "key" : "value") + ": expected the caches' dtype " +
+                  std::string(dtype_name(key_cache.dtype)) + ", got " + std::string(dtype_name(t->dtype)));
+    }
+  }
+  const int64_t len_new = key.shape[2];
+  const std::vector<int64_t> added(static_cast<size_t>(s.batch), len_new);
+  check_table(s, block_table, cache_seqlens, added, "writes rows");
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int32_t* pages = block_table.data() + b * s.pages_per_sequence;
+    for (int64_t t = 0; t < len_new; ++t) {
+      const int64_t j = cache_seqlens[b] + t;
+      const int64_t page = pages[j / s.page_size], row = j % s.page_size;
+      copy_into(key.select(0, b).select(1, t), key_cache.select(0, page).select(1, row));
+      copy_into(value.select(0, b).select(1, t), value_cache.select(0, page).select(1, row));
+    }
+  }
+}
+
+}  // namespace mha
