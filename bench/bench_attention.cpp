@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -157,6 +158,38 @@ void sdpa_decode(benchmark::State& state) {
                                                                mha::CausalAlignment::BottomRight));
 }
 
+// Args: B, Hq, Hkv, S, d, Lq, page_size, layout. SDPA_decode's step (float32) over a paged cache:
+// each sequence's S keys in pages of page_size rows, the pages of all sequences shuffled over the
+// pool (as a server's cache ends up); layout 0 keeps a page's rows of one head together
+// ([pages, Hkv, page_size, d]), layout 1 is vLLM's and FlashAttention's [pages, page_size, Hkv, d].
+// Against SDPA_decode of the same shape, the cost of the indirection and of the scattered pages.
+void sdpa_decode_paged(benchmark::State& state) {
+  const int64_t batch = state.range(0), heads = state.range(1), kv_heads = state.range(2), cache = state.range(3);
+  const int64_t dim = state.range(4), queries = state.range(5), page_size = state.range(6);
+  const bool flash_layout = state.range(7) != 0;
+  std::mt19937_64 rng(48);
+  const int64_t per_sequence = (cache + page_size - 1) / page_size, pages = batch * per_sequence;
+  const mha::Tensor q = random_normal({batch, heads, queries, dim}, rng);
+  const mha::Tensor k = random_normal(flash_layout ? mha::Shape{pages, page_size, kv_heads, dim}
+                                                   : mha::Shape{pages, kv_heads, page_size, dim}, rng);
+  const mha::Tensor v = random_normal(k.sizes(), rng);
+  const mha::TensorView kc = flash_layout ? k.view().transpose(1, 2) : k.view();
+  const mha::TensorView vc = flash_layout ? v.view().transpose(1, 2) : v.view();
+  std::vector<int32_t> table(static_cast<size_t>(pages));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  const std::vector<int64_t> lens(static_cast<size_t>(batch), cache);
+  const mha::SdpaOptions options{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight,
+                                 .enable_gqa = kv_heads != heads};
+  for (auto _ : state) {
+    const mha::Tensor out = mha::paged_attention(q, kc, vc, table, lens, options);
+    benchmark::DoNotOptimize(out.view().data);
+  }
+  const double cache_bytes = static_cast<double>(batch * kv_heads * cache * 2 * dim) * 4.0;
+  state.counters["bytes"] = benchmark::Counter(cache_bytes, benchmark::Counter::kIsIterationInvariantRate,
+                                               benchmark::Counter::kIs1024);
+}
+
 // Args: B, Hq, Hkv, S, d, bf16, padded (percent). One token per head of a batch of generations with
 // left padding: a bool mask [B, 1, 1, S] hides the first keys of each entry, from none (entry 0) to
 // twice `padded` percent (the last), `padded` percent in all. Blocks of padding are skipped, so
@@ -256,6 +289,13 @@ void register_benchmarks() {
   decode->Args({4, 16, 16, 512, 64, 1, 0});                                          // a cache that fits in L3
   decode->Args({1, 32, 8, 4096, 128, 1, 0});                                         // grouped heads
   decode->Args({1, 32, 8, 4096, 128, 8, 0});                                         // speculative: 8 tokens
+
+  auto* paged = benchmark::RegisterBenchmark("SDPA_decode_paged", sdpa_decode_paged);
+  paged->ArgNames({"B", "Hq", "Hkv", "S", "d", "Lq", "page", "layout"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (const int64_t page : {16, 256})
+    for (const int64_t layout : {0, 1}) paged->Args({4, 16, 16, 2048, 64, 1, page, layout});
+  paged->Args({1, 32, 8, 4096, 128, 1, 16, 1});  // grouped heads, as SDPA_decode's
+  paged->Args({1, 32, 8, 4096, 128, 8, 16, 1});  // speculative: 8 tokens
 
   auto* padded = benchmark::RegisterBenchmark("SDPA_decode_padded", sdpa_decode_padded);
   padded->ArgNames({"B", "Hq", "Hkv", "S", "d", "bf16", "padded"})->UseRealTime()->Unit(benchmark::kMillisecond);

@@ -23,12 +23,15 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as _np
 
 from . import _mha, _varlen, _window
+from ._paged import paged_attention, write_paged_cache
 from ._varlen import varlen_attention, varlen_dropout_seed
 
 __all__ = [
     "MultiheadAttention",
     "scaled_dot_product_attention",
     "varlen_attention",
+    "paged_attention",
+    "write_paged_cache",
     "varlen_dropout_seed",
     "set_num_threads",
     "get_num_threads",

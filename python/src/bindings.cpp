@@ -14,6 +14,7 @@
 
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 
 namespace nb = nanobind;
@@ -32,8 +33,9 @@ mha::DType to_dtype(const nb::dlpack::dtype& t, const std::string& name) {
   throw nb::type_error((name + ": unsupported dtype (expected float32, float64, bfloat16, float16 or bool)").c_str());
 }
 
-// A view of the caller's memory, strides and all: no copy.
-mha::TensorView view_of(const Array& a, const std::string& name) {
+// A view of the caller's memory, strides and all: no copy (read-only or writable arrays).
+template <class A>
+mha::TensorView view_of(const A& a, const std::string& name) {
   if (a.ndim() > static_cast<size_t>(mha::kMaxDims)) {
     throw nb::value_error((name + ": at most " + std::to_string(mha::kMaxDims) + " dimensions are supported").c_str());
   }
@@ -271,6 +273,40 @@ ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, con
   return {to_numpy(out), std::nullopt};
 }
 
+// A paged key/value cache: q [B, Hq, Lq, Dk] and caches [pages, Hkv, page_size, D] (views of the
+// caller's arrays, FlashAttention's layout transposed by the Python layer), the block table
+// [B, pages_per_sequence] int32 and the lengths [B] int64 read in place.
+using PageTable = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Lengths = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Writable = nb::ndarray<nb::device::cpu>;
+
+std::span<const int32_t> table_span(const PageTable& t) { return {t.data(), t.shape(0) * t.shape(1)}; }
+std::span<const int64_t> lengths_span(const Lengths& l) { return {l.data(), l.shape(0)}; }
+
+NumpyArray paged_attention(const Array& query, const Array& key_cache, const Array& value_cache,
+                           const PageTable& block_table, const Lengths& cache_seqlens, bool is_causal,
+                           std::optional<double> scale, bool enable_gqa, bool bottom_right, int64_t window_left,
+                           int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads) {
+  const mha::SdpaOptions o = sdpa_options(std::nullopt, 0.0, is_causal, scale, enable_gqa, 0, bottom_right,
+                                          window_left, window_right, alibi_slopes, num_threads);
+  const mha::TensorView q = view_of(query, "query"), k = view_of(key_cache, "key_cache"),
+                        v = view_of(value_cache, "value_cache");
+  mha::Tensor out;
+  {
+    nb::gil_scoped_release release;
+    out = mha::paged_attention(q, k, v, table_span(block_table), lengths_span(cache_seqlens), o);
+  }
+  return to_numpy(out);
+}
+
+void write_paged_cache(const Array& key, const Array& value, const Writable& key_cache, const Writable& value_cache,
+                       const PageTable& block_table, const Lengths& cache_seqlens) {
+  const mha::TensorView k = view_of(key, "key"), v = view_of(value, "value");
+  const mha::TensorView kc = view_of(key_cache, "key_cache"), vc = view_of(value_cache, "value_cache");
+  nb::gil_scoped_release release;
+  mha::write_paged_cache(k, v, kc, vc, table_span(block_table), lengths_span(cache_seqlens));
+}
+
 // Variable-length attention over packed [T, H, D] arrays and offsets (cu_seqlens_q, cu_seqlens_k):
 // the output, or (output, lse) for training, and the gradients; with a sliding window
 // (window_left, window_right; -1 unbounded).
@@ -475,6 +511,12 @@ NB_MODULE(_mha, m) {
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("wanted") = std::make_tuple(true, true, true));
+  m.def("paged_attention", &paged_attention, nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"),
+        nb::arg("block_table"), nb::arg("cache_seqlens"), nb::arg("is_causal"), nb::arg("scale").none(),
+        nb::arg("enable_gqa"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
+        nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
+  m.def("write_paged_cache", &write_paged_cache, nb::arg("key"), nb::arg("value"), nb::arg("key_cache"),
+        nb::arg("value_cache"), nb::arg("block_table"), nb::arg("cache_seqlens"));
   m.def("varlen_dropout_seed", &mha::varlen_dropout_seed, nb::arg("seed"), nb::arg("sequence"));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);

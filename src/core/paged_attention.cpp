@@ -55,8 +55,8 @@ void check_table(const PagedShape& s, std::span<const int32_t> table, std::span<
       const int32_t page = table[b * s.pages_per_sequence + i];
       if (page < 0 || page >= s.pages) {
         throw Error("block_table: expected page indices in [0, " + std::to_string(s.pages) + "), got block_table[" +
-                    std::to_string(b) + "][" + std::to_string(i) + "] = " + std::to_string(page) +
-                    " (a page sequence " + std::to_string(b) + " reads)");
+                    std::to_string(b) + "][" + std::to_string(i) + "] = " + std::to_string(page) + " (sequence " +
+                    std::to_string(b) + " " + what + " up to position " + std::to_string(end) + ")");
       }
     }
   }

@@ -1,0 +1,154 @@
+"""Paged key/value caches from Python: mha.paged_attention and mha.write_paged_cache in
+FlashAttention's layout. Each sequence's rows must be the bits of mha.scaled_dot_product_attention
+on its keys gathered here with torch indexing, and agree with PyTorch's float64 SDPA on the same
+(rounded) inputs: float32 within 2e-5 of the largest output (softmax statistics and sums of up to
+a few hundred O(1) terms in float32), bfloat16 and float16 within 1e-2 (the output rounded once to
+8 or 11 bits; 2^-8 = 0.4%); float64 1e-12. Unused pages hold NaN, so reading one shows."""
+
+import numpy as np
+import pytest
+import torch
+
+import mha
+from _compare import relative as _relative
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture
+def rng(parity_seed):
+    return np.random.default_rng([parity_seed, 53])
+
+
+def _draw(rng, dtype, lq, page_size):
+    """Caches of shuffled pages (NaN where unused), a table with -1 padding, and each sequence's
+    keys and values [1, S, Hkv, E] gathered by torch indexing."""
+    batch, hkv = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+    hq, e = hkv * int(rng.integers(1, 3)), int(rng.choice([16, 32, 64]))
+    lens = [int(rng.choice([0, 1, page_size, int(rng.integers(1, 200))])) for _ in range(batch)]
+    per_seq = max(max((n + page_size - 1) // page_size for n in lens), 1) + 1
+    pages = sum((n + page_size - 1) // page_size for n in lens) + 2
+    order = rng.permutation(pages).tolist()
+    key_cache = torch.full((pages, page_size, hkv, e), float("nan"), dtype=dtype)
+    value_cache = torch.full((pages, page_size, hkv, e), float("nan"), dtype=dtype)
+    table = torch.full((batch, per_seq), -1, dtype=torch.int32)
+    keys, values = [], []
+    for b, n in enumerate(lens):
+        k = torch.from_numpy(rng.standard_normal((n, hkv, e))).to(dtype)
+        v = torch.from_numpy(rng.standard_normal((n, hkv, e))).to(dtype)
+        for i in range((n + page_size - 1) // page_size):
+            page = order.pop()
+            table[b, i] = page
+            rows = slice(i * page_size, min(n, (i + 1) * page_size))
+            key_cache[page, : rows.stop - rows.start] = k[rows]
+            value_cache[page, : rows.stop - rows.start] = v[rows]
+        keys.append(k[None])
+        values.append(v[None])
+    q = torch.from_numpy(rng.standard_normal((batch, lq, hq, e))).to(dtype)
+    return q, key_cache, value_cache, table, torch.tensor(lens), keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("lq", [1, 4, 40])
+def test_sequences_match_their_own_calls_and_float64(rng, dtype, lq):
+    for trial in range(3):
+        page_size = int(rng.choice([1, 7, 16, 64]))
+        q, kc, vc, table, lens, keys, values = _draw(rng, dtype, lq, page_size)
+        hq, hkv = q.shape[2], kc.shape[2]
+        slopes = torch.from_numpy(rng.uniform(0.01, 0.3, (q.shape[0], hq))).float() if trial == 1 else None
+        if slopes is not None and dtype == torch.float64:
+            slopes = slopes.double()
+        window = (int(rng.integers(0, 50)), 0) if trial == 2 else None
+        bottom_right = trial != 1
+        out = mha.paged_attention(q, kc, vc, table, lens, is_causal=trial > 0, enable_gqa=hq != hkv,
+                                  causal_alignment="bottom_right" if bottom_right else "top_left",
+                                  window_size=window, alibi_slopes=slopes)
+        assert out.shape == (q.shape[0], lq, hq, vc.shape[3]) and out.dtype == dtype and out.is_contiguous()
+        for b in range(q.shape[0]):
+            qb = q[b:b + 1].transpose(1, 2)
+            kb, vb = keys[b].transpose(1, 2), values[b].transpose(1, 2)
+            if kb.shape[2] == 0:
+                assert torch.all(out[b] == 0)
+                continue
+            own = slopes[b:b + 1] if slopes is not None else None
+            alone = mha.scaled_dot_product_attention(qb, kb, vb, is_causal=trial > 0, enable_gqa=hq != hkv,
+                                                     causal_alignment="bottom_right" if bottom_right else "top_left",
+                                                     window_size=window, alibi_slopes=own)
+            assert torch.equal(out[b:b + 1].transpose(1, 2), alone)
+            if own is None and window is None:  # PyTorch's float64 SDPA as the reference
+                L, S = qb.shape[2], kb.shape[2]
+                mask = None
+                if trial > 0:
+                    mask = torch.ones(L, S, dtype=torch.bool).tril(S - L if bottom_right else 0)
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    qb.double(), kb.double(), vb.double(), attn_mask=mask, enable_gqa=hq != hkv)
+                ref = torch.where(torch.isnan(ref), 0, ref)  # fully masked rows: mha gives zeros
+                assert _relative(out[b:b + 1].transpose(1, 2).double(), ref) < TOL[dtype]
+
+
+def test_decoding_loop_writes_its_cache(rng):
+    """A prompt written into empty pages, then a key per step, each step attending over the cache
+    so far: the bits of mha's SDPA over the contiguous keys; numpy arrays too."""
+    for dtype in (torch.float32, torch.bfloat16):
+        batch, hq, hkv, e, page_size, prompt, steps = 2, 4, 2, 32, 8, 11, 12
+        per_seq = (prompt + steps + page_size - 1) // page_size
+        kc = torch.full((batch * per_seq + 1, page_size, hkv, e), float("nan"), dtype=dtype)
+        vc = torch.full_like(kc, float("nan"))
+        table = torch.tensor(rng.permutation(batch * per_seq + 1)[: batch * per_seq].reshape(batch, per_seq),
+                             dtype=torch.int32)
+        keys = torch.from_numpy(rng.standard_normal((batch, prompt + steps, hkv, e))).to(dtype)
+        values = torch.from_numpy(rng.standard_normal((batch, prompt + steps, hkv, e))).to(dtype)
+        lens = torch.zeros(batch, dtype=torch.int64)
+        mha.write_paged_cache(keys[:, :prompt], values[:, :prompt], kc, vc, table, lens)
+        lens += prompt
+        for t in range(steps):
+            mha.write_paged_cache(keys[:, prompt + t:prompt + t + 1], values[:, prompt + t:prompt + t + 1], kc, vc,
+                                  table, lens)
+            lens += 1
+            q = torch.from_numpy(rng.standard_normal((batch, 1, hq, e))).to(dtype)
+            out = mha.paged_attention(q, kc, vc, table, lens, is_causal=True, enable_gqa=True)
+            n = int(lens[0])
+            alone = mha.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :n].transpose(1, 2),
+                                                     values[:, :n].transpose(1, 2), is_causal=True,
+                                                     enable_gqa=True, causal_alignment="bottom_right")
+            assert torch.equal(out.transpose(1, 2), alone)
+    # numpy arrays, lists for the table and lengths
+    kc = np.full((4, 4, 1, 8), np.nan, dtype=np.float32)
+    vc = np.full((4, 4, 1, 8), np.nan, dtype=np.float32)
+    k = rng.standard_normal((1, 6, 1, 8)).astype(np.float32)
+    mha.write_paged_cache(k, k, kc, vc, [[2, 0]], [0])
+    assert np.array_equal(kc[2], k[0, :4]) and np.array_equal(kc[0, :2], k[0, 4:])
+    q = rng.standard_normal((1, 1, 1, 8)).astype(np.float32)
+    out = mha.paged_attention(q, kc, vc, np.array([[2, 0]]), np.array([6]))
+    assert isinstance(out, np.ndarray) and out.shape == (1, 1, 1, 8)
+    alone = mha.scaled_dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), k.swapaxes(1, 2))
+    assert np.array_equal(out.swapaxes(1, 2), alone)
+
+
+def test_errors_are_clear():
+    q = torch.randn(2, 1, 2, 8)
+    kc, vc = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8)
+    table, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([5, 8])
+    mha.paged_attention(q, kc, vc, table, lens)
+    with pytest.raises(ValueError, match=r"query: expected a \[B, Lq, Hq, E\] tensor \(rank 4\)"):
+        mha.paged_attention(q[0], kc, vc, table, lens)
+    with pytest.raises(ValueError, match="expected one row and one length per sequence"):
+        mha.paged_attention(q, kc, vc, table[:1], lens)
+    with pytest.raises(ValueError, match=r"block_table: expected 2 dimensions, got shape \[4\]"):
+        mha.paged_attention(q, kc, vc, table.flatten(), lens)
+    with pytest.raises(TypeError, match="block_table: expected an integer tensor"):
+        mha.paged_attention(q, kc, vc, table.float(), lens)
+    with pytest.raises(ValueError, match=r"expected page indices in \[0, 4\), got block_table\[1\]\[1\] = 9"):
+        mha.paged_attention(q, kc, vc, torch.tensor([[0, 1], [2, 9]]), lens)
+    with pytest.raises(ValueError, match="sequence 1 reads keys up to position 9, more than its 2 table entries"):
+        mha.paged_attention(q, kc, vc, table, torch.tensor([5, 9]))
+    with pytest.raises(ValueError, match="causal_alignment"):
+        mha.paged_attention(q, kc, vc, table, lens, causal_alignment="middle")
+    with pytest.raises(ValueError, match="inference only"):
+        mha.paged_attention(q.requires_grad_(), kc, vc, table, lens)
+    with torch.no_grad():
+        mha.paged_attention(q, kc, vc, table, lens)
+    with pytest.raises(ValueError, match="sequence 0 writes rows up to position 9"):
+        mha.write_paged_cache(torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), kc, vc, table, torch.tensor([8, 0]))
+    with pytest.raises(ValueError, match="key: expected the caches' dtype float32, got bfloat16"):
+        mha.write_paged_cache(torch.randn(2, 1, 2, 8).bfloat16(), torch.randn(2, 1, 2, 8), kc, vc, table, lens)
