@@ -746,6 +746,57 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
       }
 }
 
+// A cache whose heads lie side by side at each position ([B, S, H, D], FlashAttention's layout)
+// is read in dot mode by tasks of several heads sweeping the keys in order (few_queries.hpp:
+// heads_per_task); every row's arithmetic is that of its head alone, so the output, weights and
+// log-sum-exp are the bits of the same call on packed [B, H, S, D] copies (one head per task), on
+// 1 to 3 threads: head counts that do and do not divide into the tasks, caches of one key to
+// three runs, per-head masks whose excluded blocks differ between heads (skipped per head),
+// causal rows that see no key, dropout, grouped heads, 16-bit rows.
+TEST_P(EveryIsa, FewQueriesWithHeadsSideBySideGiveTheBitsOfPackedHeads) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t dot_rows = GetParam() == mha::detail::Isa::avx2 ? 8 : 4;
+  const int64_t key_lengths[] = {1, 47, 300, 1008, 2100};
+  for (int n = 0; n < 20; ++n) {
+    const int64_t hkv = n % 4 == 0 ? 2 : n % 4 == 1 ? 3 : n % 4 == 2 ? 5 : 16, group = n % 3 == 2 ? 2 : 1;
+    const int64_t lq = n % 2 == 0 ? 1 : dot_rows / group, hq = hkv * group, b = 1 + n % 3, lk = key_lengths[n % 5];
+    const int64_t dk = n % 5 == 3 ? 20 : 64, dv = n % 7 == 2 ? 40 : 64;
+    const mha::DType dtype = n % 6 == 5 ? mha::DType::bf16 : n % 6 == 4 ? mha::DType::f16 : mha::DType::f32;
+    const mha::Tensor ks = randn({b, lk, hkv, dk}, rng, dtype), vs = randn({b, lk, hkv, dv}, rng, dtype);
+    const mha::Tensor q = randn({b, hq, lq, dk}, rng, dtype);
+    const mha::TensorView k = ks.view().transpose(1, 2), v = vs.view().transpose(1, 2);
+    const mha::Tensor k_packed = mha::Tensor::copy_of(k), v_packed = mha::Tensor::copy_of(v);
+    mha::SdpaOptions o{.enable_gqa = group > 1};
+    mha::Tensor mask;
+    if (n % 4 == 1) {  // per head: head h keeps keys from 100 h on (whole blocks skipped for some heads only)
+      mask = mha::Tensor::empty({b, hq, lq, lk}, mha::DType::boolean);
+      for (int64_t x = 0; x < mask.numel(); ++x) {
+        const int64_t j = x % lk, h = x / (lq * lk) % hq;
+        mask.data<uint8_t>()[x] = j >= std::min(100 * h, lk - 1);
+      }
+      o.attn_mask = mask.view();
+    }
+    if (n % 5 == 2) o.is_causal = true;  // top-left: rows past key 0 see few keys, a second run none
+    if (n % 5 == 4) o.is_causal = true, o.causal_alignment = mha::CausalAlignment::BottomRight;
+    if (n % 7 == 3) o.dropout_p = 0.2, o.dropout_seed = rng();
+    SCOPED_TRACE("case " + std::to_string(n) + ": Hkv=" + std::to_string(hkv) + " group=" + std::to_string(group) +
+                 " Lq=" + std::to_string(lq) + " Lk=" + std::to_string(lk) + " " + std::string(mha::dtype_name(dtype)));
+    for (int threads : {1, 2, 3}) {
+      o.num_threads = threads;
+      const auto side = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+      const auto packed = mha::scaled_dot_product_attention_for_training(q, k_packed, v_packed, o);
+      EXPECT_TRUE(mha_test::same_bits(side.output, packed.output)) << threads << " threads";
+      EXPECT_TRUE(mha_test::same_bits(side.lse, packed.lse)) << threads << " threads";
+      if (dtype != mha::DType::f16) {
+        const auto side_w = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
+        const auto packed_w = mha::scaled_dot_product_attention_with_weights(q, k_packed, v_packed, o);
+        EXPECT_TRUE(mha_test::same_bits(side_w.weights, packed_w.weights)) << threads << " threads";
+        EXPECT_TRUE(mha_test::same_bits(side_w.output, packed.output)) << threads << " threads";
+      }
+    }
+  }
+}
+
 // The few-queries kernel skips key blocks (48 keys) a mask excludes for every row of a task: the
 // left padding of a batch of generations, a query-varying mask with -inf blocks. Skipping changes
 // no bit of the output, the weights or the log-sum-exp (against every block computed, 1 thread
