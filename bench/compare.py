@@ -174,6 +174,31 @@ def bench_decode(reps, rows, dtypes):
         rows.append((op, f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * Lq * S * d))
 
 
+def bench_paged(reps, rows):
+    """Decoding over a paged key/value cache in FlashAttention's (and vLLM's) layout [pages,
+    page_size, Hkv, d], each sequence's pages shuffled over the pool: mha.paged_attention reads
+    them in place; PyTorch has no paged attention on the CPU, so its side is what a user writes,
+    the pages gathered by the block table (index and reshape) and its SDPA on them, per step."""
+    for B, Hq, Hkv, S, d, page in ((4, 16, 16, 2048, 64, 16), (4, 16, 16, 2048, 64, 256), (1, 32, 8, 4096, 128, 16)):
+        g = torch.Generator().manual_seed(6)
+        per_seq = S // page
+        kc, vc = (torch.randn(B * per_seq, page, Hkv, d, generator=g) for _ in range(2))
+        table = torch.randperm(B * per_seq, generator=g).reshape(B, per_seq).to(torch.int32)
+        lens = torch.full((B,), S, dtype=torch.int64)
+        q = torch.randn(B, 1, Hq, d, generator=g)
+        gqa = Hq != Hkv
+
+        def theirs():
+            k = kc[table.long()].reshape(B, S, Hkv, d).transpose(1, 2)
+            v = vc[table.long()].reshape(B, S, Hkv, d).transpose(1, 2)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=gqa)
+
+        ours, theirs = paired_medians(lambda: mha.paged_attention(q, kc, vc, table, lens, enable_gqa=gqa), theirs,
+                                      reps * 3)
+        rows.append(("paged decode fp32 vs gather", f"B={B} H={Hq}/{Hkv} S={S} d={d} page={page}", ours, theirs,
+                     4.0 * B * Hq * S * d))
+
+
 def bench_varlen(reps, rows):
     """A batch of sequences of different lengths (16, drawn once from 64..1024 with a fixed seed),
     H=16, d=64, fp32: mha.varlen_attention on the packed rows against what PyTorch runs on the CPU:
@@ -507,6 +532,7 @@ def main():
     if not args.no_sdpa:
         bench_decode(args.reps, rows, args.dtypes)
         if "fp32" in args.dtypes:
+            bench_paged(args.reps, rows)
             bench_varlen(args.reps, rows)
             bench_window(args.reps, rows)
             bench_alibi(args.reps, rows)
