@@ -85,7 +85,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
     blocks gather each sequence's pages first. Inference only: inputs that require grad are an
     error while grad mode is on.
     """
-    from . import _as_array, _like  # noqa: PLC0415 - the package is loaded
+    from . import _compiling  # noqa: PLC0415 - the package is loaded
 
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
@@ -93,14 +93,32 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
     _rank4(key_cache, "key_cache", "[pages, page_size, Hkv, E]")
     _rank4(value_cache, "value_cache", "[pages, page_size, Hkv, Ev]")
     _no_grad(query, key_cache, value_cache)
-    table, lens = _table_and_lengths(block_table, cache_seqlens, query.shape[0])
     window = check_window(window_size)
+    options = (bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
+               causal_alignment == "bottom_right", *sides(window))
+    if _compiling():  # one node of the graph, mha::paged_attention, the table and lengths tensor operands
+        import torch  # noqa: PLC0415
+
+        from . import ops  # noqa: PLC0415, F401 - registers the operators
+
+        return torch.ops.mha.paged_attention(query, key_cache, value_cache, torch.as_tensor(block_table),
+                                             torch.as_tensor(cache_seqlens), *options,
+                                             None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
+                                             int(num_threads))
+    return run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *options, alibi_slopes,
+                               int(num_threads))
+
+
+def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
+                        bottom_right, window_left, window_right, alibi_slopes, num_threads):
+    """paged_attention's work once its options are checked (the eager call and the operator's body)."""
+    from . import _as_array, _like  # noqa: PLC0415
+
+    table, lens = _table_and_lengths(block_table, cache_seqlens, query.shape[0])
     q, k, v = (_transposed(_as_array(x, name)) for x, name in
                ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")))
-    out = _mha.paged_attention(q, k, v,
-                               table, lens, bool(is_causal), None if scale is None else float(scale),
-                               bool(enable_gqa), causal_alignment == "bottom_right", *sides(window),
-                               _as_array(alibi_slopes, "alibi_slopes", allow_none=True), int(num_threads))
+    out = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, enable_gqa, bottom_right, window_left,
+                               window_right, _as_array(alibi_slopes, "alibi_slopes", allow_none=True), num_threads)
     result = _like(query, out)  # [B, Hq, Lq, Ev]
     if isinstance(result, np.ndarray):
         return np.ascontiguousarray(result.swapaxes(1, 2))
@@ -120,12 +138,27 @@ def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seq
     [pages, page_size, Hkv, E], value_cache [pages, page_size, Hkv, Ev]) are written, of the same
     dtype as key and value; every position written must lie in a listed page. cache_seqlens is not
     advanced (add Lnew to it afterwards)."""
-    from . import _as_array  # noqa: PLC0415
+    from . import _compiling  # noqa: PLC0415
 
     _rank4(key, "key", "[B, Lnew, Hkv, E]")
     _rank4(value, "value", "[B, Lnew, Hkv, Ev]")
     _rank4(key_cache, "key_cache", "[pages, page_size, Hkv, E]")
     _rank4(value_cache, "value_cache", "[pages, page_size, Hkv, Ev]")
+    if _compiling():  # one node of the graph, mha::write_paged_cache, which mutates the caches
+        import torch  # noqa: PLC0415
+
+        from . import ops  # noqa: PLC0415, F401 - registers the operators
+
+        torch.ops.mha.write_paged_cache(key, value, key_cache, value_cache, torch.as_tensor(block_table),
+                                        torch.as_tensor(cache_seqlens))
+        return
+    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens)
+
+
+def run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens) -> None:
+    """write_paged_cache's work (the eager call and the operator's body)."""
+    from . import _as_array  # noqa: PLC0415
+
     table, lens = _table_and_lengths(block_table, cache_seqlens, key.shape[0])
     k, v, kc, vc = (_transposed(_as_array(x, name)) for x, name in
                     ((key, "key"), (value, "value"), (key_cache, "key_cache"), (value_cache, "value_cache")))

@@ -398,3 +398,39 @@ def _varlen_backward(ctx, grad_output, grad_lse):
 
 
 sdpa_varlen_train.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# Paged key/value caches (mha.paged_attention, mha.write_paged_cache): inference operators in
+# FlashAttention's layout; the table and lengths are tensor operands (a compiled decoding step does
+# not specialise on them), and the write mutates the caches in place.
+@torch.library.custom_op("mha::paged_attention", mutates_args=(), device_types="cpu")
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                    cache_seqlens: torch.Tensor, is_causal: bool, scale: Optional[float], enable_gqa: bool,
+                    bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor],
+                    num_threads: int) -> torch.Tensor:
+    """The output [B, Lq, Hq, Ev] of query [B, Lq, Hq, E] over the cache's pages."""
+    from ._paged import run_paged_attention  # noqa: PLC0415
+
+    _auto_threading()
+    return run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
+                               bottom_right, window_left, window_right, alibi_slopes, num_threads)
+
+
+@paged_attention.register_fake
+def _(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa, bottom_right,
+      window_left, window_right, alibi_slopes, num_threads):
+    return query.new_empty((*query.shape[:3], value_cache.shape[-1]))
+
+
+@torch.library.custom_op("mha::write_paged_cache", mutates_args=("key_cache", "value_cache"), device_types="cpu")
+def write_paged_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """Writes key [B, Lnew, Hkv, E] and value into the caches at each sequence's length."""
+    from ._paged import run_write_paged_cache  # noqa: PLC0415
+
+    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens)
+
+
+@write_paged_cache.register_fake
+def _(key, value, key_cache, value_cache, block_table, cache_seqlens):
+    return None

@@ -152,3 +152,46 @@ def test_errors_are_clear():
         mha.write_paged_cache(torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), kc, vc, table, torch.tensor([8, 0]))
     with pytest.raises(ValueError, match="key: expected the caches' dtype float32, got bfloat16"):
         mha.write_paged_cache(torch.randn(2, 1, 2, 8).bfloat16(), torch.randn(2, 1, 2, 8), kc, vc, table, lens)
+
+
+def test_compiled_decoding_step_is_one_graph_with_the_eager_bits(rng):
+    """A decoding step under torch.compile (fullgraph: no graph break): the cache write is the
+    mutating operator mha::write_paged_cache, the attention mha::paged_attention; the caches and
+    the output are the eager call's bits, and later steps (longer caches) run the same graph."""
+    q, kc, vc, table, lens, _, _ = _draw(rng, torch.float32, 1, 16)
+    table = torch.where(table < 0, table.max() + 1, table)  # room for the new rows: a spare page
+    kc, vc = (torch.cat([c, torch.zeros(2, *c.shape[1:])]) for c in (kc, vc))
+    lens = torch.clamp(lens, max=table.shape[1] * 16 - 3)
+    hq, hkv = q.shape[2], kc.shape[2]
+
+    def step(q, k_new, v_new, kc, vc, table, lens):
+        mha.write_paged_cache(k_new, v_new, kc, vc, table, lens)
+        return mha.paged_attention(q, kc, vc, table, lens + 1, is_causal=True, enable_gqa=hq != hkv)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    kc2, vc2 = kc.clone(), vc.clone()
+    for t in range(2):
+        k_new, v_new = (torch.from_numpy(rng.standard_normal((q.shape[0], 1, hkv, kc.shape[3]))).float() for _ in "kv")
+        got = compiled(q, k_new, v_new, kc, vc, table, lens + t)
+        want = step(q, k_new, v_new, kc2, vc2, table, lens + t)
+        assert torch.equal(got, want)
+        assert torch.equal(kc.nan_to_num(7.0), kc2.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), vc2.nan_to_num(7.0))
+
+
+def test_paged_operators_pass_opcheck(rng):
+    """PyTorch's checks of the two custom operators: schema (the write mutates the caches and
+    nothing else), fake implementations against the real ones."""
+    from mha import ops  # noqa: F401 - registers the operators
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, table, lens, _, _ = _draw(rng, dtype, 2, 7)
+        kc, vc = kc.nan_to_num(0.0), vc.nan_to_num(0.0)  # (opcheck compares outputs and caches with NaN-unaware checks)
+        slopes = torch.full((q.shape[2],), 0.25) if dtype == torch.float32 else None
+        args = (q, kc, vc, table, lens, True, None, q.shape[2] != kc.shape[2], True, 5, 0, slopes, 0)
+        result = torch.library.opcheck(torch.ops.mha.paged_attention.default, args)
+        assert all(r == "SUCCESS" for r in result.values()), result
+        kc, vc = (torch.from_numpy(rng.standard_normal((4, 4, 2, 8))).to(dtype) for _ in "kv")
+        k_new, v_new = (torch.from_numpy(rng.standard_normal((2, 2, 2, 8))).to(dtype) for _ in "kv")
+        args = (k_new, v_new, kc, vc, torch.tensor([[0, 1], [3, 2]], dtype=torch.int32), torch.tensor([3, 0]))
+        result = torch.library.opcheck(torch.ops.mha.write_paged_cache.default, args)
+        assert all(r == "SUCCESS" for r in result.values()), result
