@@ -42,7 +42,7 @@ test-sanitize: deps
 # as they are); each run's log is build-fuzz/fuzz_<target>.log; a finding stops the run, prints
 # the end of the log and leaves its input in build-fuzz/ (replay: build-fuzz/fuzz/fuzz_<target> <file>).
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS = safetensors npy validation differential module_differential
+FUZZ_TARGETS = safetensors npy validation differential module_differential paged
 fuzz:
 	@bash scripts/install-deps.sh fuzz
 	@cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_TESTS=OFF \

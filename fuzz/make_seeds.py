@@ -68,7 +68,7 @@ def main():
     write("npy", "scalar_v2.npy", npy("<f4", (), f32(1), version=(2, 0)))
     write("npy", "empty_v3.npy", npy("<f4", (0, 4), b"", version=(3, 0)))
 
-    for target in ("validation", "differential", "module_differential"):
+    for target in ("validation", "differential", "module_differential", "paged"):
         for i, n in enumerate((64, 128, 192, 256)):
             write(target, f"seed{i}", bytes(rng.randrange(256) for _ in range(n)))
 

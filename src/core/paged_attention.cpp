@@ -5,6 +5,7 @@
 #include "mha/paged_attention.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -40,13 +41,18 @@ int64_t pages_used(int64_t len, int64_t page_size) { return len == 0 ? 0 : (len 
 // it reads exists. `what` names the positions ("keys", or the rows a write reaches).
 void check_table(const PagedShape& s, std::span<const int32_t> table, std::span<const int64_t> lens,
                  std::span<const int64_t> extra, const char* what) {
+  // The positions a sequence's table row holds (saturating: a page size may be a placeholder's).
+  int64_t capacity;
+  if (__builtin_mul_overflow(s.pages_per_sequence, s.page_size, &capacity)) capacity = INT64_MAX;
   for (int64_t b = 0; b < s.batch; ++b) {
-    const int64_t len = lens[b], end = len + (extra.empty() ? 0 : extra[b]);
+    const int64_t len = lens[b];
     if (len < 0) {
       throw Error("cache_seqlens: expected lengths >= 0, got cache_seqlens[" + std::to_string(b) +
                   "] = " + std::to_string(len));
     }
-    if (end > s.pages_per_sequence * s.page_size) {
+    int64_t end;
+    if (__builtin_add_overflow(len, extra.empty() ? 0 : extra[b], &end)) end = INT64_MAX;
+    if (end > capacity) {
       throw Error("cache_seqlens: sequence " + std::to_string(b) + " " + what + " up to position " +
                   std::to_string(end) + ", more than its " + std::to_string(s.pages_per_sequence) +
                   " table entries of " + std::to_string(s.page_size) + " rows hold");
@@ -152,6 +158,7 @@ TensorView first_rows(const TensorView& cache, int64_t len) {
 
 Tensor gather_pages(const TensorView& cache, const int32_t* pages, int64_t page_size, int64_t len, int threads) {
   Tensor out = Tensor::empty({1, cache.shape[1], len, cache.shape[3]}, cache.dtype);
+  if (out.numel() == 0) return out;  // (no rows, or rows of no element: nothing to copy, no storage to copy into)
   const int64_t heads = cache.shape[1], width = cache.shape[3], size = dtype_size(cache.dtype);
   const int64_t row_bytes = width * size;
   auto* dst = static_cast<char*>(out.view().data);
@@ -217,7 +224,9 @@ Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const T
       copy_into(Tensor::zeros({1, s.heads_q, s.len_q, s.dim_v}, q.dtype), out.view().slice(0, b, b + 1));
     }
     // The cache each sequence reads (decoding is bound by it) and the multiply-adds, alike per key.
-    cost[b] = s.len_q == 0 ? 0.0 : static_cast<double>(len) * static_cast<double>(s.heads_q * s.len_q + s.heads_kv);
+    cost[b] = s.len_q == 0 ? 0.0
+                           : static_cast<double>(len) *
+                                 (static_cast<double>(s.heads_q) * static_cast<double>(s.len_q) + static_cast<double>(s.heads_kv));
   }
   const int threads = detail::resolve_threads(options.num_threads);
   detail::for_each_sequence(cost, threads, [&](int64_t b, int call_threads) {

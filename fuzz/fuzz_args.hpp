@@ -1,0 +1,156 @@
+// What the validation fuzzers share (fuzz_validation.cpp, fuzz_paged.cpp): fuzzed views between
+// NaN guards, the size limits of calls that run for real, finiteness checks and fuzzed SDPA options.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "fuzz_input.hpp"
+#include "mha/mha.hpp"
+
+namespace fuzz_args {
+
+constexpr int64_t kMaxElements = 1 << 14;  // per argument buffer
+constexpr int64_t kMaxNumel = 100000;      // elements of any argument of a call that runs
+constexpr int64_t kMaxPairs = 1 << 16;     // (query rows) x (key rows) of a call that runs
+// Never dereferenced: given only to validators, for views too large to have storage.
+void* const kPlaceholder = reinterpret_cast<void*>(uintptr_t{1} << 40);
+
+struct Arg {
+  std::vector<float> storage;
+  mha::TensorView view;         // real storage, or null data when too large
+  mha::TensorView placeholder;  // the same view with non-null data, for the validators only
+  bool big = false;             // no storage
+};
+
+// A view with fuzzed rank, sizes, strides and dtype; its buffer holds 0.5f (finite in every
+// dtype, read as bytes 0x00 0x00 0x00 0x3f) between two guards of NaN (NaN in every floating
+// dtype): a read past either end of the view that the sanitizers cannot see (inside BLAS, which
+// is not instrumented) turns the output non-finite, which check_finite catches.
+constexpr size_t kGuard = 64;  // floats
+inline Arg make(FuzzInput& in, int max_rank) {
+  Arg a;
+  const int rank = static_cast<int>(in.small(max_rank));
+  mha::Shape shape(rank), strides(rank);
+  int64_t span = 1;
+  for (int d = rank - 1; d >= 0; --d) {
+    shape[d] = in.dim();
+    strides[d] = in.flag() ? span : in.small(3) == 0 ? 0 : in.dim();
+    int64_t extent = 0;
+    if (shape[d] > 0 && strides[d] > 0 &&
+        (__builtin_mul_overflow(shape[d], strides[d], &extent) || extent > kMaxElements)) {
+      a.big = true;
+      span = 1;
+    } else {
+      span = std::max<int64_t>(span, extent);
+    }
+  }
+  static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::f32, mha::DType::bf16,
+                                      mha::DType::f16, mha::DType::boolean, mha::DType::f64};
+  const mha::DType dtype = dtypes[in.small(6)];
+  try {
+    if (!a.big) {
+      int64_t max_offset = 0;
+      for (int d = 0; d < rank; ++d) max_offset += (shape[d] > 0 ? shape[d] - 1 : 0) * strides[d];
+      const size_t floats = static_cast<size_t>((max_offset + 1) * mha::dtype_size(dtype) / 4 + 1);
+      a.storage.assign(kGuard + floats + kGuard, std::numeric_limits<float>::quiet_NaN());
+      std::fill_n(a.storage.begin() + kGuard, floats, 0.5f);
+      a.view = mha::TensorView(a.storage.data() + kGuard, dtype, shape, strides);
+      a.placeholder = a.view;
+    } else {
+      a.view = mha::TensorView(nullptr, dtype, shape, strides);
+      a.placeholder = mha::TensorView(kPlaceholder, dtype, shape, strides);
+    }
+  } catch (const mha::Error&) {  // the view itself refused (offsets overflow): an empty one instead
+    a = Arg{};
+    a.view = a.placeholder = mha::TensorView(nullptr, mha::DType::f32, {0});
+  }
+  return a;
+}
+
+// Product of all sizes but the last (rows of a [.., L, D] operand), saturating.
+inline int64_t rows(const mha::TensorView& t) {
+  int64_t n = 1;
+  for (int d = 0; d + 1 < t.ndim; ++d) {
+    if (__builtin_mul_overflow(n, t.shape[d], &n)) return INT64_MAX;
+  }
+  return n;
+}
+
+// The same product with sizes of 0 counted as 1: what buffers may still scale with when a view
+// is empty (a module appends bias_k/bias_v rows to every batch entry, even of empty sequences).
+inline int64_t rows_if_nonempty(const mha::TensorView& t) {
+  int64_t n = 1;
+  for (int d = 0; d + 1 < t.ndim; ++d) {
+    if (__builtin_mul_overflow(n, std::max<int64_t>(t.shape[d], 1), &n)) return INT64_MAX;
+  }
+  return n;
+}
+
+inline bool small_pairs(const mha::TensorView& q, const mha::TensorView& k) {
+  int64_t pairs;
+  return !__builtin_mul_overflow(rows(q), rows(k), &pairs) && pairs <= kMaxPairs;
+}
+
+// Small enough to run: real storage and few elements (a stride-0 dimension can be huge in a
+// small buffer).
+inline bool tiny(const Arg& a) { return !a.big && a.view.numel() <= kMaxNumel; }
+
+inline bool has_null(const mha::TensorView& t) { return t.numel() > 0 && t.data == nullptr; }
+
+inline void check_finite(const mha::TensorView& t) {
+  if (t.dtype != mha::DType::f32 || t.data == nullptr) return;  // bf16/f16 outputs: checked via f32 below
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (!std::isfinite(static_cast<const float*>(t.data)[i])) __builtin_trap();
+  }
+}
+inline void check_finite_any(const mha::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return;
+  check_finite(t.dtype() == mha::DType::f32 ? t : mha::Tensor::copy_of(t, mha::DType::f32));
+}
+
+// `call` must throw mha::Error.
+template <class F> inline void must_refuse(F&& call) {
+  try {
+    call();
+  } catch (const mha::Error&) {
+    return;
+  }
+  __builtin_trap();
+}
+
+// The SDPA options besides the mask: causality, alignment, scale (NaN too), GQA, dropout, threads.
+inline void fuzz_options(FuzzInput& in, mha::SdpaOptions& o) {
+  o.is_causal = in.flag();
+  o.causal_alignment = in.flag() ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+  if (in.flag()) o.scale = in.small(7) == 0 ? std::nan("") : in.value();
+  o.enable_gqa = in.flag();
+  o.dropout_p = in.small(4) == 0 ? in.value() : 0.0;
+  o.dropout_seed = in.byte();
+  o.num_threads = static_cast<int>(in.small(4)) - 1;  // -1 (refused) to 3
+  // A sliding window (read from the end: kept inputs keep their meaning): none, one side or both,
+  // from -2 (refused) to a few keys.
+  const uint8_t w = in.tail_byte();
+  if (w % 4 == 1 || w % 4 == 3) o.window_left = (w >> 2) % 9 - 2;
+  if (w % 4 == 2 || w % 4 == 3) o.window_right = (w >> 5) % 5 - 2;
+  // ALiBi's slopes (the next tail byte): none, or a shape that fits the call or not (of 0 to 7
+  // elements, up to 3 dimensions), float32, float64 or bfloat16, values in [-1, 1] or inf or NaN
+  // (refused).
+  const uint8_t a = in.tail_byte();
+  if (a % 3 != 0) {
+    static thread_local mha::Tensor slopes;
+    static const mha::Shape shapes[] = {{1}, {2}, {3}, {4}, {0}, {2, 3}, {1, 3}, {2, 1}, {7}, {1, 1, 2}};
+    static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::f64, mha::DType::bf16};
+    mha::Tensor values = mha::Tensor::empty(shapes[(a >> 2) % 10]);
+    for (int64_t i = 0; i < values.numel(); ++i) values.data<float>()[i] = static_cast<float>((a >> 4) + i) / 8.0f - 1.0f;
+    if (values.numel() > 0 && (a >> 6) == 3) values.data<float>()[0] = a % 2 ? INFINITY : NAN;
+    slopes = mha::Tensor::copy_of(values.view(), dtypes[(a >> 6) % 4 == 3 ? 0 : (a >> 4) % 4]);
+    o.alibi_slopes = slopes.view();
+  }
+}
+
+}  // namespace fuzz_args
