@@ -290,3 +290,38 @@ def test_release_host_cache():
         assert mha._mha.host_cache_bytes() >= 1 << 20
     mha.release_host_cache()
     assert mha._mha.host_cache_bytes() == 0
+
+
+def test_extension_stubs_name_the_extensions_arguments():
+    """_mha.pyi (what type checkers and editors read) lists, for every function it declares, the
+    arguments the extension takes, in order (nanobind's own signature in each __doc__)."""
+    import ast
+    import pathlib
+
+    from mha import _mha
+
+    def extension_arguments(fn):
+        signature = fn.__doc__.split("\n")[0]
+        inside = signature[signature.index("(") + 1:]
+        names, depth, start = [], 0, 0
+        for at, ch in enumerate(inside):
+            if ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                if depth == 0:
+                    names.append(inside[start:at])
+                    break
+                depth -= 1
+            elif ch == "," and depth == 0:
+                names.append(inside[start:at])
+                start = at + 1
+        return [n.split(":")[0].strip() for n in names if n.strip()]
+
+    stubs = ast.parse((pathlib.Path(mha.__file__).parent / "_mha.pyi").read_text())
+    checked = 0
+    for node in stubs.body:
+        if isinstance(node, ast.FunctionDef):
+            declared = [a.arg for a in node.args.args]
+            assert declared == extension_arguments(getattr(_mha, node.name)), node.name
+            checked += 1
+    assert checked >= 15
