@@ -168,6 +168,47 @@ TEST(PagedAttention, EachSequenceGivesTheBitsOfItsOwnCall) {
   mha::detail::force_isa(std::nullopt);
 }
 
+// Packed query rows, a different count per sequence (a continuous-batching step: prompt chunks
+// beside single decoding tokens, sequences with no row): each sequence's rows are its own SDPA
+// call's bits, on every ISA, both sides of the 32-row line (in place and gathered).
+TEST(PagedAttention, VarlenQueriesGiveEachSequenceItsOwnCall) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    SCOPED_TRACE(mha::detail::isa_name(isa));
+    for (int n = 0; n < 12; ++n) {
+      const mha::DType dtype = n % 3 == 1 ? mha::DType::bf16 : n % 6 == 2 ? mha::DType::f64 : mha::DType::f32;
+      const PagedCase c = draw_case(rng, dtype, 1);
+      SCOPED_TRACE(c.describe);
+      const int64_t batch = static_cast<int64_t>(c.lens.size()), hq = c.q.size(1), dk = c.q.size(3);
+      std::vector<int64_t> cu{0};
+      const int64_t counts[] = {0, 1, 1, 3, 8, 40};
+      for (int64_t b = 0; b < batch; ++b) cu.push_back(cu.back() + counts[(n + 5 * b) % 6]);
+      const mha::Tensor q = randn({cu.back(), hq, dk}, rng, dtype);
+      mha::SdpaOptions o = c.options;
+      o.num_threads = 1 + n % 2;
+      const mha::Tensor out = mha::paged_attention_varlen(q, cu, c.key_cache, c.value_cache, c.table, c.lens, o);
+      ASSERT_EQ(out.sizes(), (mha::Shape{cu.back(), hq, c.value_cache.shape[3]}));
+      for (int64_t b = 0; b < batch; ++b) {
+        SCOPED_TRACE("sequence " + std::to_string(b) + ": " + std::to_string(cu[b + 1] - cu[b]) + " rows, " +
+                     std::to_string(c.lens[b]) + " keys");
+        const mha::TensorView qb = q.view().slice(0, cu[b], cu[b + 1]).transpose(0, 1).unsqueeze(0);
+        const mha::Tensor alone = mha::scaled_dot_product_attention(qb, c.k_of[b], c.v_of[b], options_of(c, b));
+        const mha::Tensor got = mha::Tensor::copy_of(out.view().slice(0, cu[b], cu[b + 1]).transpose(0, 1).unsqueeze(0));
+        EXPECT_TRUE(agree(got, alone));
+      }
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+  const mha::Tensor kc = randn({2, 1, 4, 8}, rng), q = randn({3, 1, 8}, rng);
+  expect_error([&] { (void)mha::paged_attention_varlen(q.view().unsqueeze(0), Lens{0, 3}, kc, kc, Table{0}, Lens{2}); },
+               "query: expected a packed [Tq, Hq, Dk] tensor (rank 3)");
+  expect_error([&] { (void)mha::paged_attention_varlen(q, Lens{0, 2}, kc, kc, Table{0}, Lens{2}); },
+               "cu_seqlens_q: expected the last offset to be the number of query rows, 3, got 2");
+  expect_error([&] { (void)mha::paged_attention_varlen(q, Lens{0, 1, 3}, kc, kc, Table{0}, Lens{2}); },
+               "cache_seqlens: expected one length per sequence (2), got 1");
+}
+
 TEST(PagedAttention, MatchesFloat64Reference) {
   std::mt19937_64 rng(test_seed());
   for (int n = 0; n < 8; ++n) {

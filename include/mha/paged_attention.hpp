@@ -42,6 +42,16 @@ Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const T
                        std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
                        const SdpaOptions& options = {});
 
+// The same with a different number of query rows per sequence, packed one after another
+// (FlashAttention's varlen layout): q [Tq, Hq, Dk], sequence b's rows [cu_seqlens_q[b],
+// cu_seqlens_q[b + 1]) (B + 1 offsets from 0 to Tq). A continuous-batching step mixes chunks of
+// prompts with single decoding tokens this way; each sequence's queries are its last rows (with
+// BottomRight causality the last query sees all cache_seqlens[b] keys). Returns out [Tq, Hq, Dv].
+Tensor paged_attention_varlen(const TensorView& q, std::span<const int64_t> cu_seqlens_q,
+                              const TensorView& key_cache, const TensorView& value_cache,
+                              std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
+                              const SdpaOptions& options = {});
+
 // Writes new keys and values into the cache, as a decoding step does before its attention: row t
 // of sequence b (key[b, :, t, :], value[b, :, t, :]) goes to position cache_seqlens[b] + t of
 // that sequence's pages. key [B, Hkv, Lnew, Dk], value [B, Hkv, Lnew, Dv] of the caches' dtype;

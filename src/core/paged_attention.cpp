@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -112,12 +113,11 @@ PagedShape check_cache(const TensorView& key_cache, const TensorView& value_cach
   return s;
 }
 
-PagedShape validate(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
-                    std::span<const int32_t> table, std::span<const int64_t> lens, const SdpaOptions& options) {
-  check_rank4(q, "query", "[B, Hq, Lq, Dk]");
-  PagedShape s = check_cache(key_cache, value_cache, table, lens, q.shape[0]);
-  s.heads_q = q.shape[1];
-  s.len_q = q.shape[2];
+// What both attention functions check besides the query's layout: the options against the
+// query rows of one sequence, `q_one` ([1, Hq, L, Dk], or [0, ..] without sequences), then the table.
+void validate_options(const TensorView& q_one, const PagedShape& s, const TensorView& key_cache,
+                      const TensorView& value_cache, std::span<const int32_t> table, std::span<const int64_t> lens,
+                      const SdpaOptions& options) {
   if (options.attn_mask) {
     throw Error("attn_mask: not taken by paged_attention (each sequence's length is its mask; causality, windows "
                 "and ALiBi are options)");
@@ -138,19 +138,39 @@ PagedShape validate(const TensorView& q, const TensorView& key_cache, const Tens
   // The options against one sequence of a page's keys: dtypes, head counts, head dims, scale.
   const TensorView k = key_cache.slice(0, 0, std::min<int64_t>(1, s.pages));
   const TensorView v = value_cache.slice(0, 0, std::min<int64_t>(1, s.pages));
-  (void)detail::make_sdpa_problem(q.slice(0, 0, std::min<int64_t>(1, s.batch)), k, v, one, detail::InputDtypes::fused);
+  (void)detail::make_sdpa_problem(q_one, k, v, one, detail::InputDtypes::fused);
   check_table(s, table, lens, {}, "reads keys");
+}
+
+PagedShape validate(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
+                    std::span<const int32_t> table, std::span<const int64_t> lens, const SdpaOptions& options) {
+  check_rank4(q, "query", "[B, Hq, Lq, Dk]");
+  PagedShape s = check_cache(key_cache, value_cache, table, lens, q.shape[0]);
+  s.heads_q = q.shape[1];
+  s.len_q = q.shape[2];
+  validate_options(q.slice(0, 0, std::min<int64_t>(1, s.batch)), s, key_cache, value_cache, table, lens, options);
   return s;
 }
 
-// Keys and values of sequence b: the first `len` rows through its pages, as one [1, Hkv, len, D]
-// view each. In place, the view's strides[0] steps from page to page and key_pages says which
-// (only AttentionProblem::key_row_offset reads them so); gathered, contiguous copies in `storage`.
-struct SequenceCache {
-  TensorView k, v;
-  const int32_t* pages = nullptr;
-};
+// Rows [begin, end) of a packed [T, Hq, D] query or output as the [1, Hq, L, D] view SDPA reads.
+TensorView packed_rows(const TensorView& packed, int64_t begin, int64_t end) {
+  return packed.slice(0, begin, end).transpose(0, 1).unsqueeze(0);
+}
 
+PagedShape validate_varlen(const TensorView& q, std::span<const int64_t> cu_q, const TensorView& key_cache,
+                           const TensorView& value_cache, std::span<const int32_t> table,
+                           std::span<const int64_t> lens, const SdpaOptions& options) {
+  if (q.ndim != 3) throw Error("query: expected a packed [Tq, Hq, Dk] tensor (rank 3), got shape " + q.shape_str());
+  require_cpu(q, "query");
+  detail::check_offsets(cu_q, q.shape[0], "cu_seqlens_q", "query");
+  PagedShape s = check_cache(key_cache, value_cache, table, lens, static_cast<int64_t>(cu_q.size()) - 1);
+  s.heads_q = q.shape[1];
+  validate_options(packed_rows(q, 0, q.shape[0]), s, key_cache, value_cache, table, lens, options);
+  return s;
+}
+
+// Keys and values of a sequence in place: its first `len` rows as one [1, Hkv, len, D] view whose
+// strides[0] steps from page to page (only AttentionProblem::key_row_offset reads it so).
 TensorView first_rows(const TensorView& cache, int64_t len) {
   return TensorView(cache.data, cache.dtype, {1, cache.shape[1], len, cache.shape[3]},
                     {cache.strides[0], cache.strides[1], cache.strides[2], cache.strides[3]});
@@ -180,8 +200,9 @@ bool reads_pages_in_place(const AttentionProblem& p) {
   return !(p.q.dtype != DType::f32 && detail::amx_usable() && detail::amx_bf16_supports(p));
 }
 
-// Sequence b's problem, ready to run on `threads` threads; gathered copies (if any) in `storage`.
-AttentionProblem sequence_problem(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
+// Sequence b's problem (its query rows qb [1, Hq, Lq, Dk]), ready to run on `threads` threads;
+// gathered copies (if any) in `storage`.
+AttentionProblem sequence_problem(const TensorView& qb, const TensorView& key_cache, const TensorView& value_cache,
                                   std::span<const int32_t> table, std::span<const int64_t> lens,
                                   const SdpaOptions& options, const PagedShape& s, int64_t b, int threads,
                                   std::vector<Tensor>& storage) {
@@ -191,7 +212,6 @@ AttentionProblem sequence_problem(const TensorView& q, const TensorView& key_cac
     o.alibi_slopes = options.alibi_slopes->slice(0, b, b + 1);  // [1, Hq]: this sequence's slopes
   const int64_t len = lens[b];
   const int32_t* pages = table.data() + b * s.pages_per_sequence;
-  const TensorView qb = q.slice(0, b, b + 1);
   AttentionProblem p = detail::make_sdpa_problem(qb, first_rows(key_cache, len), first_rows(value_cache, len), o,
                                                  detail::InputDtypes::fused);
   detail::materialise_inputs(p);
@@ -210,6 +230,31 @@ AttentionProblem sequence_problem(const TensorView& q, const TensorView& key_cac
   return p;
 }
 
+// Runs every sequence b with keys: its query rows q_of(b) into out_of(b) ([1, Hq, Lq_b, D] views),
+// zeros where it has none.
+template <class Rows>
+void run_sequences(const PagedShape& s, Rows q_of, Rows out_of, const TensorView& key_cache,
+                   const TensorView& value_cache, std::span<const int32_t> table, std::span<const int64_t> lens,
+                   const SdpaOptions& options) {
+  std::vector<double> cost(static_cast<size_t>(s.batch));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const TensorView out = out_of(b);
+    const int64_t len = lens[b], rows = out.shape[2];
+    if (len == 0 && rows > 0) copy_into(Tensor::zeros(out.sizes(), out.dtype), out);  // every row fully masked
+    // The cache each sequence reads (decoding is bound by it) and the multiply-adds, alike per key.
+    cost[b] = rows == 0 ? 0.0
+                        : static_cast<double>(len) * (static_cast<double>(s.heads_q) * static_cast<double>(rows) +
+                                                      static_cast<double>(s.heads_kv));
+  }
+  const int threads = detail::resolve_threads(options.num_threads);
+  detail::for_each_sequence(cost, threads, [&](int64_t b, int call_threads) {
+    std::vector<Tensor> storage;
+    const AttentionProblem p =
+        sequence_problem(q_of(b), key_cache, value_cache, table, lens, options, s, b, call_threads, storage);
+    detail::sdpa_forward_host(p, out_of(b), nullptr, nullptr);
+  });
+}
+
 }  // namespace
 
 Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
@@ -217,24 +262,25 @@ Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const T
                        const SdpaOptions& options) {
   const PagedShape s = validate(q, key_cache, value_cache, block_table, cache_seqlens, options);
   Tensor out = Tensor::empty({s.batch, s.heads_q, s.len_q, s.dim_v}, q.dtype);
-  std::vector<double> cost(static_cast<size_t>(s.batch));
-  for (int64_t b = 0; b < s.batch; ++b) {
-    const int64_t len = cache_seqlens[b];
-    if (len == 0 && s.len_q > 0) {  // no key: every row fully masked, zeros (as the kernels give)
-      copy_into(Tensor::zeros({1, s.heads_q, s.len_q, s.dim_v}, q.dtype), out.view().slice(0, b, b + 1));
-    }
-    // The cache each sequence reads (decoding is bound by it) and the multiply-adds, alike per key.
-    cost[b] = s.len_q == 0 ? 0.0
-                           : static_cast<double>(len) *
-                                 (static_cast<double>(s.heads_q) * static_cast<double>(s.len_q) + static_cast<double>(s.heads_kv));
-  }
-  const int threads = detail::resolve_threads(options.num_threads);
-  detail::for_each_sequence(cost, threads, [&](int64_t b, int call_threads) {
-    std::vector<Tensor> storage;
-    const AttentionProblem p =
-        sequence_problem(q, key_cache, value_cache, block_table, cache_seqlens, options, s, b, call_threads, storage);
-    detail::sdpa_forward_host(p, out.view().slice(0, b, b + 1), nullptr, nullptr);
-  });
+  const std::function<TensorView(int64_t)> q_of = [&](int64_t b) { return q.slice(0, b, b + 1); };
+  const std::function<TensorView(int64_t)> out_of = [&](int64_t b) { return out.view().slice(0, b, b + 1); };
+  run_sequences(s, q_of, out_of, key_cache, value_cache, block_table, cache_seqlens, options);
+  return out;
+}
+
+Tensor paged_attention_varlen(const TensorView& q, std::span<const int64_t> cu_seqlens_q,
+                              const TensorView& key_cache, const TensorView& value_cache,
+                              std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
+                              const SdpaOptions& options) {
+  const PagedShape s = validate_varlen(q, cu_seqlens_q, key_cache, value_cache, block_table, cache_seqlens, options);
+  Tensor out = Tensor::empty({q.shape[0], s.heads_q, s.dim_v}, q.dtype);
+  const std::function<TensorView(int64_t)> q_of = [&](int64_t b) {
+    return packed_rows(q, cu_seqlens_q[b], cu_seqlens_q[b + 1]);
+  };
+  const std::function<TensorView(int64_t)> out_of = [&](int64_t b) {
+    return packed_rows(out, cu_seqlens_q[b], cu_seqlens_q[b + 1]);
+  };
+  run_sequences(s, q_of, out_of, key_cache, value_cache, block_table, cache_seqlens, options);
   return out;
 }
 

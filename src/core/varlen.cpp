@@ -32,23 +32,6 @@ struct PackedShape {
   int64_t sequences = 0, total_q = 0, total_k = 0, heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
 };
 
-void check_offsets(std::span<const int64_t> cu, int64_t total, const std::string& name, const std::string& rows) {
-  if (cu.empty()) {
-    throw Error(name + ": expected one offset per sequence plus one (starting at 0), got none");
-  }
-  if (cu.front() != 0) throw Error(name + ": expected the first offset to be 0, got " + std::to_string(cu.front()));
-  for (size_t s = 1; s < cu.size(); ++s) {
-    if (cu[s] < cu[s - 1]) {
-      throw Error(name + ": expected non-decreasing offsets, got " + name + "[" + std::to_string(s) + "] = " +
-                  std::to_string(cu[s]) + " after " + std::to_string(cu[s - 1]));
-    }
-  }
-  if (cu.back() != total) {
-    throw Error(name + ": expected the last offset to be the number of " + rows + " rows, " + std::to_string(total) +
-                ", got " + std::to_string(cu.back()));
-  }
-}
-
 // Checks what is particular to the packed layout; make_sdpa_problem checks the rest (dtypes,
 // head counts, head dims, scale, dropout) on the whole packed tensors as one sequence.
 PackedShape validate(const TensorView& q, const TensorView& k, const TensorView& v, std::span<const int64_t> cu_q,
@@ -71,8 +54,8 @@ PackedShape validate(const TensorView& q, const TensorView& k, const TensorView&
     throw Error("attn_mask: not taken by the variable-length functions (causality and the sequence boundaries are "
                 "their masks); pad the batch and call scaled_dot_product_attention to pass a mask");
   }
-  check_offsets(cu_q, q.size(0), "cu_seqlens_q", "query");
-  check_offsets(cu_k, k.size(0), "cu_seqlens_k", "key/value");
+  detail::check_offsets(cu_q, q.size(0), "cu_seqlens_q", "query");
+  detail::check_offsets(cu_k, k.size(0), "cu_seqlens_k", "key/value");
   if (cu_q.size() != cu_k.size()) {
     throw Error("cu_seqlens_q/cu_seqlens_k: expected one offset per sequence plus one in each, got " +
                 std::to_string(cu_q.size()) + " and " + std::to_string(cu_k.size()) + " offsets");
