@@ -67,7 +67,8 @@ def _no_grad(*tensors: Any):
 
 def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *, is_causal: bool = False,
                     scale: Optional[float] = None, enable_gqa: bool = False, causal_alignment: str = "bottom_right",
-                    window_size: Optional[Tuple[int, int]] = None, alibi_slopes=None, num_threads: int = 0):
+                    window_size: Optional[Tuple[int, int]] = None, alibi_slopes=None, num_threads: int = 0,
+                    cu_seqlens_q=None):
     """Attention of new queries over a paged key/value cache, in FlashAttention's layout.
 
     query [B, Lq, Hq, E], key_cache [pages, page_size, Hkv, E], value_cache [pages, page_size, Hkv, Ev]
@@ -84,12 +85,20 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
     arrays, on the CPU. Up to 32 queries per head read the pages where they lie; longer query
     blocks gather each sequence's pages first. Inference only: inputs that require grad are an
     error while grad mode is on.
+
+    With cu_seqlens_q (B + 1 integer offsets from 0 to Tq), query is packed [Tq, Hq, E], sequence b's
+    rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (a different count per sequence: a continuous-batching
+    step of prompt chunks and single tokens), and the output [Tq, Hq, Ev].
     """
     from . import _compiling  # noqa: PLC0415 - the package is loaded
 
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    _rank4(query, "query", "[B, Lq, Hq, E]")
+    if cu_seqlens_q is None:
+        _rank4(query, "query", "[B, Lq, Hq, E]")
+    elif len(getattr(query, "shape", ())) != 3:
+        raise ValueError(f"query: expected a packed [Tq, Hq, E] tensor (rank 3) with cu_seqlens_q, got shape "
+                         f"{list(getattr(query, 'shape', []))}")
     _rank4(key_cache, "key_cache", "[pages, page_size, Hkv, E]")
     _rank4(value_cache, "value_cache", "[pages, page_size, Hkv, Ev]")
     _no_grad(query, key_cache, value_cache)
@@ -104,21 +113,29 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
         return torch.ops.mha.paged_attention(query, key_cache, value_cache, torch.as_tensor(block_table),
                                              torch.as_tensor(cache_seqlens), *options,
                                              None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
-                                             int(num_threads))
+                                             int(num_threads),
+                                             None if cu_seqlens_q is None else torch.as_tensor(cu_seqlens_q))
     return run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *options, alibi_slopes,
-                               int(num_threads))
+                               int(num_threads), cu_seqlens_q)
 
 
 def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
-                        bottom_right, window_left, window_right, alibi_slopes, num_threads):
+                        bottom_right, window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q=None):
     """paged_attention's work once its options are checked (the eager call and the operator's body)."""
     from . import _as_array, _like  # noqa: PLC0415
 
+    k, v = (_transposed(_as_array(x, name)) for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")))
+    slopes = _as_array(alibi_slopes, "alibi_slopes", allow_none=True)
+    if cu_seqlens_q is not None:  # packed rows [Tq, Hq, E], read as they are
+        cu = _integers(cu_seqlens_q, "cu_seqlens_q", np.int64, 1)
+        table, lens = _table_and_lengths(block_table, cache_seqlens, max(cu.shape[0] - 1, 0))
+        out = _mha.paged_attention_varlen(_as_array(query, "query"), cu, k, v, table, lens, is_causal, scale,
+                                          enable_gqa, bottom_right, window_left, window_right, slopes, num_threads)
+        return _like(query, out)
     table, lens = _table_and_lengths(block_table, cache_seqlens, query.shape[0])
-    q, k, v = (_transposed(_as_array(x, name)) for x, name in
-               ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")))
+    q = _transposed(_as_array(query, "query"))
     out = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, enable_gqa, bottom_right, window_left,
-                               window_right, _as_array(alibi_slopes, "alibi_slopes", allow_none=True), num_threads)
+                               window_right, slopes, num_threads)
     result = _like(query, out)  # [B, Hq, Lq, Ev]
     if isinstance(result, np.ndarray):
         return np.ascontiguousarray(result.swapaxes(1, 2))

@@ -407,19 +407,20 @@ sdpa_varlen_train.register_autograd(_varlen_backward, setup_context=_varlen_setu
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                     cache_seqlens: torch.Tensor, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                     bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor],
-                    num_threads: int) -> torch.Tensor:
-    """The output [B, Lq, Hq, Ev] of query [B, Lq, Hq, E] over the cache's pages."""
+                    num_threads: int, cu_seqlens_q: Optional[torch.Tensor]) -> torch.Tensor:
+    """The output [B, Lq, Hq, Ev] of query [B, Lq, Hq, E] over the cache's pages, or with
+    cu_seqlens_q [Tq, Hq, Ev] of packed rows [Tq, Hq, E]."""
     from ._paged import run_paged_attention  # noqa: PLC0415
 
     _auto_threading()
     return run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
-                               bottom_right, window_left, window_right, alibi_slopes, num_threads)
+                               bottom_right, window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q)
 
 
 @paged_attention.register_fake
 def _(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa, bottom_right,
-      window_left, window_right, alibi_slopes, num_threads):
-    return query.new_empty((*query.shape[:3], value_cache.shape[-1]))
+      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q):
+    return query.new_empty((*query.shape[:-1], value_cache.shape[-1]))
 
 
 @torch.library.custom_op("mha::write_paged_cache", mutates_args=("key_cache", "value_cache"), device_types="cpu")

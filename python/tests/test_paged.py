@@ -86,6 +86,41 @@ def test_sequences_match_their_own_calls_and_float64(rng, dtype, lq):
                 assert _relative(out[b:b + 1].transpose(1, 2).double(), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_queries_of_different_counts(rng, dtype):
+    """cu_seqlens_q: packed [Tq, Hq, E] rows, a different count per sequence (none, a decoding token,
+    a prompt chunk past the 32 rows read in place): each sequence's rows are its own call's bits;
+    under torch.compile too (one graph node, the offsets a tensor operand)."""
+    for trial in range(3):
+        q4, kc, vc, table, lens, keys, values = _draw(rng, dtype, 1, int(rng.choice([4, 16, 64])))
+        batch, hq, e = q4.shape[0], q4.shape[2], q4.shape[3]
+        counts = [int(rng.choice([0, 1, 3, 40])) for _ in range(batch)]
+        cu = torch.tensor([0, *np.cumsum(counts).tolist()])
+        q = torch.from_numpy(rng.standard_normal((int(cu[-1]), hq, e))).to(dtype)
+        options = dict(is_causal=trial > 0, enable_gqa=hq != kc.shape[2])
+        out = mha.paged_attention(q, kc, vc, table, lens, cu_seqlens_q=cu, **options)
+        assert out.shape == (q.shape[0], hq, vc.shape[3]) and out.dtype == dtype
+        for b in range(batch):
+            rows = q[cu[b]:cu[b + 1]]
+            if counts[b] == 0:
+                continue
+            if keys[b].shape[1] == 0:
+                assert torch.all(out[cu[b]:cu[b + 1]] == 0)
+                continue
+            alone = mha.scaled_dot_product_attention(rows.transpose(0, 1)[None], keys[b].transpose(1, 2),
+                                                     values[b].transpose(1, 2), causal_alignment="bottom_right",
+                                                     **options)
+            assert torch.equal(out[cu[b]:cu[b + 1]].transpose(0, 1)[None], alone)
+        compiled = torch.compile(lambda *a: mha.paged_attention(*a, cu_seqlens_q=cu, **options), backend="aot_eager",
+                                 fullgraph=True)
+        assert torch.equal(compiled(q, kc, vc, table, lens), out)
+    q = torch.randn(3, hq, e).to(dtype)
+    with pytest.raises(ValueError, match=r"query: expected a packed \[Tq, Hq, E\] tensor \(rank 3\)"):
+        mha.paged_attention(q[None], kc, vc, table, lens, cu_seqlens_q=torch.tensor([0] * batch + [3]))
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected the last offset to be the number of query rows, 3"):
+        mha.paged_attention(q, kc, vc, table, lens, cu_seqlens_q=torch.tensor([0] * batch + [2]))
+
+
 def test_decoding_loop_writes_its_cache(rng):
     """A prompt written into empty pages, then a key per step, each step attending over the cache
     so far: the bits of mha's SDPA over the contiguous keys; numpy arrays too."""
@@ -187,8 +222,12 @@ def test_paged_operators_pass_opcheck(rng):
         q, kc, vc, table, lens, _, _ = _draw(rng, dtype, 2, 7)
         kc, vc = kc.nan_to_num(0.0), vc.nan_to_num(0.0)  # (opcheck compares outputs and caches with NaN-unaware checks)
         slopes = torch.full((q.shape[2],), 0.25) if dtype == torch.float32 else None
-        args = (q, kc, vc, table, lens, True, None, q.shape[2] != kc.shape[2], True, 5, 0, slopes, 0)
+        args = (q, kc, vc, table, lens, True, None, q.shape[2] != kc.shape[2], True, 5, 0, slopes, 0, None)
         result = torch.library.opcheck(torch.ops.mha.paged_attention.default, args)
+        assert all(r == "SUCCESS" for r in result.values()), result
+        cu = torch.arange(q.shape[0] + 1) * 2  # packed rows, two per sequence
+        packed = (q.reshape(-1, *q.shape[2:]), *args[1:-1], cu)
+        result = torch.library.opcheck(torch.ops.mha.paged_attention.default, packed)
         assert all(r == "SUCCESS" for r in result.values()), result
         kc, vc = (torch.from_numpy(rng.standard_normal((4, 4, 2, 8))).to(dtype) for _ in "kv")
         k_new, v_new = (torch.from_numpy(rng.standard_normal((2, 2, 2, 8))).to(dtype) for _ in "kv")
