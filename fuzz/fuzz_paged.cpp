@@ -1,4 +1,5 @@
-// Validation of the paged key/value cache functions (paged_attention, write_paged_cache): fuzzed
+// Validation of the paged key/value cache functions (paged_attention, its packed-query form
+// paged_attention_varlen with fuzzed offsets, write_paged_cache): fuzzed
 // views (ranks 0 to 5, sizes from 0 to 2^62 and near the int64 limit, strides, dtypes) for the
 // query, the caches and the new rows; block tables of any length with page indices in and out of
 // range (-1 and 32-bit extremes); lengths per sequence of any count, negative, small or absurd;
@@ -84,18 +85,37 @@ bool guards_intact(const Arg& a) {
   return true;
 }
 
-void fuzz_attention(FuzzInput& in) {
+// Offsets of packed query rows: B + 1 of them, from 0 to the rows, some empty sequences; or
+// fuzzed ones (any count, order and end).
+std::vector<int64_t> fuzz_offsets(FuzzInput& in, int64_t batch, int64_t rows) {
+  std::vector<int64_t> cu{0};
+  if (in.small(3) == 0) {
+    for (int64_t i = in.small(5); i > 0; --i) {
+      const int64_t step = in.small(9);  // (no step past the int64 limit: the harness's own overflow)
+      cu.push_back(in.small(3) == 0 ? in.dim() : cu.back() > INT64_MAX - step ? cu.back() : cu.back() + step);
+    }
+    return cu;
+  }
+  for (int64_t b = 0; b < batch; ++b) cu.push_back(b + 1 == batch ? rows : std::min(rows, cu.back() + in.small(rows)));
+  return cu;
+}
+
+void fuzz_attention(FuzzInput& in, bool packed) {
   Arg q, key_cache, value_cache;
   if (in.flag()) {
     const Fitting f = fitting(in);
-    q = guarded({f.batch, f.heads_kv * f.group, f.rows, f.dim}, f.dtype, in.flag());
+    q = packed ? guarded({f.batch * f.rows, f.heads_kv * f.group, f.dim}, f.dtype, false)
+               : guarded({f.batch, f.heads_kv * f.group, f.rows, f.dim}, f.dtype, in.flag());
     key_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.dtype, f.flash_layout);
     value_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.dtype, f.flash_layout);
   } else {
-    q = make(in, 5), key_cache = make(in, 5), value_cache = make(in, 5);
+    q = make(in, packed ? 4 : 5), key_cache = make(in, 5), value_cache = make(in, 5);
   }
   const std::vector<int32_t> table = fuzz_table(in);
   const std::vector<int64_t> lens = fuzz_lengths(in, q.view);
+  const std::vector<int64_t> cu =
+      packed ? fuzz_offsets(in, static_cast<int64_t>(lens.size()), q.view.ndim >= 1 ? q.view.shape[0] : 0)
+             : std::vector<int64_t>{};
   mha::SdpaOptions o;
   fuzz_options(in, o);
   Arg mask;
@@ -103,14 +123,18 @@ void fuzz_attention(FuzzInput& in) {
     mask = make(in, 4);
     o.attn_mask = mask.view;
   }
+  auto call = [&] {
+    return packed ? mha::paged_attention_varlen(q.view, cu, key_cache.view, value_cache.view, table, lens, o)
+                  : mha::paged_attention(q.view, key_cache.view, value_cache.view, table, lens, o);
+  };
   const bool runs = tiny(q) && tiny(key_cache) && tiny(value_cache) && (!o.attn_mask || tiny(mask));
   if (!runs) {
     if (has_null(q.view) || has_null(key_cache.view) || has_null(value_cache.view)) {
-      must_refuse([&] { mha::paged_attention(q.view, key_cache.view, value_cache.view, table, lens, o); });
+      must_refuse(call);
     }
     return;
   }
-  check_finite_any(mha::paged_attention(q.view, key_cache.view, value_cache.view, table, lens, o));
+  check_finite_any(call());
 }
 
 void fuzz_write(FuzzInput& in) {
@@ -142,8 +166,9 @@ void fuzz_write(FuzzInput& in) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in{data, size};
   try {
+    const bool packed = in.tail_byte() % 4 == 1;  // (from the end: the front reads as before)
     if (in.flag()) {
-      fuzz_attention(in);
+      fuzz_attention(in, packed);
     } else {
       fuzz_write(in);
     }
