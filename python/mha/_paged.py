@@ -129,13 +129,13 @@ def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlen
     if cu_seqlens_q is not None:  # packed rows [Tq, Hq, E], read as they are
         cu = _integers(cu_seqlens_q, "cu_seqlens_q", np.int64, 1)
         table, lens = _table_and_lengths(block_table, cache_seqlens, max(cu.shape[0] - 1, 0))
-        out = _mha.paged_attention_varlen(_as_array(query, "query"), cu, k, v, table, lens, is_causal, scale,
-                                          enable_gqa, bottom_right, window_left, window_right, slopes, num_threads)
+        out = _mha.paged_attention(_as_array(query, "query"), k, v, table, lens, is_causal, scale, enable_gqa,
+                                   bottom_right, window_left, window_right, slopes, num_threads, cu)
         return _like(query, out)
     table, lens = _table_and_lengths(block_table, cache_seqlens, query.shape[0])
     q = _transposed(_as_array(query, "query"))
     out = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, enable_gqa, bottom_right, window_left,
-                               window_right, slopes, num_threads)
+                               window_right, slopes, num_threads, None)
     result = _like(query, out)  # [B, Hq, Lq, Ev]
     if isinstance(result, np.ndarray):
         return np.ascontiguousarray(result.swapaxes(1, 2))

@@ -283,10 +283,12 @@ using Writable = nb::ndarray<nb::device::cpu>;
 std::span<const int32_t> table_span(const PageTable& t) { return {t.data(), t.shape(0) * t.shape(1)}; }
 std::span<const int64_t> lengths_span(const Lengths& l) { return {l.data(), l.shape(0)}; }
 
+// With cu_seqlens_q, query is packed [Tq, Hq, Dk] rows (paged_attention_varlen).
 NumpyArray paged_attention(const Array& query, const Array& key_cache, const Array& value_cache,
                            const PageTable& block_table, const Lengths& cache_seqlens, bool is_causal,
                            std::optional<double> scale, bool enable_gqa, bool bottom_right, int64_t window_left,
-                           int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads) {
+                           int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
+                           const std::optional<Lengths>& cu_seqlens_q) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, 0.0, is_causal, scale, enable_gqa, 0, bottom_right,
                                           window_left, window_right, alibi_slopes, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key_cache, "key_cache"),
@@ -294,25 +296,9 @@ NumpyArray paged_attention(const Array& query, const Array& key_cache, const Arr
   mha::Tensor out;
   {
     nb::gil_scoped_release release;
-    out = mha::paged_attention(q, k, v, table_span(block_table), lengths_span(cache_seqlens), o);
-  }
-  return to_numpy(out);
-}
-
-NumpyArray paged_attention_varlen(const Array& query, const Lengths& cu_seqlens_q, const Array& key_cache,
-                                  const Array& value_cache, const PageTable& block_table, const Lengths& cache_seqlens,
-                                  bool is_causal, std::optional<double> scale, bool enable_gqa, bool bottom_right,
-                                  int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes,
-                                  int num_threads) {
-  const mha::SdpaOptions o = sdpa_options(std::nullopt, 0.0, is_causal, scale, enable_gqa, 0, bottom_right,
-                                          window_left, window_right, alibi_slopes, num_threads);
-  const mha::TensorView q = view_of(query, "query"), k = view_of(key_cache, "key_cache"),
-                        v = view_of(value_cache, "value_cache");
-  mha::Tensor out;
-  {
-    nb::gil_scoped_release release;
-    out = mha::paged_attention_varlen(q, lengths_span(cu_seqlens_q), k, v, table_span(block_table),
-                                      lengths_span(cache_seqlens), o);
+    out = cu_seqlens_q ? mha::paged_attention_varlen(q, lengths_span(*cu_seqlens_q), k, v, table_span(block_table),
+                                                     lengths_span(cache_seqlens), o)
+                       : mha::paged_attention(q, k, v, table_span(block_table), lengths_span(cache_seqlens), o);
   }
   return to_numpy(out);
 }
@@ -532,11 +518,7 @@ NB_MODULE(_mha, m) {
   m.def("paged_attention", &paged_attention, nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"),
         nb::arg("block_table"), nb::arg("cache_seqlens"), nb::arg("is_causal"), nb::arg("scale").none(),
         nb::arg("enable_gqa"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
-  m.def("paged_attention_varlen", &paged_attention_varlen, nb::arg("query"), nb::arg("cu_seqlens_q"),
-        nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_table"), nb::arg("cache_seqlens"),
-        nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("bottom_right"),
-        nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
+        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("cu_seqlens_q").none());
   m.def("write_paged_cache", &write_paged_cache, nb::arg("key"), nb::arg("value"), nb::arg("key_cache"),
         nb::arg("value_cache"), nb::arg("block_table"), nb::arg("cache_seqlens"));
   m.def("varlen_dropout_seed", &mha::varlen_dropout_seed, nb::arg("seed"), nb::arg("sequence"));

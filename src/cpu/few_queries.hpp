@@ -494,6 +494,23 @@ struct FewQueries {
     run_heads_by_dot(&s, 1, b, hk, r_begin, r_end, j_begin, j_end);
   }
 
+  // fn(sh[h], h, j0, nc) for the blocks of kLanes keys from j_begin, blocks outer and heads inner,
+  // for every head h whose rows see keys of the block (nc of them: keys [j_begin, j_begin +
+  // sh[h].seen)); first the rows of `t` (k or v) `ahead` keys on are prefetched, unless skipped there.
+  template <class Fn>
+  void sweep(Scratch* sh, int64_t heads, int64_t b, int64_t hk0, int64_t j_begin, int64_t key_end_all, int64_t ahead,
+             const TensorView& t, Fn fn) const {
+    for (int64_t j0 = j_begin; j0 < key_end_all; j0 += kLanes) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t key_end = j_begin + sh[h].seen;
+        if (j0 >= key_end) continue;
+        if (j0 + ahead < key_end && !sh[h].skipped[(j0 + ahead - j_begin) / kKeys])
+          prefetch_rows(t, b, hk0 + h, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
+        fn(sh[h], h, j0, static_cast<int>(std::min<int64_t>(kLanes, key_end - j0)));
+      }
+    }
+  }
+
   // Dot mode over `heads` key/value heads from hk0 of batch entry b, rows [r_begin, r_end) of each
   // in its own scratch sh[h] (head_rows): each pass sweeps the keys in order, every head's rows of
   // a key block before the next block, so that a cache whose heads lie side by side at each
@@ -518,32 +535,25 @@ struct FewQueries {
     const bool k_in_place = keys_in_place();  // (out of the loop: it divides, twice)
     with_loader(p.k.dtype, p.dim_qk % kLanes == 0, [&](auto loader) {
       using L = decltype(loader);
-      for (int64_t j0 = j_begin; j0 < key_end_all; j0 += kLanes) {
-        for (int64_t h = 0; h < heads; ++h) {
-          Scratch& s = sh[h];
-          const int64_t hk = hk0 + h, key_end = j_begin + s.seen;
-          if (j0 >= key_end) continue;
-          const int nc = static_cast<int>(std::min<int64_t>(kLanes, key_end - j0));
-          if (j0 + ahead < key_end && !skipped(h, j0 + ahead))
-            prefetch_rows(p.k, b, hk, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
-          if (skipped(h, j0)) {
-            const F neg_inf = S::set1(-std::numeric_limits<float>::infinity());
-            for (int64_t qi = 0; qi < rows; ++qi) S::store(s.scores + qi * stride + (j0 - j_begin), neg_inf);
-            continue;
-          }
-          const typename L::E* const* kp;
-          if constexpr (std::is_same_v<L, AsF32>) {
-            for (int c = 0; c < kLanes; ++c)
-              s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), k_in_place, s.kbuf + c * dk()) : s.zero;
-            kp = s.kp;
-          } else {
-            for (int c = 0; c < kLanes; ++c) s.kp16[c] = c < nc ? row16(p.k, b, hk, j0 + c) : zero16;
-            kp = s.kp16;
-          }
-          for (int64_t qi = 0; qi < rows; ++qi)
-            S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<L>(kp, s.q + qi * dk(), dk()));
+      sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
+        const int64_t hk = hk0 + h;
+        if (skipped(h, j0)) {
+          const F neg_inf = S::set1(-std::numeric_limits<float>::infinity());
+          for (int64_t qi = 0; qi < rows; ++qi) S::store(s.scores + qi * stride + (j0 - j_begin), neg_inf);
+          return;
         }
-      }
+        const typename L::E* const* kp;
+        if constexpr (std::is_same_v<L, AsF32>) {
+          for (int c = 0; c < kLanes; ++c)
+            s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), k_in_place, s.kbuf + c * dk()) : s.zero;
+          kp = s.kp;
+        } else {
+          for (int c = 0; c < kLanes; ++c) s.kp16[c] = c < nc ? row16(p.k, b, hk, j0 + c) : zero16;
+          kp = s.kp16;
+        }
+        for (int64_t qi = 0; qi < rows; ++qi)
+          S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<L>(kp, s.q + qi * dk(), dk()));
+      });
     });
     for (int64_t h = 0; h < heads; ++h) {
       Scratch& s = sh[h];
@@ -561,24 +571,17 @@ struct FewQueries {
     const bool v_in_place = values_in_place();
     with_loader(p.v.dtype, p.dim_v % kLanes == 0, [&](auto loader) {
       using L = decltype(loader);
-      for (int64_t j0 = j_begin; j0 < key_end_all; j0 += kLanes) {
-        for (int64_t h = 0; h < heads; ++h) {
-          Scratch& s = sh[h];
-          const int64_t hk = hk0 + h, key_end = j_begin + s.seen;
-          if (j0 >= key_end) continue;
-          const int nc = static_cast<int>(std::min<int64_t>(kLanes, key_end - j0));
-          if (j0 + ahead < key_end && !skipped(h, j0 + ahead))
-            prefetch_rows(p.v, b, hk, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
-          if (skipped(h, j0)) continue;  // probabilities 0
-          if constexpr (std::is_same_v<L, AsF32>) {
-            for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
-            accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, s.vp);
-          } else {
-            for (int c = 0; c < nc; ++c) s.vp16[c] = row16(p.v, b, hk, j0 + c);
-            accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, s.vp16);
-          }
+      sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.v, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
+        const int64_t hk = hk0 + h;
+        if (skipped(h, j0)) return;  // probabilities 0
+        if constexpr (std::is_same_v<L, AsF32>) {
+          for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
+          accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, s.vp);
+        } else {
+          for (int c = 0; c < nc; ++c) s.vp16[c] = row16(p.v, b, hk, j0 + c);
+          accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, s.vp16);
         }
-      }
+      });
     });
   }
 
