@@ -6,10 +6,12 @@
 #include <functional>
 #include <iomanip>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "commands.hpp"
 #include "mha/mha.hpp"
@@ -94,6 +96,41 @@ Tensor random_input(const Shape& shape, std::mt19937_64& rng, DType dtype, Devic
   return device.is_cpu() ? typed : typed.to(device);
 }
 
+// The keys and values of each sequence (Lk of them) in a paged cache, FlashAttention's layout
+// [pages, page_size, Hkv, d], the pages of all sequences shuffled over the pool (as a server's
+// cache ends up): one paged_attention call.
+Workload paged_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_64& rng) {
+  if (o.device != "cpu") throw UsageError("--page-size: paged caches run on the host kernels; drop --device");
+  if (o.backward || o.weights || o.dropout > 0) {
+    throw UsageError(std::string("--page-size: paged attention is inference (no backward, weights or dropout); drop ") +
+                     (o.backward ? "--backward" : o.weights ? "--weights" : "--dropout"));
+  }
+  const DType dtype = parse_dtype(o.dtype);
+  const int64_t per_sequence = (s.len_k + o.page_size - 1) / o.page_size, pages = s.batch * per_sequence;
+  const Tensor q = random_input({s.batch, s.heads, s.len_q, s.dim}, rng, dtype, Device::cpu());
+  const Tensor k = random_input({pages, o.page_size, s.kv_heads, s.dim}, rng, dtype, Device::cpu());
+  const Tensor v = random_input({pages, o.page_size, s.kv_heads, s.dim_v}, rng, dtype, Device::cpu());
+  auto table = std::make_shared<std::vector<int32_t>>(static_cast<size_t>(pages));
+  std::iota(table->begin(), table->end(), 0);
+  std::shuffle(table->begin(), table->end(), rng);
+  auto lens = std::make_shared<const std::vector<int64_t>>(static_cast<size_t>(s.batch), s.len_k);
+  const Tensor slopes = o.alibi ? bloom_slopes(s.heads) : Tensor();
+  const SdpaOptions options{
+      .is_causal = s.causal,
+      .causal_alignment = s.alignment,
+      .window_left = s.window_left,
+      .window_right = s.window_right,
+      .alibi_slopes = o.alibi ? std::optional<TensorView>(slopes.view()) : std::nullopt,
+      .enable_gqa = s.kv_heads != s.heads};
+  Workload w;
+  w.flops = 2.0 * visible_pairs(s) * static_cast<double>(s.dim + s.dim_v) * static_cast<double>(s.batch * s.heads);
+  w.call = [q, k, v, table, lens, slopes, options] {
+    (void)paged_attention(q, k.view().transpose(1, 2), v.view().transpose(1, 2), *table, *lens, options);
+  };
+  w.description = "paged_attention (pages of " + std::to_string(o.page_size) + ") on cpu, " + o.dtype;
+  return w;
+}
+
 Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_64& rng) {
   Workload w;
   const Device device = parse_device(o.device);
@@ -104,6 +141,7 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
   if (!device.is_cpu() && o.window_left >= 0) {
     throw UsageError("--window-left: a window's left end runs on the host kernels; drop --window-left or --device");
   }
+  if (o.page_size > 0) return paged_workload(s, o, rng);
   const Tensor q = random_input({s.batch, s.heads, s.len_q, s.dim}, rng, dtype, device);
   const Tensor k = random_input({s.batch, s.kv_heads, s.len_k, s.dim}, rng, dtype, device);
   const Tensor v = random_input({s.batch, s.kv_heads, s.len_k, s.dim_v}, rng, dtype, device);
@@ -164,6 +202,7 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
     throw UsageError(std::string(o.alibi ? "--alibi" : "--window-left/--window-right") +
                      ": MultiheadAttention has neither (as PyTorch's); drop --module");
   }
+  if (o.page_size > 0) throw UsageError("--page-size: MultiheadAttention keeps no cache; drop --module");
   const int64_t embed_dim = s.heads * s.dim;
   const DType dtype = parse_dtype(o.dtype);
   auto attn = std::make_shared<MultiheadAttention>(embed_dim, s.heads,
@@ -208,8 +247,9 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
   j << "{\"shape\": {\"batch\": " << s.batch << ", \"heads\": " << s.heads << ", \"kv_heads\": " << s.kv_heads
     << ", \"len_q\": " << s.len_q << ", \"len_k\": " << s.len_k << ", \"dim\": " << s.dim << ", \"dim_v\": " << s.dim_v
     << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\", \"window_left\": " << s.window_left
-    << ", \"window_right\": " << s.window_right << ", \"alibi\": " << boolean(o.alibi) << "}"
-    << ", \"op\": \"" << (o.module ? "module" : o.backward ? "sdpa_backward" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
+    << ", \"window_right\": " << s.window_right << ", \"alibi\": " << boolean(o.alibi)
+    << ", \"page_size\": " << o.page_size << "}"
+    << ", \"op\": \"" << (o.module ? "module" : o.backward ? "sdpa_backward" : o.page_size > 0 ? "paged" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
     << ", \"dropout\": " << o.dropout
     << ", \"dtype\": \"" << o.dtype << "\", \"device\": \"" << o.device << "\""
     << ", \"threads\": " << get_num_threads() << ", \"isa\": \"" << cpu_isa() << "\", \"reps\": " << o.reps
