@@ -68,6 +68,18 @@ Tensor bloom_slopes(int64_t heads) {
   return slopes;
 }
 
+// The shape's and the options' SDPA options; `slopes` (BLOOM's, when --alibi) must outlive them.
+SdpaOptions sdpa_options(const BenchShape& s, const BenchOptions& o, const Tensor& slopes) {
+  return {.is_causal = s.causal,
+          .causal_alignment = s.alignment,
+          .window_left = s.window_left,
+          .window_right = s.window_right,
+          .alibi_slopes = o.alibi ? std::optional<TensorView>(slopes.view()) : std::nullopt,
+          .enable_gqa = s.kv_heads != s.heads,
+          .dropout_p = o.dropout,
+          .dropout_seed = o.seed};
+}
+
 // What is timed: one call, its floating-point work, and a line that describes it.
 struct Workload {
   std::function<void()> call;
@@ -115,13 +127,7 @@ Workload paged_workload(const BenchShape& s, const BenchOptions& o, std::mt19937
   std::shuffle(table->begin(), table->end(), rng);
   auto lens = std::make_shared<const std::vector<int64_t>>(static_cast<size_t>(s.batch), s.len_k);
   const Tensor slopes = o.alibi ? bloom_slopes(s.heads) : Tensor();
-  const SdpaOptions options{
-      .is_causal = s.causal,
-      .causal_alignment = s.alignment,
-      .window_left = s.window_left,
-      .window_right = s.window_right,
-      .alibi_slopes = o.alibi ? std::optional<TensorView>(slopes.view()) : std::nullopt,
-      .enable_gqa = s.kv_heads != s.heads};
+  const SdpaOptions options = sdpa_options(s, o, slopes);
   Workload w;
   w.flops = 2.0 * visible_pairs(s) * static_cast<double>(s.dim + s.dim_v) * static_cast<double>(s.batch * s.heads);
   w.call = [q, k, v, table, lens, slopes, options] {
@@ -154,15 +160,7 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
     weights_view = weights_buffer.view();
   }
   const Tensor slopes = o.alibi ? bloom_slopes(s.heads) : Tensor();
-  const SdpaOptions options{
-      .is_causal = s.causal,
-      .causal_alignment = s.alignment,
-      .window_left = s.window_left,
-      .window_right = s.window_right,
-      .alibi_slopes = o.alibi ? std::optional<TensorView>(slopes.view()) : std::nullopt,
-      .enable_gqa = s.kv_heads != s.heads,
-      .dropout_p = o.dropout,
-      .dropout_seed = o.seed};
+  const SdpaOptions options = sdpa_options(s, o, slopes);
   w.flops = 2.0 * visible_pairs(s) * static_cast<double>(s.dim + s.dim_v) * static_cast<double>(s.batch * s.heads);
   if (o.backward) {
     // The training forward runs once; each call is one backward from its output and
