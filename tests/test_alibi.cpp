@@ -264,6 +264,20 @@ TEST(Alibi, InputsWithoutHeadsAndEmptySequences) {
   const mha::Tensor no_keys = mha::scaled_dot_product_attention(qs, k0, v0, {.alibi_slopes = per_head});
   EXPECT_EQ(max_abs(no_keys), 0.0);
   EXPECT_EQ(no_keys.numel(), 2 * 5 * 8);
+  // No head, or no batch entry: empty slopes (no storage) are read by no one, on every path.
+  const mha::TensorView none(nullptr, mha::DType::f32, {0});
+  const mha::Tensor qh = randn({3, 0, 5, 16}, rng), kh = randn({3, 0, 7, 16}, rng), vh = randn({3, 0, 7, 8}, rng);
+  const mha::Tensor qb = randn({0, 2, 5, 16}, rng), kb = randn({0, 2, 7, 16}, rng), vb = randn({0, 2, 7, 8}, rng);
+  for (const mha::Tensor* t : {&qh, &qb}) {
+    const mha::Tensor& q4 = *t;
+    const mha::Tensor& k4 = t == &qh ? kh : kb;
+    const mha::Tensor& v4 = t == &qh ? vh : vb;
+    const mha::SdpaOptions o{.alibi_slopes = t == &qh ? none : per_head};
+    EXPECT_EQ(mha::scaled_dot_product_attention(q4, k4, v4, o).numel(), 0);
+    const auto saved = mha::scaled_dot_product_attention_for_training(q4, k4, v4, o);
+    EXPECT_EQ(saved.output.numel(), 0);
+    EXPECT_EQ(mha::scaled_dot_product_attention_with_weights(q4, k4, v4, o).weights.numel(), 0);
+  }
 }
 
 TEST(Alibi, BadSlopesAreClearErrors) {

@@ -392,6 +392,8 @@ void add_alibi_term(AttentionProblem& p) {
   const TensorView folded =
       fold_batch_or_copy(TensorView(given.data, given.dtype, shape, strides), p.batch_shape, p.alibi_storage, "alibi_slopes");
   p.alibi_slopes = folded;
+  // A call without batch entries or heads reads no slope (and empty slopes may have no storage).
+  if (p.batch == 0 || p.heads_q == 0) return;
   const int64_t batches = folded.strides[0] != 0 ? p.batch : 1, heads = folded.strides[1] != 0 ? p.heads_q : 1;
   for (int64_t b = 0; b < batches; ++b)
     for (int64_t h = 0; h < heads; ++h)
