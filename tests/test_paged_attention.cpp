@@ -341,4 +341,180 @@ TEST(PagedAttention, EmptyShapes) {
   EXPECT_EQ(mha_test::max_abs(mha::paged_attention(randn({1, 1, 1, 8}, rng), none, none, Table{-1}, Lens{0})), 0.0);
 }
 
+// Each row's log-sum-exp [Hq, L] (lse_rows) is that of sequence b's own training call, bit for bit;
+// +inf for a sequence with no key.
+void expect_lse_of_own_call(const mha::TensorView& lse_rows, const mha::TensorView& qb, const PagedCase& c,
+                            int64_t b) {
+  if (c.lens[b] == 0) {
+    const mha::Tensor got = mha::Tensor::copy_of(lse_rows, mha::DType::f64);
+    for (int64_t x = 0; x < got.numel(); ++x) EXPECT_EQ(got.data<double>()[x], INFINITY);
+    return;
+  }
+  const auto alone = mha::scaled_dot_product_attention_for_training(qb, c.k_of[b], c.v_of[b], options_of(c, b));
+  EXPECT_TRUE(agree(mha::Tensor::copy_of(lse_rows), alone.lse.view().select(0, 0)));
+}
+
+// The log-sum-exp beside the output: the output's bits unchanged, each row's lse that of the
+// sequence's own training call, padded [B, Hq, Lq] and packed [Hq, Tq], on every ISA.
+TEST(PagedAttention, LseIsEachSequencesOwn) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    SCOPED_TRACE(mha::detail::isa_name(isa));
+    for (int n = 0; n < 12; ++n) {
+      const mha::DType dtypes[] = {mha::DType::f32, mha::DType::bf16, mha::DType::f64};
+      const int64_t lqs[] = {1, 3, 8, 40};  // in place and gathered
+      const PagedCase c = draw_case(rng, dtypes[n % 3], lqs[n % 4]);
+      SCOPED_TRACE(c.describe);
+      mha::SdpaOptions o = c.options;
+      o.num_threads = 1 + n % 2;
+      const auto r = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, c.table, c.lens, o);
+      const int64_t batch = c.q.size(0), hq = c.q.size(1), lq = c.q.size(2);
+      ASSERT_EQ(r.lse.sizes(), (mha::Shape{batch, hq, lq}));
+      EXPECT_EQ(r.lse.dtype(), dtypes[n % 3] == mha::DType::f64 ? mha::DType::f64 : mha::DType::f32);
+      EXPECT_TRUE(agree(r.output, paged(c, o.num_threads)));
+      for (int64_t b = 0; b < batch; ++b) {
+        SCOPED_TRACE("sequence " + std::to_string(b) + " of " + std::to_string(c.lens[b]) + " keys");
+        expect_lse_of_own_call(r.lse.view().select(0, b), c.q.view().slice(0, b, b + 1), c, b);
+      }
+      // Packed rows, a different count per sequence.
+      std::vector<int64_t> cu{0};
+      for (int64_t b = 0; b < batch; ++b) cu.push_back(cu.back() + (n + 3 * b) % 5);
+      const mha::Tensor q = randn({cu.back(), hq, c.q.size(3)}, rng, c.q.dtype());
+      const auto packed = mha::paged_attention_varlen_with_lse(q, cu, c.key_cache, c.value_cache, c.table, c.lens, o);
+      ASSERT_EQ(packed.lse.sizes(), (mha::Shape{hq, cu.back()}));
+      EXPECT_TRUE(agree(packed.output, mha::paged_attention_varlen(q, cu, c.key_cache, c.value_cache, c.table, c.lens, o)));
+      for (int64_t b = 0; b < batch; ++b) {
+        SCOPED_TRACE("packed sequence " + std::to_string(b));
+        const mha::TensorView qb = q.view().slice(0, cu[b], cu[b + 1]).transpose(0, 1).unsqueeze(0);
+        expect_lse_of_own_call(packed.lse.view().slice(1, cu[b], cu[b + 1]), qb, c, b);
+      }
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
+// What the lse is for: a cache split in two (a shared prefix's pages and each sequence's own
+// suffix) attended separately and merged by the header's formula gives the whole cache's result;
+// the lse itself against log(sum(exp(scale q.k))) in float64. Without causality, windows or ALiBi
+// (those depend on where a key lies in the whole sequence).
+TEST(PagedAttention, LseMergesResultsOverSplitCaches) {
+  std::mt19937_64 rng(test_seed());
+  for (int n = 0; n < 10; ++n) {
+    const mha::DType dtype = n % 5 == 4 ? mha::DType::f64 : mha::DType::f32;
+    PagedCase c = draw_case(rng, dtype, n % 2 == 0 ? 1 : 6);
+    c.options.is_causal = false;
+    c.options.window_left = c.options.window_right = -1;
+    c.options.alibi_slopes.reset();
+    c.slopes = mha::Tensor();
+    SCOPED_TRACE(c.describe);
+    const int64_t batch = c.q.size(0), hq = c.q.size(1), lq = c.q.size(2), dk = c.q.size(3);
+    const int64_t dv = c.value_cache.shape[3], hkv = c.key_cache.shape[1], page_size = c.key_cache.shape[2];
+    const int64_t per_sequence = static_cast<int64_t>(c.table.size()) / batch;
+    const auto whole = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, c.table, c.lens, c.options);
+    // The prefix: the first `split` pages of every sequence; the suffix: the rest of its table.
+    const int64_t split = per_sequence / 2;
+    Lens prefix_lens, suffix_lens;
+    Table suffix_table;
+    for (int64_t b = 0; b < batch; ++b) {
+      prefix_lens.push_back(std::min(c.lens[b], split * page_size));
+      suffix_lens.push_back(c.lens[b] - prefix_lens.back());
+      for (int64_t i = split; i < per_sequence; ++i) suffix_table.push_back(c.table[b * per_sequence + i]);
+      if (split == per_sequence) suffix_table.push_back(-1);
+    }
+    const auto a = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, c.table, prefix_lens, c.options);
+    const auto z = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, suffix_table, suffix_lens, c.options);
+    const mha::Tensor oa = mha::Tensor::copy_of(a.output, mha::DType::f64), oz = mha::Tensor::copy_of(z.output, mha::DType::f64);
+    const mha::Tensor la = mha::Tensor::copy_of(a.lse, mha::DType::f64), lz = mha::Tensor::copy_of(z.lse, mha::DType::f64);
+    mha::Tensor merged = mha::Tensor::empty(whole.output.sizes(), mha::DType::f64);
+    mha::Tensor merged_lse = mha::Tensor::empty(whole.lse.sizes(), mha::DType::f64);
+    mha::Tensor expected_lse = mha::Tensor::empty(whole.lse.sizes(), mha::DType::f64);
+    const mha::Tensor q64 = mha::Tensor::copy_of(c.q, mha::DType::f64);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+    for (int64_t row = 0; row < batch * hq * lq; ++row) {
+      const int64_t b = row / (hq * lq), h = row / lq % hq;
+      const auto weight = [](double l, double m) { return std::isinf(l) && l > 0 ? 0.0 : std::exp(l - m); };
+      const double l1 = la.data<double>()[row], l2 = lz.data<double>()[row];
+      const double m = std::max(std::isinf(l1) ? -INFINITY : l1, std::isinf(l2) ? -INFINITY : l2);
+      const double w1 = weight(l1, m), w2 = weight(l2, m);
+      merged_lse.data<double>()[row] = w1 + w2 == 0 ? INFINITY : m + std::log(w1 + w2);
+      for (int64_t e = 0; e < dv; ++e) {
+        const double x = oa.data<double>()[row * dv + e] * w1 + oz.data<double>()[row * dv + e] * w2;
+        merged.data<double>()[row * dv + e] = w1 + w2 == 0 ? 0.0 : x / (w1 + w2);
+      }
+      // log(sum_j exp(scale q.k_j)) over the sequence's keys, in float64 from the formula.
+      const mha::Tensor k64 = mha::Tensor::copy_of(c.k_of[b].view().select(0, 0).select(0, h / (hq / hkv)), mha::DType::f64);
+      double top = -INFINITY;
+      std::vector<double> s(static_cast<size_t>(c.lens[b]));
+      for (int64_t j = 0; j < c.lens[b]; ++j) {
+        double dot = 0;
+        for (int64_t x = 0; x < dk; ++x) dot += q64.data<double>()[row * dk + x] * k64.data<double>()[j * dk + x];
+        s[j] = scale * dot;
+        top = std::max(top, s[j]);
+      }
+      double sum = 0;
+      for (double v : s) sum += std::exp(v - top);
+      expected_lse.data<double>()[row] = c.lens[b] == 0 ? INFINITY : top + std::log(sum);
+    }
+    // float32: each half's output and lse carry float32 rounding of sums of up to 1500 terms (2e-5
+    // as the SDPA tests); the lse is O(log S + |s|), its float32 statistics within 1e-5 relative.
+    const double out_tol = dtype == mha::DType::f64 ? 1e-12 : 2e-5, lse_tol = dtype == mha::DType::f64 ? 1e-12 : 1e-5;
+    EXPECT_LT(rel_error(merged, whole.output), out_tol);
+    EXPECT_LT(rel_error(merged_lse, whole.lse, 1.0), lse_tol);
+    EXPECT_LT(rel_error(whole.lse, expected_lse, 1.0), lse_tol);
+  }
+}
+
+// The packed write: each sequence's rows (a different count each, some none) land where
+// write_paged_cache of that sequence alone puts them, bit for bit, NaN pages untouched elsewhere.
+TEST(PagedAttention, VarlenWriteMatchesEachSequencesOwnWrite) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::DType dtype : {mha::DType::f32, mha::DType::bf16}) {
+    const int64_t batch = 4, hkv = 2, dk = 16, dv = 8, page_size = 5, per_sequence = 6;
+    const int64_t pages = batch * per_sequence;
+    auto nan_cache = [&](int64_t d) {
+      mha::Tensor t = mha::Tensor::empty({pages, page_size, hkv, d}, dtype);  // FlashAttention's layout
+      fill(t, NAN);
+      return t;
+    };
+    mha::Tensor kc = nan_cache(dk), vc = nan_cache(dv), kc_alone = nan_cache(dk), vc_alone = nan_cache(dv);
+    std::vector<int32_t> order(static_cast<size_t>(pages));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    const Table table(order.begin(), order.end());
+    const Lens lens{0, 4, 13, 29}, counts{3, 0, 7, 1};
+    std::vector<int64_t> cu{0};
+    for (int64_t count : counts) cu.push_back(cu.back() + count);
+    const mha::Tensor k = randn({cu.back(), hkv, dk}, rng, dtype), v = randn({cu.back(), hkv, dv}, rng, dtype);
+    mha::write_paged_cache_varlen(k, v, cu, kc.view().transpose(1, 2), vc.view().transpose(1, 2), table, lens);
+    for (int64_t b = 0; b < batch; ++b) {
+      const mha::TensorView kb = k.view().slice(0, cu[b], cu[b + 1]).transpose(0, 1).unsqueeze(0);
+      const mha::TensorView vb = v.view().slice(0, cu[b], cu[b + 1]).transpose(0, 1).unsqueeze(0);
+      const std::span<const int32_t> row(table.data() + b * per_sequence, static_cast<size_t>(per_sequence));
+      mha::write_paged_cache(kb, vb, kc_alone.view().transpose(1, 2), vc_alone.view().transpose(1, 2), row,
+                             Lens{lens[b]});
+    }
+    EXPECT_TRUE(mha_test::same_bits(kc, kc_alone));
+    EXPECT_TRUE(mha_test::same_bits(vc, vc_alone));
+    // Rows written: one per new row; every other slot still NaN.
+    const mha::Tensor written = mha::Tensor::copy_of(kc, mha::DType::f64);
+    int64_t finite = 0;
+    for (int64_t x = 0; x < written.numel(); ++x) finite += std::isnan(written.data<double>()[x]) ? 0 : 1;
+    EXPECT_EQ(finite, cu.back() * hkv * dk);
+    const mha::TensorView kcv = kc.view().transpose(1, 2), vcv = vc.view().transpose(1, 2);
+    expect_error([&] { mha::write_paged_cache_varlen(k, v, Lens{0, 3, 3, 10}, kcv, vcv, table, lens); },
+                 "cu_seqlens_new: expected the last offset to be the number of key rows, 11, got 10");
+    expect_error([&] { mha::write_paged_cache_varlen(k.view().unsqueeze(0), v, cu, kcv, vcv, table, lens); },
+                 "key: expected a packed [Tnew, Hkv, D] tensor (rank 3)");
+    expect_error([&] { mha::write_paged_cache_varlen(k, v.view().slice(1, 0, 1), cu, kcv, vcv, table, lens); },
+                 "key/value: expected [Tnew, Hkv, Dk] and [Tnew, Hkv, Dv] with the caches' Hkv = 2");
+    expect_error([&] { mha::write_paged_cache_varlen(k, v, cu, kcv, vcv, table, Lens{0, 4, 24, 29}); },
+                 "sequence 2 writes rows up to position 31, more than its 6 table entries of 5 rows hold");
+    expect_error([&] { mha::write_paged_cache_varlen(k, v, cu, kcv, vcv, table, Lens{0, 4, 13}); },
+                 "cache_seqlens: expected one length per sequence (4), got 3");
+    expect_error([&] { mha::write_paged_cache_varlen(mha::Tensor::copy_of(k, mha::DType::f16), v, cu, kcv, vcv, table, lens); },
+                 "key: expected the caches' dtype");
+  }
+}
+
 }  // namespace

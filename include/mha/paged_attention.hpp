@@ -52,6 +52,25 @@ Tensor paged_attention_varlen(const TensorView& q, std::span<const int64_t> cu_s
                               std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
                               const SdpaOptions& options = {});
 
+// The output and each query row's log-sum-exp of its scaled scores (natural log; float32, float64
+// for float64 inputs; +inf for a row that sees no key, FlashAttention's convention): lse is
+// [B, Hq, Lq], or [Hq, Tq] for packed queries. Two results over disjoint sets of keys (a prefix
+// shared by many sequences and each one's own suffix, or one cache split across workers) merge
+// into the result over their union: reading +inf as -inf (no weight), m = max(lse_a, lse_b),
+// w_x = exp(lse_x - m), out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
+struct PagedAttentionOutput {
+  Tensor output;
+  Tensor lse;
+};
+PagedAttentionOutput paged_attention_with_lse(const TensorView& q, const TensorView& key_cache,
+                                              const TensorView& value_cache, std::span<const int32_t> block_table,
+                                              std::span<const int64_t> cache_seqlens, const SdpaOptions& options = {});
+PagedAttentionOutput paged_attention_varlen_with_lse(const TensorView& q, std::span<const int64_t> cu_seqlens_q,
+                                                     const TensorView& key_cache, const TensorView& value_cache,
+                                                     std::span<const int32_t> block_table,
+                                                     std::span<const int64_t> cache_seqlens,
+                                                     const SdpaOptions& options = {});
+
 // Writes new keys and values into the cache, as a decoding step does before its attention: row t
 // of sequence b (key[b, :, t, :], value[b, :, t, :]) goes to position cache_seqlens[b] + t of
 // that sequence's pages. key [B, Hkv, Lnew, Dk], value [B, Hkv, Lnew, Dv] of the caches' dtype;
@@ -61,5 +80,13 @@ Tensor paged_attention_varlen(const TensorView& q, std::span<const int64_t> cu_s
 void write_paged_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, std::span<const int32_t> block_table,
                        std::span<const int64_t> cache_seqlens);
+
+// The same for rows of a different count per sequence, packed one after another: key [Tnew, Hkv, Dk],
+// value [Tnew, Hkv, Dv], sequence b's rows [cu_seqlens_new[b], cu_seqlens_new[b + 1]) (B + 1
+// offsets from 0 to Tnew; the cu_seqlens_q of a continuous-batching step whose queries each bring
+// their key and value).
+void write_paged_cache_varlen(const TensorView& key, const TensorView& value, std::span<const int64_t> cu_seqlens_new,
+                              const TensorView& key_cache, const TensorView& value_cache,
+                              std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens);
 
 }  // namespace mha

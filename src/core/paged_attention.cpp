@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -231,16 +232,25 @@ AttentionProblem sequence_problem(const TensorView& qb, const TensorView& key_ca
 }
 
 // Runs every sequence b with keys: its query rows q_of(b) into out_of(b) ([1, Hq, Lq_b, D] views),
-// zeros where it has none.
+// zeros where it has none; with lse_of, each row's log-sum-exp into lse_of(b) ([Hq, Lq_b], +inf
+// for a sequence with no key).
 template <class Rows>
-void run_sequences(const PagedShape& s, Rows q_of, Rows out_of, const TensorView& key_cache,
+void run_sequences(const PagedShape& s, Rows q_of, Rows out_of, const Rows* lse_of, const TensorView& key_cache,
                    const TensorView& value_cache, std::span<const int32_t> table, std::span<const int64_t> lens,
                    const SdpaOptions& options) {
+  const DType lse_dtype = key_cache.dtype == DType::f64 ? DType::f64 : DType::f32;
   std::vector<double> cost(static_cast<size_t>(s.batch));
   for (int64_t b = 0; b < s.batch; ++b) {
     const TensorView out = out_of(b);
     const int64_t len = lens[b], rows = out.shape[2];
-    if (len == 0 && rows > 0) copy_into(Tensor::zeros(out.sizes(), out.dtype), out);  // every row fully masked
+    if (len == 0 && rows > 0) {  // every row fully masked
+      copy_into(Tensor::zeros(out.sizes(), out.dtype), out);
+      if (lse_of) {
+        Tensor inf = Tensor::empty({s.heads_q, rows}, DType::f64);
+        std::fill_n(inf.data<double>(), inf.numel(), std::numeric_limits<double>::infinity());
+        copy_into(inf, (*lse_of)(b));
+      }
+    }
     // The cache each sequence reads (decoding is bound by it) and the multiply-adds, alike per key.
     cost[b] = rows == 0 ? 0.0
                         : static_cast<double>(len) * (static_cast<double>(s.heads_q) * static_cast<double>(rows) +
@@ -251,8 +261,74 @@ void run_sequences(const PagedShape& s, Rows q_of, Rows out_of, const TensorView
     std::vector<Tensor> storage;
     const AttentionProblem p =
         sequence_problem(q_of(b), key_cache, value_cache, table, lens, options, s, b, call_threads, storage);
-    detail::sdpa_forward_host(p, out_of(b), nullptr, nullptr);
+    if (!lse_of) {
+      detail::sdpa_forward_host(p, out_of(b), nullptr, nullptr);
+      return;
+    }
+    Tensor own_lse = Tensor::empty({s.heads_q, p.len_q}, lse_dtype);  // the kernels write it packed
+    detail::sdpa_forward_host(p, out_of(b), nullptr, own_lse.view().data);
+    copy_into(own_lse, (*lse_of)(b));
   });
+}
+
+using SequenceRows = std::function<TensorView(int64_t)>;
+
+// paged_attention's work, with the log-sum-exp [B, Hq, Lq] when `lse`.
+PagedAttentionOutput padded_queries(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
+                                    std::span<const int32_t> table, std::span<const int64_t> lens,
+                                    const SdpaOptions& options, bool lse) {
+  const PagedShape s = validate(q, key_cache, value_cache, table, lens, options);
+  PagedAttentionOutput r;
+  r.output = Tensor::empty({s.batch, s.heads_q, s.len_q, s.dim_v}, q.dtype);
+  if (lse) r.lse = Tensor::empty({s.batch, s.heads_q, s.len_q}, q.dtype == DType::f64 ? DType::f64 : DType::f32);
+  const SequenceRows q_of = [&](int64_t b) { return q.slice(0, b, b + 1); };
+  const SequenceRows out_of = [&](int64_t b) { return r.output.view().slice(0, b, b + 1); };
+  const SequenceRows lse_of = [&](int64_t b) { return r.lse.view().select(0, b); };
+  run_sequences(s, q_of, out_of, lse ? &lse_of : nullptr, key_cache, value_cache, table, lens, options);
+  return r;
+}
+
+// paged_attention_varlen's work, with the log-sum-exp [Hq, Tq] when `lse`.
+PagedAttentionOutput packed_queries(const TensorView& q, std::span<const int64_t> cu_q, const TensorView& key_cache,
+                                    const TensorView& value_cache, std::span<const int32_t> table,
+                                    std::span<const int64_t> lens, const SdpaOptions& options, bool lse) {
+  const PagedShape s = validate_varlen(q, cu_q, key_cache, value_cache, table, lens, options);
+  PagedAttentionOutput r;
+  r.output = Tensor::empty({q.shape[0], s.heads_q, s.dim_v}, q.dtype);
+  if (lse) r.lse = Tensor::empty({s.heads_q, q.shape[0]}, q.dtype == DType::f64 ? DType::f64 : DType::f32);
+  const SequenceRows q_of = [&](int64_t b) { return packed_rows(q, cu_q[b], cu_q[b + 1]); };
+  const SequenceRows out_of = [&](int64_t b) { return packed_rows(r.output, cu_q[b], cu_q[b + 1]); };
+  const SequenceRows lse_of = [&](int64_t b) { return r.lse.view().slice(1, cu_q[b], cu_q[b + 1]); };
+  run_sequences(s, q_of, out_of, lse ? &lse_of : nullptr, key_cache, value_cache, table, lens, options);
+  return r;
+}
+
+// The new rows' dtype must be the caches'.
+void check_new_rows_dtype(const TensorView& key, const TensorView& value, const TensorView& key_cache) {
+  for (const TensorView* t : {&key, &value}) {
+    if (t->dtype != key_cache.dtype) {
+      throw Error(std::string(t == &key ? "key" : "value") + ": expected the caches' dtype " +
+                  std::string(dtype_name(key_cache.dtype)) + ", got " + std::string(dtype_name(t->dtype)));
+    }
+  }
+}
+
+// Writes rows t < added[b] of each sequence b, key_row(b, t) and value_row(b, t) ([Hkv, D] views),
+// to position cache_seqlens[b] + t of its pages; sequences in order (a later one's row is kept
+// where two share a slot).
+template <class KeyRow, class ValueRow>
+void write_rows(const PagedShape& s, const TensorView& key_cache, const TensorView& value_cache,
+                std::span<const int32_t> table, std::span<const int64_t> lens, std::span<const int64_t> added,
+                KeyRow key_row, ValueRow value_row) {
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int32_t* pages = table.data() + b * s.pages_per_sequence;
+    for (int64_t t = 0; t < added[b]; ++t) {
+      const int64_t j = lens[b] + t;
+      const int64_t page = pages[j / s.page_size], row = j % s.page_size;
+      copy_into(key_row(b, t), key_cache.select(0, page).select(1, row));
+      copy_into(value_row(b, t), value_cache.select(0, page).select(1, row));
+    }
+  }
 }
 
 }  // namespace
@@ -260,28 +336,28 @@ void run_sequences(const PagedShape& s, Rows q_of, Rows out_of, const TensorView
 Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
                        std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
                        const SdpaOptions& options) {
-  const PagedShape s = validate(q, key_cache, value_cache, block_table, cache_seqlens, options);
-  Tensor out = Tensor::empty({s.batch, s.heads_q, s.len_q, s.dim_v}, q.dtype);
-  const std::function<TensorView(int64_t)> q_of = [&](int64_t b) { return q.slice(0, b, b + 1); };
-  const std::function<TensorView(int64_t)> out_of = [&](int64_t b) { return out.view().slice(0, b, b + 1); };
-  run_sequences(s, q_of, out_of, key_cache, value_cache, block_table, cache_seqlens, options);
-  return out;
+  return padded_queries(q, key_cache, value_cache, block_table, cache_seqlens, options, false).output;
+}
+
+PagedAttentionOutput paged_attention_with_lse(const TensorView& q, const TensorView& key_cache,
+                                              const TensorView& value_cache, std::span<const int32_t> block_table,
+                                              std::span<const int64_t> cache_seqlens, const SdpaOptions& options) {
+  return padded_queries(q, key_cache, value_cache, block_table, cache_seqlens, options, true);
 }
 
 Tensor paged_attention_varlen(const TensorView& q, std::span<const int64_t> cu_seqlens_q,
                               const TensorView& key_cache, const TensorView& value_cache,
                               std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
                               const SdpaOptions& options) {
-  const PagedShape s = validate_varlen(q, cu_seqlens_q, key_cache, value_cache, block_table, cache_seqlens, options);
-  Tensor out = Tensor::empty({q.shape[0], s.heads_q, s.dim_v}, q.dtype);
-  const std::function<TensorView(int64_t)> q_of = [&](int64_t b) {
-    return packed_rows(q, cu_seqlens_q[b], cu_seqlens_q[b + 1]);
-  };
-  const std::function<TensorView(int64_t)> out_of = [&](int64_t b) {
-    return packed_rows(out, cu_seqlens_q[b], cu_seqlens_q[b + 1]);
-  };
-  run_sequences(s, q_of, out_of, key_cache, value_cache, block_table, cache_seqlens, options);
-  return out;
+  return packed_queries(q, cu_seqlens_q, key_cache, value_cache, block_table, cache_seqlens, options, false).output;
+}
+
+PagedAttentionOutput paged_attention_varlen_with_lse(const TensorView& q, std::span<const int64_t> cu_seqlens_q,
+                                                     const TensorView& key_cache, const TensorView& value_cache,
+                                                     std::span<const int32_t> block_table,
+                                                     std::span<const int64_t> cache_seqlens,
+                                                     const SdpaOptions& options) {
+  return packed_queries(q, cu_seqlens_q, key_cache, value_cache, block_table, cache_seqlens, options, true);
 }
 
 void write_paged_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
@@ -297,24 +373,43 @@ void write_paged_cache(const TensorView& key, const TensorView& value, const Ten
                 std::to_string(s.heads_kv) + ", Dk = " + std::to_string(s.dim_qk) + ", Dv = " +
                 std::to_string(s.dim_v) + ", got key " + key.shape_str() + " and value " + value.shape_str());
   }
-  for (const TensorView* t : {&key, &value}) {
-    if (t->dtype != key_cache.dtype) {
-      throw Error(std::string(t == &key ? "key" : "value") + ": expected the caches' dtype " +
-                  std::string(dtype_name(key_cache.dtype)) + ", got " + std::string(dtype_name(t->dtype)));
-    }
-  }
-  const int64_t len_new = key.shape[2];
-  const std::vector<int64_t> added(static_cast<size_t>(s.batch), len_new);
+  check_new_rows_dtype(key, value, key_cache);
+  const std::vector<int64_t> added(static_cast<size_t>(s.batch), key.shape[2]);
   check_table(s, block_table, cache_seqlens, added, "writes rows");
-  for (int64_t b = 0; b < s.batch; ++b) {
-    const int32_t* pages = block_table.data() + b * s.pages_per_sequence;
-    for (int64_t t = 0; t < len_new; ++t) {
-      const int64_t j = cache_seqlens[b] + t;
-      const int64_t page = pages[j / s.page_size], row = j % s.page_size;
-      copy_into(key.select(0, b).select(1, t), key_cache.select(0, page).select(1, row));
-      copy_into(value.select(0, b).select(1, t), value_cache.select(0, page).select(1, row));
+  write_rows(
+      s, key_cache, value_cache, block_table, cache_seqlens, added,
+      [&](int64_t b, int64_t t) { return key.select(0, b).select(1, t); },
+      [&](int64_t b, int64_t t) { return value.select(0, b).select(1, t); });
+}
+
+void write_paged_cache_varlen(const TensorView& key, const TensorView& value, std::span<const int64_t> cu_seqlens_new,
+                              const TensorView& key_cache, const TensorView& value_cache,
+                              std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens) {
+  for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
+    if (t->ndim != 3) {
+      throw Error(std::string(name) + ": expected a packed [Tnew, Hkv, D] tensor (rank 3), got shape " +
+                  t->shape_str());
     }
+    require_cpu(*t, name);
   }
+  detail::check_offsets(cu_seqlens_new, key.shape[0], "cu_seqlens_new", "key");
+  const PagedShape s = check_cache(key_cache, value_cache, block_table, cache_seqlens,
+                                   static_cast<int64_t>(cu_seqlens_new.size()) - 1);
+  const Shape key_expected{key.shape[0], s.heads_kv, s.dim_qk};
+  const Shape value_expected{key.shape[0], s.heads_kv, s.dim_v};
+  if (key.sizes() != key_expected || value.sizes() != value_expected) {
+    throw Error("key/value: expected [Tnew, Hkv, Dk] and [Tnew, Hkv, Dv] with the caches' Hkv = " +
+                std::to_string(s.heads_kv) + ", Dk = " + std::to_string(s.dim_qk) + ", Dv = " +
+                std::to_string(s.dim_v) + ", got key " + key.shape_str() + " and value " + value.shape_str());
+  }
+  check_new_rows_dtype(key, value, key_cache);
+  std::vector<int64_t> added(static_cast<size_t>(s.batch));
+  for (int64_t b = 0; b < s.batch; ++b) added[b] = cu_seqlens_new[b + 1] - cu_seqlens_new[b];
+  check_table(s, block_table, cache_seqlens, added, "writes rows");
+  write_rows(
+      s, key_cache, value_cache, block_table, cache_seqlens, added,
+      [&](int64_t b, int64_t t) { return key.select(0, cu_seqlens_new[b] + t); },
+      [&](int64_t b, int64_t t) { return value.select(0, cu_seqlens_new[b] + t); });
 }
 
 }  // namespace mha
