@@ -40,12 +40,67 @@ def _integers(x: Any, name: str, dtype, ndim: int):
 
 
 def _table_and_lengths(block_table: Any, cache_seqlens: Any, batch: int):
-    table = _integers(block_table, "block_table", np.int32, 2)
-    lens = _integers(cache_seqlens, "cache_seqlens", np.int64, 1)
+    """The table (None: one contiguous cache per sequence, sequence b's page being b) and the
+    lengths (an int: the same for every sequence) as the extension reads them."""
+    if block_table is None:
+        table = np.arange(batch, dtype=np.int32).reshape(batch, 1)
+    else:
+        table = _integers(block_table, "block_table", np.int32, 2)
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        lens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    else:
+        lens = _integers(cache_seqlens, "cache_seqlens", np.int64, 1)
     if table.shape[0] != batch or lens.shape[0] != batch:
         raise ValueError(f"block_table/cache_seqlens: expected one row and one length per sequence (B = {batch}), "
                          f"got block_table of shape {list(table.shape)} and {lens.shape[0]} lengths")
     return table, lens
+
+
+def _table_and_lengths_tensors(block_table: Any, cache_seqlens: Any, batch: int):
+    """The same as tensor operands of the compiled operators."""
+    import torch  # noqa: PLC0415
+
+    table = (torch.arange(batch, dtype=torch.int32).unsqueeze(1) if block_table is None
+             else torch.as_tensor(block_table))
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        return table, torch.full((batch,), cache_seqlens, dtype=torch.int64)
+    return table, torch.as_tensor(cache_seqlens)
+
+
+def _sequences(query: Any, cu_seqlens_q: Any) -> int:
+    """How many sequences a call has: query's B, or one fewer than the offsets."""
+    if cu_seqlens_q is None:
+        return int(query.shape[0])
+    return max(int(getattr(cu_seqlens_q, "shape", [len(cu_seqlens_q)])[0]) - 1, 0)
+
+
+def _offsets(cu: Any, name: str, total: int) -> np.ndarray:
+    """Offsets of packed rows, checked (from 0, non-decreasing, ending at `total`) before a write
+    that takes them under another name."""
+    cu = _integers(cu, name, np.int64, 1)
+    if cu.shape[0] == 0 or cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != total:
+        raise ValueError(f"{name}: expected offsets from 0, non-decreasing, ending at the {total} query rows, "
+                         f"got {cu.tolist()}")
+    return cu
+
+
+def _check_new_rows(k: Any, v: Any, query: Any, packed: bool) -> None:
+    """k and v, when given, are one step's keys and values: both or neither, [B, Lnew, Hkv, E] (packed:
+    [Tq, Hkv, E], one per query row)."""
+    if (k is None) != (v is None):
+        raise ValueError(f"k, v: expected both or neither, got k {'None' if k is None else 'given'} and v "
+                         f"{'None' if v is None else 'given'}")
+    if k is None:
+        return
+    if packed:
+        for name, x in (("k", k), ("v", v)):
+            shape = list(getattr(x, "shape", []))
+            if len(shape) != 3 or shape[0] != query.shape[0]:
+                raise ValueError(f"{name}: expected packed [Tq, Hkv, E] rows, one per query row (Tq = "
+                                 f"{query.shape[0]}), got shape {shape}")
+    else:
+        _rank4(k, "k", "[B, Lnew, Hkv, E]")
+        _rank4(v, "v", "[B, Lnew, Hkv, Ev]")
 
 
 def _rank4(x: Any, name: str, layout: str):
@@ -65,18 +120,25 @@ def _no_grad(*tensors: Any):
                                  "or pass tensors that do not require grad")
 
 
-def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *, is_causal: bool = False,
-                    scale: Optional[float] = None, enable_gqa: bool = False, causal_alignment: str = "bottom_right",
-                    window_size: Optional[Tuple[int, int]] = None, alibi_slopes=None, num_threads: int = 0,
-                    cu_seqlens_q=None):
-    """Attention of new queries over a paged key/value cache, in FlashAttention's layout.
+def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *, k=None, v=None,
+                    is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+                    causal_alignment: str = "bottom_right", window_size: Optional[Tuple[int, int]] = None,
+                    alibi_slopes=None, num_threads: int = 0, cu_seqlens_q=None, return_softmax_lse: bool = False):
+    """Attention of new queries over a paged key/value cache, in FlashAttention's layout
+    (its flash_attn_with_kvcache).
 
     query [B, Lq, Hq, E], key_cache [pages, page_size, Hkv, E], value_cache [pages, page_size, Hkv, Ev]
     -> [B, Lq, Hq, Ev]. block_table [B, pages_per_sequence] (integers) lists each sequence's pages
-    in order; cache_seqlens [B] is how many keys each holds: key j of sequence b is row j % page_size
-    of page block_table[b, j // page_size]. Entries past a sequence's last page are not read (-1
-    padding is fine). Each sequence's rows are mha.scaled_dot_product_attention of its queries over
-    its keys gathered in order, bit for bit; a sequence with no key gives zeros.
+    in order; cache_seqlens [B] (or one int for all) is how many keys each holds: key j of sequence
+    b is row j % page_size of page block_table[b, j // page_size]. Entries past a sequence's last
+    page are not read (-1 padding is fine). block_table=None takes a contiguous cache
+    [B, S, Hkv, E], one sequence per batch entry. Each sequence's rows are
+    mha.scaled_dot_product_attention of its queries over its keys gathered in order, bit for bit;
+    a sequence with no key gives zeros.
+
+    k [B, Lnew, Hkv, E] and v [B, Lnew, Hkv, Ev], when given, are first written into the caches
+    (in place) at positions cache_seqlens[b] onwards, and the queries then attend over
+    cache_seqlens[b] + Lnew keys; cache_seqlens itself is not advanced (add Lnew afterwards).
 
     is_causal aligns bottom-right by default (the queries are the last Lq positions, so the last
     query sees every key: FlashAttention's kvcache rule; causal_alignment="top_left" for PyTorch's).
@@ -88,40 +150,65 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
 
     With cu_seqlens_q (B + 1 integer offsets from 0 to Tq), query is packed [Tq, Hq, E], sequence b's
     rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (a different count per sequence: a continuous-batching
-    step of prompt chunks and single tokens), and the output [Tq, Hq, Ev].
+    step of prompt chunks and single tokens), and the output [Tq, Hq, Ev]; k and v are then packed
+    [Tq, Hkv, E] too, each query row's own key and value.
+
+    With return_softmax_lse, returns (output, lse): each query row's log-sum-exp of its scaled
+    scores, float32 (float64 for float64 inputs), [B, Hq, Lq] ([Hq, Tq] packed), +inf for a row that
+    sees no key. Results over two disjoint parts of a cache (a shared prefix, each sequence's own
+    rest) merge with it: reading +inf as -inf, m = max(lse_a, lse_b), w = exp(lse - m),
+    out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
     """
     from . import _compiling  # noqa: PLC0415 - the package is loaded
 
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    if cu_seqlens_q is None:
+    packed = cu_seqlens_q is not None
+    if not packed:
         _rank4(query, "query", "[B, Lq, Hq, E]")
     elif len(getattr(query, "shape", ())) != 3:
         raise ValueError(f"query: expected a packed [Tq, Hq, E] tensor (rank 3) with cu_seqlens_q, got shape "
                          f"{list(getattr(query, 'shape', []))}")
     _rank4(key_cache, "key_cache", "[pages, page_size, Hkv, E]")
     _rank4(value_cache, "value_cache", "[pages, page_size, Hkv, Ev]")
-    _no_grad(query, key_cache, value_cache)
+    _check_new_rows(k, v, query, packed)
+    _no_grad(query, key_cache, value_cache, k, v)
+    batch = _sequences(query, cu_seqlens_q)
+    if block_table is None and key_cache.shape[0] != batch:
+        raise ValueError(f"key_cache: without a block_table, expected one contiguous cache [B, S, Hkv, E] per "
+                         f"sequence (B = {batch}), got shape {list(key_cache.shape)}")
     window = check_window(window_size)
     options = (bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
                causal_alignment == "bottom_right", *sides(window))
-    if _compiling():  # one node of the graph, mha::paged_attention, the table and lengths tensor operands
+    if _compiling():  # mha::write_paged_cache (when k, v) and mha::paged_attention, tensor operands
         import torch  # noqa: PLC0415
 
         from . import ops  # noqa: PLC0415, F401 - registers the operators
 
-        return torch.ops.mha.paged_attention(query, key_cache, value_cache, torch.as_tensor(block_table),
-                                             torch.as_tensor(cache_seqlens), *options,
-                                             None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
-                                             int(num_threads),
-                                             None if cu_seqlens_q is None else torch.as_tensor(cu_seqlens_q))
-    return run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *options, alibi_slopes,
-                               int(num_threads), cu_seqlens_q)
+        table, lens = _table_and_lengths_tensors(block_table, cache_seqlens, batch)
+        cu = None if cu_seqlens_q is None else torch.as_tensor(cu_seqlens_q)
+        if k is not None:
+            torch.ops.mha.write_paged_cache(k, v, key_cache, value_cache, table, lens, cu)
+            lens = lens + (k.shape[1] if cu is None else cu[1:] - cu[:-1])
+        out, lse = torch.ops.mha.paged_attention(query, key_cache, value_cache, table, lens, *options,
+                                                 None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
+                                                 int(num_threads), cu, bool(return_softmax_lse))
+        return (out, lse) if return_softmax_lse else out
+    table, lens = _table_and_lengths(block_table, cache_seqlens, batch)
+    if k is not None:
+        cu = None if not packed else _offsets(cu_seqlens_q, "cu_seqlens_q", int(query.shape[0]))
+        run_write_paged_cache(k, v, key_cache, value_cache, table, lens, cu)
+        lens = lens + (int(k.shape[1]) if cu is None else np.diff(cu))
+    out, lse = run_paged_attention(query, key_cache, value_cache, table, lens, *options, alibi_slopes,
+                                   int(num_threads), cu_seqlens_q, bool(return_softmax_lse))
+    return (out, lse) if return_softmax_lse else out
 
 
 def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
-                        bottom_right, window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q=None):
-    """paged_attention's work once its options are checked (the eager call and the operator's body)."""
+                        bottom_right, window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q=None,
+                        return_lse=False):
+    """paged_attention's work once its options are checked (the eager call and the operator's
+    body): (output, lse), lse None unless return_lse."""
     from . import _as_array, _like  # noqa: PLC0415
 
     k, v = (_transposed(_as_array(x, name)) for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")))
@@ -129,17 +216,27 @@ def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlen
     if cu_seqlens_q is not None:  # packed rows [Tq, Hq, E], read as they are
         cu = _integers(cu_seqlens_q, "cu_seqlens_q", np.int64, 1)
         table, lens = _table_and_lengths(block_table, cache_seqlens, max(cu.shape[0] - 1, 0))
-        out = _mha.paged_attention(_as_array(query, "query"), k, v, table, lens, is_causal, scale, enable_gqa,
-                                   bottom_right, window_left, window_right, slopes, num_threads, cu)
-        return _like(query, out)
+        out, lse = _mha.paged_attention(_as_array(query, "query"), k, v, table, lens, is_causal, scale, enable_gqa,
+                                        bottom_right, window_left, window_right, slopes, num_threads, cu, return_lse)
+        return _like(query, out), _statistics_like(query, lse)
     table, lens = _table_and_lengths(block_table, cache_seqlens, query.shape[0])
     q = _transposed(_as_array(query, "query"))
-    out = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, enable_gqa, bottom_right, window_left,
-                               window_right, slopes, num_threads, None)
+    out, lse = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, enable_gqa, bottom_right, window_left,
+                                    window_right, slopes, num_threads, None, return_lse)
     result = _like(query, out)  # [B, Hq, Lq, Ev]
     if isinstance(result, np.ndarray):
-        return np.ascontiguousarray(result.swapaxes(1, 2))
-    return result.transpose(1, 2).contiguous()
+        return np.ascontiguousarray(result.swapaxes(1, 2)), lse
+    return result.transpose(1, 2).contiguous(), _statistics_like(query, lse)
+
+
+def _statistics_like(template: Any, array: Optional[np.ndarray]):
+    """A float32/float64 result (the lse) in the kind of the input: a torch tensor sharing memory
+    for a torch input (of any dtype), else the numpy array."""
+    if array is None or isinstance(template, np.ndarray):
+        return array
+    import torch  # noqa: PLC0415 - a non-numpy input is a torch tensor
+
+    return torch.from_numpy(array)
 
 
 def _transposed(array: Any):
@@ -148,35 +245,51 @@ def _transposed(array: Any):
     return array.swapaxes(1, 2) if isinstance(array, np.ndarray) else array.transpose(1, 2)
 
 
-def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens) -> None:
+def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, *, cu_seqlens_new=None) -> None:
     """Writes new keys and values into a paged cache in place, as a decoding step does before its
     attention: key [B, Lnew, Hkv, E] and value [B, Lnew, Hkv, Ev] (FlashAttention's layout), row t of
     sequence b to position cache_seqlens[b] + t of its pages. The caches (key_cache
     [pages, page_size, Hkv, E], value_cache [pages, page_size, Hkv, Ev]) are written, of the same
-    dtype as key and value; every position written must lie in a listed page. cache_seqlens is not
-    advanced (add Lnew to it afterwards)."""
+    dtype as key and value; every position written must lie in a listed page. block_table=None and
+    an int cache_seqlens as in paged_attention. cache_seqlens is not advanced (add Lnew afterwards).
+
+    With cu_seqlens_new (B + 1 integer offsets from 0 to Tnew), key [Tnew, Hkv, E] and value
+    [Tnew, Hkv, Ev] are packed rows, sequence b's cu_seqlens_new[b]:cu_seqlens_new[b+1] (a different
+    count per sequence)."""
     from . import _compiling  # noqa: PLC0415
 
-    _rank4(key, "key", "[B, Lnew, Hkv, E]")
-    _rank4(value, "value", "[B, Lnew, Hkv, Ev]")
+    packed = cu_seqlens_new is not None
+    for name, x, layout in (("key", key, "[B, Lnew, Hkv, E]"), ("value", value, "[B, Lnew, Hkv, Ev]")):
+        if not packed:
+            _rank4(x, name, layout)
+        elif len(getattr(x, "shape", ())) != 3:
+            raise ValueError(f"{name}: expected packed [Tnew, Hkv, E] rows (rank 3) with cu_seqlens_new, got shape "
+                             f"{list(getattr(x, 'shape', []))}")
     _rank4(key_cache, "key_cache", "[pages, page_size, Hkv, E]")
     _rank4(value_cache, "value_cache", "[pages, page_size, Hkv, Ev]")
+    batch = _sequences(key, cu_seqlens_new)
     if _compiling():  # one node of the graph, mha::write_paged_cache, which mutates the caches
         import torch  # noqa: PLC0415
 
         from . import ops  # noqa: PLC0415, F401 - registers the operators
 
-        torch.ops.mha.write_paged_cache(key, value, key_cache, value_cache, torch.as_tensor(block_table),
-                                        torch.as_tensor(cache_seqlens))
+        table, lens = _table_and_lengths_tensors(block_table, cache_seqlens, batch)
+        torch.ops.mha.write_paged_cache(key, value, key_cache, value_cache, table, lens,
+                                        None if cu_seqlens_new is None else torch.as_tensor(cu_seqlens_new))
         return
-    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens)
+    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new)
 
 
-def run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens) -> None:
+def run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new=None) -> None:
     """write_paged_cache's work (the eager call and the operator's body)."""
     from . import _as_array  # noqa: PLC0415
 
+    kc, vc = (_transposed(_as_array(x, name)) for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")))
+    if cu_seqlens_new is not None:  # packed rows [Tnew, Hkv, E], read as they are
+        cu = _integers(cu_seqlens_new, "cu_seqlens_new", np.int64, 1)
+        table, lens = _table_and_lengths(block_table, cache_seqlens, max(cu.shape[0] - 1, 0))
+        _mha.write_paged_cache(_as_array(key, "key"), _as_array(value, "value"), kc, vc, table, lens, cu)
+        return
     table, lens = _table_and_lengths(block_table, cache_seqlens, key.shape[0])
-    k, v, kc, vc = (_transposed(_as_array(x, name)) for x, name in
-                    ((key, "key"), (value, "value"), (key_cache, "key_cache"), (value_cache, "value_cache")))
-    _mha.write_paged_cache(k, v, kc, vc, table, lens)
+    k, v = (_transposed(_as_array(x, name)) for x, name in ((key, "key"), (value, "value")))
+    _mha.write_paged_cache(k, v, kc, vc, table, lens, None)

@@ -407,31 +407,46 @@ sdpa_varlen_train.register_autograd(_varlen_backward, setup_context=_varlen_setu
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                     cache_seqlens: torch.Tensor, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                     bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor],
-                    num_threads: int, cu_seqlens_q: Optional[torch.Tensor]) -> torch.Tensor:
+                    num_threads: int, cu_seqlens_q: Optional[torch.Tensor],
+                    return_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [B, Lq, Hq, Ev] of query [B, Lq, Hq, E] over the cache's pages, or with
-    cu_seqlens_q [Tq, Hq, Ev] of packed rows [Tq, Hq, E]."""
+    cu_seqlens_q [Tq, Hq, Ev] of packed rows [Tq, Hq, E]; and the lse ([B, Hq, Lq] or [Hq, Tq])
+    when return_lse, else an empty tensor."""
     from ._paged import run_paged_attention  # noqa: PLC0415
 
     _auto_threading()
-    return run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
-                               bottom_right, window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q)
+    out, lse = run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
+                                   enable_gqa, bottom_right, window_left, window_right, alibi_slopes, num_threads,
+                                   cu_seqlens_q, return_lse)
+    return out, lse if lse is not None else query.new_empty((0,), dtype=_lse_dtype(query))
+
+
+def _lse_dtype(query: torch.Tensor) -> torch.dtype:
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
 @paged_attention.register_fake
 def _(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa, bottom_right,
-      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q):
-    return query.new_empty((*query.shape[:-1], value_cache.shape[-1]))
+      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q, return_lse):
+    out = query.new_empty((*query.shape[:-1], value_cache.shape[-1]))
+    if not return_lse:
+        return out, query.new_empty((0,), dtype=_lse_dtype(query))
+    rows = (query.shape[1], query.shape[0]) if cu_seqlens_q is not None else (query.shape[0], query.shape[2],
+                                                                              query.shape[1])
+    return out, query.new_empty(rows, dtype=_lse_dtype(query))
 
 
 @torch.library.custom_op("mha::write_paged_cache", mutates_args=("key_cache", "value_cache"), device_types="cpu")
 def write_paged_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
-    """Writes key [B, Lnew, Hkv, E] and value into the caches at each sequence's length."""
+                      block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                      cu_seqlens_new: Optional[torch.Tensor]) -> None:
+    """Writes key [B, Lnew, Hkv, E] (or packed [Tnew, Hkv, E] rows with cu_seqlens_new) and value
+    into the caches at each sequence's length."""
     from ._paged import run_write_paged_cache  # noqa: PLC0415
 
-    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens)
+    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new)
 
 
 @write_paged_cache.register_fake
-def _(key, value, key_cache, value_cache, block_table, cache_seqlens):
+def _(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new):
     return None

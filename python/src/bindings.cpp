@@ -283,32 +283,48 @@ using Writable = nb::ndarray<nb::device::cpu>;
 std::span<const int32_t> table_span(const PageTable& t) { return {t.data(), t.shape(0) * t.shape(1)}; }
 std::span<const int64_t> lengths_span(const Lengths& l) { return {l.data(), l.shape(0)}; }
 
-// With cu_seqlens_q, query is packed [Tq, Hq, Dk] rows (paged_attention_varlen).
-NumpyArray paged_attention(const Array& query, const Array& key_cache, const Array& value_cache,
-                           const PageTable& block_table, const Lengths& cache_seqlens, bool is_causal,
-                           std::optional<double> scale, bool enable_gqa, bool bottom_right, int64_t window_left,
-                           int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
-                           const std::optional<Lengths>& cu_seqlens_q) {
+// With cu_seqlens_q, query is packed [Tq, Hq, Dk] rows (paged_attention_varlen). Returns the
+// output and, with return_lse, each row's log-sum-exp ([B, Hq, Lq], or [Hq, Tq] packed).
+std::pair<NumpyArray, std::optional<NumpyArray>> paged_attention(
+    const Array& query, const Array& key_cache, const Array& value_cache, const PageTable& block_table,
+    const Lengths& cache_seqlens, bool is_causal, std::optional<double> scale, bool enable_gqa, bool bottom_right,
+    int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
+    const std::optional<Lengths>& cu_seqlens_q, bool return_lse) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, 0.0, is_causal, scale, enable_gqa, 0, bottom_right,
                                           window_left, window_right, alibi_slopes, num_threads);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key_cache, "key_cache"),
                         v = view_of(value_cache, "value_cache");
-  mha::Tensor out;
+  const std::span<const int32_t> table = table_span(block_table);
+  const std::span<const int64_t> lens = lengths_span(cache_seqlens);
+  mha::PagedAttentionOutput r;
   {
     nb::gil_scoped_release release;
-    out = cu_seqlens_q ? mha::paged_attention_varlen(q, lengths_span(*cu_seqlens_q), k, v, table_span(block_table),
-                                                     lengths_span(cache_seqlens), o)
-                       : mha::paged_attention(q, k, v, table_span(block_table), lengths_span(cache_seqlens), o);
+    if (cu_seqlens_q) {
+      const std::span<const int64_t> cu = lengths_span(*cu_seqlens_q);
+      r = return_lse ? mha::paged_attention_varlen_with_lse(q, cu, k, v, table, lens, o)
+                     : mha::PagedAttentionOutput{mha::paged_attention_varlen(q, cu, k, v, table, lens, o), {}};
+    } else {
+      r = return_lse ? mha::paged_attention_with_lse(q, k, v, table, lens, o)
+                     : mha::PagedAttentionOutput{mha::paged_attention(q, k, v, table, lens, o), {}};
+    }
   }
-  return to_numpy(out);
+  if (!return_lse) return {to_numpy(r.output), std::nullopt};
+  return {to_numpy(r.output), to_numpy(r.lse)};
 }
 
+// With cu_seqlens_new, key and value are packed [Tnew, Hkv, D] rows (write_paged_cache_varlen).
 void write_paged_cache(const Array& key, const Array& value, const Writable& key_cache, const Writable& value_cache,
-                       const PageTable& block_table, const Lengths& cache_seqlens) {
+                       const PageTable& block_table, const Lengths& cache_seqlens,
+                       const std::optional<Lengths>& cu_seqlens_new) {
   const mha::TensorView k = view_of(key, "key"), v = view_of(value, "value");
   const mha::TensorView kc = view_of(key_cache, "key_cache"), vc = view_of(value_cache, "value_cache");
   nb::gil_scoped_release release;
-  mha::write_paged_cache(k, v, kc, vc, table_span(block_table), lengths_span(cache_seqlens));
+  if (cu_seqlens_new) {
+    mha::write_paged_cache_varlen(k, v, lengths_span(*cu_seqlens_new), kc, vc, table_span(block_table),
+                                  lengths_span(cache_seqlens));
+  } else {
+    mha::write_paged_cache(k, v, kc, vc, table_span(block_table), lengths_span(cache_seqlens));
+  }
 }
 
 // Variable-length attention over packed [T, H, D] arrays and offsets (cu_seqlens_q, cu_seqlens_k):
@@ -518,9 +534,11 @@ NB_MODULE(_mha, m) {
   m.def("paged_attention", &paged_attention, nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"),
         nb::arg("block_table"), nb::arg("cache_seqlens"), nb::arg("is_causal"), nb::arg("scale").none(),
         nb::arg("enable_gqa"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("cu_seqlens_q").none());
+        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("cu_seqlens_q").none(),
+        nb::arg("return_lse") = false);
   m.def("write_paged_cache", &write_paged_cache, nb::arg("key"), nb::arg("value"), nb::arg("key_cache"),
-        nb::arg("value_cache"), nb::arg("block_table"), nb::arg("cache_seqlens"));
+        nb::arg("value_cache"), nb::arg("block_table"), nb::arg("cache_seqlens"),
+        nb::arg("cu_seqlens_new").none() = nb::none());
   m.def("varlen_dropout_seed", &mha::varlen_dropout_seed, nb::arg("seed"), nb::arg("sequence"));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);

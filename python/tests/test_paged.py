@@ -222,15 +222,194 @@ def test_paged_operators_pass_opcheck(rng):
         q, kc, vc, table, lens, _, _ = _draw(rng, dtype, 2, 7)
         kc, vc = kc.nan_to_num(0.0), vc.nan_to_num(0.0)  # (opcheck compares outputs and caches with NaN-unaware checks)
         slopes = torch.full((q.shape[2],), 0.25) if dtype == torch.float32 else None
-        args = (q, kc, vc, table, lens, True, None, q.shape[2] != kc.shape[2], True, 5, 0, slopes, 0, None)
-        result = torch.library.opcheck(torch.ops.mha.paged_attention.default, args)
-        assert all(r == "SUCCESS" for r in result.values()), result
-        cu = torch.arange(q.shape[0] + 1) * 2  # packed rows, two per sequence
-        packed = (q.reshape(-1, *q.shape[2:]), *args[1:-1], cu)
-        result = torch.library.opcheck(torch.ops.mha.paged_attention.default, packed)
-        assert all(r == "SUCCESS" for r in result.values()), result
+        for return_lse in (False, True):
+            args = (q, kc, vc, table, lens, True, None, q.shape[2] != kc.shape[2], True, 5, 0, slopes, 0, None,
+                    return_lse)
+            result = torch.library.opcheck(torch.ops.mha.paged_attention.default, args)
+            assert all(r == "SUCCESS" for r in result.values()), result
+            cu = torch.arange(q.shape[0] + 1) * 2  # packed rows, two per sequence
+            packed = (q.reshape(-1, *q.shape[2:]), *args[1:-2], cu, return_lse)
+            result = torch.library.opcheck(torch.ops.mha.paged_attention.default, packed)
+            assert all(r == "SUCCESS" for r in result.values()), result
         kc, vc = (torch.from_numpy(rng.standard_normal((4, 4, 2, 8))).to(dtype) for _ in "kv")
         k_new, v_new = (torch.from_numpy(rng.standard_normal((2, 2, 2, 8))).to(dtype) for _ in "kv")
-        args = (k_new, v_new, kc, vc, torch.tensor([[0, 1], [3, 2]], dtype=torch.int32), torch.tensor([3, 0]))
+        table = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+        args = (k_new, v_new, kc, vc, table, torch.tensor([3, 0]), None)
         result = torch.library.opcheck(torch.ops.mha.write_paged_cache.default, args)
         assert all(r == "SUCCESS" for r in result.values()), result
+        args = (k_new.reshape(4, 2, 8)[:3], v_new.reshape(4, 2, 8)[:3], kc, vc, table, torch.tensor([3, 0]),
+                torch.tensor([0, 1, 3]))
+        result = torch.library.opcheck(torch.ops.mha.write_paged_cache.default, args)
+        assert all(r == "SUCCESS" for r in result.values()), result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_keys_and_values_are_written_then_attended(rng, dtype):
+    """k=, v= (FlashAttention's flash_attn_with_kvcache): the step's rows written at each sequence's
+    length, then attention over the longer cache: the caches and the output are the bits of
+    write_paged_cache followed by paged_attention over cache_seqlens + Lnew; cache_seqlens is left
+    as it was. Padded and packed (a different count per sequence), eager and compiled."""
+    for trial in range(3):
+        q, kc, vc, table, lens, _, _ = _draw(rng, dtype, 3, 8)
+        table = torch.where(table < 0, table.max() + 1, table)  # room for the new rows: two spare pages
+        table = torch.cat([table, torch.full((table.shape[0], 1), table.max() + 2, dtype=torch.int32)], 1)
+        kc, vc = (torch.cat([c, torch.zeros(3, *c.shape[1:], dtype=dtype)]) for c in (kc, vc))
+        lens = torch.clamp(lens, max=(table.shape[1] - 1) * 8 - 3)
+        batch, hq, hkv, e = q.shape[0], q.shape[2], kc.shape[2], kc.shape[3]
+        options = dict(is_causal=trial > 0, enable_gqa=hq != hkv)
+        packed = trial == 2
+        if packed:  # each query row brings its key and value; some sequences none
+            counts = [int(rng.choice([0, 1, 3])) for _ in range(batch)]
+            cu = torch.tensor([0, *np.cumsum(counts).tolist()])
+            q = torch.from_numpy(rng.standard_normal((int(cu[-1]), hq, e))).to(dtype)
+            k_new, v_new = (torch.from_numpy(rng.standard_normal((int(cu[-1]), hkv, e))).to(dtype) for _ in "kv")
+            options["cu_seqlens_q"] = cu
+            longer = lens + torch.tensor(counts)
+        else:
+            k_new, v_new = (torch.from_numpy(rng.standard_normal((batch, 3, hkv, e))).to(dtype) for _ in "kv")
+            longer = lens + 3
+        before = lens.clone()
+        kc2, vc2, kc3, vc3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        out = mha.paged_attention(q, kc, vc, table, lens, k=k_new, v=v_new, **options)
+        assert torch.equal(lens, before)
+        write = dict(cu_seqlens_new=options["cu_seqlens_q"]) if packed else {}
+        mha.write_paged_cache(k_new, v_new, kc2, vc2, table, lens, **write)
+        want = mha.paged_attention(q, kc2, vc2, table, longer, **options)
+        assert torch.equal(out, want)
+        assert torch.equal(kc.nan_to_num(7.0), kc2.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), vc2.nan_to_num(7.0))
+        compiled = torch.compile(lambda *a: mha.paged_attention(*a[:5], k=a[5], v=a[6], **options),
+                                 backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(q, kc3, vc3, table, lens, k_new, v_new), out)
+        assert torch.equal(kc3.nan_to_num(7.0), kc2.nan_to_num(7.0))
+        assert torch.equal(vc3.nan_to_num(7.0), vc2.nan_to_num(7.0))
+
+
+def test_contiguous_caches_need_no_table(rng):
+    """block_table=None: key_cache [B, S, Hkv, E], one contiguous cache per sequence (Hugging Face's
+    static cache), cache_seqlens a tensor or one int; each sequence's rows are SDPA over its first
+    cache_seqlens[b] keys; with k=, v= a decoding loop grows it in place, compiled as one graph."""
+    batch, S, hq, hkv, e = 3, 40, 4, 2, 16
+    kc = torch.from_numpy(rng.standard_normal((batch, S, hkv, e))).float()
+    vc = torch.from_numpy(rng.standard_normal((batch, S, hkv, e))).float()
+    lens = torch.tensor([0, 17, 33])
+    q = torch.from_numpy(rng.standard_normal((batch, 2, hq, e))).float()
+    out = mha.paged_attention(q, kc, vc, None, lens, is_causal=True, enable_gqa=True)
+    for b in range(batch):
+        n = int(lens[b])
+        if n == 0:
+            assert torch.all(out[b] == 0)
+            continue
+        alone = mha.scaled_dot_product_attention(q[b:b + 1].transpose(1, 2), kc[b:b + 1, :n].transpose(1, 2),
+                                                 vc[b:b + 1, :n].transpose(1, 2), is_causal=True, enable_gqa=True,
+                                                 causal_alignment="bottom_right")
+        assert torch.equal(out[b:b + 1].transpose(1, 2), alone)
+    same = mha.paged_attention(q, kc, vc, None, 17, enable_gqa=True)
+    assert torch.equal(same, mha.paged_attention(q, kc, vc, None, torch.tensor([17] * batch), enable_gqa=True))
+    # A decoding loop over an empty contiguous cache, eager and compiled side by side.
+    kc_e, vc_e = torch.zeros(batch, S, hkv, e), torch.zeros(batch, S, hkv, e)
+    kc_c, vc_c = kc_e.clone(), vc_e.clone()
+    step = torch.compile(lambda q, k, v, kc, vc, n: mha.paged_attention(q, kc, vc, None, n, k=k, v=v, is_causal=True,
+                                                                       enable_gqa=True), backend="aot_eager",
+                         fullgraph=True)
+    history_k, history_v = [], []
+    for t in range(4):
+        qt = torch.from_numpy(rng.standard_normal((batch, 1, hq, e))).float()
+        kt, vt = (torch.from_numpy(rng.standard_normal((batch, 1, hkv, e))).float() for _ in "kv")
+        history_k.append(kt)
+        history_v.append(vt)
+        got = mha.paged_attention(qt, kc_e, vc_e, None, t, k=kt, v=vt, is_causal=True, enable_gqa=True)
+        assert torch.equal(step(qt, kt, vt, kc_c, vc_c, torch.full((batch,), t)), got)
+        keys, values = torch.cat(history_k, 1), torch.cat(history_v, 1)
+        alone = mha.scaled_dot_product_attention(qt.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 enable_gqa=True)
+        assert torch.equal(got.transpose(1, 2), alone)
+    assert torch.equal(kc_e, kc_c) and torch.equal(kc_e[:, :4], torch.cat(history_k, 1))
+    with pytest.raises(ValueError, match=r"without a block_table, expected one contiguous cache \[B, S, Hkv, E\] per "
+                                         r"sequence \(B = 3\), got shape \[2, 40, 2, 16\]"):
+        mha.paged_attention(q, kc[:2], vc[:2], None, lens, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lse_against_float64_and_merging_split_caches(rng, dtype):
+    """return_softmax_lse: [B, Hq, Lq] ([Hq, Tq] packed), float32 (float64 for float64), against
+    PyTorch's float64 logsumexp of the scaled scores (2e-6 relative to max(1, |lse|) in float32:
+    statistics of sums of up to a few hundred terms in float32); +inf for a sequence with no key.
+    A shared prefix's pages and each sequence's own rest, attended apart and merged by the
+    documented formula, give the whole cache's output (float32 2e-5)."""
+    tol_out, tol_lse = (1e-12, 1e-12) if dtype == torch.float64 else (2e-5, 2e-6)
+    for trial in range(3):
+        q, kc, vc, table, lens, keys, _ = _draw(rng, dtype, 1 + 4 * trial, 8)
+        hq, hkv = q.shape[2], kc.shape[2]
+        out, lse = mha.paged_attention(q, kc, vc, table, lens, enable_gqa=hq != hkv, return_softmax_lse=True)
+        assert lse.shape == (q.shape[0], hq, q.shape[1])
+        assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert torch.equal(out, mha.paged_attention(q, kc, vc, table, lens, enable_gqa=hq != hkv))
+        for b in range(q.shape[0]):
+            if int(lens[b]) == 0:
+                assert torch.all(lse[b] == float("inf"))
+                continue
+            kb = keys[b][0].double().repeat_interleave(hq // hkv, dim=1)  # [S, Hq, E]
+            scores = torch.einsum("lhe,she->hls", q[b].double(), kb) / q.shape[3] ** 0.5
+            assert _relative(lse[b].double(), torch.logsumexp(scores, -1), floor=1.0) < tol_lse
+        # The prefix: each sequence's first page; the rest: the remaining entries of its row.
+        first = torch.clamp(lens, max=8)
+        a_out, a_lse = mha.paged_attention(q, kc, vc, table, first, enable_gqa=hq != hkv, return_softmax_lse=True)
+        z_out, z_lse = mha.paged_attention(q, kc, vc, table[:, 1:], lens - first, enable_gqa=hq != hkv,
+                                           return_softmax_lse=True)
+        la, lz = (torch.where(x == float("inf"), float("-inf"), x.double()) for x in (a_lse, z_lse))
+        m = torch.maximum(la, lz)
+        m = torch.where(torch.isinf(m), 0.0, m)
+        wa, wz = torch.exp(la - m), torch.exp(lz - m)  # [B, Hq, Lq]
+        merged = (wa.transpose(1, 2)[..., None] * a_out.double() + wz.transpose(1, 2)[..., None] * z_out.double())
+        merged = merged / torch.clamp(wa + wz, min=1e-300).transpose(1, 2)[..., None]
+        assert _relative(merged, out.double()) < tol_out
+        merged_lse = torch.where(wa + wz == 0, float("inf"), m + torch.log(wa + wz))
+        empty = lse == float("inf")  # sequences with no key: +inf from both
+        assert torch.equal(merged_lse == float("inf"), empty)
+        assert _relative(merged_lse[~empty], lse.double()[~empty], floor=1.0) < tol_lse
+    # Packed rows: [Hq, Tq], each sequence's columns its padded call's.
+    cu = torch.tensor([0, *np.cumsum([2] * q.shape[0]).tolist()])
+    qp = torch.from_numpy(rng.standard_normal((int(cu[-1]), hq, q.shape[3]))).to(dtype)
+    _, lse_p = mha.paged_attention(qp, kc, vc, table, lens, enable_gqa=hq != hkv, cu_seqlens_q=cu,
+                                   return_softmax_lse=True)
+    assert lse_p.shape == (hq, int(cu[-1]))
+    _, lse_b = mha.paged_attention(qp.reshape(q.shape[0], 2, hq, -1), kc, vc, table, lens, enable_gqa=hq != hkv,
+                                   return_softmax_lse=True)
+    assert torch.equal(lse_p, lse_b.permute(1, 0, 2).reshape(hq, -1))
+    compiled = torch.compile(lambda *a: mha.paged_attention(*a, enable_gqa=hq != hkv, return_softmax_lse=True),
+                             backend="aot_eager", fullgraph=True)
+    c_out, c_lse = compiled(q, kc, vc, table, lens)
+    assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
+    _, n_lse = mha.paged_attention(q.numpy(), kc.numpy(), vc.numpy(), table.numpy(), lens.numpy(),
+                                       enable_gqa=hq != hkv, return_softmax_lse=True)
+    assert isinstance(n_lse, np.ndarray) and np.array_equal(n_lse, lse.numpy())
+
+
+def test_new_rows_errors_are_clear():
+    q = torch.randn(2, 1, 2, 8)
+    kc, vc = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8)
+    table, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([5, 6])
+    k = torch.randn(2, 1, 2, 8)
+    with pytest.raises(ValueError, match="k, v: expected both or neither, got k given and v None"):
+        mha.paged_attention(q, kc, vc, table, lens, k=k)
+    with pytest.raises(ValueError, match=r"k: expected a \[B, Lnew, Hkv, E\] tensor \(rank 4\)"):
+        mha.paged_attention(q, kc, vc, table, lens, k=k[0], v=k)
+    with pytest.raises(ValueError, match=r"key/value: expected \[B, Hkv, Lnew, Dk\]"):
+        mha.paged_attention(q, kc, vc, table, lens, k=k[:, :, :1], v=k[:, :, :1])
+    with pytest.raises(ValueError, match="sequence 1 writes rows up to position 9"):
+        mha.paged_attention(q, kc, vc, table, lens, k=torch.randn(2, 3, 2, 8), v=torch.randn(2, 3, 2, 8))
+    qp = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match=r"k: expected packed \[Tq, Hkv, E\] rows, one per query row \(Tq = 3\)"):
+        mha.paged_attention(qp, kc, vc, table, lens, k=torch.randn(2, 2, 8), v=torch.randn(2, 2, 8),
+                            cu_seqlens_q=[0, 1, 3])
+    before = kc.clone()
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: expected offsets from 0, non-decreasing, ending at the 3"):
+        mha.paged_attention(qp, kc, vc, table, lens, k=torch.randn(3, 2, 8), v=torch.randn(3, 2, 8),
+                            cu_seqlens_q=[0, 2, 1])
+    assert torch.equal(kc, before)  # nothing written before the offsets were checked
+    with pytest.raises(ValueError, match=r"key: expected packed \[Tnew, Hkv, E\] rows \(rank 3\) with cu_seqlens_new"):
+        mha.write_paged_cache(k, k, kc, vc, table, lens, cu_seqlens_new=[0, 1, 2])
+    with pytest.raises(ValueError, match="cu_seqlens_new: expected the last offset to be the number of key rows, 2"):
+        mha.write_paged_cache(k[:, 0], k[:, 0], kc, vc, table, lens, cu_seqlens_new=[0, 1, 1])
+    with pytest.raises(ValueError, match="block_table/cache_seqlens: expected one row and one length per sequence"):
+        mha.paged_attention(q, kc, vc, table, [5, 6, 7])
