@@ -1,5 +1,6 @@
 // Validation of the paged key/value cache functions (paged_attention, its packed-query form
-// paged_attention_varlen with fuzzed offsets, write_paged_cache): fuzzed
+// paged_attention_varlen with fuzzed offsets, their _with_lse forms, write_paged_cache and its
+// packed form write_paged_cache_varlen): fuzzed
 // views (ranks 0 to 5, sizes from 0 to 2^62 and near the int64 limit, strides, dtypes) for the
 // query, the caches and the new rows; block tables of any length with page indices in and out of
 // range (-1 and 32-bit extremes); lengths per sequence of any count, negative, small or absurd;
@@ -8,7 +9,8 @@
 // Every call returns or throws mha::Error, never crashes or trips a sanitizer. Beyond that: an
 // attention that succeeds on finite inputs returns finite values (the views' buffers hold 0.5
 // between NaN guards, so a read past a view, which the sanitizers cannot see inside its vector,
-// shows as NaN); a write that succeeds leaves the caches' guards as they were; a call given a null
+// shows as NaN), and its lse, when asked for, holds no NaN; a write that succeeds leaves the
+// caches' guards as they were; a call given a null
 // data pointer for a non-empty tensor throws. Calls run for real only on tiny views.
 #include <cmath>
 #include <cstdint>
@@ -100,7 +102,7 @@ std::vector<int64_t> fuzz_offsets(FuzzInput& in, int64_t batch, int64_t rows) {
   return cu;
 }
 
-void fuzz_attention(FuzzInput& in, bool packed) {
+void fuzz_attention(FuzzInput& in, bool packed, bool lse) {
   Arg q, key_cache, value_cache;
   if (in.flag()) {
     const Fitting f = fitting(in);
@@ -124,8 +126,14 @@ void fuzz_attention(FuzzInput& in, bool packed) {
     o.attn_mask = mask.view;
   }
   auto call = [&] {
-    return packed ? mha::paged_attention_varlen(q.view, cu, key_cache.view, value_cache.view, table, lens, o)
-                  : mha::paged_attention(q.view, key_cache.view, value_cache.view, table, lens, o);
+    if (!lse) {
+      return mha::PagedAttentionOutput{
+          packed ? mha::paged_attention_varlen(q.view, cu, key_cache.view, value_cache.view, table, lens, o)
+                 : mha::paged_attention(q.view, key_cache.view, value_cache.view, table, lens, o),
+          {}};
+    }
+    return packed ? mha::paged_attention_varlen_with_lse(q.view, cu, key_cache.view, value_cache.view, table, lens, o)
+                  : mha::paged_attention_with_lse(q.view, key_cache.view, value_cache.view, table, lens, o);
   };
   const bool runs = tiny(q) && tiny(key_cache) && tiny(value_cache) && (!o.attn_mask || tiny(mask));
   if (!runs) {
@@ -134,15 +142,23 @@ void fuzz_attention(FuzzInput& in, bool packed) {
     }
     return;
   }
-  check_finite_any(call());
+  const mha::PagedAttentionOutput r = call();
+  check_finite_any(r.output);
+  if (lse) {
+    const mha::Tensor l = mha::Tensor::copy_of(r.lse, mha::DType::f64);
+    for (int64_t i = 0; i < l.numel(); ++i)
+      if (std::isnan(l.data<double>()[i])) __builtin_trap();
+  }
 }
 
-void fuzz_write(FuzzInput& in) {
+void fuzz_write(FuzzInput& in, bool packed) {
   Arg key, value, key_cache, value_cache;
   if (in.flag()) {
     const Fitting f = fitting(in);
-    key = guarded({f.batch, f.heads_kv, f.rows, f.dim}, f.dtype, in.flag());
-    value = guarded({f.batch, f.heads_kv, f.rows, f.dim}, f.dtype, in.flag());
+    const mha::Shape rows = packed ? mha::Shape{f.batch * f.rows, f.heads_kv, f.dim}
+                                   : mha::Shape{f.batch, f.heads_kv, f.rows, f.dim};
+    key = guarded(rows, f.dtype, !packed && in.flag());
+    value = guarded(rows, f.dtype, !packed && in.flag());
     key_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.dtype, f.flash_layout);
     value_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.dtype, f.flash_layout);
   } else {
@@ -150,14 +166,24 @@ void fuzz_write(FuzzInput& in) {
   }
   const std::vector<int32_t> table = fuzz_table(in);
   const std::vector<int64_t> lens = fuzz_lengths(in, key.view);
+  const std::vector<int64_t> cu =
+      packed ? fuzz_offsets(in, static_cast<int64_t>(lens.size()), key.view.ndim >= 1 ? key.view.shape[0] : 0)
+             : std::vector<int64_t>{};
+  auto write = [&] {
+    if (packed) {
+      mha::write_paged_cache_varlen(key.view, value.view, cu, key_cache.view, value_cache.view, table, lens);
+    } else {
+      mha::write_paged_cache(key.view, value.view, key_cache.view, value_cache.view, table, lens);
+    }
+  };
   const bool runs = tiny(key) && tiny(value) && tiny(key_cache) && tiny(value_cache);
   if (!runs) {
     if (has_null(key.view) || has_null(value.view) || has_null(key_cache.view) || has_null(value_cache.view)) {
-      must_refuse([&] { mha::write_paged_cache(key.view, value.view, key_cache.view, value_cache.view, table, lens); });
+      must_refuse(write);
     }
     return;
   }
-  mha::write_paged_cache(key.view, value.view, key_cache.view, value_cache.view, table, lens);
+  write();
   if (!guards_intact(key_cache) || !guards_intact(value_cache)) __builtin_trap();
 }
 
@@ -166,11 +192,12 @@ void fuzz_write(FuzzInput& in) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in{data, size};
   try {
-    const bool packed = in.tail_byte() % 4 == 1;  // (from the end: the front reads as before)
+    const uint8_t tail = in.tail_byte();  // (from the end: the front reads as before)
+    const bool packed = tail % 4 == 1, lse = (tail & 8) != 0;
     if (in.flag()) {
-      fuzz_attention(in, packed);
+      fuzz_attention(in, packed, lse);
     } else {
-      fuzz_write(in);
+      fuzz_write(in, packed);
     }
   } catch (const mha::Error&) {
   }
