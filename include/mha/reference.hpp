@@ -20,6 +20,7 @@ Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
 struct Gradients {
   Tensor query, key, value;  // float64, shaped like q, k, v
   Tensor attn_mask;          // float64, shaped like the mask (when one is given)
+  Tensor sinks;              // float64 [Hq] (when sinks are given)
 };
 // The gradients of sum(output * grad_output), from the materialised probabilities, in float64.
 Gradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -54,6 +54,14 @@ struct SdpaOptions {
   // next to attn_mask). The kernels read the biases of one head from a buffer of Lq + Lk - 1
   // floats, never an Lq x Lk matrix; on the host only.
   std::optional<TensorView> alibi_slopes;
+  // Attention sinks (gpt-oss's learned per-head sink logits; `sinks` in FlashAttention 3 and
+  // FlashInfer): each query row's softmax takes one more term, exp(sinks[h]), in its denominator,
+  // as if a key with score sinks[h] (already scaled) and a zero value were appended to every row,
+  // so a row's weights sum to less than 1 and a row that sees no key gives zeros. float32 (or
+  // float64 with float64 inputs) of shape [Hq], finite; the log-sum-exp of the training forward
+  // includes the sink (a row without keys: sinks[h]), and the backward returns its gradient
+  // (AttentionGradients::sinks). On the host only.
+  std::optional<TensorView> sinks;
   std::optional<double> scale;  // default 1/sqrt(Dk)
   bool enable_gqa = false;      // allow Hq to be a multiple of Hkv (grouped-query attention)
   double dropout_p = 0.0;       // dropout on the attention weights, in [0, 1]
@@ -102,6 +110,7 @@ AttentionForTraining scaled_dot_product_attention_for_training(const TensorView&
 struct AttentionGradients {
   Tensor query, key, value;       // shaped like q, k, v, in their dtype (undefined when not wanted)
   std::optional<Tensor> attn_mask;  // shaped like the mask, in its dtype, when asked for (float masks only)
+  Tensor sinks;  // [Hq], the sinks' dtype, summed over the batch, when options.sinks is given
 };
 // Which gradients a backward computes. Each of dQ = dS K, dK = dS^T Q and dV = P^T dO is a fifth
 // of the backward's products, and the two-pass schedule (few heads) runs a whole pass for dK and

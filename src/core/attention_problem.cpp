@@ -125,6 +125,30 @@ TensorView folded(const AttentionProblem& p, const TensorView& t, int64_t heads,
   throw Error(name + ": its batch dimensions must fold into one stride, got shape " + t.shape_str());
 }
 
+// Attention sinks: [Hq], float32 (float64 with float64 inputs), on the host, finite.
+static void check_sinks(const TensorView& sinks, const AttentionProblem& p, const TensorView& q_in) {
+  const bool float64_call = q_in.dtype == DType::f64;
+  if (sinks.dtype != DType::f32 && !(float64_call && sinks.dtype == DType::f64)) {
+    throw Error("sinks: expected dtype float32" + std::string(float64_call ? " or float64" : "") + ", got " +
+                std::string(dtype_name(sinks.dtype)));
+  }
+  if (!sinks.device.is_cpu() || !q_in.device.is_cpu()) {
+    throw Error("sinks: attention sinks are applied on the host; got " +
+                std::string(sinks.device.is_cpu() ? "inputs" : "sinks") + " on " +
+                (sinks.device.is_cpu() ? q_in.device.str() : sinks.device.str()));
+  }
+  if (sinks.ndim != 1 || sinks.shape[0] != p.heads_q) {
+    throw Error("sinks: expected shape [Hq] = [" + std::to_string(p.heads_q) + "] (one per query head), got " +
+                sinks.shape_str());
+  }
+  check_data(sinks, "sinks");
+  for (int64_t h = 0; h < p.heads_q; ++h) {
+    const int64_t off = h * sinks.strides[0];
+    const double x = sinks.dtype == DType::f64 ? sinks.data_as<double>()[off] : sinks.data_as<float>()[off];
+    if (!std::isfinite(x)) throw Error("sinks: expected finite values, got sinks[" + std::to_string(h) + "] = " + std::to_string(x));
+  }
+}
+
 AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
                                    const SdpaOptions& options, InputDtypes dtypes) {
   const TensorView* inputs[] = {&q_in, &k_in, &v_in};
@@ -327,6 +351,8 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     p.alibi_input = slopes;
     p.alibi_diagonal = diagonal;
   }
+  if (options.sinks) check_sinks(*options.sinks, p, q_in);
+  p.sinks = options.sinks;
   p.num_threads = options.num_threads;
   if (p.num_threads < 0) {
     throw Error("num_threads: expected >= 0 (0 for the library setting), got " + std::to_string(p.num_threads));

@@ -64,6 +64,13 @@ struct AttentionProblem {
   TensorView alibi_slopes;  // [B, H] view (stride 0 where the slopes broadcast), float32 or float64
   int64_t alibi_diagonal = 0;
   int alibi_term = -1;
+  // Attention sinks [Hq] (float32, float64 for float64 calls): the kernels never see them; the
+  // host forward scales each row by its share of the softmax with the sink (apply_sinks).
+  std::optional<TensorView> sinks;
+  double sink(int64_t h) const {
+    const int64_t off = h * sinks->strides[0];
+    return sinks->dtype == DType::f64 ? sinks->data_as<double>()[off] : sinks->data_as<float>()[off];
+  }
   // A paged key/value cache (core/paged_attention.cpp; one batch entry): key j lies in page
   // key_pages[j / page_size] at row j % page_size, k's and v's strides[0] stepping from page to
   // page. Null for keys and values in one strided view. Only the decoding kernel (few_queries.hpp)

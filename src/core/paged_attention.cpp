@@ -232,8 +232,8 @@ AttentionProblem sequence_problem(const TensorView& qb, const TensorView& key_ca
 }
 
 // Runs every sequence b with keys: its query rows q_of(b) into out_of(b) ([1, Hq, Lq_b, D] views),
-// zeros where it has none; with lse_of, each row's log-sum-exp into lse_of(b) ([Hq, Lq_b], +inf
-// for a sequence with no key).
+// zeros where it has none; with lse_of, each row's log-sum-exp into lse_of(b) ([Hq, Lq_b]; for a
+// sequence with no key +inf, or the sink's with sinks).
 template <class Rows>
 void run_sequences(const PagedShape& s, Rows q_of, Rows out_of, const Rows* lse_of, const TensorView& key_cache,
                    const TensorView& value_cache, std::span<const int32_t> table, std::span<const int64_t> lens,
@@ -245,11 +245,7 @@ void run_sequences(const PagedShape& s, Rows q_of, Rows out_of, const Rows* lse_
     const int64_t len = lens[b], rows = out.shape[2];
     if (len == 0 && rows > 0) {  // every row fully masked
       copy_into(Tensor::zeros(out.sizes(), out.dtype), out);
-      if (lse_of) {
-        Tensor inf = Tensor::empty({s.heads_q, rows}, DType::f64);
-        std::fill_n(inf.data<double>(), inf.numel(), std::numeric_limits<double>::infinity());
-        copy_into(inf, (*lse_of)(b));
-      }
+      if (lse_of) detail::fill_lse_without_keys(options, (*lse_of)(b));
     }
     // The cache each sequence reads (decoding is bound by it) and the multiply-adds, alike per key.
     cost[b] = rows == 0 ? 0.0

@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <limits>
+#include <vector>
 
 #include "core/attention_problem.hpp"
 #include "core/batch_dims.hpp"
@@ -50,8 +53,9 @@ void require_no_weights_on_device(const AttentionProblem& p) {
 }  // namespace
 
 namespace detail {
+namespace {
 
-void sdpa_forward_host(const AttentionProblem& p, const TensorView& out, const TensorView* weights, void* lse) {
+void forward_kernels(const AttentionProblem& p, const TensorView& out, const TensorView* weights, void* lse) {
   if (p.q.dtype == DType::f64) {
     forward_f64(p, out, weights, static_cast<double*>(lse));
     return;
@@ -84,6 +88,69 @@ void sdpa_forward_host(const AttentionProblem& p, const TensorView& out, const T
   o.lse = static_cast<float*>(lse);
   run_attention(p, o);
   if (narrow_weights) parallel_copy_into(weights32, *weights, resolve_threads(p.num_threads));
+}
+
+// Attention sinks, applied to what the kernels computed without them: a row whose scores have
+// the log-sum-exp l (+inf where it sees no key) and whose head's sink is s keeps the share
+// exp(l) / (exp(l) + exp(s)) of its softmax, so its output and weights are scaled by that share
+// and its log-sum-exp becomes log(exp(l) + exp(s)) (s for a row without keys). The kernels write
+// float32 (float64) rows here, rounded once to a 16-bit output afterwards.
+template <class Wide>
+void scale_rows_by_sink_share(const AttentionProblem& p, const TensorView& out4, const TensorView* weights4, Wide* lse) {
+  parallel_for(p.batch * p.heads_q, resolve_threads(p.num_threads), [&](int64_t t, int) {
+    const int64_t b = t / p.heads_q, h = t % p.heads_q;
+    const double sink = p.sink(h);
+    for (int64_t i = 0; i < p.len_q; ++i) {
+      Wide& l = lse[t * p.len_q + i];
+      if (std::isinf(l)) {  // no key: zeros already; the softmax is the sink's alone
+        l = static_cast<Wide>(sink);
+        continue;
+      }
+      const double top = std::max<double>(l, sink), mine = std::exp(l - top), theirs = std::exp(sink - top);
+      const double share = mine / (mine + theirs);
+      l = static_cast<Wide>(top + std::log(mine + theirs));
+      auto scale = [&](const TensorView& v4, int64_t n) {
+        Wide* row = v4.data_as<Wide>() + b * v4.strides[0] + h * v4.strides[1] + i * v4.strides[2];
+        for (int64_t e = 0; e < n; ++e) row[e * v4.strides[3]] = static_cast<Wide>(row[e * v4.strides[3]] * share);
+      };
+      scale(out4, p.dim_v);
+      if (weights4) scale(*weights4, p.len_k);
+    }
+  });
+}
+
+void forward_with_sinks(const AttentionProblem& p, const TensorView& out, const TensorView* weights, void* lse) {
+  const DType wide = p.q.dtype == DType::f64 ? DType::f64 : DType::f32;
+  Tensor own_lse, out_wide, weights_wide;
+  if (!lse) {
+    own_lse = Tensor::empty({p.batch * p.heads_q * p.len_q}, wide);
+    lse = own_lse.view().data;
+  }
+  if (out.dtype != wide) out_wide = Tensor::empty(out.sizes(), wide);
+  if (weights && weights->dtype != wide) weights_wide = Tensor::empty(weights->sizes(), wide);
+  const TensorView out_target = out_wide.defined() ? out_wide.view() : out;
+  const TensorView weights_target = !weights ? TensorView() : weights_wide.defined() ? weights_wide.view() : *weights;
+  forward_kernels(p, out_target, weights ? &weights_target : nullptr, lse);
+  const TensorView out4 = folded(p, out_target, p.heads_q, "out");
+  const TensorView weights4 = weights ? folded(p, weights_target, p.heads_q, "weights") : TensorView();
+  if (wide == DType::f64) {
+    scale_rows_by_sink_share(p, out4, weights ? &weights4 : nullptr, static_cast<double*>(lse));
+  } else {
+    scale_rows_by_sink_share(p, out4, weights ? &weights4 : nullptr, static_cast<float*>(lse));
+  }
+  const int threads = resolve_threads(p.num_threads);
+  if (out_wide.defined()) parallel_copy_into(out_wide, out, threads);
+  if (weights_wide.defined()) parallel_copy_into(weights_wide, *weights, threads);
+}
+
+}  // namespace
+
+void sdpa_forward_host(const AttentionProblem& p, const TensorView& out, const TensorView* weights, void* lse) {
+  if (p.sinks) {
+    forward_with_sinks(p, out, weights, lse);
+  } else {
+    forward_kernels(p, out, weights, lse);
+  }
 }
 
 void sdpa_backward_host(const AttentionProblem& p, const BackwardViews& views) {
@@ -128,6 +195,41 @@ void sdpa_backward_host(const AttentionProblem& p, const BackwardViews& views) {
   }
   out.dscores = views.dscores ? views.dscores->data_as<float>() : nullptr;
   run_attention_backward(p, in, out);
+}
+
+Tensor sink_gradient(const TensorView& sinks, const TensorView& out4, const TensorView& grad_out4,
+                     const TensorView& lse3, int threads) {
+  // d sink_h = -sum over rows of P_sink D, P_sink = exp(sink_h - lse) (lse includes the sink),
+  // D = rowsum(dO O); per (batch entry, head) in float64, then over the batch in order.
+  const int64_t batch = out4.shape[0], heads = out4.shape[1], rows = out4.shape[2], dim_v = out4.shape[3];
+  std::vector<double> partial(static_cast<size_t>(batch * heads));
+  parallel_for(batch * heads, resolve_threads(threads), [&](int64_t t, int) {
+    const int64_t b = t / heads, h = t % heads;
+    const Tensor o = Tensor::copy_of(out4.select(0, b).select(0, h), DType::f64);
+    const Tensor g = Tensor::copy_of(grad_out4.select(0, b).select(0, h), DType::f64);
+    const Tensor l = Tensor::copy_of(lse3.select(0, b).select(0, h), DType::f64);
+    const double sink = sink_value(sinks, h);
+    double sum = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      double d = 0;
+      for (int64_t e = 0; e < dim_v; ++e) d += o.data<double>()[i * dim_v + e] * g.data<double>()[i * dim_v + e];
+      if (d != 0) sum -= std::exp(sink - l.data<double>()[i]) * d;
+    }
+    partial[static_cast<size_t>(t)] = sum;
+  });
+  Tensor sums = Tensor::zeros({heads}, DType::f64);
+  for (int64_t t = 0; t < batch * heads; ++t) sums.data<double>()[t % heads] += partial[static_cast<size_t>(t)];
+  return Tensor::copy_of(sums, sinks.dtype);
+}
+
+void fill_lse_without_keys(const SdpaOptions& options, const TensorView& lse_rows) {
+  const Tensor fill = Tensor::empty(lse_rows.sizes(), DType::f64);
+  const int64_t per_head = lse_rows.shape[1];
+  for (int64_t x = 0; x < fill.numel(); ++x) {
+    fill.data<double>()[x] = options.sinks ? sink_value(*options.sinks, x / per_head)
+                                           : std::numeric_limits<double>::infinity();
+  }
+  copy_into(fill, lse_rows);
 }
 
 }  // namespace detail
@@ -300,6 +402,10 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
   if (attn_mask_grad) {
     // summed in float32, rounded once to the mask's dtype
     g.attn_mask = detail::sum_to_shape(dscores, options.attn_mask->sizes(), options.attn_mask->dtype, threads);
+  }
+  if (p.sinks) {
+    const TensorView lse3(const_cast<void*>(views.lse), lse_dtype, {p.batch, p.heads_q, p.len_q});
+    g.sinks = detail::sink_gradient(*p.sinks, views.out, views.grad_out, lse3, p.num_threads);
   }
   return g;
 }

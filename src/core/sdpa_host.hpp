@@ -26,4 +26,20 @@ struct BackwardViews {
 };
 void sdpa_backward_host(const AttentionProblem& p, const BackwardViews& views);
 
+// Sink h of an [Hq] sinks view (float32 or float64).
+inline double sink_value(const TensorView& sinks, int64_t h) {
+  const int64_t off = h * sinks.strides[0];
+  return sinks.dtype == DType::f64 ? sinks.data_as<double>()[off] : sinks.data_as<float>()[off];
+}
+
+// The gradient of attention sinks ([Hq], their dtype) from the forward's output and
+// log-sum-exp (which includes the sink) and the output's gradient: [B, Hq, L, Dv] views and the
+// [B, Hq, L] lse (float32 or float64, any strides). Deterministic.
+Tensor sink_gradient(const TensorView& sinks, const TensorView& out4, const TensorView& grad_out4,
+                     const TensorView& lse3, int threads);
+
+// The log-sum-exp of rows that see no key ([Hq, L], any strides): the head's sink where there
+// are sinks (the softmax is the sink's alone), else +inf.
+void fill_lse_without_keys(const SdpaOptions& options, const TensorView& lse_rows);
+
 }  // namespace mha::detail

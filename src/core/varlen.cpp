@@ -124,15 +124,12 @@ void varlen_forward(const TensorView& q, const TensorView& k, const TensorView& 
                     std::span<const int64_t> cu_k, const SdpaOptions& options, const PackedShape& shape,
                     const Tensor& out, const Tensor* lse) {
   const DType lse_dtype = q.dtype == DType::f64 ? DType::f64 : DType::f32;
-  // Sequences with queries and no key: zeros, and +inf for the log-sum-exp (no visible key).
+  // Sequences with queries and no key: zeros, and the log-sum-exp of no visible key (+inf, or the
+  // sink's).
   for (int64_t s = 0; s < shape.sequences; ++s) {
     if (cu_q[s + 1] == cu_q[s] || cu_k[s + 1] != cu_k[s]) continue;
     zero_rows(out, cu_q[s], cu_q[s + 1]);
-    if (lse) {
-      Tensor inf = Tensor::empty({shape.heads_q, cu_q[s + 1] - cu_q[s]}, DType::f64);
-      std::fill_n(inf.data<double>(), inf.numel(), std::numeric_limits<double>::infinity());
-      copy_into(inf, lse->view().slice(1, cu_q[s], cu_q[s + 1]));
-    }
+    if (lse) detail::fill_lse_without_keys(options, lse->view().slice(1, cu_q[s], cu_q[s + 1]));
   }
   const int threads = detail::resolve_threads(options.num_threads);
   detail::for_each_sequence(sequence_costs(shape, cu_q, cu_k, options), threads, [&](int64_t s, int call_threads) {
@@ -209,6 +206,11 @@ AttentionGradients scaled_dot_product_attention_varlen_backward(
     if (wanted.value) views.dv = detail::folded(p, rows(g.value, k0, k1), shape.heads_kv, "value");
     detail::sdpa_backward_host(p, views);
   });
+  if (options.sinks) {  // over every row at once: [1, Hq, Tq, Dv] views of the packed rows
+    auto heads_first = [](const TensorView& t) { return t.transpose(0, 1).unsqueeze(0); };
+    g.sinks = detail::sink_gradient(*options.sinks, heads_first(saved.output), heads_first(grad_output),
+                                    saved.lse.view().unsqueeze(0), threads);
+  }
   return g;
 }
 

@@ -201,8 +201,10 @@ void attention_backward_f64(const AttentionProblem& p, const Float64Backward& g)
           // P as the forward formed it, from the row's own max and sum: not exp(s - lse), which is 1
           // per key, not 1 / n, for a row whose every score is one huge mask value (-3.4e38 + log n
           // rounds to -3.4e38 in float64 too).
+          // A sink adds exp(sink - max) to the sum (overflowing to a share of 0 where it dwarfs them).
           const RowSums e = exponentiate(sr, end);
-          const double inv = e.sum > 0 ? 1.0 / e.sum : 0.0;
+          const double sum = e.sum + (p.sinks && e.max != -kInf ? std::exp(p.sink(h) - e.max) : 0.0);
+          const double inv = sum > 0 ? 1.0 / sum : 0.0;
           // A gradient of the returned weights W = Z P joins dP (as Z dW) and D (as rowsum(W dW)).
           const double* gw = nullptr;
           if (g.grad_weights) {

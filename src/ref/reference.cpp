@@ -53,10 +53,11 @@ void attention(const AttentionProblem& p, double* out, double* weights) {
           if (!p.visible(i, j)) s = neg_inf;
           scores[j] = s;
         }
-        // softmax; a row with no visible key gets all-zero weights (documented in sdpa.hpp)
-        double max = neg_inf;
+        // softmax; a row with no visible key gets all-zero weights (documented in sdpa.hpp). A
+        // sink is one more score in the denominator, of no value.
+        double max = p.sinks ? p.sink(h) : neg_inf;
         for (double s : scores) max = std::max(max, s);
-        double sum = 0;
+        double sum = p.sinks ? std::exp(p.sink(h) - max) : 0.0;
         for (double& s : scores) {
           s = max == neg_inf ? 0.0 : std::exp(s - max);
           sum += s;
@@ -141,6 +142,7 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
   const double keep_scale = p.dropout_p < 1 ? 1.0 / (1.0 - p.dropout_p) : 0.0;
   std::vector<double> prob(static_cast<size_t>(p.len_k)), zscale(static_cast<size_t>(p.len_k)),
       dprob(static_cast<size_t>(p.len_k));
+  Tensor dsinks = Tensor::zeros({p.heads_q}, DType::f64);
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads_q; ++h) {
       const int64_t hk = h / p.group();
@@ -156,7 +158,9 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
           prob[j] = s;
           max = std::max(max, s);
         }
-        double sum = 0;
+        // (a sink: one more score in the denominator, of no value)
+        if (p.sinks) max = std::max(max, p.sink(h));
+        double sum = p.sinks ? std::exp(p.sink(h) - max) : 0.0;
         for (double& x : prob) sum += (x = max == neg_inf ? 0.0 : std::exp(x - max));
         for (double& x : prob) x = sum > 0 ? x / sum : 0.0;
         // Z / (1 - p): the dropout mask, rescaled
@@ -174,6 +178,8 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
           dprob[j] = dpd * zscale[j];
           D += prob[j] * dprob[j];
         }
+        // The sink's score: its dP is 0 (no value), so dS = P_sink (0 - D).
+        if (p.sinks) dsinks.data<double>()[h] -= std::exp(p.sink(h) - max) / sum * D;
         for (int64_t j = 0; j < p.len_k; ++j) {
           const double ds = prob[j] * (dprob[j] - D);
           dmask_full.data<double>()[((b * p.heads_q + h) * p.len_q + i) * p.len_k + j] = ds;
@@ -193,6 +199,7 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
     const TensorView weights_shaped(dmask_full.data<double>(), detail::output_shape(p, p.len_q, p.len_k));
     r.attn_mask = detail::sum_to_shape(weights_shaped, options.attn_mask->sizes(), DType::f64);
   }
+  if (options.sinks) r.sinks = dsinks;
   return r;
 }
 
