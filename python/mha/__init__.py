@@ -262,7 +262,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                  enable_gqa: bool = False, *, dropout_seed: Optional[int] = None,
                                  causal_alignment: str = "top_left", need_weights: bool = False,
                                  num_threads: int = 0, window_size: Optional[Tuple[int, int]] = None,
-                                 alibi_slopes=None):
+                                 alibi_slopes=None, sinks=None):
     """torch.nn.functional.scaled_dot_product_attention on the fused kernel.
 
     query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev], rank 2
@@ -285,6 +285,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     score of query i and key j (the diagonal causal_alignment names; FlashAttention's is
     "bottom_right"). The kernels read one head's biases from Lq + Lk - 1 values, never an L x S
     matrix; the slopes take no gradient.
+    sinks are attention sinks, gpt-oss's learned per-head sink logits: float32 [Hq] (float64 for
+    float64 inputs); each row's softmax takes exp(sinks[h]) in its denominator, as if a key with
+    that (already scaled) score and a zero value were appended, so a row's weights sum to less
+    than 1. The sinks take a gradient (a trainable parameter, as in gpt-oss); the training
+    forward's log-sum-exp includes them.
     With need_weights=True, returns (output, weights) instead of the output. The weights are
     differentiable, as mha.nn.MultiheadAttention's are: where autograd (or a torch.func transform)
     needs their derivative they are formed in torch operators (O(L*S) per head, as the weights
@@ -305,23 +310,26 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     window = _window.check_window(window_size)
     if _is_torch(query) and query.is_nested:  # jagged [B, H, j, D]: packed sequences, no padding
         return _varlen.nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                   dropout_seed, causal_alignment, num_threads, need_weights, window, alibi_slopes)
+                                   dropout_seed, causal_alignment, num_threads, need_weights, window, alibi_slopes,
+                                   sinks)
     window = _window.sides(window)
     if alibi_slopes is not None and _is_torch(query) and not _is_torch(alibi_slopes):
         alibi_slopes = _loaded_torch().as_tensor(alibi_slopes)  # (the torch paths pass tensors on)
+    sinks = _sinks_operand(query, sinks)
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                            causal_alignment, num_threads, need_weights, window, alibi_slopes)
+                            causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks)
     _auto_threading()
     if _transformed():
         return _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                 causal_alignment, num_threads, need_weights, window, alibi_slopes)
-    grad = _needs_grad(query, key, value, attn_mask)
+                                 causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks)
+    grad = _needs_grad(query, key, value, attn_mask, sinks)
     q = _as_array(query, "query", once=True)  # each feeds one extension call at most
     k = _as_array(key, "key", once=True)
     v = _as_array(value, "value", once=True)
     m = _as_array(attn_mask, "attn_mask", allow_none=True, once=True)
     a = _as_array(alibi_slopes, "alibi_slopes", allow_none=True)
+    sk = _as_array(sinks, "sinks", allow_none=True)
     _check_alignment_and_mask(causal_alignment, attn_mask)
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
@@ -329,23 +337,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         from .autograd import SdpaFunction
         out = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
                                  None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
-                                 causal_alignment == "bottom_right", *window, alibi_slopes, int(num_threads))
+                                 causal_alignment == "bottom_right", *window, alibi_slopes, int(num_threads), sinks)
         if not need_weights:
             return out
         dropped = None
         if dropout_p > 0:  # (the kernel's weights for its dropout mask: the output's, same seed)
             _, dropped = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
                                    None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed), True,
-                                   causal_alignment == "bottom_right", *window, a, int(num_threads))
+                                   causal_alignment == "bottom_right", *window, a, int(num_threads), sk)
             dropped = _like(query, dropped)
         return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                            causal_alignment == "bottom_right", window, alibi_slopes, dropped)
+                                            causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks)
     out, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
                              None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
-                             bool(need_weights), causal_alignment == "bottom_right", *window, a, int(num_threads))
+                             bool(need_weights), causal_alignment == "bottom_right", *window, a, int(num_threads), sk)
     if need_weights:
         return _like(query, out), _like(query, weights)
     return _like(query, out)
+
+
+def _sinks_operand(query, sinks):
+    """Sinks as the kernels take them: a torch tensor beside torch inputs, float32 where they
+    come in bfloat16 or float16 (as a model in those dtypes keeps them; the cast is differentiable)."""
+    if sinks is None:
+        return None
+    if _is_torch(query) and not _is_torch(sinks):
+        sinks = _loaded_torch().as_tensor(sinks)
+    if _is_torch(sinks) and sinks.dtype in (_loaded_torch().bfloat16, _loaded_torch().float16):
+        sinks = sinks.float()
+    return sinks
 
 
 def _check_alignment_and_mask(causal_alignment, attn_mask) -> None:
@@ -365,50 +385,50 @@ def _transformed() -> bool:
 
 
 def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                      causal_alignment, num_threads, need_weights, window, alibi_slopes):
+                      causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks):
     """Under torch.func transforms: the autograd Functions, whose vmap rules and setup_context
     the transforms call (their tensors are wrappers the extension cannot read)."""
     from .autograd import SdpaTransformFunction, SdpaWeightsFunction
     torch = _loaded_torch()
     for name, x in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask),
-                    ("alibi_slopes", alibi_slopes)):
+                    ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor under torch.func transforms, got {type(x).__name__}")
     _check_alignment_and_mask(causal_alignment, attn_mask)
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     options = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
-               int(dropout_seed), causal_alignment == "bottom_right", *window, alibi_slopes, int(num_threads))
+               int(dropout_seed), causal_alignment == "bottom_right", *window, alibi_slopes, int(num_threads), sinks)
     out, _ = SdpaTransformFunction.apply(query, key, value, attn_mask, *options)
     if not need_weights:
         return out
     dropped = SdpaWeightsFunction.apply(query, key, value, attn_mask, *options) if dropout_p > 0 else None
     return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                        causal_alignment == "bottom_right", window, alibi_slopes, dropped)
+                                        causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks)
 
 
 def _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, window,
-                            alibi_slopes, dropped):
+                            alibi_slopes, dropped, sinks=None):
     """The attention weights with their derivatives: P formed in torch operators (_explicit.py),
     where autograd or a transform must differentiate them; with dropout, the kernel's mask (the
     zeros of its weights `dropped`, drawn with the output's seed) applied and scaled by 1/(1-p)."""
     from ._explicit import dropout_keep, probabilities
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes, sinks)
     if dropout_p > 0:
         p = p * dropout_keep(dropped, dropout_p, p.dtype)
     return p.to(query.dtype)
 
 
 def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                 causal_alignment, num_threads, need_weights, window, alibi_slopes):
+                 causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks):
     from . import ops
 
     _check_alignment_and_mask(causal_alignment, attn_mask)
     # (one seed for both operators: the weights are those of the output's dropout mask)
     args = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
             ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right", *window,
-            alibi_slopes, int(num_threads))
-    if need_weights and not _needs_grad(query, key, value, attn_mask):
+            alibi_slopes, int(num_threads), sinks)
+    if need_weights and not _needs_grad(query, key, value, attn_mask, sinks):
         return ops.sdpa_with_weights(query, key, value, attn_mask, *args)
     out, _ = ops.sdpa_train(query, key, value, attn_mask, *args)
     if not need_weights:
@@ -418,7 +438,7 @@ def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         detached = (None if t is None else t.detach() for t in (query, key, value, attn_mask))
         dropped = ops.sdpa_with_weights(*detached, *args)[1]
     return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                        causal_alignment == "bottom_right", window, alibi_slopes, dropped)
+                                        causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks)
 
 
 class MultiheadAttention:

@@ -40,11 +40,12 @@ def alibi_biases(slopes, L: int, S: int, bottom_right: bool, dtype):
 
 
 def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: bool, bottom_right: bool,
-                  window=(-1, -1), alibi_slopes=None):
+                  window=(-1, -1), alibi_slopes=None, sinks=None):
     """softmax(scale * Q K^T + mask) with the kernel's conventions: a bool mask keeps True, a causal
     mask in either alignment, a sliding window (left, right), ALiBi's biases, grouped key heads,
     broadcast batch dimensions; a row whose keys are
-    all masked is zeros, and so is its derivative (no NaN from the softmax of -inf alone)."""
+    all masked is zeros, and so is its derivative (no NaN from the softmax of -inf alone). Sinks
+    [Hq] add exp(sink) to each row's denominator (differentiable in them too)."""
     wide = wide_dtype(query)
     k = grouped(key, heads_of(query), enable_gqa).to(wide)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
@@ -67,9 +68,16 @@ def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: boo
         L, S = scores.shape[-2:]
         scores = scores.masked_fill(~band(L, S, window, bottom_right, scores.device), -math.inf)
     top = scores.amax(dim=-1, keepdim=True).detach()
+    sink = None
+    if sinks is not None:  # [Hq] -> [Hq, 1, 1], broadcast over the batch and the rows
+        sink = sinks.to(wide).reshape(-1, 1, 1) if scores.dim() >= 3 else sinks.to(wide).reshape(1, 1)
+        top = torch.maximum(top, sink.detach())
     top = top.masked_fill(top == -math.inf, 0.0)
     e = torch.exp(scores - top)
-    return e / e.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(wide).tiny)
+    total = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - top)
+    return e / total.clamp_min(torch.finfo(wide).tiny)
 
 
 def dropout_keep(weights, dropout_p: float, dtype):
@@ -87,23 +95,28 @@ def _summed_to(grad, like, enable_gqa: bool, heads: int):
 
 
 def backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa, bottom_right,
-             window=(-1, -1), alibi_slopes=None, keep=None):
+             window=(-1, -1), alibi_slopes=None, keep=None, sinks=None):
     """The gradients of query, key, value and a float mask (None where not `wanted`) for
     `grad_output`, in torch operators that autograd (or a torch.func transform) differentiates
     again. With O = (P * keep) V:
         dV = (P * keep)^T dO,  dP = (dO V^T) * keep,  dS = P * (dP - rowsum(P * dP)),
         dQ = scale dS K,  dK = scale dS^T Q,  dMask = dS (each summed over what it broadcast or
-        repeated along)."""
+        repeated along); with sinks, dSink = -sum(P_sink * rowsum(P * dP)), P_sink = 1 - rowsum(P)
+        (a fifth entry, None without sinks)."""
     wide, heads = wide_dtype(query), heads_of(query)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes, sinks)
     kept = p if keep is None else p * keep
     d_out = grad_output.to(wide)
     d_p = d_out @ grouped(value, heads, enable_gqa).to(wide).transpose(-1, -2)
     if keep is not None:
         d_p = d_p * keep
-    d_s = p * (d_p - (p * d_p).sum(-1, keepdim=True))
-    grads = [None, None, None, None]
+    delta = (p * d_p).sum(-1, keepdim=True)
+    d_s = p * (d_p - delta)
+    grads = [None, None, None, None, None]
+    if sinks is not None and len(wanted) > 4 and wanted[4]:
+        per_row = -((1 - p.sum(-1, keepdim=True)) * delta)[..., 0]  # [..., Hq, L]
+        grads[4] = per_row.reshape(-1, sinks.shape[0], per_row.shape[-1]).sum((0, 2)).to(sinks.dtype)
     if wanted[0]:
         grads[0] = (d_s @ grouped(key, heads, enable_gqa).to(wide) * scale).sum_to_size(query.shape).to(query.dtype)
     if wanted[1]:

@@ -17,8 +17,9 @@ from ._explicit import grouped, heads_of, probabilities, wide_dtype
 
 
 def sdpa_jvp(query, key, value, attn_mask, tangents, dropout_p, is_causal, scale, enable_gqa, bottom_right,
-             window=(-1, -1), alibi_slopes=None):
-    """The output's tangent for the inputs' `tangents` (dQ, dK, dV, dMask; None for none)."""
+             window=(-1, -1), alibi_slopes=None, sinks=None, d_sinks=None):
+    """The output's tangent for the inputs' `tangents` (dQ, dK, dV, dMask; None for none) and the
+    sinks' (d_sinks): a sink's tangent moves every weight of its rows by -P P_sink d_sink."""
     if dropout_p > 0:
         raise RuntimeError("mha.scaled_dot_product_attention: forward-mode AD (jvp, jacfwd, forward_ad) with "
                            "dropout_p > 0 is not supported (the dropout mask is drawn inside the kernel)")
@@ -29,7 +30,7 @@ def sdpa_jvp(query, key, value, attn_mask, tangents, dropout_p, is_causal, scale
     k = grouped(key, heads, enable_gqa).to(wide)
     v = grouped(value, heads, enable_gqa).to(wide)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes, sinks)
 
     d_scores = None
     if dq is not None:
@@ -45,6 +46,11 @@ def sdpa_jvp(query, key, value, attn_mask, tangents, dropout_p, is_causal, scale
         d_out = (pd - p * pd.sum(-1, keepdim=True)) @ v
     if dv is not None:
         term = p @ grouped(dv, heads, enable_gqa).to(wide)
+        d_out = term if d_out is None else d_out + term
+    if d_sinks is not None:
+        sink_share = 1 - p.sum(-1, keepdim=True)  # [..., Hq, L, 1]
+        rows = d_sinks.to(wide).reshape(-1, 1, 1) if p.dim() >= 3 else d_sinks.to(wide).reshape(1, 1)
+        term = -(p @ v) * sink_share * rows
         d_out = term if d_out is None else d_out + term
     if d_out is None:
         return None

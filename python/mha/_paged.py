@@ -123,7 +123,8 @@ def _no_grad(*tensors: Any):
 def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *, k=None, v=None,
                     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
                     causal_alignment: str = "bottom_right", window_size: Optional[Tuple[int, int]] = None,
-                    alibi_slopes=None, num_threads: int = 0, cu_seqlens_q=None, return_softmax_lse: bool = False):
+                    alibi_slopes=None, num_threads: int = 0, cu_seqlens_q=None, return_softmax_lse: bool = False,
+                    sinks=None):
     """Attention of new queries over a paged key/value cache, in FlashAttention's layout
     (its flash_attn_with_kvcache).
 
@@ -142,7 +143,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
 
     is_causal aligns bottom-right by default (the queries are the last Lq positions, so the last
     query sees every key: FlashAttention's kvcache rule; causal_alignment="top_left" for PyTorch's).
-    window_size, alibi_slopes ([Hq] or [B, Hq]), scale and enable_gqa as in
+    window_size, alibi_slopes ([Hq] or [B, Hq]), sinks ([Hq], gpt-oss's), scale and enable_gqa as in
     mha.scaled_dot_product_attention. float32, bfloat16, float16 or float64; torch tensors or numpy
     arrays, on the CPU. Up to 32 queries per head read the pages where they lie; longer query
     blocks gather each sequence's pages first. Inference only: inputs that require grad are an
@@ -172,7 +173,10 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
     _rank4(key_cache, "key_cache", "[pages, page_size, Hkv, E]")
     _rank4(value_cache, "value_cache", "[pages, page_size, Hkv, Ev]")
     _check_new_rows(k, v, query, packed)
-    _no_grad(query, key_cache, value_cache, k, v)
+    from . import _sinks_operand  # noqa: PLC0415
+
+    sinks = _sinks_operand(query, sinks)
+    _no_grad(query, key_cache, value_cache, k, v, sinks)
     batch = _sequences(query, cu_seqlens_q)
     if block_table is None and key_cache.shape[0] != batch:
         raise ValueError(f"key_cache: without a block_table, expected one contiguous cache [B, S, Hkv, E] per "
@@ -192,7 +196,8 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
             lens = lens + (k.shape[1] if cu is None else cu[1:] - cu[:-1])
         out, lse = torch.ops.mha.paged_attention(query, key_cache, value_cache, table, lens, *options,
                                                  None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
-                                                 int(num_threads), cu, bool(return_softmax_lse))
+                                                 int(num_threads), cu, bool(return_softmax_lse),
+                                                 None if sinks is None else torch.as_tensor(sinks))
         return (out, lse) if return_softmax_lse else out
     table, lens = _table_and_lengths(block_table, cache_seqlens, batch)
     if k is not None:
@@ -200,29 +205,31 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
         run_write_paged_cache(k, v, key_cache, value_cache, table, lens, cu)
         lens = lens + (int(k.shape[1]) if cu is None else np.diff(cu))
     out, lse = run_paged_attention(query, key_cache, value_cache, table, lens, *options, alibi_slopes,
-                                   int(num_threads), cu_seqlens_q, bool(return_softmax_lse))
+                                   int(num_threads), cu_seqlens_q, bool(return_softmax_lse), sinks)
     return (out, lse) if return_softmax_lse else out
 
 
 def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
                         bottom_right, window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q=None,
-                        return_lse=False):
+                        return_lse=False, sinks=None):
     """paged_attention's work once its options are checked (the eager call and the operator's
     body): (output, lse), lse None unless return_lse."""
     from . import _as_array, _like  # noqa: PLC0415
 
     k, v = (_transposed(_as_array(x, name)) for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")))
     slopes = _as_array(alibi_slopes, "alibi_slopes", allow_none=True)
+    sink_array = _as_array(sinks, "sinks", allow_none=True)
     if cu_seqlens_q is not None:  # packed rows [Tq, Hq, E], read as they are
         cu = _integers(cu_seqlens_q, "cu_seqlens_q", np.int64, 1)
         table, lens = _table_and_lengths(block_table, cache_seqlens, max(cu.shape[0] - 1, 0))
         out, lse = _mha.paged_attention(_as_array(query, "query"), k, v, table, lens, is_causal, scale, enable_gqa,
-                                        bottom_right, window_left, window_right, slopes, num_threads, cu, return_lse)
+                                        bottom_right, window_left, window_right, slopes, num_threads, cu, return_lse,
+                                        sink_array)
         return _like(query, out), _statistics_like(query, lse)
     table, lens = _table_and_lengths(block_table, cache_seqlens, query.shape[0])
     q = _transposed(_as_array(query, "query"))
     out, lse = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, enable_gqa, bottom_right, window_left,
-                                    window_right, slopes, num_threads, None, return_lse)
+                                    window_right, slopes, num_threads, None, return_lse, sink_array)
     result = _like(query, out)  # [B, Hq, Lq, Ev]
     if isinstance(result, np.ndarray):
         return np.ascontiguousarray(result.swapaxes(1, 2)), lse

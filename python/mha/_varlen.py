@@ -55,13 +55,16 @@ def varlen_function():
             float16), the log-sum-exp saved, not the probabilities. Differentiable once."""
 
             @staticmethod
-            def forward(ctx, query, key, value, cu_q, cu_k, *options):
-                out, lse = _mha.sdpa_varlen_train(query.detach(), key.detach(), value.detach(), cu_q, cu_k, *options)
+            def forward(ctx, query, key, value, cu_q, cu_k, sinks, *options):
+                detached = None if sinks is None else sinks.detach()
+                out, lse = _mha.sdpa_varlen_train(query.detach(), key.detach(), value.detach(), cu_q, cu_k, *options,
+                                                  detached)
                 out = _tensor(out)
                 lse = torch.from_numpy(lse)
                 ctx.save_for_backward(query, key, value, out, lse)
                 ctx.offsets = (cu_q, cu_k)
                 ctx.options = options
+                ctx.sinks = detached
                 return out
 
             @staticmethod
@@ -69,11 +72,12 @@ def varlen_function():
             def backward(ctx, grad_output):
                 query, key, value, out, lse = ctx.saved_tensors
                 grad = grad_output.to(out.dtype)
-                dq, dk, dv = _mha.sdpa_varlen_backward(query.detach(), key.detach(), value.detach(), *ctx.offsets,
-                                                       out, lse, grad, *ctx.options,
-                                                       tuple(ctx.needs_input_grad[:3]))
+                dq, dk, dv, ds = _mha.sdpa_varlen_backward(query.detach(), key.detach(), value.detach(),
+                                                           *ctx.offsets, out, lse, grad, *ctx.options,
+                                                           tuple(ctx.needs_input_grad[:3]), ctx.sinks)
                 wrap = (lambda a: None if a is None else _tensor(a))
-                return (wrap(dq), wrap(dk), wrap(dv)) + (None,) * (2 + len(ctx.options))
+                ds = wrap(ds) if ctx.needs_input_grad[5] else None
+                return (wrap(dq), wrap(dk), wrap(dv), None, None, ds) + (None,) * len(ctx.options)
 
         _VarlenFunction = VarlenFunction
     return _VarlenFunction
@@ -100,7 +104,7 @@ def _jagged_parts(t, name: str):
 
 
 def nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                causal_alignment, num_threads, need_weights, window=None, alibi_slopes=None):
+                causal_alignment, num_threads, need_weights, window=None, alibi_slopes=None, sinks=None):
     """scaled_dot_product_attention of jagged nested tensors [B, H, j, D]: each sequence attends to
     its own keys, as PyTorch's nested SDPA does; the output is nested like the query."""
     import torch  # noqa: PLC0415
@@ -120,14 +124,15 @@ def nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         raise ValueError("key/value: expected the same sequence lengths")
     out = varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                            dropout_p=dropout_p, dropout_seed=dropout_seed, causal_alignment=causal_alignment,
-                           num_threads=num_threads, window_size=window, alibi_slopes=alibi_slopes)
+                           num_threads=num_threads, window_size=window, alibi_slopes=alibi_slopes, sinks=sinks)
     return torch.nested.nested_tensor_from_jagged(out, cu_q).transpose(1, 2)
 
 
 def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Sequence[int]] = None, *,
                      is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
                      dropout_p: float = 0.0, dropout_seed: Optional[int] = None, causal_alignment: str = "top_left",
-                     num_threads: int = 0, window_size: Optional[Tuple[int, int]] = None, alibi_slopes=None):
+                     num_threads: int = 0, window_size: Optional[Tuple[int, int]] = None, alibi_slopes=None,
+                     sinks=None):
     """Attention over sequences of different lengths packed without padding.
 
     query [Tq, Hq, E], key [Tk, Hkv, E], value [Tk, Hkv, Ev] -> [Tq, Hq, Ev]. Sequence s holds
@@ -140,39 +145,45 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
     dropout with seed mha.varlen_dropout_seed(dropout_seed, s). window_size=(left, right) is a
     sliding window within each sequence, as in mha.scaled_dot_product_attention (-1: unbounded
     on that side). alibi_slopes [Hq] or [B, Hq] (per sequence) is ALiBi within each sequence, as in
-    mha.scaled_dot_product_attention. float32, bfloat16, float16 or
+    mha.scaled_dot_product_attention, and so are sinks [Hq] (differentiable). float32, bfloat16, float16 or
     float64; torch tensors (differentiable, once) or numpy arrays. Nested inputs to
     mha.scaled_dot_product_attention (and to PyTorch's, under mha.patch_torch_sdpa) come here.
     Under torch.compile (and torch.export) the call is one node of the graph, mha::sdpa_varlen_train,
     its gradient mha::sdpa_varlen_backward; the offsets are tensor operands there.
     """
-    from . import _as_array, _compiling, _like, _needs_grad, _new_seed  # noqa: PLC0415 - the package is loaded
+    from . import _as_array, _compiling, _like, _needs_grad, _new_seed, _sinks_operand  # noqa: PLC0415
 
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
     window = check_window(window_size)
+    sinks = _sinks_operand(query, sinks)
     if _compiling():  # one node of the graph, the offsets tensor operands (no specialisation on lengths)
         return _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, enable_gqa, dropout_p,
-                              dropout_seed, causal_alignment == "bottom_right", window, alibi_slopes, num_threads)
+                              dropout_seed, causal_alignment == "bottom_right", window, alibi_slopes, num_threads,
+                              sinks)
     cu_q = offsets_list(cu_seqlens_q, "cu_seqlens_q")
     cu_k = cu_q if cu_seqlens_k is None else offsets_list(cu_seqlens_k, "cu_seqlens_k")
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     options = _options(dropout_p, is_causal, scale, enable_gqa, dropout_seed, causal_alignment == "bottom_right",
                        window, _as_array(alibi_slopes, "alibi_slopes", allow_none=True), num_threads)
-    if _needs_grad(query, key, value):
+    if _needs_grad(query, key, value, sinks):
         for t, name in ((query, "query"), (key, "key"), (value, "value")):
             if not t.is_cpu:
                 raise ValueError(f"{name}: expected a CPU tensor, got one on device '{t.device}'")
-        return varlen_function().apply(query, key, value, cu_q, cu_k, *options)
+        if sinks is not None and not hasattr(sinks, "detach"):
+            import torch  # noqa: PLC0415 - inputs that need grad are torch tensors
+
+            sinks = torch.as_tensor(sinks)
+        return varlen_function().apply(query, key, value, cu_q, cu_k, sinks, *options)
     q = _as_array(query, "query", once=True)
     k = _as_array(key, "key", once=True)
     v = _as_array(value, "value", once=True)
-    return _like(query, _mha.sdpa_varlen(q, k, v, cu_q, cu_k, *options))
+    return _like(query, _mha.sdpa_varlen(q, k, v, cu_q, cu_k, *options, _as_array(sinks, "sinks", allow_none=True)))
 
 
 def _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, enable_gqa, dropout_p,
-                   dropout_seed, bottom_right, window, alibi_slopes, num_threads):
+                   dropout_seed, bottom_right, window, alibi_slopes, num_threads, sinks):
     """varlen_attention inside torch.compile / torch.export: the operator mha::sdpa_varlen_train."""
     import torch  # noqa: PLC0415
 
@@ -188,7 +199,7 @@ def _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, sca
                                              ops.seed_tensor(dropout_seed, dropout_p), bool(bottom_right),
                                              *sides(window),
                                              None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
-                                             int(num_threads))
+                                             int(num_threads), None if sinks is None else torch.as_tensor(sinks))
     return out
 
 

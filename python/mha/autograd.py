@@ -64,16 +64,17 @@ def token_object(token: torch.Tensor):
 
 
 def _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
-                  window_left, window_right, alibi_slopes, num_threads):
+                  window_left, window_right, alibi_slopes, num_threads, sinks=None):
     """(output, log-sum-exp) of the C++ training forward."""
     out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
                                is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right,
-                               _detached(alibi_slopes), num_threads)
+                               _detached(alibi_slopes), num_threads, _detached(sinks))
     return _tensor(out), torch.from_numpy(lse)
 
 
 def _sdpa_backward(ctx, grad_output):
-    """The gradients of SdpaFunction's (or SdpaTransformFunction's) inputs, from what it saved."""
+    """The gradients of SdpaFunction's (or SdpaTransformFunction's) inputs, from what it saved; the
+    options' last entry is the sinks, whose gradient comes last."""
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
     # The incoming gradient in the output's dtype (autograd may hand over another one).
@@ -83,10 +84,11 @@ def _sdpa_backward(ctx, grad_output):
     arguments = (query, key, value, attn_mask, out, lse, grad, *ctx.options, mask_grad,
                  tuple(ctx.needs_input_grad[:3]))
     if _levels.transforms_active():  # (its tensors may be vmap's: the Function has the rule for them)
-        dq, dk, dv, dm = SdpaBackwardFunction.apply(*arguments)
+        dq, dk, dv, dm, ds = SdpaBackwardFunction.apply(*arguments)
     else:
-        dq, dk, dv, dm = SdpaBackwardFunction.forward(*arguments)
-    return (dq, dk, dv, dm if mask_grad else None) + (None,) * len(ctx.options)
+        dq, dk, dv, dm, ds = SdpaBackwardFunction.forward(*arguments)
+    sinks_grad = ds if ctx.needs_input_grad[-1] else None
+    return (dq, dk, dv, dm if mask_grad else None) + (None,) * (len(ctx.options) - 1) + (sinks_grad,)
 
 
 class SdpaFunction(torch.autograd.Function):
@@ -118,7 +120,7 @@ def _differentiable_sdpa_backward(ctx, grad_output):
     the kernel's mask for the call's seed (read off its weights)."""
     query, key, value, attn_mask, _, _ = ctx.saved_tensors
     (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right, alibi_slopes,
-     num_threads) = ctx.options
+     num_threads, sinks) = ctx.options
     keep = None
     if dropout_p > 0:
         inputs = [None if x is None else x.detach() for x in (query, key, value, attn_mask)]
@@ -126,12 +128,14 @@ def _differentiable_sdpa_backward(ctx, grad_output):
             weights = SdpaWeightsFunction.apply(*inputs, *ctx.options)
         else:
             weights = _tensor(_mha.sdpa(*inputs, dropout_p, is_causal, scale, enable_gqa, dropout_seed, True,
-                                        bottom_right, window_left, window_right, _detached(alibi_slopes), num_threads)[1])
+                                        bottom_right, window_left, window_right, _detached(alibi_slopes), num_threads,
+                                        _detached(sinks))[1])
         keep = _explicit.dropout_keep(weights, dropout_p, _explicit.wide_dtype(query))
-    wanted = list(ctx.needs_input_grad[:3]) + [attn_mask is not None and ctx.needs_input_grad[3]]
+    wanted = (list(ctx.needs_input_grad[:3]) + [attn_mask is not None and ctx.needs_input_grad[3]]
+              + [sinks is not None and ctx.needs_input_grad[-1]])
     grads = _explicit.backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa,
-                               bottom_right, (window_left, window_right), alibi_slopes, keep)
-    return (*grads,) + (None,) * len(ctx.options)
+                               bottom_right, (window_left, window_right), alibi_slopes, keep, sinks)
+    return (*grads[:4],) + (None,) * (len(ctx.options) - 1) + (grads[4],)
 
 
 class SdpaTransformFunction(torch.autograd.Function):
@@ -161,7 +165,7 @@ class SdpaTransformFunction(torch.autograd.Function):
         return _sdpa_backward(ctx, grad_output)
 
     @staticmethod
-    def jvp(ctx, dq, dk, dv, dmask, *_):
+    def jvp(ctx, dq, dk, dv, dmask, *tangents):
         if _levels.forward_levels() > 1:
             # (torch.func drops the outer derivative of an autograd.Function's jvp rule: the
             # result would be silently wrong, so it is an error)
@@ -170,9 +174,11 @@ class SdpaTransformFunction(torch.autograd.Function):
                                "derivatives as hessian (jacfwd of jacrev), jacrev of jacrev or jvp of grad")
         query, key, value, attn_mask = ctx.saved_tensors[:4]
         (dropout_p, is_causal, scale, enable_gqa, _seed, bottom_right, window_left, window_right, alibi_slopes,
-         _threads) = ctx.options
+         _threads, sinks) = ctx.options
+        d_sinks = tangents[-1] if sinks is not None else None
         d_out = _forward_ad.sdpa_jvp(query, key, value, attn_mask, (dq, dk, dv, dmask), dropout_p, is_causal, scale,
-                                     enable_gqa, bottom_right, (window_left, window_right), alibi_slopes)
+                                     enable_gqa, bottom_right, (window_left, window_right), alibi_slopes, sinks,
+                                     d_sinks)
         return d_out, None
 
     @staticmethod
@@ -183,17 +189,18 @@ class SdpaTransformFunction(torch.autograd.Function):
 
 
 class SdpaBackwardFunction(torch.autograd.Function):
-    """The C++ backward of SdpaFunction: (dQ, dK, dV, dMask), None where not wanted. A Function of
-    its own only for its vmap rule (vmap of a gradient, jacrev); it is not differentiated."""
+    """The C++ backward of SdpaFunction: (dQ, dK, dV, dMask, dSinks), None where not wanted. A
+    Function of its own only for its vmap rule (vmap of a gradient, jacrev); it is not
+    differentiated."""
 
     @staticmethod
     def forward(query, key, value, attn_mask, out, lse, grad, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                bottom_right, window_left, window_right, alibi_slopes, num_threads, mask_grad, wanted):
-        dq, dk, dv, dm = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out.detach(), lse.detach(),
-                                            grad.detach(), _detached(attn_mask), dropout_p, is_causal, scale,
-                                            enable_gqa, dropout_seed, bottom_right, window_left, window_right,
-                                            _detached(alibi_slopes), num_threads, mask_grad, wanted)
-        return tuple(None if d is None else _tensor(d) for d in (dq, dk, dv, dm))
+                bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks, mask_grad, wanted):
+        grads = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out.detach(), lse.detach(),
+                                   grad.detach(), _detached(attn_mask), dropout_p, is_causal, scale, enable_gqa,
+                                   dropout_seed, bottom_right, window_left, window_right, _detached(alibi_slopes),
+                                   num_threads, mask_grad, wanted, _detached(sinks))
+        return tuple(None if d is None else _tensor(d) for d in grads)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -209,9 +216,14 @@ class SdpaBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, query, key, value, attn_mask, out, lse, grad, *options):
-        dropout_p, mask_grad = options[0], options[-2]
-        grads = _vmap.backward_rule(info, in_dims[:7], (query, key, value, attn_mask, out, lse, grad), dropout_p,
-                                    mask_grad, lambda *tensors: SdpaBackwardFunction.apply(*tensors, *options))
+        dropout_p, sinks, mask_grad = options[0], options[-3], options[-2]
+        tensors = (query, key, value, attn_mask, out, lse, grad)
+        call = lambda *ts: SdpaBackwardFunction.apply(*ts, *options)  # noqa: E731
+        if sinks is not None:  # each example's own gradient of the shared sinks: a call per example
+            _vmap.check_randomness(info, dropout_p)
+            grads = _vmap.looped(info.batch_size, in_dims[:7], tensors, call)
+        else:
+            grads = _vmap.backward_rule(info, in_dims[:7], tensors, dropout_p, mask_grad, call)
         return grads, _vmap.out_dims(grads)
 
 
@@ -229,10 +241,10 @@ class SdpaWeightsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
-                window_left, window_right, alibi_slopes, num_threads):
+                window_left, window_right, alibi_slopes, num_threads, sinks=None):
         _, weights = _mha.sdpa(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
                                is_causal, scale, enable_gqa, dropout_seed, True, bottom_right, window_left,
-                               window_right, _detached(alibi_slopes), num_threads)
+                               window_right, _detached(alibi_slopes), num_threads, _detached(sinks))
         return _tensor(weights)
 
     @staticmethod
@@ -241,7 +253,7 @@ class SdpaWeightsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_weights):  # (not reached: the output is not differentiable)
-        return (None,) * 13
+        return (None,) * 15
 
     @staticmethod
     def vmap(info, in_dims, query, key, value, attn_mask, *options):

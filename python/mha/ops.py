@@ -48,12 +48,14 @@ def seed_tensor(dropout_seed: Optional[int], dropout_p: float) -> torch.Tensor:
 def sdpa_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
                bottom_right: bool, window_left: int, window_right: int,
-               alibi_slopes: Optional[torch.Tensor], num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+               alibi_slopes: Optional[torch.Tensor], num_threads: int,
+               sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [..., Hq, L, Ev] and the row log-sum-exp [..., Hq, L] (float32; float64 for float64
     inputs) of the training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_train(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                               _seed_value(dropout_seed), bottom_right, window_left, window_right, alibi_slopes, num_threads)
+                               _seed_value(dropout_seed), bottom_right, window_left, window_right, alibi_slopes, num_threads,
+                               sinks)
     return _tensor(out), torch.from_numpy(lse)
 
 
@@ -69,7 +71,7 @@ def _rows(query, key, value, enable_gqa):
 
 @sdpa_train.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-      window_right, alibi_slopes, num_threads):
+      window_right, alibi_slopes, num_threads, sinks=None):
     rows = _rows(query, key, value, enable_gqa)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=lse_dtype)
@@ -80,44 +82,48 @@ def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Ten
                   out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
                   is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
                   bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor], num_threads: int,
-                  wanted: List[bool]) -> List[torch.Tensor]:
-    """The gradients of query, key, value and a float mask, in that order; one not in `wanted` (four
-    flags) is an empty tensor and is not computed."""
-    dq, dk, dv, dm = _mha.sdpa_backward(query, key, value, out, lse, grad_output.to(out.dtype).contiguous(),
-                                        attn_mask, dropout_p, is_causal, scale, enable_gqa, _seed_value(dropout_seed),
-                                        bottom_right, window_left, window_right, alibi_slopes, num_threads, bool(wanted[3]),
-                                        tuple(bool(w) for w in wanted[:3]))
+                  wanted: List[bool], sinks: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """The gradients of query, key, value, a float mask and the sinks, in that order; one not in
+    `wanted` (four flags) is an empty tensor and is not computed, and so is the sinks' without sinks."""
+    dq, dk, dv, dm, ds = _mha.sdpa_backward(query, key, value, out, lse, grad_output.to(out.dtype).contiguous(),
+                                            attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            _seed_value(dropout_seed), bottom_right, window_left, window_right,
+                                            alibi_slopes, num_threads, bool(wanted[3]),
+                                            tuple(bool(w) for w in wanted[:3]), sinks)
     # (each left-out slot its own empty tensor: a custom operator's outputs may not alias)
     return [query.new_empty(0) if d is None else _tensor(d) for d in (dq, dk, dv)] + [
-        _tensor(dm) if dm is not None else query.new_empty(0, dtype=torch.float32)]
+        _tensor(dm) if dm is not None else query.new_empty(0, dtype=torch.float32),
+        _tensor(ds) if ds is not None else query.new_empty(0, dtype=torch.float32)]
 
 
 @sdpa_backward.register_fake
 def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted):
+      bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted, sinks=None):
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
              for t, w in zip((query, key, value), wanted[:3])]
     mask = attn_mask.new_empty(attn_mask.shape) if wanted[3] else query.new_empty(0, dtype=torch.float32)
-    return grads + [mask]
+    sink = sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(0, dtype=torch.float32)
+    return grads + [mask, sink]
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-     window_right, alibi_slopes, num_threads) = inputs
+     window_right, alibi_slopes, num_threads, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes)
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes, sinks)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads)
     ctx.mask_is_float = attn_mask is not None and attn_mask.is_floating_point()
 
 
 def _backward(ctx, grad_output, grad_lse):
-    query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes = ctx.saved_tensors
+    query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
     dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads = ctx.options
     wanted = [bool(n) for n in ctx.needs_input_grad[:3]] + [ctx.mask_is_float and bool(ctx.needs_input_grad[3])]
     grads = torch.ops.mha.sdpa_backward(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
                                         scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right,
-                                        alibi_slopes, num_threads, wanted)
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 10
+                                        alibi_slopes, num_threads, wanted, sinks)
+    sinks_grad = grads[4] if sinks is not None and ctx.needs_input_grad[14] else None
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 10 + (sinks_grad,)
 
 
 sdpa_train.register_autograd(_backward, setup_context=_setup_context)
@@ -136,14 +142,18 @@ def _train_vmap(info, in_dims, query, key, value, attn_mask, *options):
 
 
 def _backward_vmap(info, in_dims, grad_output, query, key, value, out, lse, attn_mask, dropout_p, *options):
-    wanted = options[-1]
+    wanted, sinks = options[9], options[10] if len(options) > 10 else None
 
     def call(query, key, value, attn_mask, out, lse, grad_output):
         return sdpa_backward(grad_output, query, key, value, out, lse, attn_mask, dropout_p, *options)
 
     tensors = (query, key, value, attn_mask, out, lse, grad_output)
     dims = (*in_dims[1:4], in_dims[6], *in_dims[4:6], in_dims[0])
-    grads = _vmap.backward_rule(info, dims, tensors, dropout_p, bool(wanted[3]), call)
+    if sinks is not None:  # each example's own gradient of the shared sinks: a call per example
+        _vmap.check_randomness(info, dropout_p)
+        grads = _vmap.looped(info.batch_size, dims, tensors, call)
+    else:
+        grads = _vmap.backward_rule(info, dims, tensors, dropout_p, bool(wanted[3]), call)
     return list(grads), list(_vmap.out_dims(grads))
 
 
@@ -156,18 +166,20 @@ if _registers_vmap:
 def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                       dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
-                      alibi_slopes: Optional[torch.Tensor], num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      alibi_slopes: Optional[torch.Tensor], num_threads: int,
+                      sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output and the attention weights [..., Hq, L, S] (after dropout), in the inputs' dtype;
     not differentiated (a training call takes its output from mha::sdpa_train)."""
     _auto_threading()
     out, weights = _mha.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                             _seed_value(dropout_seed), True, bottom_right, window_left, window_right, alibi_slopes, num_threads)
+                             _seed_value(dropout_seed), True, bottom_right, window_left, window_right, alibi_slopes, num_threads,
+                             sinks)
     return _tensor(out), _tensor(weights)
 
 
 @sdpa_with_weights.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-      window_right, alibi_slopes, num_threads):
+      window_right, alibi_slopes, num_threads, sinks=None):
     rows = _rows(query, key, value, enable_gqa)
     return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
 
@@ -341,18 +353,19 @@ multihead_attention_train.register_autograd(_module_backward, setup_context=_mod
 def sdpa_varlen_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, dropout_p: float, is_causal: bool, scale: Optional[float],
                       enable_gqa: bool, dropout_seed: torch.Tensor, bottom_right: bool, window_left: int,
-                      window_right: int, alibi_slopes: Optional[torch.Tensor], num_threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      window_right: int, alibi_slopes: Optional[torch.Tensor], num_threads: int,
+                      sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The packed output [Tq, Hq, Ev] and the log-sum-exp [Hq, Tq] of the varlen training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_varlen_train(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dropout_p,
                                       is_causal, scale, enable_gqa, _seed_value(dropout_seed), bottom_right,
-                                      window_left, window_right, alibi_slopes, num_threads)
+                                      window_left, window_right, alibi_slopes, num_threads, sinks)
     return _tensor(out), torch.from_numpy(lse)
 
 
 @sdpa_varlen_train.register_fake
 def _(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, window_left, window_right, alibi_slopes, num_threads):
+      bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks=None):
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return (query.new_empty((query.shape[0], query.shape[1], value.shape[-1])),
             query.new_empty((query.shape[1], query.shape[0]), dtype=lse_dtype))
@@ -363,38 +376,43 @@ def sdpa_varlen_backward(grad_output: torch.Tensor, query: torch.Tensor, key: to
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                          dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                          dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
-                         alibi_slopes: Optional[torch.Tensor], num_threads: int, wanted: List[bool]) -> List[torch.Tensor]:
-    """The gradients of query, key and value; one not in `wanted` is an empty tensor, not computed."""
+                         alibi_slopes: Optional[torch.Tensor], num_threads: int, wanted: List[bool],
+                         sinks: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """The gradients of query, key, value and the sinks; one not in `wanted` (or the sinks' without
+    sinks) is an empty tensor, not computed."""
     grads = _mha.sdpa_varlen_backward(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), out, lse,
                                       grad_output.to(out.dtype).contiguous(), dropout_p, is_causal, scale,
                                       enable_gqa, _seed_value(dropout_seed), bottom_right, window_left,
-                                      window_right, alibi_slopes, num_threads, tuple(bool(w) for w in wanted))
-    return [query.new_empty(0) if d is None else _tensor(d) for d in grads]
+                                      window_right, alibi_slopes, num_threads, tuple(bool(w) for w in wanted), sinks)
+    return [query.new_empty(0) if d is None else _tensor(d) for d in grads[:3]] + [
+        query.new_empty(0, dtype=torch.float32) if grads[3] is None else _tensor(grads[3])]
 
 
 @sdpa_varlen_backward.register_fake
 def _(grad_output, query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_p, is_causal, scale, enable_gqa,
-      dropout_seed, bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted):
+      dropout_seed, bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted, sinks=None):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
-            for t, w in zip((query, key, value), wanted)]
+            for t, w in zip((query, key, value), wanted)] + [
+        sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(0, dtype=torch.float32)]
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (query, key, value, cu_q, cu_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-     window_right, alibi_slopes, threads) = inputs
+     window_right, alibi_slopes, threads, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes)
+    ctx.save_for_backward(query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes, sinks)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa)
     ctx.threading = (bottom_right, window_left, window_right)
     ctx.threads = threads
 
 
 def _varlen_backward(ctx, grad_output, grad_lse):
-    query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes = ctx.saved_tensors
+    query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
     wanted = [bool(n) for n in ctx.needs_input_grad[:3]]
     grads = torch.ops.mha.sdpa_varlen_backward(grad_output, query, key, value, cu_q, cu_k, out, lse, *ctx.options,
-                                               dropout_seed, *ctx.threading, alibi_slopes, ctx.threads, wanted)
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 12
+                                               dropout_seed, *ctx.threading, alibi_slopes, ctx.threads, wanted, sinks)
+    sinks_grad = grads[3] if sinks is not None and ctx.needs_input_grad[15] else None
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 12 + (sinks_grad,)
 
 
 sdpa_varlen_train.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -408,7 +426,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     cache_seqlens: torch.Tensor, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                     bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor],
                     num_threads: int, cu_seqlens_q: Optional[torch.Tensor],
-                    return_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                    return_lse: bool, sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [B, Lq, Hq, Ev] of query [B, Lq, Hq, E] over the cache's pages, or with
     cu_seqlens_q [Tq, Hq, Ev] of packed rows [Tq, Hq, E]; and the lse ([B, Hq, Lq] or [Hq, Tq])
     when return_lse, else an empty tensor."""
@@ -417,7 +435,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     _auto_threading()
     out, lse = run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
                                    enable_gqa, bottom_right, window_left, window_right, alibi_slopes, num_threads,
-                                   cu_seqlens_q, return_lse)
+                                   cu_seqlens_q, return_lse, sinks)
     return out, lse if lse is not None else query.new_empty((0,), dtype=_lse_dtype(query))
 
 
@@ -427,7 +445,7 @@ def _lse_dtype(query: torch.Tensor) -> torch.dtype:
 
 @paged_attention.register_fake
 def _(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa, bottom_right,
-      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q, return_lse):
+      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q, return_lse, sinks=None):
     out = query.new_empty((*query.shape[:-1], value_cache.shape[-1]))
     if not return_lse:
         return out, query.new_empty((0,), dtype=_lse_dtype(query))

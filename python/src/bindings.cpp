@@ -190,8 +190,9 @@ ModuleGradientArrays module_backward_restored(
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
                               std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right,
                               int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes,
-                              int num_threads) {
+                              int num_threads, const std::optional<Array>& sinks = std::nullopt) {
   mha::SdpaOptions o;
+  o.sinks = optional_view(sinks, "sinks");
   o.window_left = window_left;
   o.window_right = window_right;
   o.alibi_slopes = optional_view(alibi_slopes, "alibi_slopes");
@@ -210,10 +211,11 @@ std::pair<NumpyArray, NumpyArray> sdpa_train(const Array& query, const Array& ke
                                              const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
                                              std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
                                              bool bottom_right, int64_t window_left, int64_t window_right,
-                                             const std::optional<Array>& alibi_slopes, int num_threads) {
+                                             const std::optional<Array>& alibi_slopes, int num_threads,
+                                             const std::optional<Array>& sinks) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-                   window_right, alibi_slopes, num_threads);
+                   window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
   {
@@ -223,16 +225,17 @@ std::pair<NumpyArray, NumpyArray> sdpa_train(const Array& query, const Array& ke
   return {to_numpy(r.output), to_numpy(r.lse)};
 }
 
-// The gradients of query, key and value (None where `wanted` left one out) and of a float mask
-// (when attn_mask_grad).
-std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_backward(
+// The gradients of query, key and value (None where `wanted` left one out), of a float mask
+// (when attn_mask_grad) and of the sinks (when given).
+std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_backward(
     const Array& query, const Array& key, const Array& value, const Array& output, const Array& lse,
     const Array& grad_output, const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
-    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads, bool attn_mask_grad, std::tuple<bool, bool, bool> wanted) {
+    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads, bool attn_mask_grad,
+    std::tuple<bool, bool, bool> wanted, const std::optional<Array>& sinks) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-                   window_right, alibi_slopes, num_threads);
+                   window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
   saved.output = mha::Tensor::copy_of(view_of(output, "output"));  // in its dtype, the inputs' (checked there)
@@ -246,16 +249,17 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_backward(
         mha::SdpaGradientsWanted{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted), attn_mask_grad});
   }
   auto maybe = [](const mha::Tensor& t) { return t.defined() ? MaybeArray(to_numpy(t)) : std::nullopt; };
-  return {maybe(r.query), maybe(r.key), maybe(r.value), r.attn_mask ? maybe(*r.attn_mask) : std::nullopt};
+  return {maybe(r.query), maybe(r.key), maybe(r.value), r.attn_mask ? maybe(*r.attn_mask) : std::nullopt,
+          maybe(r.sinks)};
 }
 
 ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, const std::optional<Array>& attn_mask,
                    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
                    bool need_weights, bool bottom_right, int64_t window_left, int64_t window_right,
-                   const std::optional<Array>& alibi_slopes, int num_threads) {
+                   const std::optional<Array>& alibi_slopes, int num_threads, const std::optional<Array>& sinks) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-                   window_right, alibi_slopes, num_threads);
+                   window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   if (need_weights) {
     mha::AttentionWithWeights r;
@@ -289,9 +293,9 @@ std::pair<NumpyArray, std::optional<NumpyArray>> paged_attention(
     const Array& query, const Array& key_cache, const Array& value_cache, const PageTable& block_table,
     const Lengths& cache_seqlens, bool is_causal, std::optional<double> scale, bool enable_gqa, bool bottom_right,
     int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
-    const std::optional<Lengths>& cu_seqlens_q, bool return_lse) {
+    const std::optional<Lengths>& cu_seqlens_q, bool return_lse, const std::optional<Array>& sinks) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, 0.0, is_causal, scale, enable_gqa, 0, bottom_right,
-                                          window_left, window_right, alibi_slopes, num_threads);
+                                          window_left, window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key_cache, "key_cache"),
                         v = view_of(value_cache, "value_cache");
   const std::span<const int32_t> table = table_span(block_table);
@@ -335,9 +339,10 @@ using Offsets = std::vector<int64_t>;
 NumpyArray sdpa_varlen(const Array& query, const Array& key, const Array& value, const Offsets& cu_q,
                        const Offsets& cu_k, double dropout_p, bool is_causal, std::optional<double> scale,
                        bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
-                       int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads) {
+                       int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
+    const std::optional<Array>& sinks) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                          bottom_right, window_left, window_right, alibi_slopes, num_threads);
+                                          bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::Tensor out;
   {
@@ -351,9 +356,10 @@ std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Ar
                                                     const Offsets& cu_q, const Offsets& cu_k, double dropout_p,
                                                     bool is_causal, std::optional<double> scale, bool enable_gqa,
                                                     uint64_t dropout_seed, bool bottom_right, int64_t window_left,
-                                                    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads) {
+                                                    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
+    const std::optional<Array>& sinks) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                          bottom_right, window_left, window_right, alibi_slopes, num_threads);
+                                          bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
   {
@@ -363,13 +369,14 @@ std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Ar
   return {to_numpy(r.output), to_numpy(r.lse)};
 }
 
-std::tuple<MaybeArray, MaybeArray, MaybeArray> sdpa_varlen_backward(
+std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_varlen_backward(
     const Array& query, const Array& key, const Array& value, const Offsets& cu_q, const Offsets& cu_k,
     const Array& output, const Array& lse, const Array& grad_output, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
-    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads, std::tuple<bool, bool, bool> wanted) {
+    int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads, std::tuple<bool, bool, bool> wanted,
+    const std::optional<Array>& sinks) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                          bottom_right, window_left, window_right, alibi_slopes, num_threads);
+                                          bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
   saved.output = mha::Tensor::copy_of(view_of(output, "output"));  // in its dtype, the inputs' (checked there)
@@ -383,7 +390,7 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray> sdpa_varlen_backward(
         mha::SdpaGradientsWanted{std::get<0>(wanted), std::get<1>(wanted), std::get<2>(wanted), false});
   }
   auto maybe = [](const mha::Tensor& t) { return t.defined() ? MaybeArray(to_numpy(t)) : std::nullopt; };
-  return {maybe(r.query), maybe(r.key), maybe(r.value)};
+  return {maybe(r.query), maybe(r.key), maybe(r.value), maybe(r.sinks)};
 }
 
 }  // namespace
@@ -484,7 +491,7 @@ NB_MODULE(_mha, m) {
   m.def("sdpa", &sdpa, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("need_weights"), nb::arg("bottom_right"), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
+        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
   m.def(
       "load_safetensors",
       [](const std::string& path) {
@@ -511,31 +518,33 @@ NB_MODULE(_mha, m) {
   m.def("sdpa_train", &sdpa_train, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
+        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
   m.def("sdpa_backward", &sdpa_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("output"),
         nb::arg("lse"), nb::arg("grad_output"), nb::arg("attn_mask").none(), nb::arg("dropout_p"),
         nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"),
         nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"),
         nb::arg("attn_mask_grad"),
-        nb::arg("wanted") = std::make_tuple(true, true, true));
+        nb::arg("wanted") = std::make_tuple(true, true, true), nb::arg("sinks").none() = nb::none());
   m.def("sdpa_varlen", &sdpa_varlen, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(),
         nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
+        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
   m.def("sdpa_varlen_train", &sdpa_varlen_train, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"),
         nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"),
-        nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"));
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"),
+        nb::arg("sinks").none() = nb::none());
   m.def("sdpa_varlen_backward", &sdpa_varlen_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("output"), nb::arg("lse"), nb::arg("grad_output"),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("wanted") = std::make_tuple(true, true, true));
+        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("wanted") = std::make_tuple(true, true, true),
+        nb::arg("sinks").none() = nb::none());
   m.def("paged_attention", &paged_attention, nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"),
         nb::arg("block_table"), nb::arg("cache_seqlens"), nb::arg("is_causal"), nb::arg("scale").none(),
         nb::arg("enable_gqa"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("cu_seqlens_q").none(),
-        nb::arg("return_lse") = false);
+        nb::arg("return_lse") = false, nb::arg("sinks").none() = nb::none());
   m.def("write_paged_cache", &write_paged_cache, nb::arg("key"), nb::arg("value"), nb::arg("key_cache"),
         nb::arg("value_cache"), nb::arg("block_table"), nb::arg("cache_seqlens"),
         nb::arg("cu_seqlens_new").none() = nb::none());

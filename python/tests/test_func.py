@@ -507,11 +507,11 @@ def test_vmap_of_the_custom_operators_matches_calls_one_by_one(gen):
         torch.testing.assert_close(out[i], o, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse[i], l, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(weights[i], torch.ops.mha.sdpa_with_weights(q[i], k, v[i], None, *options)[1])
-        dq, dk, _, _ = torch.ops.mha.sdpa_backward(g[i], q[i], k, v[i], o, l, None, 0.0, True, None, False, seed,
+        dq, dk, _, _, _ = torch.ops.mha.sdpa_backward(g[i], q[i], k, v[i], o, l, None, 0.0, True, None, False, seed,
                                                    False, 2, -1, None, 0, [True, True, False, False])
         torch.testing.assert_close(grads[0][i], dq, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grads[1][i], dk, rtol=1e-12, atol=1e-12)  # each example's own dK
-    assert grads[2].numel() == 0 and grads[3].numel() == 0
+    assert grads[2].numel() == 0 and grads[3].numel() == 0 and grads[4].numel() == 0
 
 
 def test_module_hessian_matches_torch(gen):
