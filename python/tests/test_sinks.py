@@ -158,6 +158,11 @@ def test_gradcheck_and_gradgradcheck(rng):
     fn = (lambda q, k, v, s: mha.scaled_dot_product_attention(q, k, v, is_causal=True, sinks=s))
     assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
     assert torch.autograd.gradgradcheck(fn, (q, k, v, sinks))
+    # The first derivatives a second one starts from (torch operators) are the fused backward's.
+    fused = torch.autograd.grad(fn(q, k, v, sinks).square().sum(), (q, k, v, sinks))
+    composed = torch.autograd.grad(fn(q, k, v, sinks).square().sum(), (q, k, v, sinks), create_graph=True)
+    for a, b in zip(composed, fused):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_varlen_and_paged_sequences_are_their_own_calls(rng):
