@@ -151,6 +151,19 @@ inline void fuzz_options(FuzzInput& in, mha::SdpaOptions& o) {
     slopes = mha::Tensor::copy_of(values.view(), dtypes[(a >> 6) % 4 == 3 ? 0 : (a >> 4) % 4]);
     o.alibi_slopes = slopes.view();
   }
+  // Attention sinks (the next tail byte): none, or a shape that fits the call or not (0 to 8
+  // elements), float32, float64 or bfloat16, values of either sign, large, or inf or NaN (refused).
+  const uint8_t k = in.tail_byte();
+  if (k % 4 == 1) {
+    static thread_local mha::Tensor sinks;
+    static const mha::Shape shapes[] = {{1}, {2}, {3}, {4}, {0}, {2, 2}, {8}, {6}};
+    static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::f64, mha::DType::bf16};
+    mha::Tensor values = mha::Tensor::empty(shapes[(k >> 2) % 8]);
+    for (int64_t i = 0; i < values.numel(); ++i) values.data<float>()[i] = static_cast<float>((k >> 5) * 7 - 20 + i);
+    if (values.numel() > 0 && (k >> 5) == 7) values.data<float>()[0] = k % 8 == 5 ? INFINITY : NAN;
+    sinks = mha::Tensor::copy_of(values.view(), dtypes[(k >> 5) % 4]);
+    o.sinks = sinks.view();
+  }
 }
 
 }  // namespace fuzz_args

@@ -2,7 +2,7 @@
 // The input picks the ISA (every one this CPU runs), the layouts (contiguous [B, H, L, D] or a
 // transposed view of [B, L, H, D] storage), GQA, causality and its alignment, a bool or additive
 // mask (with -inf entries, broadcast or not; bands and padding that exclude whole blocks; huge
-// finite values, Hugging Face's), a sliding window, ALiBi's slopes, scale, dropout and the thread
+// finite values, Hugging Face's), a sliding window, ALiBi's slopes, attention sinks, scale, dropout and the thread
 // count; then, for a quarter of the inputs, the backward. Aborts when
 //   - an output, weight or gradient is NaN or infinite (the inputs are finite and bounded by 3), or
 //   - the normwise relative error max|fused - ref| / max|ref| of the output (with and without
@@ -160,7 +160,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     o.alibi_slopes = slopes.view();
   }
+  // Attention sinks (the next tail byte, a quarter of the inputs): one per query head, around the
+  // scores or far above and below them.
+  const uint8_t k_byte = in.tail_byte();
+  mha::Tensor sinks;
+  if (k_byte % 4 == 1) {
+    sinks = mha::Tensor::empty({Hq});
+    std::uniform_real_distribution<float> around(-4.0f, 4.0f);
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int kind = (k_byte >> 2) % 8;
+      sinks.data<float>()[h] = kind == 0 ? 30.0f : kind == 1 ? -30.0f : around(rng);
+    }
+    o.sinks = sinks.view();
+  }
   if (float64) {
+    mha::Tensor sinks64;
+    if (sinks.defined()) {
+      sinks64 = mha::Tensor::copy_of(sinks, mha::DType::f64);
+      o.sinks = sinks64.view();
+    }
     const mha::Tensor q64 = mha::Tensor::copy_of(q, mha::DType::f64), k64 = mha::Tensor::copy_of(k, mha::DType::f64),
                       v64 = mha::Tensor::copy_of(v, mha::DType::f64);
     mha::Tensor mask64;  // an additive mask in float64 too, as PyTorch takes it (its gradient is then float64)
@@ -185,6 +203,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if ((err = normwise(g.value, r.value, &scale, floor)) > 1e-10) fail("float64 dv", err, scale, B, Hq, Lq, Lk);
     if (mask_grad && (err = normwise(*g.attn_mask, r.attn_mask, &scale, floor)) > 1e-10)
       fail("float64 dmask", err, scale, B, Hq, Lq, Lk);
+    if (sinks.defined() && (err = normwise(g.sinks, r.sinks, &scale, floor)) > 1e-10)
+      fail("float64 dsinks", err, scale, B, Hq, Lq, Lk);
     return 0;
   }
   const auto fused = mha::scaled_dot_product_attention_with_weights(q, k, v, o);
@@ -220,5 +240,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if ((err = normwise(g.value, r.value, &scale, floor)) > MHA_FUZZ_TOLERANCE) fail("dv", err, scale, B, Hq, Lq, Lk);
   if (mask_grad && (err = normwise(*g.attn_mask, r.attn_mask, &scale, floor)) > MHA_FUZZ_TOLERANCE)
     fail("dmask", err, scale, B, Hq, Lq, Lk);
+  if (sinks.defined() && (err = normwise(g.sinks, r.sinks, &scale, floor)) > MHA_FUZZ_TOLERANCE)
+    fail("dsinks", err, scale, B, Hq, Lq, Lk);
   return 0;
 }
