@@ -143,8 +143,7 @@ static void check_sinks(const TensorView& sinks, const AttentionProblem& p, cons
   }
   check_data(sinks, "sinks");
   for (int64_t h = 0; h < p.heads_q; ++h) {
-    const int64_t off = h * sinks.strides[0];
-    const double x = sinks.dtype == DType::f64 ? sinks.data_as<double>()[off] : sinks.data_as<float>()[off];
+    const double x = sink_value(sinks, h);
     if (!std::isfinite(x)) throw Error("sinks: expected finite values, got sinks[" + std::to_string(h) + "] = " + std::to_string(x));
   }
 }

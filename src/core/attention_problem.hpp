@@ -44,6 +44,12 @@ struct MaskTerm {
   }
 };
 
+// Sink h of an [Hq] sinks view (float32 or float64).
+inline double sink_value(const TensorView& sinks, int64_t h) {
+  const int64_t off = h * sinks.strides[0];
+  return sinks.dtype == DType::f64 ? sinks.data_as<double>()[off] : sinks.data_as<float>()[off];
+}
+
 struct AttentionProblem {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_k = 0, dim_qk = 0, dim_v = 0;
   TensorView q, k, v;  // [B, H, L, D] views, any strides
@@ -67,10 +73,7 @@ struct AttentionProblem {
   // Attention sinks [Hq] (float32, float64 for float64 calls): the kernels never see them; the
   // host forward scales each row by its share of the softmax with the sink (apply_sinks).
   std::optional<TensorView> sinks;
-  double sink(int64_t h) const {
-    const int64_t off = h * sinks->strides[0];
-    return sinks->dtype == DType::f64 ? sinks->data_as<double>()[off] : sinks->data_as<float>()[off];
-  }
+  double sink(int64_t h) const { return sink_value(*sinks, h); }
   // A paged key/value cache (core/paged_attention.cpp; one batch entry): key j lies in page
   // key_pages[j / page_size] at row j % page_size, k's and v's strides[0] stepping from page to
   // page. Null for keys and values in one strided view. Only the decoding kernel (few_queries.hpp)

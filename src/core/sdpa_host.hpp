@@ -26,12 +26,6 @@ struct BackwardViews {
 };
 void sdpa_backward_host(const AttentionProblem& p, const BackwardViews& views);
 
-// Sink h of an [Hq] sinks view (float32 or float64).
-inline double sink_value(const TensorView& sinks, int64_t h) {
-  const int64_t off = h * sinks.strides[0];
-  return sinks.dtype == DType::f64 ? sinks.data_as<double>()[off] : sinks.data_as<float>()[off];
-}
-
 // The gradient of attention sinks ([Hq], their dtype) from the forward's output and
 // log-sum-exp (which includes the sink) and the output's gradient: [B, Hq, L, Dv] views and the
 // [B, Hq, L] lse (float32 or float64, any strides). Deterministic.
