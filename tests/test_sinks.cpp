@@ -210,6 +210,16 @@ TEST(Sinks, ExtremeSinksAndRowsWithoutKeys) {
   EXPECT_EQ(g.sinks.data<float>()[1], 0.0f);  // its rows' outputs are zeros: D = 0
 }
 
+// GQA, causal from the bottom right (a decoding step's alignment), with `sinks`.
+mha::SdpaOptions grouped_causal(const mha::Tensor& sinks) {
+  mha::SdpaOptions o;
+  o.enable_gqa = true;
+  o.is_causal = true;
+  o.causal_alignment = mha::CausalAlignment::BottomRight;
+  o.sinks = sinks.view();
+  return o;
+}
+
 // Variable-length calls: each sequence's output, lse and q/k/v gradients are its own SDPA call's
 // bits; the sinks' gradient is the sum of the sequences' (1e-6: summed in another order); a
 // sequence with queries and no keys gives zeros and the sinks as its lse.
@@ -220,11 +230,7 @@ TEST(Sinks, VarlenSequencesAreTheirOwnCalls) {
   const mha::Tensor q = randn({21, hq, d}, rng), k = randn({40, hkv, d}, rng), v = randn({40, hkv, d}, rng);
   const mha::Tensor grad = randn({21, hq, d}, rng);
   mha::Tensor sinks = randn({hq}, rng);
-  mha::SdpaOptions o;
-  o.enable_gqa = true;
-  o.is_causal = true;
-  o.causal_alignment = mha::CausalAlignment::BottomRight;
-  o.sinks = sinks.view();
+  const mha::SdpaOptions o = grouped_causal(sinks);
   const auto saved = mha::scaled_dot_product_attention_varlen_for_training(q, k, v, cu_q, cu_k, o);
   const auto g = mha::scaled_dot_product_attention_varlen_backward(q, k, v, cu_q, cu_k, saved, grad, o);
   mha::Tensor sink_sum = mha::Tensor::zeros({hq}, mha::DType::f64);
@@ -261,11 +267,7 @@ TEST(Sinks, PagedSequencesAreTheirOwnCalls) {
   const std::vector<int64_t> lens{19, 0, 24};
   const mha::Tensor q = randn({3, hq, 2, d}, rng);
   mha::Tensor sinks = randn({hq}, rng);
-  mha::SdpaOptions o;
-  o.enable_gqa = true;
-  o.is_causal = true;
-  o.causal_alignment = mha::CausalAlignment::BottomRight;
-  o.sinks = sinks.view();
+  const mha::SdpaOptions o = grouped_causal(sinks);
   const auto r = mha::paged_attention_with_lse(q, kc, vc, table, lens, o);
   for (int64_t b = 0; b < 3; ++b) {
     SCOPED_TRACE("sequence " + std::to_string(b));
