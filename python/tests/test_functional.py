@@ -114,6 +114,54 @@ def test_bits_of_the_module_and_dropout_in_training_only(rng):
     assert not torch.equal(dropped, out)
 
 
+def test_static_keys_and_values_as_pytorch(rng):
+    """static_k / static_v (keys and values already in heads, an incremental decoder's cache)
+    replace the projected ones, as in PyTorch's function: with add_zero_attn, a key padding mask
+    over the static length, an attn_mask, weights or not, batched or not; the output, the weights
+    and the gradients of the query, the statics and the projections (tolerances above)."""
+    for trial in range(12):
+        E, H, L, S = 8, 2, int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        batched = trial % 4 != 3
+        N = int(rng.integers(1, 3)) if batched else 1
+
+        def t(*shape):
+            return torch.from_numpy(rng.standard_normal(shape) * 0.5).double().requires_grad_()
+
+        def seq(length):
+            return t(length, N, E) if batched else t(length, E)
+
+        static_k = t(N * H, S, E // H) if trial % 3 != 1 else None
+        static_v = t(N * H, S, E // H) if trial % 3 != 0 else None
+        args = dict(query=seq(L), key=seq(S), value=seq(S), embed_dim_to_check=E, num_heads=H,
+                    in_proj_weight=t(3 * E, E), in_proj_bias=t(3 * E), bias_k=None, bias_v=None,
+                    add_zero_attn=trial % 2 == 1, dropout_p=0.0, out_proj_weight=t(E, E), out_proj_bias=t(E),
+                    training=False, need_weights=trial % 4 < 2, average_attn_weights=trial % 5 != 0,
+                    static_k=static_k, static_v=static_v)
+        if trial % 3 == 2:
+            kpm = torch.from_numpy(rng.random((N, S) if batched else (S,)) < 0.3)
+            kpm[..., 0] = False
+            args["key_padding_mask"] = kpm
+        if trial % 5 == 1:
+            args["attn_mask"] = torch.from_numpy(rng.standard_normal((L, S)) * 0.5)
+        ours = _float32(args)
+        out, weights = MF.multi_head_attention_forward(**ours)
+        ref_out, ref_weights = F.multi_head_attention_forward(**args)
+        _close(out, ref_out.detach(), "output", args, FORWARD_TOL)
+        assert (weights is None) == (ref_weights is None)
+        if weights is not None:
+            _close(weights, ref_weights.detach(), "weights", args, FORWARD_TOL)
+        names = [k for k, v in args.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        grad = torch.from_numpy(rng.standard_normal(out.shape))
+        got = torch.autograd.grad((out * grad.float()).sum(), [ours[k] for k in names], allow_unused=True)
+        ref = torch.autograd.grad((ref_out * grad).sum(), [args[k] for k in names], allow_unused=True)
+        floor = 1e-2 * max(r.abs().max().item() for r in ref if r is not None)
+        for name, a, b in zip(names, got, ref):
+            if b is None:  # (the input of a static side's discarded projection: no gradient, or zeros)
+                assert a is None or not a.any(), name
+                continue
+            _close(a, b, f"gradient of {name}", args, GRADIENT_TOL, floor)
+
+
 def test_bad_calls_name_the_argument(rng):
     E, H = 8, 2
     x = torch.randn(3, 2, E)
@@ -122,7 +170,10 @@ def test_bad_calls_name_the_argument(rng):
                 bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0, out_proj_weight=wo, out_proj_bias=None)
     bad = [
         (dict(embed_dim_to_check=E + 1), "query"),
-        (dict(static_k=torch.randn(4, 3, 4)), "static_k"),
+        (dict(static_k=torch.randn(3, 3, 4)), r"static_k: expected \[N \* num_heads, S, head_dim\] = \[4, S, 4\]"),
+        (dict(static_k=torch.randn(4, 3, 4), static_v=torch.randn(4, 2, 4)), "static_k, static_v: expected the same"),
+        (dict(static_v=torch.randn(4, 3, 4), bias_k=torch.randn(1, 1, E), bias_v=torch.randn(1, 1, E)),
+         "static_v: bias_k/bias_v cannot be added"),
         (dict(bias_k=torch.randn(1, 1, E)), "bias_k"),
         (dict(in_proj_weight=None), "in_proj_weight"),
         (dict(use_separate_proj_weight=True, q_proj_weight=wo, k_proj_weight=wo), "v_proj_weight"),

@@ -29,8 +29,9 @@ def _additive(mask, dtype):
 
 
 def run(options, params, training, query, key, value, key_padding_mask, need_weights, attn_mask, average,
-        is_causal):
-    """(output, weights or None), as _call.run returns them."""
+        is_causal, static_k=None, static_v=None):
+    """(output, weights or None), as _call.run returns them. static_k / static_v [N * H, S, hd]
+    replace the projected keys / values (multi_head_attention_forward's arguments)."""
     E, H = options.embed_dim, options.num_heads
     hd = E // H
     batched = query.dim() == 3
@@ -59,6 +60,11 @@ def run(options, params, training, query, key, value, key_padding_mask, need_wei
         key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
 
     q, k, v = (x.reshape(x.shape[0], N * H, hd).transpose(0, 1) for x in (q, k, v))  # [N * H, len, hd]
+    if static_k is not None:
+        k = static_k
+        keys = k.shape[1]
+    if static_v is not None:
+        v = static_v
     if options.add_zero_attn:
         k = torch.cat([k, k.new_zeros(N * H, 1, hd)], dim=1)
         v = torch.cat([v, v.new_zeros(N * H, 1, hd)], dim=1)

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _call
+from . import _call, _composed
 
 __all__ = ["multi_head_attention_forward"]
 
@@ -31,15 +31,16 @@ def multi_head_attention_forward(
         v_proj_weight: Optional[torch.Tensor] = None, static_k: Optional[torch.Tensor] = None,
         static_v: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
         is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """PyTorch's function, argument for argument. Differences: `is_causal` applies a causal mask
+    """PyTorch's function, argument for argument. Difference: `is_causal` applies a causal mask
     (PyTorch takes it as a hint about attn_mask, which it then requires; here attn_mask is optional
-    and applies as well, as in mha.nn.MultiheadAttention), and static_k/static_v (keys and values
-    already projected into heads) are not supported (a ValueError)."""
+    and applies as well, as in mha.nn.MultiheadAttention). static_k / static_v (keys / values
+    already projected into heads, [N * num_heads, S, head_dim], as an incremental decoder keeps
+    them) replace the projected ones, as in PyTorch; such calls run as torch operators around the
+    fused attention (the in-projection of `key` / `value` still runs and is discarded, as
+    PyTorch's does)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if static_k is not None or static_v is not None:
-        raise ValueError("static_k, static_v: not supported; pass key and value with their projection weights")
     E, H = int(embed_dim_to_check), int(num_heads)
     _check(query.dim() in (2, 3) and query.shape[-1] == E,
            f"query: expected [L, N, {E}] or [L, {E}] (embed_dim_to_check={E}), got {list(query.shape)}")
@@ -77,5 +78,26 @@ def multi_head_attention_forward(
         params["out_proj.bias"] = out_proj_bias if out_proj_bias is not None else like.new_zeros(E)
 
     options = _call.Options(E, H, float(dropout_p), bias, bias_k is not None, bool(add_zero_attn), kdim, vdim, False)
+    if static_k is not None or static_v is not None:
+        _check_static(static_k, static_v, bias_k, query, E, H)
+        return _composed.run(options, params, bool(training), query, key, value, key_padding_mask, need_weights,
+                             attn_mask, average_attn_weights, is_causal, static_k, static_v)
     return _call.run(None, options, params, bool(training), query, key, value, key_padding_mask,
                      need_weights, attn_mask, average_attn_weights, is_causal)
+
+
+def _check_static(static_k, static_v, bias_k, query, E: int, H: int) -> None:
+    """static_k / static_v: [N * H, S, E / H] (one S for both), never with bias_k / bias_v."""
+    N = query.shape[1] if query.dim() == 3 else 1
+    lengths = set()
+    for name, x in (("static_k", static_k), ("static_v", static_v)):
+        if x is None:
+            continue
+        if bias_k is not None:
+            raise ValueError(f"{name}: bias_k/bias_v cannot be added to a static key or value (as in PyTorch)")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != N * H or x.shape[2] != E // H:
+            raise ValueError(f"{name}: expected [N * num_heads, S, head_dim] = [{N * H}, S, {E // H}], got "
+                             f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        lengths.add(x.shape[1])
+    if len(lengths) > 1:
+        raise ValueError(f"static_k, static_v: expected the same length S, got {sorted(lengths)}")
