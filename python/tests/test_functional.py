@@ -150,6 +150,13 @@ def test_static_keys_and_values_as_pytorch(rng):
         assert (weights is None) == (ref_weights is None)
         if weights is not None:
             _close(weights, ref_weights.detach(), "weights", args, FORWARD_TOL)
+        if static_k is not None and static_v is not None and "attn_mask" not in args:
+            # is_causal over the static keys (a key input of another length, its projection
+            # discarded): the causal mask as a bool attn_mask; a zero key stays visible.
+            longer = dict(ours, key=_float32({"x": seq(S + 2)})["x"], value=_float32({"x": seq(S + 2)})["x"])
+            causal, _ = MF.multi_head_attention_forward(**longer, is_causal=True)
+            masked, _ = MF.multi_head_attention_forward(**longer, attn_mask=torch.ones(L, S, dtype=torch.bool).triu(1))
+            assert torch.equal(causal, masked)
         names = [k for k, v in args.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         grad = torch.from_numpy(rng.standard_normal(out.shape))
         got = torch.autograd.grad((out * grad.float()).sum(), [ours[k] for k in names], allow_unused=True)
