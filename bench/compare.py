@@ -313,6 +313,41 @@ def bench_alibi(reps, rows):
     rows.append(("alibi fwd+bwd fp32 vs mask", shape, ours, theirs, 3.5 * flops))
 
 
+def bench_sinks(reps, rows):
+    """Attention sinks (gpt-oss's per-head logits): mha's sinks against the cheapest form of them
+    a PyTorch CPU user has, its fused SDPA over the keys and values with one zero key and value
+    appended and the sinks as that key's column of a float mask [H, L, L + 1] (causal -inf
+    elsewhere; built once, outside the timing), forward and forward+backward of q, k and v."""
+    B, H, L, d = 4, 16, 2048, 64
+    g = torch.Generator().manual_seed(6)
+    q, k, v, go = (torch.randn(B, H, L, d, generator=g) for _ in range(4))
+    sinks = torch.randn(H, generator=g)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    mask = torch.zeros(H, L, L + 1).masked_fill(torch.cat([j > i, torch.zeros(L, 1, dtype=torch.bool)], 1),
+                                                float("-inf"))
+    mask[:, :, L] = sinks[:, None]
+    zero = torch.zeros(B, H, 1, d)
+    flops = 4.0 * B * H * L * (L + 1) / 2 * d
+    shape = f"B={B} H={H} L={L} d={d} causal"
+    ours, theirs = paired_medians(
+        lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=True, sinks=sinks),
+        lambda: F.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2), attn_mask=mask),
+        reps)
+    rows.append(("sinks fwd fp32 vs mask", shape, ours, theirs, flops))
+    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def ours_train():
+        out = mha.scaled_dot_product_attention(qt, kt, vt, is_causal=True, sinks=sinks)
+        return torch.autograd.grad(out, (qt, kt, vt), go)
+
+    def theirs_train():
+        out = F.scaled_dot_product_attention(qt, torch.cat([kt, zero], 2), torch.cat([vt, zero], 2), attn_mask=mask)
+        return torch.autograd.grad(out, (qt, kt, vt), go)
+
+    ours, theirs = paired_medians(ours_train, theirs_train, reps)
+    rows.append(("sinks fwd+bwd fp32 vs mask", shape, ours, theirs, 3.5 * flops))
+
+
 def bench_pooling(reps, rows):
     """Attention pooling in training: one learned query per head (a class token) over the 197
     tokens of a ViT-B/16 image, forward and backward through autograd on both sides, without and
@@ -536,6 +571,7 @@ def main():
             bench_varlen(args.reps, rows)
             bench_window(args.reps, rows)
             bench_alibi(args.reps, rows)
+            bench_sinks(args.reps, rows)
             bench_pooling(args.reps, rows)
             bench_per_example_gradients(args.reps, rows)
     if not args.no_module:
