@@ -68,13 +68,28 @@ Tensor bloom_slopes(int64_t heads) {
   return slopes;
 }
 
-// The shape's and the options' SDPA options; `slopes` (BLOOM's, when --alibi) must outlive them.
-SdpaOptions sdpa_options(const BenchShape& s, const BenchOptions& o, const Tensor& slopes) {
+// Attention sinks for --sinks, one per head, of either sign around the scores (gpt-oss learns them).
+Tensor bench_sinks(int64_t heads) {
+  Tensor sinks = Tensor::empty({heads});
+  for (int64_t h = 0; h < heads; ++h) sinks.data<float>()[h] = static_cast<float>(h % 5) - 2.0f;
+  return sinks;
+}
+
+// The tensors the options point to: ALiBi's slopes (BLOOM's, --alibi) and the sinks (--sinks).
+struct OptionTensors {
+  Tensor slopes, sinks;
+  OptionTensors(const BenchShape& s, const BenchOptions& o)
+      : slopes(o.alibi ? bloom_slopes(s.heads) : Tensor()), sinks(o.sinks ? bench_sinks(s.heads) : Tensor()) {}
+};
+
+// The shape's and the options' SDPA options; `tensors` must outlive them.
+SdpaOptions sdpa_options(const BenchShape& s, const BenchOptions& o, const OptionTensors& tensors) {
   return {.is_causal = s.causal,
           .causal_alignment = s.alignment,
           .window_left = s.window_left,
           .window_right = s.window_right,
-          .alibi_slopes = o.alibi ? std::optional<TensorView>(slopes.view()) : std::nullopt,
+          .alibi_slopes = o.alibi ? std::optional<TensorView>(tensors.slopes.view()) : std::nullopt,
+          .sinks = o.sinks ? std::optional<TensorView>(tensors.sinks.view()) : std::nullopt,
           .enable_gqa = s.kv_heads != s.heads,
           .dropout_p = o.dropout,
           .dropout_seed = o.seed};
@@ -126,11 +141,11 @@ Workload paged_workload(const BenchShape& s, const BenchOptions& o, std::mt19937
   std::iota(table->begin(), table->end(), 0);
   std::shuffle(table->begin(), table->end(), rng);
   auto lens = std::make_shared<const std::vector<int64_t>>(static_cast<size_t>(s.batch), s.len_k);
-  const Tensor slopes = o.alibi ? bloom_slopes(s.heads) : Tensor();
-  const SdpaOptions options = sdpa_options(s, o, slopes);
+  const auto tensors = std::make_shared<const OptionTensors>(s, o);
+  const SdpaOptions options = sdpa_options(s, o, *tensors);
   Workload w;
   w.flops = 2.0 * visible_pairs(s) * static_cast<double>(s.dim + s.dim_v) * static_cast<double>(s.batch * s.heads);
-  w.call = [q, k, v, table, lens, slopes, options] {
+  w.call = [q, k, v, table, lens, tensors, options] {
     (void)paged_attention(q, k.view().transpose(1, 2), v.view().transpose(1, 2), *table, *lens, options);
   };
   w.description = "paged_attention (pages of " + std::to_string(o.page_size) + ") on cpu, " + o.dtype;
@@ -144,6 +159,7 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
   if (!device.is_cpu() && o.weights) throw UsageError("--weights: the GPU kernel never forms the weights; drop --weights");
   if (!device.is_cpu() && o.dropout > 0) throw UsageError("--dropout: the GPU kernel has no dropout; drop --dropout");
   if (!device.is_cpu() && o.alibi) throw UsageError("--alibi: ALiBi runs on the host kernels; drop --alibi or --device");
+  if (!device.is_cpu() && o.sinks) throw UsageError("--sinks: sinks are applied on the host; drop --sinks or --device");
   if (!device.is_cpu() && o.window_left >= 0) {
     throw UsageError("--window-left: a window's left end runs on the host kernels; drop --window-left or --device");
   }
@@ -159,15 +175,15 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
     weights_buffer = Tensor::empty({s.batch, s.heads, s.len_q, s.len_k}, dtype);
     weights_view = weights_buffer.view();
   }
-  const Tensor slopes = o.alibi ? bloom_slopes(s.heads) : Tensor();
-  const SdpaOptions options = sdpa_options(s, o, slopes);
+  const auto tensors = std::make_shared<const OptionTensors>(s, o);
+  const SdpaOptions options = sdpa_options(s, o, *tensors);
   w.flops = 2.0 * visible_pairs(s) * static_cast<double>(s.dim + s.dim_v) * static_cast<double>(s.batch * s.heads);
   if (o.backward) {
     // The training forward runs once; each call is one backward from its output and
     // log-sum-exp, for a random output gradient.
     auto saved = std::make_shared<const AttentionForTraining>(scaled_dot_product_attention_for_training(q, k, v, options));
     const Tensor grad_out = random_input({s.batch, s.heads, s.len_q, s.dim_v}, rng, dtype, device);
-    w.call = [q, k, v, saved, grad_out, slopes, options, device] {
+    w.call = [q, k, v, saved, grad_out, tensors, options, device] {
       (void)scaled_dot_product_attention_backward(q, k, v, *saved, grad_out, options);
       if (!device.is_cpu()) cuda::synchronize(device.index);
     };
@@ -177,7 +193,7 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
   }
   // Tensors are captured by value: the call shares, and so keeps alive, their storage. On the GPU
   // the call waits for the kernel, so that the time is its run, not its launch.
-  w.call = [q, k, v, out, weights_buffer, weights_view, slopes, options, device] {
+  w.call = [q, k, v, out, weights_buffer, weights_view, tensors, options, device] {
     scaled_dot_product_attention_into(q, k, v, out, options, weights_view);
     if (!device.is_cpu()) cuda::synchronize(device.index);
   };
@@ -196,8 +212,8 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   if (s.causal && s.alignment == CausalAlignment::BottomRight) {
     throw UsageError("--align bottom-right: MultiheadAttention's is_causal is top-left only; drop --module or --align");
   }
-  if (s.window_left >= 0 || s.window_right >= 0 || o.alibi) {
-    throw UsageError(std::string(o.alibi ? "--alibi" : "--window-left/--window-right") +
+  if (s.window_left >= 0 || s.window_right >= 0 || o.alibi || o.sinks) {
+    throw UsageError(std::string(o.alibi ? "--alibi" : o.sinks ? "--sinks" : "--window-left/--window-right") +
                      ": MultiheadAttention has neither (as PyTorch's); drop --module");
   }
   if (o.page_size > 0) throw UsageError("--page-size: MultiheadAttention keeps no cache; drop --module");
@@ -222,7 +238,7 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   return w;
 }
 
-std::string shape_line(const BenchShape& s, bool alibi, bool weights, double dropout) {
+std::string shape_line(const BenchShape& s, bool alibi, bool sinks, bool weights, double dropout) {
   std::ostringstream line;
   line << "B=" << s.batch << " Hq=" << s.heads << " Hkv=" << s.kv_heads << " Lq=" << s.len_q << " Lk=" << s.len_k
        << " Dk=" << s.dim << " Dv=" << s.dim_v << ' ';
@@ -233,6 +249,7 @@ std::string shape_line(const BenchShape& s, bool alibi, bool weights, double dro
   }
   if (s.window_left >= 0 || s.window_right >= 0) line << ", window (" << s.window_left << ", " << s.window_right << ")";
   if (alibi) line << ", ALiBi";
+  if (sinks) line << ", sinks";
   if (weights) line << ", with weights";
   if (dropout > 0) line << ", dropout " << dropout;
   return line.str();
@@ -245,7 +262,7 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
   j << "{\"shape\": {\"batch\": " << s.batch << ", \"heads\": " << s.heads << ", \"kv_heads\": " << s.kv_heads
     << ", \"len_q\": " << s.len_q << ", \"len_k\": " << s.len_k << ", \"dim\": " << s.dim << ", \"dim_v\": " << s.dim_v
     << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\", \"window_left\": " << s.window_left
-    << ", \"window_right\": " << s.window_right << ", \"alibi\": " << boolean(o.alibi)
+    << ", \"window_right\": " << s.window_right << ", \"alibi\": " << boolean(o.alibi) << ", \"sinks\": " << boolean(o.sinks)
     << ", \"page_size\": " << o.page_size << "}"
     << ", \"op\": \"" << (o.module ? "module" : o.backward ? "sdpa_backward" : o.page_size > 0 ? "paged" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
     << ", \"dropout\": " << o.dropout
@@ -295,7 +312,7 @@ int run_bench(const BenchOptions& o) {
   }
   const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {
-    std::printf("shape    %s\n", shape_line(s, o.alibi, o.weights, o.dropout).c_str());
+    std::printf("shape    %s\n", shape_line(s, o.alibi, o.sinks, o.weights, o.dropout).c_str());
     std::printf("op       %s, ISA %s, threads: %d\n", w.description.c_str(), cpu_isa().c_str(), get_num_threads());
     std::fflush(stdout);  // before the progress display on stderr
   }

@@ -69,6 +69,7 @@ void add_bench(CLI::App& app, BenchOptions& o) {
       ->capture_default_str()
       ->check(at_least(-1));
   bench->add_flag("--alibi", o.alibi, "ALiBi biases with BLOOM's slopes 2^(-8 h / H) per head h = 1..H");
+  bench->add_flag("--sinks", o.sinks, "attention sinks (gpt-oss's), one logit per head");
   bench->add_option("--page-size", o.page_size,
                     "Keys and values in a paged cache (FlashAttention's [pages, page_size, Hkv, d] layout, each "
                     "sequence's pages shuffled over the pool) of pages this long: paged_attention")
