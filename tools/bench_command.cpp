@@ -214,7 +214,7 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   }
   if (s.window_left >= 0 || s.window_right >= 0 || o.alibi || o.sinks) {
     throw UsageError(std::string(o.alibi ? "--alibi" : o.sinks ? "--sinks" : "--window-left/--window-right") +
-                     ": MultiheadAttention has neither (as PyTorch's); drop --module");
+                     ": MultiheadAttention has no sliding window, ALiBi or sinks (as PyTorch's); drop --module");
   }
   if (o.page_size > 0) throw UsageError("--page-size: MultiheadAttention keeps no cache; drop --module");
   const int64_t embed_dim = s.heads * s.dim;
