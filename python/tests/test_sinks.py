@@ -120,6 +120,12 @@ def test_compiled_call_gives_the_eager_bits(rng):
     assert torch.equal(out, eager)
     for a, b in zip(grads, eager_grads):
         assert torch.equal(a, b)
+    with torch.no_grad():  # the weights: mha::sdpa_with_weights, the sinks an operand
+        weighted = (lambda q, k, v, s: mha.scaled_dot_product_attention(q, k, v, sinks=s, need_weights=True))
+        got = torch.compile(weighted, backend="aot_eager", fullgraph=True)(q, k, v, sinks)
+        want = weighted(q, k, v, sinks)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert float(want[1].sum(-1).max()) < 1.0  # (the sink takes its share)
     cu = torch.tensor([0, 4, 9])
     pq, pk, pv = (_t(rng, (9, 4, 16), requires_grad=True) for _ in range(3))
     vfn = (lambda q, k, v, s: mha.varlen_attention(q, k, v, cu, is_causal=True, sinks=s))
