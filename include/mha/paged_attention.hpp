@@ -54,11 +54,13 @@ Tensor paged_attention_varlen(const TensorView& q, std::span<const int64_t> cu_s
                               const SdpaOptions& options = {});
 
 // The output and each query row's log-sum-exp of its scaled scores (natural log; float32, float64
-// for float64 inputs; +inf for a row that sees no key, FlashAttention's convention): lse is
+// for float64 inputs; +inf for a row that sees no key, FlashAttention's convention, or the
+// head's sink with sinks): lse is
 // [B, Hq, Lq], or [Hq, Tq] for packed queries. Two results over disjoint sets of keys (a prefix
 // shared by many sequences and each one's own suffix, or one cache split across workers) merge
 // into the result over their union: reading +inf as -inf (no weight), m = max(lse_a, lse_b),
 // w_x = exp(lse_x - m), out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
+// With sinks, pass them to one of the parts only (each part's lse counts its sink once).
 struct PagedAttentionOutput {
   Tensor output;
   Tensor lse;

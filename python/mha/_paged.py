@@ -158,7 +158,8 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
     scores, float32 (float64 for float64 inputs), [B, Hq, Lq] ([Hq, Tq] packed), +inf for a row that
     sees no key. Results over two disjoint parts of a cache (a shared prefix, each sequence's own
     rest) merge with it: reading +inf as -inf, m = max(lse_a, lse_b), w = exp(lse - m),
-    out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
+    out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b) (with sinks, give them to
+    one part only).
     """
     from . import _compiling  # noqa: PLC0415 - the package is loaded
 
