@@ -411,7 +411,14 @@ TEST(PagedAttention, LseMergesResultsOverSplitCaches) {
     const int64_t batch = c.q.size(0), hq = c.q.size(1), lq = c.q.size(2), dk = c.q.size(3);
     const int64_t dv = c.value_cache.shape[3], hkv = c.key_cache.shape[1], page_size = c.key_cache.shape[2];
     const int64_t per_sequence = static_cast<int64_t>(c.table.size()) / batch;
-    const auto whole = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, c.table, c.lens, c.options);
+    // Every other case with sinks: the whole call's, and the prefix's alone (counted once).
+    mha::Tensor sinks;
+    mha::SdpaOptions with_sinks = c.options;
+    if (n % 2 == 1) {
+      sinks = randn({hq}, rng, dtype == mha::DType::f64 ? mha::DType::f64 : mha::DType::f32);
+      with_sinks.sinks = sinks.view();
+    }
+    const auto whole = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, c.table, c.lens, with_sinks);
     // The prefix: the first `split` pages of every sequence; the suffix: the rest of its table.
     const int64_t split = per_sequence / 2;
     Lens prefix_lens, suffix_lens;
@@ -422,7 +429,7 @@ TEST(PagedAttention, LseMergesResultsOverSplitCaches) {
       for (int64_t i = split; i < per_sequence; ++i) suffix_table.push_back(c.table[b * per_sequence + i]);
       if (split == per_sequence) suffix_table.push_back(-1);
     }
-    const auto a = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, c.table, prefix_lens, c.options);
+    const auto a = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, c.table, prefix_lens, with_sinks);
     const auto z = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, suffix_table, suffix_lens, c.options);
     const mha::Tensor oa = mha::Tensor::copy_of(a.output, mha::DType::f64), oz = mha::Tensor::copy_of(z.output, mha::DType::f64);
     const mha::Tensor la = mha::Tensor::copy_of(a.lse, mha::DType::f64), lz = mha::Tensor::copy_of(z.lse, mha::DType::f64);
@@ -454,7 +461,13 @@ TEST(PagedAttention, LseMergesResultsOverSplitCaches) {
       }
       double sum = 0;
       for (double v : s) sum += std::exp(v - top);
-      expected_lse.data<double>()[row] = c.lens[b] == 0 ? INFINITY : top + std::log(sum);
+      if (sinks.defined()) {  // one more term, exp(sink)
+        const double sink = mha::Tensor::copy_of(sinks, mha::DType::f64).data<double>()[h];
+        const double top_with_sink = std::max(top, sink);
+        sum = (c.lens[b] == 0 ? 0.0 : sum * std::exp(top - top_with_sink)) + std::exp(sink - top_with_sink);
+        top = top_with_sink;
+      }
+      expected_lse.data<double>()[row] = c.lens[b] == 0 && !sinks.defined() ? INFINITY : top + std::log(sum);
     }
     // float32: each half's output and lse carry float32 rounding of sums of up to 1500 terms (2e-5
     // as the SDPA tests); the lse is O(log S + |s|), its float32 statistics within 1e-5 relative.

@@ -156,8 +156,9 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
 
     With return_softmax_lse, returns (output, lse): each query row's log-sum-exp of its scaled
     scores, float32 (float64 for float64 inputs), [B, Hq, Lq] ([Hq, Tq] packed), +inf for a row that
-    sees no key. Results over two disjoint parts of a cache (a shared prefix, each sequence's own
-    rest) merge with it: reading +inf as -inf, m = max(lse_a, lse_b), w = exp(lse - m),
+    sees no key (the head's sink with sinks). Results over two disjoint parts of a cache (a shared
+    prefix, each sequence's own rest) merge with it: reading +inf as -inf, m = max(lse_a, lse_b),
+    w = exp(lse - m),
     out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b) (with sinks, give them to
     one part only).
     """
