@@ -23,7 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as _np
 
 from . import _mha, _varlen, _window
-from ._paged import paged_attention, write_paged_cache
+from ._paged import merge_attention_states, paged_attention, write_paged_cache
 from ._varlen import varlen_attention, varlen_dropout_seed
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "varlen_attention",
     "paged_attention",
     "write_paged_cache",
+    "merge_attention_states",
     "varlen_dropout_seed",
     "set_num_threads",
     "get_num_threads",

@@ -302,3 +302,39 @@ def run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache
     table, lens = _table_and_lengths(block_table, cache_seqlens, key.shape[0])
     k, v = (_transposed(_as_array(x, name)) for x, name in ((key, "key"), (value, "value")))
     _mha.write_paged_cache(k, v, kc, vc, table, lens, None)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """The attention over the union of two disjoint sets of keys from each set's own result and
+    log-sum-exp (paged_attention's return_softmax_lse): a prefix shared by many sequences and each
+    one's own rest (cascade attention), or one cache split across workers. out [..., L, H, Ev]
+    (FlashAttention's layout; packed [T, H, Ev]) with lse [..., H, L] ([H, T]); returns
+    (out, lse) of the union, in the outputs' and lses' dtypes. An lse of +inf (a row that saw no
+    key) carries no weight. Computed in float32 (float64 for float64 lses): with m the larger lse,
+    w = exp(lse - m), out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
+    torch tensors (differentiable) or numpy arrays; with sinks, give them to one part only."""
+    import torch  # noqa: PLC0415
+
+    arrays = isinstance(out_a, np.ndarray)
+    tensors = [torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+               for x in (out_a, lse_a, out_b, lse_b)]
+    out_a, lse_a, out_b, lse_b = tensors
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(f"out_a/out_b, lse_a/lse_b: expected the same shapes, got {list(out_a.shape)} and "
+                         f"{list(out_b.shape)}, {list(lse_a.shape)} and {list(lse_b.shape)}")
+    if out_a.dim() < 2 or lse_a.shape != (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3]):
+        raise ValueError(f"lse_a: expected [..., H, L] for out [..., L, H, Ev] = {list(out_a.shape)}, got "
+                         f"{list(lse_a.shape)}")
+    wide = torch.float64 if lse_a.dtype == torch.float64 else torch.float32
+    la, lb = (torch.where(x == float("inf"), float("-inf"), x.to(wide)) for x in (lse_a, lse_b))
+    top = torch.maximum(la, lb)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # (neither saw a key)
+    wa, wb = torch.exp(la - top), torch.exp(lb - top)
+    total = wa + wb
+    lse = torch.where(total == 0, float("inf"), top + torch.log(total))
+    weight_a = (wa / total.clamp_min(torch.finfo(wide).tiny)).transpose(-1, -2)[..., None]
+    weight_b = (wb / total.clamp_min(torch.finfo(wide).tiny)).transpose(-1, -2)[..., None]
+    out = (weight_a * out_a.to(wide) + weight_b * out_b.to(wide)).to(out_a.dtype)
+    lse = lse.to(lse_a.dtype)
+    return (out.numpy(), lse.numpy()) if arrays else (out, lse)
+

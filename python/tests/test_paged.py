@@ -356,14 +356,9 @@ def test_lse_against_float64_and_merging_split_caches(rng, dtype):
         a_out, a_lse = mha.paged_attention(q, kc, vc, table, first, enable_gqa=hq != hkv, return_softmax_lse=True)
         z_out, z_lse = mha.paged_attention(q, kc, vc, table[:, 1:], lens - first, enable_gqa=hq != hkv,
                                            return_softmax_lse=True)
-        la, lz = (torch.where(x == float("inf"), float("-inf"), x.double()) for x in (a_lse, z_lse))
-        m = torch.maximum(la, lz)
-        m = torch.where(torch.isinf(m), 0.0, m)
-        wa, wz = torch.exp(la - m), torch.exp(lz - m)  # [B, Hq, Lq]
-        merged = (wa.transpose(1, 2)[..., None] * a_out.double() + wz.transpose(1, 2)[..., None] * z_out.double())
-        merged = merged / torch.clamp(wa + wz, min=1e-300).transpose(1, 2)[..., None]
+        merged, merged_lse = mha.merge_attention_states(a_out, a_lse, z_out, z_lse)
+        assert merged.dtype == dtype and merged_lse.dtype == lse.dtype
         assert _relative(merged, out.double()) < tol_out
-        merged_lse = torch.where(wa + wz == 0, float("inf"), m + torch.log(wa + wz))
         empty = lse == float("inf")  # sequences with no key: +inf from both
         assert torch.equal(merged_lse == float("inf"), empty)
         assert _relative(merged_lse[~empty], lse.double()[~empty], floor=1.0) < tol_lse
@@ -376,6 +371,17 @@ def test_lse_against_float64_and_merging_split_caches(rng, dtype):
     _, lse_b = mha.paged_attention(qp.reshape(q.shape[0], 2, hq, -1), kc, vc, table, lens, enable_gqa=hq != hkv,
                                    return_softmax_lse=True)
     assert torch.equal(lse_p, lse_b.permute(1, 0, 2).reshape(hq, -1))
+    # The merge by hand on one row: weights e^1 and e^3 of lse 1 and 3; +inf carries none; numpy.
+    out_a, out_b = torch.full((1, 1, 1, 2), 2.0), torch.full((1, 1, 1, 2), 6.0)
+    got, got_lse = mha.merge_attention_states(out_a, torch.tensor([[[1.0]]]), out_b, torch.tensor([[[3.0]]]))
+    share = 1 / (1 + np.exp(2.0))
+    assert torch.allclose(got, torch.full((1, 1, 1, 2), 2 * share + 6 * (1 - share)))
+    assert torch.allclose(got_lse, torch.tensor([[[3 + np.log1p(np.exp(-2.0))]]]).float())
+    got, got_lse = mha.merge_attention_states(out_a.numpy(), np.array([[[np.inf]]], np.float32), out_b.numpy(),
+                                              np.array([[[3.0]]], np.float32))
+    assert np.array_equal(got, out_b.numpy()) and got_lse[0, 0, 0] == 3.0
+    with pytest.raises(ValueError, match=r"lse_a: expected \[..., H, L\]"):
+        mha.merge_attention_states(out_a, torch.zeros(1, 1, 2), out_b, torch.zeros(1, 1, 2))
     compiled = torch.compile(lambda *a: mha.paged_attention(*a, enable_gqa=hq != hkv, return_softmax_lse=True),
                              backend="aot_eager", fullgraph=True)
     c_out, c_lse = compiled(q, kc, vc, table, lens)
