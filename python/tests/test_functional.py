@@ -76,16 +76,23 @@ def _close(got, ref, what, args, tol, floor=0.0):
     assert err <= tol, (what, err, {k: (tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in args.items()})
 
 
+def _forward_matches(ours, args):
+    """Our call on `ours` (float32) and PyTorch's on `args` (float64): the outputs and weights
+    agree; returns both outputs."""
+    out, weights = MF.multi_head_attention_forward(**ours)
+    ref_out, ref_weights = F.multi_head_attention_forward(**args)
+    _close(out, ref_out.detach(), "output", args, FORWARD_TOL)
+    assert (weights is None) == (ref_weights is None)
+    if weights is not None:
+        _close(weights, ref_weights.detach(), "weights", args, FORWARD_TOL)
+    return out, ref_out
+
+
 def test_matches_pytorch_forward_and_gradients(rng, parity_count):
     for _ in range(max(50, parity_count // 20)):
         args = _draw_call(rng)
         ours = _float32(args)
-        out, weights = MF.multi_head_attention_forward(**ours)
-        ref_out, ref_weights = F.multi_head_attention_forward(**args)
-        _close(out, ref_out.detach(), "output", args, FORWARD_TOL)
-        assert (weights is None) == (ref_weights is None)
-        if weights is not None:
-            _close(weights, ref_weights.detach(), "weights", args, FORWARD_TOL)
+        out, ref_out = _forward_matches(ours, args)
         grad = torch.from_numpy(rng.standard_normal(out.shape))
         names = [k for k, v in args.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         if not names:
@@ -144,12 +151,7 @@ def test_static_keys_and_values_as_pytorch(rng):
         if trial % 5 == 1:
             args["attn_mask"] = torch.from_numpy(rng.standard_normal((L, S)) * 0.5)
         ours = _float32(args)
-        out, weights = MF.multi_head_attention_forward(**ours)
-        ref_out, ref_weights = F.multi_head_attention_forward(**args)
-        _close(out, ref_out.detach(), "output", args, FORWARD_TOL)
-        assert (weights is None) == (ref_weights is None)
-        if weights is not None:
-            _close(weights, ref_weights.detach(), "weights", args, FORWARD_TOL)
+        out, ref_out = _forward_matches(ours, args)
         if static_k is not None and static_v is not None and "attn_mask" not in args:
             # is_causal over the static keys (a key input of another length, its projection
             # discarded): the causal mask as a bool attn_mask; a zero key stays visible.
