@@ -62,8 +62,8 @@ def _table_and_lengths_tensors(block_table: Any, cache_seqlens: Any, batch: int)
 
     table = (torch.arange(batch, dtype=torch.int32).unsqueeze(1) if block_table is None
              else torch.as_tensor(block_table))
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        return table, torch.full((batch,), cache_seqlens, dtype=torch.int64)
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        return table, torch.full((batch,), int(cache_seqlens), dtype=torch.int64)
     return table, torch.as_tensor(cache_seqlens)
 
 
