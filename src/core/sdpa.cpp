@@ -73,7 +73,7 @@ void forward_kernels(const AttentionProblem& p, const TensorView& out, const Ten
   // them and rounds each output row once as it stores it: the bits of the float32 kernel on
   // widened copies, without the copies (the log-sum-exp stays float32).
   Tensor weights32;
-  const bool narrow_weights = weights && p.q.dtype != DType::f32;
+  const bool narrow_weights = weights && weights->dtype != DType::f32;  // (sinks hand float32 weights)
   if (narrow_weights) weights32 = Tensor::empty(weights->sizes());
   ForwardOutputs o;
   const TensorView out4 = folded(p, out, p.heads_q, "out");
