@@ -88,4 +88,59 @@ TEST(VectorExp2, EdgeCasesTheKernelsRelyOn) {
   }
 }
 
+// The soft-capping tanh (cpu/softcap.hpp) and its derivative against double precision: every
+// float in [-1, 1] at a 2^-16 step (both branches and the switch at 0.4), a sweep of [-12, 12]
+// where both saturate, and random points. tanh's error is relative (its worst just above the
+// switch at 0.4, where 1 - e loses a bit); the slope's too, down to where exp2 flushes e to 0
+// (|x| > 34.7, a slope under 3.2e-30, given as 0), measured per (1 + |x|) as e's rounded
+// argument makes it grow with |x|.
+TEST(VectorTanh, MaximumErrorOnEveryIsa) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  std::vector<float> x;
+  for (int i = -(1 << 16); i <= (1 << 16); ++i) x.push_back(static_cast<float>(i) / (1 << 16));
+  for (double v = -12.0; v <= 12.0; v += 1.0 / 4096) x.push_back(static_cast<float>(v));
+  std::uniform_real_distribution<float> anywhere(-40.0f, 40.0f);
+  for (int i = 0; i < 100000; ++i) x.push_back(anywhere(rng));
+  for (float tiny : {1e-30f, -1e-20f, 1e-8f, 0.39999998f, 0.4f, -0.4f}) x.push_back(tiny);
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    std::vector<float> y(x.size()), slope(x.size());
+    mha::detail::vector_tanh(isa, x.data(), y.data(), slope.data(), static_cast<int64_t>(x.size()));
+    double worst = 0, worst_slope = 0;
+    float at = 0, at_slope = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double t = std::tanh(static_cast<double>(x[i])), c = std::cosh(static_cast<double>(x[i]));
+      const double d = 1 / (c * c);  // 1 - t^2 without its cancellation
+      const double e = t == 0 ? std::fabs(y[i]) : std::fabs(y[i] - t) / std::fabs(t);
+      if (!(e <= worst)) worst = e, at = x[i];
+      if (d > 1e-29) {
+        // e's argument, -2 log2(e) x, is rounded to float: a relative error growing with |x|.
+        const double es = std::fabs(slope[i] - d) / d / (1 + std::fabs(static_cast<double>(x[i])));
+        if (!(es <= worst_slope)) worst_slope = es, at_slope = x[i];
+      }
+    }
+    std::printf("tanh on %s: maximum relative error %.3g (at x = %.9g), slope %.3g x (1 + |x|) (at x = %.9g)\n",
+                std::string(mha::detail::isa_name(isa)).c_str(), worst, at, worst_slope, at_slope);
+    EXPECT_LT(worst, 4 * 0x1p-24) << mha::detail::isa_name(isa) << " at x = " << at;
+    EXPECT_LT(worst_slope, 2e-7) << mha::detail::isa_name(isa) << " at x = " << at_slope;
+  }
+}
+
+TEST(VectorTanh, EdgeCases) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> x = {-inf, -1e30f, -50.0f, 0.0f, -0.0f, 50.0f, 1e30f, inf, nan};
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    SCOPED_TRACE(std::string(mha::detail::isa_name(isa)));
+    std::vector<float> y(x.size()), slope(x.size());
+    mha::detail::vector_tanh(isa, x.data(), y.data(), slope.data(), static_cast<int64_t>(x.size()));
+    for (size_t i = 0; i + 1 < x.size(); ++i) {
+      // Saturated: exactly +-1 with a zero slope (an infinite score is capped, not NaN); 0 stays 0.
+      const float expected = x[i] == 0 ? 0.0f : std::copysign(1.0f, x[i]);
+      EXPECT_EQ(y[i], expected) << "x = " << x[i];
+      EXPECT_EQ(slope[i], x[i] == 0 ? 1.0f : 0.0f) << "x = " << x[i];
+    }
+    EXPECT_TRUE(std::isnan(y.back()));
+  }
+}
+
 }  // namespace

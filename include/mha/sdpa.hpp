@@ -62,6 +62,11 @@ struct SdpaOptions {
   // includes the sink (a row without keys: sinks[h]), and the backward returns its gradient
   // (AttentionGradients::sinks). On the host only.
   std::optional<TensorView> sinks;
+  // Logit soft-capping (Gemma 2, Grok; FlashAttention's softcap): with softcap > 0 each scaled
+  // score s = q.k * scale becomes softcap * tanh(s / softcap) before the masks, ALiBi and the
+  // softmax, bounding it to (-softcap, softcap); 0 leaves the scores as they are. Finite and
+  // >= 0. Forward and backward (the gradient through the tanh); on the host only.
+  double softcap = 0.0;
   std::optional<double> scale;  // default 1/sqrt(Dk)
   bool enable_gqa = false;      // allow Hq to be a multiple of Hkv (grouped-query attention)
   double dropout_p = 0.0;       // dropout on the attention weights, in [0, 1]

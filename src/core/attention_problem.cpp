@@ -352,6 +352,13 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   }
   if (options.sinks) check_sinks(*options.sinks, p, q_in);
   p.sinks = options.sinks;
+  if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) {
+    throw Error("softcap: expected a finite value >= 0 (0 for no soft-capping), got " + std::to_string(options.softcap));
+  }
+  if (options.softcap > 0 && !q_in.device.is_cpu()) {
+    throw Error("softcap: logit soft-capping runs in the host kernels; got inputs on " + q_in.device.str());
+  }
+  p.softcap = options.softcap;
   p.num_threads = options.num_threads;
   if (p.num_threads < 0) {
     throw Error("num_threads: expected >= 0 (0 for the library setting), got " + std::to_string(p.num_threads));

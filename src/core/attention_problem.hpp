@@ -81,6 +81,9 @@ struct AttentionProblem {
   const int32_t* key_pages = nullptr;
   int64_t page_size = 0;
   double scale = 1.0;
+  // Logit soft-capping: each scaled score s becomes softcap * tanh(s / softcap) before the mask
+  // terms (0: none). Every host kernel applies it where it forms its scores (cpu/softcap.hpp).
+  double softcap = 0.0;
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;
   int num_threads = 1;

@@ -92,6 +92,19 @@ struct Float64Problem {
          0.0, s, ld);
   }
 
+  // Logit soft-capping of the scores of `rows` rows [0, end): s = c tanh(s / c) in place, and where
+  // `slope` is not null the derivative 1 - tanh^2(s / c) of each (the backward's chain rule).
+  void cap_scores(int64_t rows, int64_t end, double* s, int64_t ld, double* slope = nullptr) const {
+    if (p.softcap <= 0) return;
+    const double c = p.softcap;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < end; ++j) {
+        const double t = std::tanh(s[r * ld + j] / c);
+        s[r * ld + j] = c * t;
+        if (slope) slope[r * ld + j] = 1 - t * t;
+      }
+  }
+
   // Row i's scores [0, end) with the masks added and the keys past its causal limit at -inf.
   void mask_row(int64_t b, int64_t h, int64_t i, int64_t end, double* s) const {
     const int64_t visible = std::min(p.causal_end(i), end);
@@ -124,6 +137,7 @@ void attention_forward_f64(const AttentionProblem& p, const Float64Outputs& o) {
     std::vector<double> s(static_cast<size_t>(rows * ld)), z(static_cast<size_t>(ld)),
         out(static_cast<size_t>(rows * std::max<int64_t>(p.dim_v, 1)));
     f.scores(b, h, i0, rows, end, s.data(), ld);
+    f.cap_scores(rows, end, s.data(), ld);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       double* row = s.data() + r * ld;
@@ -164,6 +178,7 @@ void attention_backward_f64(const AttentionProblem& p, const Float64Backward& g)
     const int64_t lk = p.len_k, dk = p.dim_qk, dv = p.dim_v, ld = std::max<int64_t>(lk, 1);
     const int64_t ldk = std::max<int64_t>(dk, 1), ldv = std::max<int64_t>(dv, 1);
     std::vector<double> s(static_cast<size_t>(kBlockRows * ld)), dp(s.size()), z(static_cast<size_t>(ld)),
+        slope(p.softcap > 0 ? s.size() : 0),
         dq(static_cast<size_t>(kBlockRows * ldk)), dk_sum(static_cast<size_t>(lk * ldk)), dv_sum(static_cast<size_t>(lk * ldv));
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = 0; i0 < p.len_q; i0 += kBlockRows) {
@@ -182,6 +197,7 @@ void attention_backward_f64(const AttentionProblem& p, const Float64Backward& g)
         }
         // P = exp(s - lse), dP = dO V^T (with the dropout factor), dS = P (dP - D), D = rowsum(dO O).
         f.scores(b, h, i0, rows, end, s.data(), ld);
+        f.cap_scores(rows, end, s.data(), ld, slope.data());
         const double* dout_rows = rows_of(dout, b, h, i0);
         gemm(false, true, rows, end, dv, 1.0, dout_rows, leading(dout), rows_of(f.v, b, hk, 0), leading(f.v), 0.0,
              dp.data(), ld);
@@ -227,6 +243,9 @@ void attention_backward_f64(const AttentionProblem& p, const Float64Backward& g)
             double* dst = g.dscores + b * g.dscores_strides[0] + h * g.dscores_strides[1] + i * g.dscores_strides[2];
             for (int64_t j = 0; j < lk; ++j) dst[j * g.dscores_strides[3]] = j < end ? sr[j] : 0.0;
           }
+          // q.k's share of dS passes through the cap (the masks' share, above, does not).
+          if (p.softcap > 0)
+            for (int64_t j = 0; j < end; ++j) sr[j] *= slope[r * ld + j];
         }
         const double* q_rows = rows_of(f.q, b, h, i0);
         if (g.dq) {

@@ -31,6 +31,7 @@
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cpu/excluded_keys.hpp"
+#include "cpu/softcap.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "mha/tensor.hpp"
 
@@ -323,9 +324,11 @@ struct FewQueries {
     F x[T::kVecs];
     bool nan = false;
     F top = S::set1(neg_inf);
+    const Softcap<S> cap(p);
     for (int v = 0; v < nv; ++v) {
       const int cols = std::min(kLanes, nc - v * kLanes);
       x[v] = S::load(row + v * kLanes);
+      if (cap.on) x[v] = cap.apply(x[v]);
       for (int t = 0; t < p.num_masks; ++t) x[v] = S::add(x[v], T::mask_row(p.masks[t], b, h, i, j0 + v * kLanes, cols));
       const int keep = std::clamp(visible - v * kLanes, 0, kLanes);
       x[v] = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x[v], S::set1(neg_inf));
@@ -593,11 +596,14 @@ struct FewQueries {
     const int64_t visible = std::max<int64_t>(0, s.lim[qi] - j_begin);
     bool nan = false;
     F top = S::set1(neg_inf);
+    const Softcap<S> cap(p);
     for (int64_t c = 0; c < count; c += kLanes) {
       const int cols = static_cast<int>(std::min<int64_t>(kLanes, count - c));
       F x = S::load(row + c);
-      if (!s.skipped[c / kKeys])  // (a skipped block's scores are -inf already)
+      if (!s.skipped[c / kKeys]) {  // (a skipped block's scores are -inf already)
+        if (cap.on) x = cap.apply(x);
         for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j_begin + c, cols));
+      }
       const int64_t keep = std::clamp<int64_t>(visible - c, 0, kLanes);
       x = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x, S::set1(neg_inf));
       nan = nan || !S::all(S::eq(x, x));

@@ -23,6 +23,7 @@
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cpu/few_queries.hpp"
+#include "cpu/softcap.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "mha/tensor.hpp"
 
@@ -174,9 +175,12 @@ struct FewQueriesBackward {
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
     const F zero = S::zero();
+    const Softcap<S> cap(p);
     for (int64_t qi = 0; qi < rows(); ++qi) {
       const int64_t h = hk * group() + qi / p.len_q, i = qi % p.len_q;
       F x = Dot::template dot_scores<typename Dot::AsF32>(kp, s.qs + qi * dk(), dk());
+      F slope{};
+      if (cap.on) x = cap.apply(x, &slope);
       for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j0, nc));
       // Keys past the row's limit (causality, the chunk's end or Lk) have P = 0.
       const U limit = S::set1_u(static_cast<uint32_t>(std::min<int64_t>(s.lim[qi], j0 + nc)));
@@ -192,6 +196,8 @@ struct FewQueriesBackward {
       S::store(s.prob + qi * kLanes, pd);
       S::store(s.grad + qi * kLanes, S::mul(pr, S::sub(dp, S::set1(s.delta[qi]))));
       if (out.dscores) store_score_gradients(b, h, i, j0, s.grad + qi * kLanes, nc);
+      // q.k's share of dS passes through the cap (the masks' share, stored above, does not).
+      if (cap.on) S::store(s.grad + qi * kLanes, S::mul(S::load(s.grad + qi * kLanes), slope));
     }
   }
 

@@ -35,6 +35,7 @@
 #include "cpu/attention_kernel.hpp"
 #include "cpu/excluded_keys.hpp"
 #include "cpu/few_queries_backward.hpp"
+#include "cpu/softcap.hpp"
 #include "cpu/tile_kernels.hpp"
 
 namespace mha::detail {
@@ -328,7 +329,8 @@ struct FlashBackward {
     const int64_t dk = p.dim_qk, dv = p.dim_v;
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const int64_t slots = copies_any() ? kBlock * (dk + dv) : 0;
-    Buffer buf((2 * dk + 2 * dv + 2 * kBlock) * kPanel + std::max(dk, dv) + kLanes + slots);
+    const Softcap<S> cap(p);
+    Buffer buf((2 * dk + 2 * dv + 2 * kBlock) * kPanel + std::max(dk, dv) + kLanes + slots + (cap.on ? kBlock * kPanel : 0));
     float* kt = buf.data;           // [Dk][48] K^T, scaled by scale * log2(e)
     float* vt = kt + dk * kPanel;   // [Dv][48] V^T
     float* dkt = vt + dv * kPanel;  // [Dk][48] dK^T accumulator
@@ -338,6 +340,7 @@ struct FlashBackward {
     const float* zero_row = gt + kBlock * kPanel;
     float* q_slots = gt + kBlock * kPanel + std::max(dk, dv) + kLanes;  // [kBlock][Dk] widened rows
     float* g_slots = q_slots + kBlock * dk;                             // [kBlock][Dv]
+    float* slopes = q_slots + slots;  // [kBlock][48] the soft-cap's derivatives
     transposed_panel(k_rows(), b, hk, j0, nk, kt, qk_scale, q_slots);  // (the slots are free until the query loop)
     transposed_panel(v_rows(), b, hk, j0, nk, vt, 1.0f, g_slots);
     U jv[kVecs];
@@ -366,8 +369,10 @@ struct FlashBackward {
           T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt, dk, vecs);  // scores, base 2
           T::dot_rows_call(gt + ii * kPanel, grows + ii, vt, dv, vecs);  // dPd = dO V^T
         }
+        if (cap.on) cap.rows(pt, ni, kPanel, vecs, slopes);
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
         probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, j0, jv, vecs);
+        if (cap.on) Softcap<S>::chain(gt, slopes, ni, kPanel, vecs);
         if (out.dv) T::accumulate_call(dvt, grows, pt, ni, dv, vecs);  // dV^T += dO^T Pd
         if (out.dk) T::accumulate_call(dkt, qrows, gt, ni, dk, vecs);  // dK^T += Q^T dS
       }
@@ -383,7 +388,8 @@ struct FlashBackward {
     const int64_t hk = h / (p.heads_q / p.heads_kv);
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const int64_t slots = copies_any() ? kBlock * (dk + dv) : 0;
-    Buffer buf((2 * dk + dv + 2 * kBlock + 7) * kPanel + std::max(dk, dv) + kLanes + slots);
+    const Softcap<S> cap(p);
+    Buffer buf((2 * dk + dv + 2 * kBlock + 7) * kPanel + std::max(dk, dv) + kLanes + slots + (cap.on ? kBlock * kPanel : 0));
     float* qt = buf.data;            // [Dk][48] Q^T, scaled
     float* got = qt + dk * kPanel;   // [Dv][48] dO^T
     float* dqt = got + dv * kPanel;  // [Dk][48] dQ^T accumulator
@@ -399,6 +405,7 @@ struct FlashBackward {
     const float* zero_row = reinterpret_cast<const float*>(begin + kPanel);
     float* k_slots = reinterpret_cast<float*>(begin + kPanel) + std::max(dk, dv) + kLanes;  // [kBlock][Dk]
     float* v_slots = k_slots + kBlock * dk;                                                  // [kBlock][Dv]
+    float* slopes = k_slots + slots;  // [kBlock][48] the soft-cap's derivatives
     transposed_panel(q_rows(), b, h, i0, ni, qt, qk_scale, k_slots);  // (the slots are free until the key loop)
     transposed_panel(grad_out_rows(), b, h, i0, ni, got, 1.0f, v_slots);
     bool rescaled = false;  // a row of mask values alone (backward_rows.hpp)
@@ -458,6 +465,7 @@ struct FlashBackward {
         T::dot_rows_call(st + jj * kPanel, krows + jj, qt, dk, vecs);
         T::dot_rows_call(gt + jj * kPanel, vrows + jj, got, dv, vecs);
       }
+      if (cap.on) cap.rows(st, nj, kPanel, vecs, slopes);
       for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], st, 1, kPanel, b, h, i0, ni, j0, nj);
       for (int c = 0; c < vecs; ++c) {
         const F l2 = S::load(lse2 + c * kLanes);
@@ -484,6 +492,7 @@ struct FlashBackward {
           for (int64_t jj = 0; jj < nj; ++jj) dsr[(j0 + jj) * out.dscores_strides[3]] = st[jj * kPanel + ii];
         }
       }
+      if (cap.on) Softcap<S>::chain(st, slopes, nj, kPanel, vecs);  // q.k's share of dS, through the cap
       if (out.dq) T::accumulate_call(dqt, krows, st, nj, dk, vecs);  // dQ^T += K^T dS^T
     }
     if (out.dscores) {  // keys no query of the task sees
@@ -520,8 +529,9 @@ struct FlashBackward {
     const int64_t panel_k = dk * kPanel, panel_v = dv * kPanel;
     // Widened rows: K of the group, Q and dO of one head.
     const int64_t widened = copies_any() ? p.len_k * dk + p.len_q * (dk + dv) : 0;
+    const Softcap<S> cap(p);
     Buffer buf(nkb * 2 * (panel_k + panel_v) + nqb * panel_k + 3 * kPanel * kPanel + std::max(dk, dv) + kLanes +
-               widened);
+               widened + (cap.on ? kPanel * kPanel : 0));
     float* kt_all = buf.data;                  // [nkb][Dk][48] K^T, scaled
     float* vt_all = kt_all + nkb * panel_k;    // [nkb][Dv][48] V^T
     float* dkt_all = vt_all + nkb * panel_v;   // [nkb][Dk][48] dK^T accumulators
@@ -534,6 +544,7 @@ struct FlashBackward {
     float* k_widened = st + kPanel * kPanel + std::max(dk, dv) + kLanes;  // [Lk][Dk]
     float* q_widened = k_widened + p.len_k * dk;                         // [Lq][Dk]
     float* g_widened = q_widened + p.len_q * dk;                         // [Lq][Dv]
+    float* slopes = k_widened + widened;  // [48 queries][48 keys] the soft-cap's derivatives
     // K^T (scaled) and V^T, a 48-key panel at a time, transposed 8 x 8 in registers where the rows
     // are in place (V's copied rows one at a time through g_widened, free until the first head).
     const Rows keys = all_rows(k_rows(), b, hk, p.len_k, k_widened);
@@ -582,6 +593,7 @@ struct FlashBackward {
             T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk, key_vecs);
             T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv, key_vecs);
           }
+          if (cap.on) cap.rows(pt, ni, kPanel, key_vecs, slopes);
           for (int t = 0; t < p.num_masks; ++t) {
             if (const float* tile = mask_tiles.data[t]) {  // the tile's own copy, in consecutive memory
               tile += (mask_slice(p.masks[t], p.heads_q, b, h) * nkb * nqb + kb * nqb + i0 / kPanel) * kPanel * kPanel;
@@ -597,6 +609,7 @@ struct FlashBackward {
           // Every row past ni is zeroed (over key_vecs), so the transpose below holds no stale dS.
           probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, j0, jv, key_vecs);
           if (out.dscores) store_dscores(b, h, i0, ni, j0, nk, gt);
+          if (cap.on) Softcap<S>::chain(gt, slopes, ni, kPanel, key_vecs);  // q.k's share of dS, through the cap
           if (out.dv) T::accumulate_call(dvt_all + kb * panel_v, grows, pt, ni, dv, key_vecs);  // dV^T += dO^T Pd
           if (out.dk) T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, ni, dk, key_vecs);  // dK^T += Q^T dS
           if (out.dq) {

@@ -33,6 +33,7 @@
 #include "cpu/attention_kernel.hpp"
 #include "cpu/excluded_keys.hpp"
 #include "cpu/few_queries.hpp"
+#include "cpu/softcap.hpp"
 #include "cpu/tile_kernels.hpp"
 
 namespace mha::detail {
@@ -183,6 +184,7 @@ struct FlashForward {
     const bool dropout = p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
+    const Softcap<S> cap(p);
 
     for (int64_t j0 = key_begin; j0 < key_end; j0 += kBlockK) {
       // A block a mask excludes entirely is skipped (its weights, when kept, need its P: zeros).
@@ -205,6 +207,7 @@ struct FlashForward {
         }
       }
       for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
+      if (cap.on) cap.rows(s.st, nbp, kBlockQ, vecs);  // before the masks, as they add to the capped score
 
       for (int t = 0; t < p.num_masks; ++t) {
         if (const float* cols = mask_columns.data[t]) {  // the transposed copy: a vector of queries per key

@@ -32,6 +32,7 @@ struct Portable {
   static F add(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] + b.v[i]; return r; }
   static F sub(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] - b.v[i]; return r; }
   static F mul(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] * b.v[i]; return r; }
+  static F div(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] / b.v[i]; return r; }
   static F max(F a, F b) { F r; MHA_LANES r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
   // The lanes in reverse order (lane i takes lane 15 - i).
   static F reverse(F a) { F r; MHA_LANES r.v[i] = a.v[kLanes - 1 - i]; return r; }

@@ -4,4 +4,5 @@
 
 namespace mha::detail {
 void vector_exp2_avx2(const float* x, float* y, int64_t n) { vector_exp2_of<simd::Avx2>(x, y, n); }
+void vector_tanh_avx2(const float* x, float* y, float* slope, int64_t n) { vector_tanh_of<simd::Avx2>(x, y, slope, n); }
 }  // namespace mha::detail

@@ -4,4 +4,5 @@
 
 namespace mha::detail {
 void vector_exp2_avx512(const float* x, float* y, int64_t n) { vector_exp2_of<simd::Avx512>(x, y, n); }
+void vector_tanh_avx512(const float* x, float* y, float* slope, int64_t n) { vector_tanh_of<simd::Avx512>(x, y, slope, n); }
 }  // namespace mha::detail

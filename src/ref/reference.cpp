@@ -1,6 +1,7 @@
 // The float64 reference. Each step is the seed formula written out with plain loops:
-//   scores = q k^T * scale + masks;  weights = softmax(scores);  weights = dropout(weights);
+//   scores = cap(q k^T * scale) + masks;  weights = softmax(scores);  weights = dropout(weights);
 //   out = weights v
+// (cap: softcap * tanh(s / softcap) with soft-capping, s without.)
 // No tiling, no online softmax, no tricks: it exists to be obviously right.
 #include "mha/reference.hpp"
 
@@ -31,6 +32,9 @@ double element(const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) 
   throw Error("reference: unexpected dtype");
 }
 
+// The scaled score q.k * scale, soft-capped (softcap * tanh(s / softcap)) where asked.
+double capped(const AttentionProblem& p, double s) { return p.softcap > 0 ? p.softcap * std::tanh(s / p.softcap) : s; }
+
 // ALiBi from its definition (not from the kernels' term): -slope |i + diagonal - j|.
 double alibi_bias(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   return -p.alibi_slope(b, h) * std::abs(static_cast<double>(i + p.alibi_diagonal - j));
@@ -48,7 +52,7 @@ void attention(const AttentionProblem& p, double* out, double* weights) {
         for (int64_t j = 0; j < p.len_k; ++j) {
           double dot = 0;
           for (int64_t d = 0; d < p.dim_qk; ++d) dot += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
-          double s = dot * p.scale;
+          double s = capped(p, dot * p.scale);
           for (int m = 0; m < p.num_masks; ++m) s += m == p.alibi_term ? alibi_bias(p, b, h, i, j) : p.masks[m].bias_f64(b, h, i, j);
           if (!p.visible(i, j)) s = neg_inf;
           scores[j] = s;
@@ -152,7 +156,7 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
         for (int64_t j = 0; j < p.len_k; ++j) {
           double s = 0;
           for (int64_t d = 0; d < p.dim_qk; ++d) s += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
-          s *= p.scale;
+          s = capped(p, s * p.scale);
           for (int m = 0; m < p.num_masks; ++m) s += m == p.alibi_term ? alibi_bias(p, b, h, i, j) : p.masks[m].bias_f64(b, h, i, j);
           if (!p.visible(i, j)) s = neg_inf;
           prob[j] = s;
@@ -181,8 +185,14 @@ Gradients scaled_dot_product_attention_backward(const TensorView& q, const Tenso
         // The sink's score: its dP is 0 (no value), so dS = P_sink (0 - D).
         if (p.sinks) dsinks.data<double>()[h] -= std::exp(p.sink(h) - max) / sum * D;
         for (int64_t j = 0; j < p.len_k; ++j) {
-          const double ds = prob[j] * (dprob[j] - D);
+          double ds = prob[j] * (dprob[j] - D);
           dmask_full.data<double>()[((b * p.heads_q + h) * p.len_q + i) * p.len_k + j] = ds;
+          if (p.softcap > 0 && ds != 0) {  // through the cap: d/ds [c tanh(s / c)] = 1 - tanh^2(s / c)
+            double dot = 0;
+            for (int64_t d = 0; d < p.dim_qk; ++d) dot += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
+            const double t = std::tanh(dot * p.scale / p.softcap);
+            ds *= 1 - t * t;
+          }
           for (int64_t d = 0; d < p.dim_qk; ++d) {
             at(dq, b, h, i, d) += p.scale * ds * element(p.k, b, hk, j, d);
             at(dk, b, hk, j, d) += p.scale * ds * element(p.q, b, h, i, d);
