@@ -94,14 +94,17 @@ def bench_sdpa(B, H, L, d, causal, dtype, reps, rows):
                                          lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
     rows.append((f"sdpa fwd {name}", shape, ours_fwd, torch_fwd, flops))
 
-    out, lse = _mha.sdpa_train(q, k, v, None, 0.0, causal, None, False, 0, False, 0)
+    options = dict(attn_mask=None, dropout_p=0.0, is_causal=causal, scale=None, softcap=0.0, enable_gqa=False,
+                   dropout_seed=0, bottom_right=False, window_left=-1, window_right=-1, alibi_slopes=None,
+                   num_threads=0)
+    out, lse = _mha.sdpa_train(q, k, v, **options)
     out = torch.from_numpy(out)
     if dtype == torch.bfloat16:  # numpy has no bfloat16: its bits came back
         out = out.view(torch.bfloat16)
     qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     ours_bwd, torch_bwd = paired_medians(
-        lambda: _mha.sdpa_backward(q, k, v, out, lse, go, None, 0.0, causal, None, False, 0, False, 0, False),
+        lambda: _mha.sdpa_backward(q, k, v, out, lse, go, **options, attn_mask_grad=False),
         lambda: torch.autograd.grad(ref, (qt, kt, vt), go, retain_graph=True), reps)
     rows.append((f"sdpa bwd {name}", shape, ours_bwd, torch_bwd, 2.5 * flops))
 

@@ -23,6 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as _np
 
 from . import _mha, _varlen, _window
+from ._softcap import check_softcap
 from ._paged import merge_attention_states, paged_attention, write_paged_cache
 from ._varlen import varlen_attention, varlen_dropout_seed
 
@@ -263,7 +264,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                  enable_gqa: bool = False, *, dropout_seed: Optional[int] = None,
                                  causal_alignment: str = "top_left", need_weights: bool = False,
                                  num_threads: int = 0, window_size: Optional[Tuple[int, int]] = None,
-                                 alibi_slopes=None, sinks=None):
+                                 alibi_slopes=None, sinks=None, softcap: float = 0.0):
     """torch.nn.functional.scaled_dot_product_attention on the fused kernel.
 
     query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev], rank 2
@@ -291,6 +292,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     that (already scaled) score and a zero value were appended, so a row's weights sum to less
     than 1. The sinks take a gradient (a trainable parameter, as in gpt-oss); the training
     forward's log-sum-exp includes them.
+    softcap > 0 is logit soft-capping (Gemma 2's attn_logit_softcapping, FlashAttention's softcap):
+    each scaled score s becomes softcap * tanh(s / softcap) before the masks, ALiBi and the
+    softmax; its gradients pass through the tanh. 0 (the default) leaves the scores as they are.
     With need_weights=True, returns (output, weights) instead of the output. The weights are
     differentiable, as mha.nn.MultiheadAttention's are: where autograd (or a torch.func transform)
     needs their derivative they are formed in torch operators (O(L*S) per head, as the weights
@@ -309,21 +313,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if autocast is not None:
         query, key, value, attn_mask = _autocast(autocast, query, key, value, attn_mask)
     window = _window.check_window(window_size)
+    softcap = check_softcap(softcap)
     if _is_torch(query) and query.is_nested:  # jagged [B, H, j, D]: packed sequences, no padding
         return _varlen.nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    dropout_seed, causal_alignment, num_threads, need_weights, window, alibi_slopes,
-                                   sinks)
+                                   sinks, softcap)
     window = _window.sides(window)
     if alibi_slopes is not None and _is_torch(query) and not _is_torch(alibi_slopes):
         alibi_slopes = _loaded_torch().as_tensor(alibi_slopes)  # (the torch paths pass tensors on)
     sinks = _sinks_operand(query, sinks)
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                            causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks)
+                            causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap)
     _auto_threading()
     if _transformed():
         return _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                                 causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks)
+                                 causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap)
     grad = _needs_grad(query, key, value, attn_mask, sinks)
     q = _as_array(query, "query", once=True)  # each feeds one extension call at most
     k = _as_array(key, "key", once=True)
@@ -338,19 +343,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         from .autograd import SdpaFunction
         out = SdpaFunction.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
                                  None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
-                                 causal_alignment == "bottom_right", *window, alibi_slopes, int(num_threads), sinks)
+                                 causal_alignment == "bottom_right", *window, alibi_slopes, int(num_threads), softcap,
+                                 sinks)
         if not need_weights:
             return out
         dropped = None
         if dropout_p > 0:  # (the kernel's weights for its dropout mask: the output's, same seed)
             _, dropped = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
-                                   None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed), True,
+                                   None if scale is None else float(scale), softcap, bool(enable_gqa), int(dropout_seed), True,
                                    causal_alignment == "bottom_right", *window, a, int(num_threads), sk)
             dropped = _like(query, dropped)
         return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                            causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks)
+                                            causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks,
+                                            softcap)
     out, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
-                             None if scale is None else float(scale), bool(enable_gqa), int(dropout_seed),
+                             None if scale is None else float(scale), softcap, bool(enable_gqa), int(dropout_seed),
                              bool(need_weights), causal_alignment == "bottom_right", *window, a, int(num_threads), sk)
     if need_weights:
         return _like(query, out), _like(query, weights)
@@ -386,7 +393,7 @@ def _transformed() -> bool:
 
 
 def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                      causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks):
+                      causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap=0.0):
     """Under torch.func transforms: the autograd Functions, whose vmap rules and setup_context
     the transforms call (their tensors are wrappers the extension cannot read)."""
     from .autograd import SdpaTransformFunction, SdpaWeightsFunction
@@ -399,36 +406,39 @@ def _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
     options = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
-               int(dropout_seed), causal_alignment == "bottom_right", *window, alibi_slopes, int(num_threads), sinks)
+               int(dropout_seed), causal_alignment == "bottom_right", *window, alibi_slopes, int(num_threads), softcap,
+               sinks)
     out, _ = SdpaTransformFunction.apply(query, key, value, attn_mask, *options)
     if not need_weights:
         return out
     dropped = SdpaWeightsFunction.apply(query, key, value, attn_mask, *options) if dropout_p > 0 else None
     return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                        causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks)
+                                        causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks,
+                                            softcap)
 
 
 def _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, window,
-                            alibi_slopes, dropped, sinks=None):
+                            alibi_slopes, dropped, sinks=None, softcap=0.0):
     """The attention weights with their derivatives: P formed in torch operators (_explicit.py),
     where autograd or a transform must differentiate them; with dropout, the kernel's mask (the
     zeros of its weights `dropped`, drawn with the output's seed) applied and scaled by 1/(1-p)."""
     from ._explicit import dropout_keep, probabilities
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes, sinks)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes, sinks,
+                      softcap)
     if dropout_p > 0:
         p = p * dropout_keep(dropped, dropout_p, p.dtype)
     return p.to(query.dtype)
 
 
 def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                 causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks):
+                 causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap=0.0):
     from . import ops
 
     _check_alignment_and_mask(causal_alignment, attn_mask)
     # (one seed for both operators: the weights are those of the output's dropout mask)
     args = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
             ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right", *window,
-            alibi_slopes, int(num_threads), sinks)
+            alibi_slopes, int(num_threads), softcap, sinks)
     if need_weights and not _needs_grad(query, key, value, attn_mask, sinks):
         return ops.sdpa_with_weights(query, key, value, attn_mask, *args)
     out, _ = ops.sdpa_train(query, key, value, attn_mask, *args)
@@ -439,7 +449,8 @@ def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         detached = (None if t is None else t.detach() for t in (query, key, value, attn_mask))
         dropped = ops.sdpa_with_weights(*detached, *args)[1]
     return out, _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                        causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks)
+                                        causal_alignment == "bottom_right", window, alibi_slopes, dropped, sinks,
+                                            softcap)
 
 
 class MultiheadAttention:

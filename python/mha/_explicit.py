@@ -1,6 +1,6 @@
 """Attention probabilities formed explicitly in torch operators, O(L * S) per head.
 
-The fused kernels never form P = softmax(scale * Q K^T + mask) whole. Where P itself is wanted
+The fused kernels never form P = softmax(cap(scale * Q K^T) + mask) whole. Where P itself is wanted
 with derivatives, this is it, in float32 (float64 for float64 inputs): the forward-mode
 derivative (_forward_ad.py), the weights that scaled_dot_product_attention(need_weights=True)
 returns when autograd or a torch.func transform must differentiate them, and the backward that
@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ._softcap import capped, slope
 from ._window import band
 
 
@@ -39,17 +40,24 @@ def alibi_biases(slopes, L: int, S: int, bottom_right: bool, dtype):
     return -(slopes.to(dtype)[..., None, None] * distance)
 
 
+def raw_scores(query, key, scale, enable_gqa: bool):
+    """scale * Q K^T in the wide dtype, grouped key heads repeated."""
+    wide = wide_dtype(query)
+    k = grouped(key, heads_of(query), enable_gqa).to(wide)
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    return query.to(wide) @ k.transpose(-1, -2) * scale
+
+
 def probabilities(query, key, attn_mask, is_causal: bool, scale, enable_gqa: bool, bottom_right: bool,
-                  window=(-1, -1), alibi_slopes=None, sinks=None):
-    """softmax(scale * Q K^T + mask) with the kernel's conventions: a bool mask keeps True, a causal
+                  window=(-1, -1), alibi_slopes=None, sinks=None, softcap: float = 0.0):
+    """softmax(cap(scale * Q K^T) + mask) with the kernel's conventions: soft-capping (softcap > 0),
+    a bool mask keeps True, a causal
     mask in either alignment, a sliding window (left, right), ALiBi's biases, grouped key heads,
     broadcast batch dimensions; a row whose keys are
     all masked is zeros, and so is its derivative (no NaN from the softmax of -inf alone). Sinks
     [Hq] add exp(sink) to each row's denominator (differentiable in them too)."""
     wide = wide_dtype(query)
-    k = grouped(key, heads_of(query), enable_gqa).to(wide)
-    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = query.to(wide) @ k.transpose(-1, -2) * scale
+    scores = capped(raw_scores(query, key, scale, enable_gqa), softcap)
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool
                   else scores + attn_mask.to(wide))
@@ -95,17 +103,19 @@ def _summed_to(grad, like, enable_gqa: bool, heads: int):
 
 
 def backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa, bottom_right,
-             window=(-1, -1), alibi_slopes=None, keep=None, sinks=None):
+             window=(-1, -1), alibi_slopes=None, keep=None, sinks=None, softcap: float = 0.0):
     """The gradients of query, key, value and a float mask (None where not `wanted`) for
     `grad_output`, in torch operators that autograd (or a torch.func transform) differentiates
     again. With O = (P * keep) V:
         dV = (P * keep)^T dO,  dP = (dO V^T) * keep,  dS = P * (dP - rowsum(P * dP)),
         dQ = scale dS K,  dK = scale dS^T Q,  dMask = dS (each summed over what it broadcast or
         repeated along); with sinks, dSink = -sum(P_sink * rowsum(P * dP)), P_sink = 1 - rowsum(P)
-        (a fifth entry, None without sinks)."""
+        (a fifth entry, None without sinks). With soft-capping, q.k's share of dS (dQ, dK) is
+        multiplied by the cap's derivative 1 - tanh^2; the mask's is not."""
     wide, heads = wide_dtype(query), heads_of(query)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes, sinks)
+    p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, bottom_right, window, alibi_slopes, sinks,
+                      softcap)
     kept = p if keep is None else p * keep
     d_out = grad_output.to(wide)
     d_p = d_out @ grouped(value, heads, enable_gqa).to(wide).transpose(-1, -2)
@@ -117,10 +127,11 @@ def backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale
     if sinks is not None and len(wanted) > 4 and wanted[4]:
         per_row = -((1 - p.sum(-1, keepdim=True)) * delta)[..., 0]  # [..., Hq, L]
         grads[4] = per_row.reshape(-1, sinks.shape[0], per_row.shape[-1]).sum((0, 2)).to(sinks.dtype)
+    d_qk = d_s if softcap == 0 else d_s * slope(raw_scores(query, key, scale, enable_gqa), softcap)
     if wanted[0]:
-        grads[0] = (d_s @ grouped(key, heads, enable_gqa).to(wide) * scale).sum_to_size(query.shape).to(query.dtype)
+        grads[0] = (d_qk @ grouped(key, heads, enable_gqa).to(wide) * scale).sum_to_size(query.shape).to(query.dtype)
     if wanted[1]:
-        grads[1] = _summed_to(d_s.transpose(-1, -2) @ query.to(wide) * scale, key, enable_gqa, heads)
+        grads[1] = _summed_to(d_qk.transpose(-1, -2) @ query.to(wide) * scale, key, enable_gqa, heads)
     if wanted[2]:
         grads[2] = _summed_to(kept.transpose(-1, -2) @ d_out, value, enable_gqa, heads)
     if wanted[3] and attn_mask is not None and attn_mask.is_floating_point():

@@ -54,34 +54,34 @@ class _Module:
     def dtype(self) -> str: ...
 
 def sdpa(query: Any, key: Any, value: Any, attn_mask: Optional[Any], dropout_p: float, is_causal: bool,
-         scale: Optional[float], enable_gqa: bool, dropout_seed: int, need_weights: bool, bottom_right: bool,
+         scale: Optional[float], softcap: float, enable_gqa: bool, dropout_seed: int, need_weights: bool, bottom_right: bool,
          window_left: int, window_right: int, alibi_slopes: Optional[Any],
          num_threads: int, sinks: Optional[Any] = ...) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
 def sdpa_train(query: Any, key: Any, value: Any, attn_mask: Optional[Any], dropout_p: float, is_causal: bool,
-               scale: Optional[float], enable_gqa: bool, dropout_seed: int, bottom_right: bool, window_left: int,
+               scale: Optional[float], softcap: float, enable_gqa: bool, dropout_seed: int, bottom_right: bool, window_left: int,
                window_right: int, alibi_slopes: Optional[Any], num_threads: int,
                sinks: Optional[Any] = ...) -> Tuple[np.ndarray, np.ndarray]: ...
 def sdpa_backward(query: Any, key: Any, value: Any, output: Any, lse: Any, grad_output: Any, attn_mask: Optional[Any],
-                  dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: int,
+                  dropout_p: float, is_causal: bool, scale: Optional[float], softcap: float, enable_gqa: bool, dropout_seed: int,
                   bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[Any],
                   num_threads: int, attn_mask_grad: bool, wanted: Tuple[bool, bool, bool] = (True, True, True),
                   sinks: Optional[Any] = ...) -> Tuple[MaybeArray, MaybeArray, MaybeArray, MaybeArray, MaybeArray]: ...
 def sdpa_varlen(query: Any, key: Any, value: Any, cu_seqlens_q: List[int], cu_seqlens_k: List[int], dropout_p: float,
-                is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: int, bottom_right: bool,
+                is_causal: bool, scale: Optional[float], softcap: float, enable_gqa: bool, dropout_seed: int, bottom_right: bool,
                 window_left: int, window_right: int, alibi_slopes: Optional[Any], num_threads: int,
                 sinks: Optional[Any] = ...) -> np.ndarray: ...
 def sdpa_varlen_train(query: Any, key: Any, value: Any, cu_seqlens_q: List[int], cu_seqlens_k: List[int],
-                      dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: int,
+                      dropout_p: float, is_causal: bool, scale: Optional[float], softcap: float, enable_gqa: bool, dropout_seed: int,
                       bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[Any],
                       num_threads: int, sinks: Optional[Any] = ...) -> Tuple[np.ndarray, np.ndarray]: ...
 def sdpa_varlen_backward(query: Any, key: Any, value: Any, cu_seqlens_q: List[int], cu_seqlens_k: List[int],
                          output: Any, lse: Any, grad_output: Any, dropout_p: float, is_causal: bool,
-                         scale: Optional[float], enable_gqa: bool, dropout_seed: int, bottom_right: bool,
+                         scale: Optional[float], softcap: float, enable_gqa: bool, dropout_seed: int, bottom_right: bool,
                          window_left: int, window_right: int, alibi_slopes: Optional[Any],
                          num_threads: int, wanted: Tuple[bool, bool, bool] = ..., sinks: Optional[Any] = ...
                          ) -> Tuple[MaybeArray, MaybeArray, MaybeArray, MaybeArray]: ...
 def paged_attention(query: Any, key_cache: Any, value_cache: Any, block_table: np.ndarray, cache_seqlens: np.ndarray,
-                    is_causal: bool, scale: Optional[float], enable_gqa: bool, bottom_right: bool, window_left: int,
+                    is_causal: bool, scale: Optional[float], softcap: float, enable_gqa: bool, bottom_right: bool, window_left: int,
                     window_right: int, alibi_slopes: Optional[Any], num_threads: int,
                     cu_seqlens_q: Optional[np.ndarray], return_lse: bool = ..., sinks: Optional[Any] = ...
                     ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...

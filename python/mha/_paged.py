@@ -9,6 +9,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _mha
+from ._softcap import check_softcap
 from ._window import check_window, sides
 
 
@@ -124,7 +125,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
                     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
                     causal_alignment: str = "bottom_right", window_size: Optional[Tuple[int, int]] = None,
                     alibi_slopes=None, num_threads: int = 0, cu_seqlens_q=None, return_softmax_lse: bool = False,
-                    sinks=None):
+                    sinks=None, softcap: float = 0.0):
     """Attention of new queries over a paged key/value cache, in FlashAttention's layout
     (its flash_attn_with_kvcache).
 
@@ -143,8 +144,8 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
 
     is_causal aligns bottom-right by default (the queries are the last Lq positions, so the last
     query sees every key: FlashAttention's kvcache rule; causal_alignment="top_left" for PyTorch's).
-    window_size, alibi_slopes ([Hq] or [B, Hq]), sinks ([Hq], gpt-oss's), scale and enable_gqa as in
-    mha.scaled_dot_product_attention. float32, bfloat16, float16 or float64; torch tensors or numpy
+    window_size, alibi_slopes ([Hq] or [B, Hq]), sinks ([Hq], gpt-oss's), softcap (Gemma 2's logit
+    soft-capping), scale and enable_gqa as in mha.scaled_dot_product_attention. float32, bfloat16, float16 or float64; torch tensors or numpy
     arrays, on the CPU. Up to 32 queries per head read the pages where they lie; longer query
     blocks gather each sequence's pages first. Inference only: inputs that require grad are an
     error while grad mode is on.
@@ -184,6 +185,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
         raise ValueError(f"key_cache: without a block_table, expected one contiguous cache [B, S, Hkv, E] per "
                          f"sequence (B = {batch}), got shape {list(key_cache.shape)}")
     window = check_window(window_size)
+    softcap = check_softcap(softcap)
     options = (bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
                causal_alignment == "bottom_right", *sides(window))
     if _compiling():  # mha::write_paged_cache (when k, v) and mha::paged_attention, tensor operands
@@ -198,7 +200,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
             lens = lens + (k.shape[1] if cu is None else cu[1:] - cu[:-1])
         out, lse = torch.ops.mha.paged_attention(query, key_cache, value_cache, table, lens, *options,
                                                  None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
-                                                 int(num_threads), cu, bool(return_softmax_lse),
+                                                 int(num_threads), cu, bool(return_softmax_lse), softcap,
                                                  None if sinks is None else torch.as_tensor(sinks))
         return (out, lse) if return_softmax_lse else out
     table, lens = _table_and_lengths(block_table, cache_seqlens, batch)
@@ -207,13 +209,13 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
         run_write_paged_cache(k, v, key_cache, value_cache, table, lens, cu)
         lens = lens + (int(k.shape[1]) if cu is None else np.diff(cu))
     out, lse = run_paged_attention(query, key_cache, value_cache, table, lens, *options, alibi_slopes,
-                                   int(num_threads), cu_seqlens_q, bool(return_softmax_lse), sinks)
+                                   int(num_threads), cu_seqlens_q, bool(return_softmax_lse), softcap, sinks)
     return (out, lse) if return_softmax_lse else out
 
 
 def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
                         bottom_right, window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q=None,
-                        return_lse=False, sinks=None):
+                        return_lse=False, softcap=0.0, sinks=None):
     """paged_attention's work once its options are checked (the eager call and the operator's
     body): (output, lse), lse None unless return_lse."""
     from . import _as_array, _like  # noqa: PLC0415
@@ -224,13 +226,14 @@ def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlen
     if cu_seqlens_q is not None:  # packed rows [Tq, Hq, E], read as they are
         cu = _integers(cu_seqlens_q, "cu_seqlens_q", np.int64, 1)
         table, lens = _table_and_lengths(block_table, cache_seqlens, max(cu.shape[0] - 1, 0))
-        out, lse = _mha.paged_attention(_as_array(query, "query"), k, v, table, lens, is_causal, scale, enable_gqa,
+        out, lse = _mha.paged_attention(_as_array(query, "query"), k, v, table, lens, is_causal, scale, softcap,
+                                        enable_gqa,
                                         bottom_right, window_left, window_right, slopes, num_threads, cu, return_lse,
                                         sink_array)
         return _like(query, out), _statistics_like(query, lse)
     table, lens = _table_and_lengths(block_table, cache_seqlens, query.shape[0])
     q = _transposed(_as_array(query, "query"))
-    out, lse = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, enable_gqa, bottom_right, window_left,
+    out, lse = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, softcap, enable_gqa, bottom_right, window_left,
                                     window_right, slopes, num_threads, None, return_lse, sink_array)
     result = _like(query, out)  # [B, Hq, Lq, Ev]
     if isinstance(result, np.ndarray):

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _mha
+from ._softcap import check_softcap
 from ._window import check_window, sides
 
 
@@ -34,10 +35,11 @@ def offsets_list(offsets: Any, name: str) -> list:
     raise TypeError(f"{name}: expected a 1-D integer tensor, array or list of offsets, got {type(offsets).__name__}")
 
 
-def _options(dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window, alibi_slopes,
+def _options(dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed, bottom_right, window, alibi_slopes,
              num_threads) -> tuple:
-    return (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
-            int(dropout_seed), bool(bottom_right), *sides(window), alibi_slopes, int(num_threads))
+    """The options in the order of the extension's varlen functions."""
+    return (float(dropout_p), bool(is_causal), None if scale is None else float(scale), float(softcap),
+            bool(enable_gqa), int(dropout_seed), bool(bottom_right), *sides(window), alibi_slopes, int(num_threads))
 
 
 def varlen_function():
@@ -104,7 +106,8 @@ def _jagged_parts(t, name: str):
 
 
 def nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                causal_alignment, num_threads, need_weights, window=None, alibi_slopes=None, sinks=None):
+                causal_alignment, num_threads, need_weights, window=None, alibi_slopes=None, sinks=None,
+                softcap=0.0):
     """scaled_dot_product_attention of jagged nested tensors [B, H, j, D]: each sequence attends to
     its own keys, as PyTorch's nested SDPA does; the output is nested like the query."""
     import torch  # noqa: PLC0415
@@ -124,7 +127,8 @@ def nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         raise ValueError("key/value: expected the same sequence lengths")
     out = varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                            dropout_p=dropout_p, dropout_seed=dropout_seed, causal_alignment=causal_alignment,
-                           num_threads=num_threads, window_size=window, alibi_slopes=alibi_slopes, sinks=sinks)
+                           num_threads=num_threads, window_size=window, alibi_slopes=alibi_slopes, sinks=sinks,
+                           softcap=softcap)
     return torch.nested.nested_tensor_from_jagged(out, cu_q).transpose(1, 2)
 
 
@@ -132,7 +136,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
                      is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
                      dropout_p: float = 0.0, dropout_seed: Optional[int] = None, causal_alignment: str = "top_left",
                      num_threads: int = 0, window_size: Optional[Tuple[int, int]] = None, alibi_slopes=None,
-                     sinks=None):
+                     sinks=None, softcap: float = 0.0):
     """Attention over sequences of different lengths packed without padding.
 
     query [Tq, Hq, E], key [Tk, Hkv, E], value [Tk, Hkv, Ev] -> [Tq, Hq, Ev]. Sequence s holds
@@ -145,7 +149,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
     dropout with seed mha.varlen_dropout_seed(dropout_seed, s). window_size=(left, right) is a
     sliding window within each sequence, as in mha.scaled_dot_product_attention (-1: unbounded
     on that side). alibi_slopes [Hq] or [B, Hq] (per sequence) is ALiBi within each sequence, as in
-    mha.scaled_dot_product_attention, and so are sinks [Hq] (differentiable). float32, bfloat16, float16 or
+    mha.scaled_dot_product_attention, and so are sinks [Hq] (differentiable) and softcap (logit
+    soft-capping, softcap * tanh(s / softcap)). float32, bfloat16, float16 or
     float64; torch tensors (differentiable, once) or numpy arrays. Nested inputs to
     mha.scaled_dot_product_attention (and to PyTorch's, under mha.patch_torch_sdpa) come here.
     Under torch.compile (and torch.export) the call is one node of the graph, mha::sdpa_varlen_train,
@@ -156,16 +161,17 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
     window = check_window(window_size)
+    softcap = check_softcap(softcap)
     sinks = _sinks_operand(query, sinks)
     if _compiling():  # one node of the graph, the offsets tensor operands (no specialisation on lengths)
         return _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, enable_gqa, dropout_p,
                               dropout_seed, causal_alignment == "bottom_right", window, alibi_slopes, num_threads,
-                              sinks)
+                              sinks, softcap)
     cu_q = offsets_list(cu_seqlens_q, "cu_seqlens_q")
     cu_k = cu_q if cu_seqlens_k is None else offsets_list(cu_seqlens_k, "cu_seqlens_k")
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
-    options = _options(dropout_p, is_causal, scale, enable_gqa, dropout_seed, causal_alignment == "bottom_right",
+    options = _options(dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed, causal_alignment == "bottom_right",
                        window, _as_array(alibi_slopes, "alibi_slopes", allow_none=True), num_threads)
     if _needs_grad(query, key, value, sinks):
         for t, name in ((query, "query"), (key, "key"), (value, "value")):
@@ -183,7 +189,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
 
 
 def _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, enable_gqa, dropout_p,
-                   dropout_seed, bottom_right, window, alibi_slopes, num_threads, sinks):
+                   dropout_seed, bottom_right, window, alibi_slopes, num_threads, sinks, softcap=0.0):
     """varlen_attention inside torch.compile / torch.export: the operator mha::sdpa_varlen_train."""
     import torch  # noqa: PLC0415
 
@@ -199,7 +205,8 @@ def _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, sca
                                              ops.seed_tensor(dropout_seed, dropout_p), bool(bottom_right),
                                              *sides(window),
                                              None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
-                                             int(num_threads), None if sinks is None else torch.as_tensor(sinks))
+                                             int(num_threads), float(softcap),
+                                             None if sinks is None else torch.as_tensor(sinks))
     return out
 
 

@@ -87,8 +87,8 @@ def forward_rule(info, in_dims, tensors, dropout_p: float, call: Callable) -> tu
     """The vmap rule of a forward whose tensors are (query, key, value, attn_mask): call()'s
     outputs (a tuple), each with the vmapped dimension first."""
     check_randomness(info, dropout_p)
-    if any(d is not None for d in in_dims[4:]):  # (options: the slopes at 12, the sinks at 14)
-        if len(in_dims) > 14 and in_dims[14] is not None:
+    if any(d is not None for d in in_dims[4:]):  # (options: the slopes at 12, the sinks at 15)
+        if len(in_dims) > 15 and in_dims[15] is not None:
             raise ValueError("sinks: vmap over the sinks is not supported; pass sinks shared by every example")
         raise ValueError("alibi_slopes: vmap over the slopes is not supported; pass slopes shared by every example "
                          "(or per example, as a batch dimension [B, Hq] of the call)")

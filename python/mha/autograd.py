@@ -64,11 +64,11 @@ def token_object(token: torch.Tensor):
 
 
 def _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
-                  window_left, window_right, alibi_slopes, num_threads, sinks=None):
+                  window_left, window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None):
     """(output, log-sum-exp) of the C++ training forward."""
     out, lse = _mha.sdpa_train(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
-                               is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right,
-                               _detached(alibi_slopes), num_threads, _detached(sinks))
+                               is_causal, scale, softcap, enable_gqa, dropout_seed, bottom_right, window_left,
+                               window_right, _detached(alibi_slopes), num_threads, _detached(sinks))
     return _tensor(out), torch.from_numpy(lse)
 
 
@@ -120,21 +120,21 @@ def _differentiable_sdpa_backward(ctx, grad_output):
     the kernel's mask for the call's seed (read off its weights)."""
     query, key, value, attn_mask, _, _ = ctx.saved_tensors
     (dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right, alibi_slopes,
-     num_threads, sinks) = ctx.options
+     num_threads, softcap, sinks) = ctx.options
     keep = None
     if dropout_p > 0:
         inputs = [None if x is None else x.detach() for x in (query, key, value, attn_mask)]
         if _levels.transforms_active():
             weights = SdpaWeightsFunction.apply(*inputs, *ctx.options)
         else:
-            weights = _tensor(_mha.sdpa(*inputs, dropout_p, is_causal, scale, enable_gqa, dropout_seed, True,
+            weights = _tensor(_mha.sdpa(*inputs, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed, True,
                                         bottom_right, window_left, window_right, _detached(alibi_slopes), num_threads,
                                         _detached(sinks))[1])
         keep = _explicit.dropout_keep(weights, dropout_p, _explicit.wide_dtype(query))
     wanted = (list(ctx.needs_input_grad[:3]) + [attn_mask is not None and ctx.needs_input_grad[3]]
               + [sinks is not None and ctx.needs_input_grad[-1]])
     grads = _explicit.backward(query, key, value, attn_mask, grad_output, wanted, is_causal, scale, enable_gqa,
-                               bottom_right, (window_left, window_right), alibi_slopes, keep, sinks)
+                               bottom_right, (window_left, window_right), alibi_slopes, keep, sinks, softcap)
     return (*grads[:4],) + (None,) * (len(ctx.options) - 1) + (grads[4],)
 
 
@@ -174,11 +174,11 @@ class SdpaTransformFunction(torch.autograd.Function):
                                "derivatives as hessian (jacfwd of jacrev), jacrev of jacrev or jvp of grad")
         query, key, value, attn_mask = ctx.saved_tensors[:4]
         (dropout_p, is_causal, scale, enable_gqa, _seed, bottom_right, window_left, window_right, alibi_slopes,
-         _threads, sinks) = ctx.options
+         _threads, softcap, sinks) = ctx.options
         d_sinks = tangents[-1] if sinks is not None else None
         d_out = _forward_ad.sdpa_jvp(query, key, value, attn_mask, (dq, dk, dv, dmask), dropout_p, is_causal, scale,
                                      enable_gqa, bottom_right, (window_left, window_right), alibi_slopes, sinks,
-                                     d_sinks)
+                                     d_sinks, softcap)
         return d_out, None
 
     @staticmethod
@@ -195,9 +195,9 @@ class SdpaBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(query, key, value, attn_mask, out, lse, grad, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks, mask_grad, wanted):
+                bottom_right, window_left, window_right, alibi_slopes, num_threads, softcap, sinks, mask_grad, wanted):
         grads = _mha.sdpa_backward(query.detach(), key.detach(), value.detach(), out.detach(), lse.detach(),
-                                   grad.detach(), _detached(attn_mask), dropout_p, is_causal, scale, enable_gqa,
+                                   grad.detach(), _detached(attn_mask), dropout_p, is_causal, scale, softcap, enable_gqa,
                                    dropout_seed, bottom_right, window_left, window_right, _detached(alibi_slopes),
                                    num_threads, mask_grad, wanted, _detached(sinks))
         return tuple(None if d is None else _tensor(d) for d in grads)
@@ -241,9 +241,9 @@ class SdpaWeightsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right,
-                window_left, window_right, alibi_slopes, num_threads, sinks=None):
+                window_left, window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None):
         _, weights = _mha.sdpa(query.detach(), key.detach(), value.detach(), _detached(attn_mask), dropout_p,
-                               is_causal, scale, enable_gqa, dropout_seed, True, bottom_right, window_left,
+                               is_causal, scale, softcap, enable_gqa, dropout_seed, True, bottom_right, window_left,
                                window_right, _detached(alibi_slopes), num_threads, _detached(sinks))
         return _tensor(weights)
 
@@ -253,7 +253,7 @@ class SdpaWeightsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_weights):  # (not reached: the output is not differentiable)
-        return (None,) * 15
+        return (None,) * 16
 
     @staticmethod
     def vmap(info, in_dims, query, key, value, attn_mask, *options):

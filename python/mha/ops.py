@@ -48,12 +48,12 @@ def seed_tensor(dropout_seed: Optional[int], dropout_p: float) -> torch.Tensor:
 def sdpa_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
                bottom_right: bool, window_left: int, window_right: int,
-               alibi_slopes: Optional[torch.Tensor], num_threads: int,
+               alibi_slopes: Optional[torch.Tensor], num_threads: int, softcap: float = 0.0,
                sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [..., Hq, L, Ev] and the row log-sum-exp [..., Hq, L] (float32; float64 for float64
     inputs) of the training forward."""
     _auto_threading()
-    out, lse = _mha.sdpa_train(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+    out, lse = _mha.sdpa_train(query, key, value, attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa,
                                _seed_value(dropout_seed), bottom_right, window_left, window_right, alibi_slopes, num_threads,
                                sinks)
     return _tensor(out), torch.from_numpy(lse)
@@ -71,7 +71,7 @@ def _rows(query, key, value, enable_gqa):
 
 @sdpa_train.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-      window_right, alibi_slopes, num_threads, sinks=None):
+      window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None):
     rows = _rows(query, key, value, enable_gqa)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=lse_dtype)
@@ -82,11 +82,11 @@ def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Ten
                   out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
                   is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
                   bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor], num_threads: int,
-                  wanted: List[bool], sinks: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                  wanted: List[bool], softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """The gradients of query, key, value, a float mask and the sinks, in that order; one not in
     `wanted` (four flags) is an empty tensor and is not computed, and so is the sinks' without sinks."""
     dq, dk, dv, dm, ds = _mha.sdpa_backward(query, key, value, out, lse, grad_output.to(out.dtype).contiguous(),
-                                            attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa,
                                             _seed_value(dropout_seed), bottom_right, window_left, window_right,
                                             alibi_slopes, num_threads, bool(wanted[3]),
                                             tuple(bool(w) for w in wanted[:3]), sinks)
@@ -98,7 +98,7 @@ def sdpa_backward(grad_output: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 @sdpa_backward.register_fake
 def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted, sinks=None):
+      bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted, softcap=0.0, sinks=None):
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
              for t, w in zip((query, key, value), wanted[:3])]
     mask = attn_mask.new_empty(attn_mask.shape) if wanted[3] else query.new_empty(0, dtype=torch.float32)
@@ -108,22 +108,22 @@ def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-     window_right, alibi_slopes, num_threads, sinks) = inputs
+     window_right, alibi_slopes, num_threads, softcap, sinks) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes, sinks)
-    ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads)
+    ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads, softcap)
     ctx.mask_is_float = attn_mask is not None and attn_mask.is_floating_point()
 
 
 def _backward(ctx, grad_output, grad_lse):
     query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
-    dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads = ctx.options
+    dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads, softcap = ctx.options
     wanted = [bool(n) for n in ctx.needs_input_grad[:3]] + [ctx.mask_is_float and bool(ctx.needs_input_grad[3])]
     grads = torch.ops.mha.sdpa_backward(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
                                         scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right,
-                                        alibi_slopes, num_threads, wanted, sinks)
-    sinks_grad = grads[4] if sinks is not None and ctx.needs_input_grad[14] else None
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 10 + (sinks_grad,)
+                                        alibi_slopes, num_threads, wanted, softcap, sinks)
+    sinks_grad = grads[4] if sinks is not None and ctx.needs_input_grad[15] else None
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 11 + (sinks_grad,)
 
 
 sdpa_train.register_autograd(_backward, setup_context=_setup_context)
@@ -142,7 +142,7 @@ def _train_vmap(info, in_dims, query, key, value, attn_mask, *options):
 
 
 def _backward_vmap(info, in_dims, grad_output, query, key, value, out, lse, attn_mask, dropout_p, *options):
-    wanted, sinks = options[9], options[10] if len(options) > 10 else None
+    wanted, sinks = options[9], options[11] if len(options) > 11 else None
 
     def call(query, key, value, attn_mask, out, lse, grad_output):
         return sdpa_backward(grad_output, query, key, value, out, lse, attn_mask, dropout_p, *options)
@@ -166,12 +166,12 @@ if _registers_vmap:
 def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                       dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
-                      alibi_slopes: Optional[torch.Tensor], num_threads: int,
+                      alibi_slopes: Optional[torch.Tensor], num_threads: int, softcap: float = 0.0,
                       sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output and the attention weights [..., Hq, L, S] (after dropout), in the inputs' dtype;
     not differentiated (a training call takes its output from mha::sdpa_train)."""
     _auto_threading()
-    out, weights = _mha.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+    out, weights = _mha.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa,
                              _seed_value(dropout_seed), True, bottom_right, window_left, window_right, alibi_slopes, num_threads,
                              sinks)
     return _tensor(out), _tensor(weights)
@@ -179,7 +179,7 @@ def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 @sdpa_with_weights.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-      window_right, alibi_slopes, num_threads, sinks=None):
+      window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None):
     rows = _rows(query, key, value, enable_gqa)
     return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
 
@@ -354,18 +354,18 @@ def sdpa_varlen_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       cu_seqlens_k: torch.Tensor, dropout_p: float, is_causal: bool, scale: Optional[float],
                       enable_gqa: bool, dropout_seed: torch.Tensor, bottom_right: bool, window_left: int,
                       window_right: int, alibi_slopes: Optional[torch.Tensor], num_threads: int,
-                      sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The packed output [Tq, Hq, Ev] and the log-sum-exp [Hq, Tq] of the varlen training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_varlen_train(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dropout_p,
-                                      is_causal, scale, enable_gqa, _seed_value(dropout_seed), bottom_right,
+                                      is_causal, scale, softcap, enable_gqa, _seed_value(dropout_seed), bottom_right,
                                       window_left, window_right, alibi_slopes, num_threads, sinks)
     return _tensor(out), torch.from_numpy(lse)
 
 
 @sdpa_varlen_train.register_fake
 def _(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks=None):
+      bottom_right, window_left, window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None):
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return (query.new_empty((query.shape[0], query.shape[1], value.shape[-1])),
             query.new_empty((query.shape[1], query.shape[0]), dtype=lse_dtype))
@@ -377,12 +377,12 @@ def sdpa_varlen_backward(grad_output: torch.Tensor, query: torch.Tensor, key: to
                          dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                          dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
                          alibi_slopes: Optional[torch.Tensor], num_threads: int, wanted: List[bool],
-                         sinks: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                         softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """The gradients of query, key, value and the sinks; one not in `wanted` (or the sinks' without
     sinks) is an empty tensor, not computed."""
     grads = _mha.sdpa_varlen_backward(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), out, lse,
                                       grad_output.to(out.dtype).contiguous(), dropout_p, is_causal, scale,
-                                      enable_gqa, _seed_value(dropout_seed), bottom_right, window_left,
+                                      softcap, enable_gqa, _seed_value(dropout_seed), bottom_right, window_left,
                                       window_right, alibi_slopes, num_threads, tuple(bool(w) for w in wanted), sinks)
     return [query.new_empty(0) if d is None else _tensor(d) for d in grads[:3]] + [
         query.new_empty(0, dtype=torch.float32) if grads[3] is None else _tensor(grads[3])]
@@ -390,7 +390,8 @@ def sdpa_varlen_backward(grad_output: torch.Tensor, query: torch.Tensor, key: to
 
 @sdpa_varlen_backward.register_fake
 def _(grad_output, query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_p, is_causal, scale, enable_gqa,
-      dropout_seed, bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted, sinks=None):
+      dropout_seed, bottom_right, window_left, window_right, alibi_slopes, num_threads, wanted, softcap=0.0,
+      sinks=None):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) if w else query.new_empty(0)
             for t, w in zip((query, key, value), wanted)] + [
         sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(0, dtype=torch.float32)]
@@ -398,21 +399,22 @@ def _(grad_output, query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, drop
 
 def _varlen_setup_context(ctx, inputs, output):
     (query, key, value, cu_q, cu_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-     window_right, alibi_slopes, threads, sinks) = inputs
+     window_right, alibi_slopes, threads, softcap, sinks) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes, sinks)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa)
     ctx.threading = (bottom_right, window_left, window_right)
-    ctx.threads = threads
+    ctx.threads, ctx.softcap = threads, softcap
 
 
 def _varlen_backward(ctx, grad_output, grad_lse):
     query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
     wanted = [bool(n) for n in ctx.needs_input_grad[:3]]
     grads = torch.ops.mha.sdpa_varlen_backward(grad_output, query, key, value, cu_q, cu_k, out, lse, *ctx.options,
-                                               dropout_seed, *ctx.threading, alibi_slopes, ctx.threads, wanted, sinks)
-    sinks_grad = grads[3] if sinks is not None and ctx.needs_input_grad[15] else None
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 12 + (sinks_grad,)
+                                               dropout_seed, *ctx.threading, alibi_slopes, ctx.threads, wanted,
+                                               ctx.softcap, sinks)
+    sinks_grad = grads[3] if sinks is not None and ctx.needs_input_grad[16] else None
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 13 + (sinks_grad,)
 
 
 sdpa_varlen_train.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -426,7 +428,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     cache_seqlens: torch.Tensor, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                     bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor],
                     num_threads: int, cu_seqlens_q: Optional[torch.Tensor],
-                    return_lse: bool, sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    return_lse: bool, softcap: float = 0.0,
+                    sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [B, Lq, Hq, Ev] of query [B, Lq, Hq, E] over the cache's pages, or with
     cu_seqlens_q [Tq, Hq, Ev] of packed rows [Tq, Hq, E]; and the lse ([B, Hq, Lq] or [Hq, Tq])
     when return_lse, else an empty tensor."""
@@ -435,7 +438,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     _auto_threading()
     out, lse = run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
                                    enable_gqa, bottom_right, window_left, window_right, alibi_slopes, num_threads,
-                                   cu_seqlens_q, return_lse, sinks)
+                                   cu_seqlens_q, return_lse, softcap, sinks)
     return out, lse if lse is not None else query.new_empty((0,), dtype=_lse_dtype(query))
 
 
@@ -445,7 +448,7 @@ def _lse_dtype(query: torch.Tensor) -> torch.dtype:
 
 @paged_attention.register_fake
 def _(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa, bottom_right,
-      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q, return_lse, sinks=None):
+      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q, return_lse, softcap=0.0, sinks=None):
     out = query.new_empty((*query.shape[:-1], value_cache.shape[-1]))
     if not return_lse:
         return out, query.new_empty((0,), dtype=_lse_dtype(query))

@@ -188,7 +188,7 @@ ModuleGradientArrays module_backward_restored(
 }
 
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
-                              std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right,
+                              std::optional<double> scale, double softcap, bool enable_gqa, uint64_t dropout_seed, bool bottom_right,
                               int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes,
                               int num_threads, const std::optional<Array>& sinks = std::nullopt) {
   mha::SdpaOptions o;
@@ -201,6 +201,7 @@ mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double drop
   o.is_causal = is_causal;
   o.causal_alignment = bottom_right ? mha::CausalAlignment::BottomRight : mha::CausalAlignment::TopLeft;
   o.scale = scale;
+  o.softcap = softcap;
   o.enable_gqa = enable_gqa;
   o.dropout_seed = dropout_seed;
   o.num_threads = num_threads;
@@ -209,12 +210,12 @@ mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double drop
 
 std::pair<NumpyArray, NumpyArray> sdpa_train(const Array& query, const Array& key, const Array& value,
                                              const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
-                                             std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
+                                             std::optional<double> scale, double softcap, bool enable_gqa, uint64_t dropout_seed,
                                              bool bottom_right, int64_t window_left, int64_t window_right,
                                              const std::optional<Array>& alibi_slopes, int num_threads,
                                              const std::optional<Array>& sinks) {
   const mha::SdpaOptions o =
-      sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
+      sdpa_options(attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed, bottom_right, window_left,
                    window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
@@ -230,11 +231,11 @@ std::pair<NumpyArray, NumpyArray> sdpa_train(const Array& query, const Array& ke
 std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_backward(
     const Array& query, const Array& key, const Array& value, const Array& output, const Array& lse,
     const Array& grad_output, const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
+    std::optional<double> scale, double softcap, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
     int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads, bool attn_mask_grad,
     std::tuple<bool, bool, bool> wanted, const std::optional<Array>& sinks) {
   const mha::SdpaOptions o =
-      sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
+      sdpa_options(attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed, bottom_right, window_left,
                    window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
@@ -254,11 +255,11 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_back
 }
 
 ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, const std::optional<Array>& attn_mask,
-                   double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed,
+                   double dropout_p, bool is_causal, std::optional<double> scale, double softcap, bool enable_gqa, uint64_t dropout_seed,
                    bool need_weights, bool bottom_right, int64_t window_left, int64_t window_right,
                    const std::optional<Array>& alibi_slopes, int num_threads, const std::optional<Array>& sinks) {
   const mha::SdpaOptions o =
-      sdpa_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
+      sdpa_options(attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed, bottom_right, window_left,
                    window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   if (need_weights) {
@@ -291,10 +292,10 @@ std::span<const int64_t> lengths_span(const Lengths& l) { return {l.data(), l.sh
 // output and, with return_lse, each row's log-sum-exp ([B, Hq, Lq], or [Hq, Tq] packed).
 std::pair<NumpyArray, std::optional<NumpyArray>> paged_attention(
     const Array& query, const Array& key_cache, const Array& value_cache, const PageTable& block_table,
-    const Lengths& cache_seqlens, bool is_causal, std::optional<double> scale, bool enable_gqa, bool bottom_right,
+    const Lengths& cache_seqlens, bool is_causal, std::optional<double> scale, double softcap, bool enable_gqa, bool bottom_right,
     int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
     const std::optional<Lengths>& cu_seqlens_q, bool return_lse, const std::optional<Array>& sinks) {
-  const mha::SdpaOptions o = sdpa_options(std::nullopt, 0.0, is_causal, scale, enable_gqa, 0, bottom_right,
+  const mha::SdpaOptions o = sdpa_options(std::nullopt, 0.0, is_causal, scale, softcap, enable_gqa, 0, bottom_right,
                                           window_left, window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key_cache, "key_cache"),
                         v = view_of(value_cache, "value_cache");
@@ -337,11 +338,11 @@ void write_paged_cache(const Array& key, const Array& value, const Writable& key
 using Offsets = std::vector<int64_t>;
 
 NumpyArray sdpa_varlen(const Array& query, const Array& key, const Array& value, const Offsets& cu_q,
-                       const Offsets& cu_k, double dropout_p, bool is_causal, std::optional<double> scale,
+                       const Offsets& cu_k, double dropout_p, bool is_causal, std::optional<double> scale, double softcap,
                        bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
                        int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
     const std::optional<Array>& sinks) {
-  const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+  const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed,
                                           bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::Tensor out;
@@ -354,11 +355,11 @@ NumpyArray sdpa_varlen(const Array& query, const Array& key, const Array& value,
 
 std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Array& key, const Array& value,
                                                     const Offsets& cu_q, const Offsets& cu_k, double dropout_p,
-                                                    bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                                    bool is_causal, std::optional<double> scale, double softcap, bool enable_gqa,
                                                     uint64_t dropout_seed, bool bottom_right, int64_t window_left,
                                                     int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
     const std::optional<Array>& sinks) {
-  const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+  const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed,
                                           bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
@@ -372,10 +373,10 @@ std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Ar
 std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_varlen_backward(
     const Array& query, const Array& key, const Array& value, const Offsets& cu_q, const Offsets& cu_k,
     const Array& output, const Array& lse, const Array& grad_output, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
+    std::optional<double> scale, double softcap, bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
     int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads, std::tuple<bool, bool, bool> wanted,
     const std::optional<Array>& sinks) {
-  const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
+  const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed,
                                           bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining saved;
@@ -489,7 +490,7 @@ NB_MODULE(_mha, m) {
       .def_prop_ro("dtype", [](const mha::MultiheadAttention& self) { return std::string(mha::dtype_name(self.dtype())); });
 
   m.def("sdpa", &sdpa, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
-        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
+        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("need_weights"), nb::arg("bottom_right"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
   m.def(
@@ -516,32 +517,32 @@ NB_MODULE(_mha, m) {
       },
       nb::arg("path"), nb::arg("tensors"), nb::arg("metadata"));
   m.def("sdpa_train", &sdpa_train, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
-        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
+        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
   m.def("sdpa_backward", &sdpa_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("output"),
         nb::arg("lse"), nb::arg("grad_output"), nb::arg("attn_mask").none(), nb::arg("dropout_p"),
-        nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"),
+        nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"), nb::arg("dropout_seed"),
         nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"),
         nb::arg("attn_mask_grad"),
         nb::arg("wanted") = std::make_tuple(true, true, true), nb::arg("sinks").none() = nb::none());
   m.def("sdpa_varlen", &sdpa_varlen, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("cu_seqlens_q"),
-        nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(),
+        nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"),
         nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
   m.def("sdpa_varlen_train", &sdpa_varlen_train, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"),
-        nb::arg("scale").none(), nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"),
+        nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"),
         nb::arg("sinks").none() = nb::none());
   m.def("sdpa_varlen_backward", &sdpa_varlen_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("output"), nb::arg("lse"), nb::arg("grad_output"),
-        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("enable_gqa"),
+        nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("wanted") = std::make_tuple(true, true, true),
         nb::arg("sinks").none() = nb::none());
   m.def("paged_attention", &paged_attention, nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"),
-        nb::arg("block_table"), nb::arg("cache_seqlens"), nb::arg("is_causal"), nb::arg("scale").none(),
+        nb::arg("block_table"), nb::arg("cache_seqlens"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"),
         nb::arg("enable_gqa"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("cu_seqlens_q").none(),
         nb::arg("return_lse") = false, nb::arg("sinks").none() = nb::none());
