@@ -164,6 +164,13 @@ inline void fuzz_options(FuzzInput& in, mha::SdpaOptions& o) {
     sinks = mha::Tensor::copy_of(values.view(), dtypes[(k >> 5) % 4]);
     o.sinks = sinks.view();
   }
+  // Logit soft-capping (the next tail byte): none, a cap from the smallest to the largest taken,
+  // or negative, NaN or past the largest (refused).
+  const uint8_t c = in.tail_byte();
+  if (c % 4 == 1) {
+    static const double caps[] = {1e-30, 0.5, 3.0, 50.0, 1e30, -1.0, std::nan(""), 2e30};
+    o.softcap = caps[(c >> 2) % 8];
+  }
 }
 
 }  // namespace fuzz_args

@@ -2,7 +2,7 @@
 // The input picks the ISA (every one this CPU runs), the layouts (contiguous [B, H, L, D] or a
 // transposed view of [B, L, H, D] storage), GQA, causality and its alignment, a bool or additive
 // mask (with -inf entries, broadcast or not; bands and padding that exclude whole blocks; huge
-// finite values, Hugging Face's), a sliding window, ALiBi's slopes, attention sinks, scale, dropout and the thread
+// finite values, Hugging Face's), a sliding window, ALiBi's slopes, attention sinks, soft-capping, scale, dropout and the thread
 // count; then, for a quarter of the inputs, the backward. Aborts when
 //   - an output, weight or gradient is NaN or infinite (the inputs are finite and bounded by 3), or
 //   - the normwise relative error max|fused - ref| / max|ref| of the output (with and without
@@ -172,6 +172,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       sinks.data<float>()[h] = kind == 0 ? 30.0f : kind == 1 ? -30.0f : around(rng);
     }
     o.sinks = sinks.view();
+  }
+  // Logit soft-capping (the next tail byte, a quarter of the inputs): caps that bend the scores
+  // hard (0.25) to barely (50).
+  const uint8_t c_byte = in.tail_byte();
+  if (c_byte % 4 == 1) {
+    static const double caps[] = {0.25, 1.0, 5.0, 50.0};
+    o.softcap = caps[(c_byte >> 2) % 4];
   }
   if (float64) {
     mha::Tensor sinks64;

@@ -240,12 +240,18 @@ TEST(Softcap, BadCapsAreClearErrors) {
   std::mt19937_64 rng(test_seed());
   const mha::Tensor q = randn({1, 2, 3, 8}, rng);
   mha::SdpaOptions o;
-  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL, 2e30, 1e-31}) {
     o.softcap = bad;
-    expect_error([&] { (void)mha::scaled_dot_product_attention(q, q, q, o); }, "softcap: expected a finite value >= 0");
+    expect_error([&] { (void)mha::scaled_dot_product_attention(q, q, q, o); },
+                 "softcap: expected 0 (no soft-capping) or a value in [1e-30, 1e30], got ");
   }
-  o.softcap = 0.0;
-  EXPECT_NO_THROW((void)mha::scaled_dot_product_attention(q, q, q, o));
+  // The ends of the range: a cap of 1e30 is the identity, one of 1e-30 flattens every score (equal
+  // weights); neither gives NaN.
+  for (double edge : {0.0, 1e-30, 1e30}) {
+    o.softcap = edge;
+    const mha::Tensor out = mha::scaled_dot_product_attention(q, q, q, o);
+    for (int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data<float>()[i])) << edge;
+  }
 }
 
 }  // namespace

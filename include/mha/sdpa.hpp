@@ -64,8 +64,8 @@ struct SdpaOptions {
   std::optional<TensorView> sinks;
   // Logit soft-capping (Gemma 2, Grok; FlashAttention's softcap): with softcap > 0 each scaled
   // score s = q.k * scale becomes softcap * tanh(s / softcap) before the masks, ALiBi and the
-  // softmax, bounding it to (-softcap, softcap); 0 leaves the scores as they are. Finite and
-  // >= 0. Forward and backward (the gradient through the tanh); on the host only.
+  // softmax, bounding it to (-softcap, softcap); 0 leaves the scores as they are. 0 or in
+  // [1e-30, 1e30]. Forward and backward (the gradient through the tanh); on the host only.
   double softcap = 0.0;
   std::optional<double> scale;  // default 1/sqrt(Dk)
   bool enable_gqa = false;      // allow Hq to be a multiple of Hkv (grouped-query attention)

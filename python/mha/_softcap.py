@@ -1,16 +1,15 @@
 """Logit soft-capping (Gemma 2's attn_logit_softcapping, FlashAttention's softcap): each scaled score
 s becomes softcap * tanh(s / softcap) before the masks and the softmax; 0 leaves it as it is."""
-import math
 from typing import Any
 
 
 def check_softcap(softcap: Any) -> float:
-    """softcap as a float: a real number, finite and >= 0 (0: no soft-capping)."""
+    """softcap as a float: 0 (no soft-capping) or in [1e-30, 1e30], as the kernels take it."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) and not hasattr(softcap, "__float__"):
         raise TypeError(f"softcap: expected a float >= 0, got {type(softcap).__name__}")
     value = float(softcap)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"softcap: expected a finite value >= 0 (0 for no soft-capping), got {value}")
+    if value != 0 and not 1e-30 <= value <= 1e30:
+        raise ValueError(f"softcap: expected 0 (no soft-capping) or a value in [1e-30, 1e30], got {value}")
     return value
 
 

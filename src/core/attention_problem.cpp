@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <sstream>
 #include <utility>
 
 #include "core/batch_dims.hpp"
@@ -352,8 +353,11 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   }
   if (options.sinks) check_sinks(*options.sinks, p, q_in);
   p.sinks = options.sinks;
-  if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) {
-    throw Error("softcap: expected a finite value >= 0 (0 for no soft-capping), got " + std::to_string(options.softcap));
+  // (The float32 kernels hold the cap and its inverse as normal floats: [1e-30, 1e30] keeps both.)
+  if (options.softcap != 0 && !(options.softcap >= 1e-30 && options.softcap <= 1e30)) {
+    std::ostringstream got;
+    got << options.softcap;
+    throw Error("softcap: expected 0 (no soft-capping) or a value in [1e-30, 1e30], got " + got.str());
   }
   if (options.softcap > 0 && !q_in.device.is_cpu()) {
     throw Error("softcap: logit soft-capping runs in the host kernels; got inputs on " + q_in.device.str());
