@@ -351,6 +351,55 @@ def bench_sinks(reps, rows):
     rows.append(("sinks fwd+bwd fp32 vs mask", shape, ours, theirs, 3.5 * flops))
 
 
+def bench_softcap(reps, rows):
+    """Logit soft-capping (Gemma 2's attn_logit_softcapping, 50) against what a PyTorch CPU user has:
+    its SDPA takes no cap, so flex_attention with the cap as a score_mod and a causal block mask
+    (compiled: inductor's CPU kernel), and the eager formulation of Hugging Face's Gemma 2
+    (scores formed, divided, tanh, multiplied, masked, softmax, times V). Forward, and forward
+    and backward of q, k and v against flex_attention."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    B, H, L, d, cap = 4, 16, 2048, 64, 50.0
+    g = torch.Generator().manual_seed(7)
+    q, k, v, go = (torch.randn(B, H, L, d, generator=g) for _ in range(4))
+    flops = 4.0 * B * H * L * (L + 1) / 2 * d
+    shape = f"B={B} H={H} L={L} d={d} causal"
+
+    def softcap(score, b, h, i, j):
+        return cap * torch.tanh(score / cap)
+
+    block_mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, L, L, device="cpu")
+    flex = torch.compile(flex_attention)
+
+    def theirs_flex(q, k, v):
+        return flex(q, k, v, score_mod=softcap, block_mask=block_mask)
+
+    hidden = torch.ones(L, L, dtype=torch.bool).triu(1)
+
+    def theirs_eager(q, k, v):
+        scores = q @ k.transpose(-1, -2) * d ** -0.5
+        scores = torch.tanh(scores / cap) * cap
+        return torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v
+
+    ours = (lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=True, softcap=cap))
+    with torch.no_grad():
+        assert (theirs_flex(q, k, v) - ours()).abs().max() < 1e-4  # (the same attention on both sides)
+        mine, theirs = paired_medians(ours, lambda: theirs_flex(q, k, v), reps)
+        rows.append(("softcap fwd fp32 vs flex", shape, mine, theirs, flops))
+        mine, theirs = paired_medians(ours, lambda: theirs_eager(q, k, v), reps)
+        rows.append(("softcap fwd fp32 vs eager", shape, mine, theirs, flops))
+    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def ours_train():
+        out = mha.scaled_dot_product_attention(qt, kt, vt, is_causal=True, softcap=cap)
+        return torch.autograd.grad(out, (qt, kt, vt), go)
+
+    def theirs_train():
+        return torch.autograd.grad(theirs_flex(qt, kt, vt), (qt, kt, vt), go)
+
+    mine, theirs = paired_medians(ours_train, theirs_train, reps)
+    rows.append(("softcap fwd+bwd fp32 vs flex", shape, mine, theirs, 3.5 * flops))
+
+
 def bench_pooling(reps, rows):
     """Attention pooling in training: one learned query per head (a class token) over the 197
     tokens of a ViT-B/16 image, forward and backward through autograd on both sides, without and
@@ -575,6 +624,7 @@ def main():
             bench_window(args.reps, rows)
             bench_alibi(args.reps, rows)
             bench_sinks(args.reps, rows)
+            bench_softcap(args.reps, rows)
             bench_pooling(args.reps, rows)
             bench_per_example_gradients(args.reps, rows)
     if not args.no_module:

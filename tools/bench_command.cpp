@@ -90,6 +90,7 @@ SdpaOptions sdpa_options(const BenchShape& s, const BenchOptions& o, const Optio
           .window_right = s.window_right,
           .alibi_slopes = o.alibi ? std::optional<TensorView>(tensors.slopes.view()) : std::nullopt,
           .sinks = o.sinks ? std::optional<TensorView>(tensors.sinks.view()) : std::nullopt,
+          .softcap = o.softcap,
           .enable_gqa = s.kv_heads != s.heads,
           .dropout_p = o.dropout,
           .dropout_seed = o.seed};
@@ -160,6 +161,9 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
   if (!device.is_cpu() && o.dropout > 0) throw UsageError("--dropout: the GPU kernel has no dropout; drop --dropout");
   if (!device.is_cpu() && o.alibi) throw UsageError("--alibi: ALiBi runs on the host kernels; drop --alibi or --device");
   if (!device.is_cpu() && o.sinks) throw UsageError("--sinks: sinks are applied on the host; drop --sinks or --device");
+  if (!device.is_cpu() && o.softcap > 0) {
+    throw UsageError("--softcap: soft-capping runs in the host kernels; drop --softcap or --device");
+  }
   if (!device.is_cpu() && o.window_left >= 0) {
     throw UsageError("--window-left: a window's left end runs on the host kernels; drop --window-left or --device");
   }
@@ -212,9 +216,9 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   if (s.causal && s.alignment == CausalAlignment::BottomRight) {
     throw UsageError("--align bottom-right: MultiheadAttention's is_causal is top-left only; drop --module or --align");
   }
-  if (s.window_left >= 0 || s.window_right >= 0 || o.alibi || o.sinks) {
-    throw UsageError(std::string(o.alibi ? "--alibi" : o.sinks ? "--sinks" : "--window-left/--window-right") +
-                     ": MultiheadAttention has no sliding window, ALiBi or sinks (as PyTorch's); drop --module");
+  if (s.window_left >= 0 || s.window_right >= 0 || o.alibi || o.sinks || o.softcap > 0) {
+    throw UsageError(std::string(o.alibi ? "--alibi" : o.sinks ? "--sinks" : o.softcap > 0 ? "--softcap" : "--window-left/--window-right") +
+                     ": MultiheadAttention has no sliding window, ALiBi, sinks or soft-capping (as PyTorch's); drop --module");
   }
   if (o.page_size > 0) throw UsageError("--page-size: MultiheadAttention keeps no cache; drop --module");
   const int64_t embed_dim = s.heads * s.dim;
@@ -238,7 +242,9 @@ Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt1993
   return w;
 }
 
-std::string shape_line(const BenchShape& s, bool alibi, bool sinks, bool weights, double dropout) {
+std::string shape_line(const BenchShape& s, const BenchOptions& o) {
+  const bool alibi = o.alibi, sinks = o.sinks, weights = o.weights;
+  const double dropout = o.dropout;
   std::ostringstream line;
   line << "B=" << s.batch << " Hq=" << s.heads << " Hkv=" << s.kv_heads << " Lq=" << s.len_q << " Lk=" << s.len_k
        << " Dk=" << s.dim << " Dv=" << s.dim_v << ' ';
@@ -250,6 +256,7 @@ std::string shape_line(const BenchShape& s, bool alibi, bool sinks, bool weights
   if (s.window_left >= 0 || s.window_right >= 0) line << ", window (" << s.window_left << ", " << s.window_right << ")";
   if (alibi) line << ", ALiBi";
   if (sinks) line << ", sinks";
+  if (o.softcap > 0) line << ", softcap " << o.softcap;
   if (weights) line << ", with weights";
   if (dropout > 0) line << ", dropout " << dropout;
   return line.str();
@@ -263,6 +270,7 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
     << ", \"len_q\": " << s.len_q << ", \"len_k\": " << s.len_k << ", \"dim\": " << s.dim << ", \"dim_v\": " << s.dim_v
     << ", \"causal\": " << boolean(s.causal) << ", \"align\": \"" << o.align << "\", \"window_left\": " << s.window_left
     << ", \"window_right\": " << s.window_right << ", \"alibi\": " << boolean(o.alibi) << ", \"sinks\": " << boolean(o.sinks)
+    << ", \"softcap\": " << o.softcap
     << ", \"page_size\": " << o.page_size << "}"
     << ", \"op\": \"" << (o.module ? "module" : o.backward ? "sdpa_backward" : o.page_size > 0 ? "paged" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
     << ", \"dropout\": " << o.dropout
@@ -312,7 +320,7 @@ int run_bench(const BenchOptions& o) {
   }
   const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {
-    std::printf("shape    %s\n", shape_line(s, o.alibi, o.sinks, o.weights, o.dropout).c_str());
+    std::printf("shape    %s\n", shape_line(s, o).c_str());
     std::printf("op       %s, ISA %s, threads: %d\n", w.description.c_str(), cpu_isa().c_str(), get_num_threads());
     std::fflush(stdout);  // before the progress display on stderr
   }

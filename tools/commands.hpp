@@ -37,6 +37,7 @@ struct BenchOptions {
   int64_t window_left = -1, window_right = -1;  // a sliding window (-1: unbounded on that side)
   bool alibi = false;                           // ALiBi with BLOOM's slopes 2^(-8 h / H)
   bool sinks = false;                           // attention sinks, one per head
+  double softcap = 0.0;                         // logit soft-capping (0: none)
   int64_t page_size = 0;  // > 0: keys and values in a paged cache of pages this long (paged_attention)
   std::optional<int> threads;
   int reps = 5;

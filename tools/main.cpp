@@ -70,6 +70,9 @@ void add_bench(CLI::App& app, BenchOptions& o) {
       ->check(at_least(-1));
   bench->add_flag("--alibi", o.alibi, "ALiBi biases with BLOOM's slopes 2^(-8 h / H) per head h = 1..H");
   bench->add_flag("--sinks", o.sinks, "attention sinks (gpt-oss's), one logit per head");
+  bench->add_option("--softcap", o.softcap, "Logit soft-capping, softcap * tanh(score / softcap) (Gemma 2's 50; 0: none)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e30));
   bench->add_option("--page-size", o.page_size,
                     "Keys and values in a paged cache (FlashAttention's [pages, page_size, Hkv, d] layout, each "
                     "sequence's pages shuffled over the pool) of pages this long: paged_attention")

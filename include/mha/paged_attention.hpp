@@ -19,7 +19,7 @@
 // Options are SdpaOptions: is_causal with causal_alignment (BottomRight for decoding: q's Lq rows
 // are the last Lq positions, so the last query sees every key; FlashAttention's kvcache
 // alignment), a sliding window, ALiBi (alibi_slopes [Hq] or [B, Hq]), attention sinks (sinks
-// [Hq]; a sequence with no key then has the sinks as its lse), scale, enable_gqa (Hq a
+// [Hq]; a sequence with no key then has the sinks as its lse), softcap, scale, enable_gqa (Hq a
 // multiple of Hkv: the cache is read once per key/value head), num_threads. attn_mask and dropout
 // are not taken (inference: the sequences' lengths are their masks).
 //

@@ -12,7 +12,7 @@
 // BottomRight a sequence's last query sees all its keys), a sliding window (window_left,
 // window_right, within each sequence likewise), ALiBi (alibi_slopes [Hq] or [sequences, Hq], the
 // distances within each sequence), attention sinks (sinks [Hq], shared by the sequences; the
-// backward's AttentionGradients::sinks sums over them), scale, enable_gqa, dropout_p with
+// backward's AttentionGradients::sinks sums over them), softcap, scale, enable_gqa, dropout_p with
 // dropout_seed (sequence s draws the mask a one-sequence call with seed
 // varlen_dropout_seed(dropout_seed, s) draws), num_threads. attn_mask is not taken (causality and
 // the sequence boundaries are the masks here). Inputs may have any strides; float32, bfloat16,

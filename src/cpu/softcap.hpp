@@ -42,11 +42,15 @@ struct Softcap {
     poly = S::fmadd(poly, y2, S::set1(2.0f / 15.0f));
     poly = S::fmadd(poly, y2, S::set1(-1.0f / 3.0f));
     const F small = S::fmadd(S::mul(poly, y2), y, y);
+    const M is_small = S::gt(S::set1(0.4f), a);
+    if (S::all(is_small)) {  // (Gemma 2's cap of 50 over scores of a few units: the usual case)
+      if (slope) *slope = S::sub(one, S::mul(small, small));
+      return small;
+    }
     const F e = S::exp2(S::mul(a, S::set1(-2.8853900817779268f)));  // exp(-2|y|) = 2^(-2 log2(e) |y|)
     const F denom = S::add(one, e);
     const F large_abs = S::div(S::sub(one, e), denom);
     const F large = S::select(S::gt(zero, y), S::sub(zero, large_abs), large_abs);
-    const M is_small = S::gt(S::set1(0.4f), a);
     if (slope) {
       const F large_slope = S::div(S::mul(S::set1(4.0f), e), S::mul(denom, denom));
       *slope = S::select(is_small, S::sub(one, S::mul(small, small)), large_slope);
