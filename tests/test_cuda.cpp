@@ -39,6 +39,9 @@ TEST(Cuda, CpuFunctionsRefuseDeviceMemory) {
                "alibi_slopes: expected a host tensor (the biases are built on the host), got one on cuda:0");
   expect_error([&] { mha::scaled_dot_product_attention(device, device, device, {.alibi_slopes = host_slopes}); },
                "alibi_slopes: ALiBi's biases are applied by the host kernels; on cuda:0");
+  // Soft-capping is formed by the host kernels only.
+  expect_error([&] { mha::scaled_dot_product_attention(device, device, device, {.softcap = 30.0}); },
+               "softcap: logit soft-capping runs in the host kernels; got inputs on cuda:0");
   expect_error([&] { (void)mha::Tensor::copy_of(device); }, "host (cpu) memory");
   expect_error([&] { (void)device.at({0, 0, 0, 0}); }, "host (cpu) memory");
   const mha::MultiheadAttention m(8, 2);
