@@ -276,13 +276,8 @@ TEST(Sinks, PagedSequencesAreTheirOwnCalls) {
       for (int64_t h = 0; h < hq; ++h) EXPECT_EQ(r.lse.data<float>()[(b * hq + h) * 2], sinks.data<float>()[h]);
       continue;
     }
-    std::vector<mha::Tensor> ks, vs;
-    mha::Tensor kb = mha::Tensor::empty({1, hkv, lens[b], d}), vb = mha::Tensor::empty({1, hkv, lens[b], d});
-    for (int64_t j = 0; j < lens[b]; ++j) {
-      const int32_t page = table[b * 3 + j / page_size];
-      copy_into(kc.select(0, page).select(1, j % page_size), kb.view().select(0, 0).select(1, j));
-      copy_into(vc.select(0, page).select(1, j % page_size), vb.view().select(0, 0).select(1, j));
-    }
+    const mha::Tensor kb = mha_test::gathered_pages(kc, table.data() + b * 3, lens[b]);
+    const mha::Tensor vb = mha_test::gathered_pages(vc, table.data() + b * 3, lens[b]);
     const auto alone = mha::scaled_dot_product_attention_for_training(q.view().slice(0, b, b + 1), kb, vb, o);
     EXPECT_TRUE(agree(mha::Tensor::copy_of(r.output.view().slice(0, b, b + 1)), alone.output));
     EXPECT_TRUE(agree(mha::Tensor::copy_of(r.lse.view().slice(0, b, b + 1)), alone.lse));

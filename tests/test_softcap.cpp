@@ -225,12 +225,8 @@ TEST(Softcap, VarlenAndPagedSequencesAreTheirOwnCalls) {
   const std::vector<int64_t> lens{21};
   const mha::Tensor qd = randn({1, hq, 1, d}, rng);
   const mha::Tensor paged = mha::paged_attention(qd, pool_k, pool_v, table, lens, o);
-  mha::Tensor kb = mha::Tensor::empty({1, hkv, 21, d}), vb = mha::Tensor::empty({1, hkv, 21, d});
-  for (int64_t j = 0; j < 21; ++j) {
-    const int32_t page = table[j / page_size];
-    copy_into(pool_k.view().select(0, page).select(1, j % page_size), kb.view().select(0, 0).select(1, j));
-    copy_into(pool_v.view().select(0, page).select(1, j % page_size), vb.view().select(0, 0).select(1, j));
-  }
+  const mha::Tensor kb = mha_test::gathered_pages(pool_k, table.data(), 21);
+  const mha::Tensor vb = mha_test::gathered_pages(pool_v, table.data(), 21);
   EXPECT_TRUE(agree(paged, mha::scaled_dot_product_attention(qd, kb, vb, o)));
   const auto ref = mha::reference::scaled_dot_product_attention(qd, kb, vb, o);
   EXPECT_LT(rel_error(paged, ref.output), 2e-5);

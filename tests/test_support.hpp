@@ -87,6 +87,16 @@ inline ::testing::AssertionResult agree(const mha::TensorView& a, const mha::Ten
   return ::testing::AssertionFailure() << "relative difference " << rel_error(a, b);
 }
 
+// Keys [0, len) of a paged cache [pages, Hkv, page_size, D] (any strides) whose pages `pages`
+// lists in order, gathered into [1, Hkv, len, D]: what a paged call over them must equal.
+inline mha::Tensor gathered_pages(const mha::TensorView& cache, const int32_t* pages, int64_t len) {
+  const int64_t page_size = cache.shape[2];
+  mha::Tensor rows = mha::Tensor::empty({1, cache.shape[1], len, cache.shape[3]}, cache.dtype);
+  for (int64_t j = 0; j < len; ++j)
+    copy_into(cache.select(0, pages[j / page_size]).select(1, j % page_size), rows.view().select(0, 0).select(1, j));
+  return rows;
+}
+
 // Two ways of writing one SDPA call (options `a` and `b`) agree on every public function: the
 // output, the weights (bfloat16 and float32, float64), the training forward's output and
 // log-sum-exp, and the gradients of q, k and v for `grad`.
