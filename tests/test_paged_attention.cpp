@@ -395,7 +395,7 @@ TEST(PagedAttention, LseIsEachSequencesOwn) {
 }
 
 // What the lse is for: a cache split in two (a shared prefix's pages and each sequence's own
-// suffix) attended separately and merged by the header's formula gives the whole cache's result;
+// suffix) attended separately and merged (merge_attention_states) gives the whole cache's result;
 // the lse itself against log(sum(exp(scale q.k))) in float64. Without causality, windows or ALiBi
 // (those depend on where a key lies in the whole sequence).
 TEST(PagedAttention, LseMergesResultsOverSplitCaches) {
@@ -431,24 +431,14 @@ TEST(PagedAttention, LseMergesResultsOverSplitCaches) {
     }
     const auto a = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, c.table, prefix_lens, with_sinks);
     const auto z = mha::paged_attention_with_lse(c.q, c.key_cache, c.value_cache, suffix_table, suffix_lens, c.options);
-    const mha::Tensor oa = mha::Tensor::copy_of(a.output, mha::DType::f64), oz = mha::Tensor::copy_of(z.output, mha::DType::f64);
-    const mha::Tensor la = mha::Tensor::copy_of(a.lse, mha::DType::f64), lz = mha::Tensor::copy_of(z.lse, mha::DType::f64);
-    mha::Tensor merged = mha::Tensor::empty(whole.output.sizes(), mha::DType::f64);
-    mha::Tensor merged_lse = mha::Tensor::empty(whole.lse.sizes(), mha::DType::f64);
+    const auto merged = mha::merge_attention_states(a.output, a.lse, z.output, z.lse);
+    ASSERT_EQ(merged.output.dtype(), whole.output.dtype());
+    ASSERT_EQ(merged.lse.dtype(), whole.lse.dtype());
     mha::Tensor expected_lse = mha::Tensor::empty(whole.lse.sizes(), mha::DType::f64);
     const mha::Tensor q64 = mha::Tensor::copy_of(c.q, mha::DType::f64);
     const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
     for (int64_t row = 0; row < batch * hq * lq; ++row) {
       const int64_t b = row / (hq * lq), h = row / lq % hq;
-      const auto weight = [](double l, double m) { return std::isinf(l) && l > 0 ? 0.0 : std::exp(l - m); };
-      const double l1 = la.data<double>()[row], l2 = lz.data<double>()[row];
-      const double m = std::max(std::isinf(l1) ? -INFINITY : l1, std::isinf(l2) ? -INFINITY : l2);
-      const double w1 = weight(l1, m), w2 = weight(l2, m);
-      merged_lse.data<double>()[row] = w1 + w2 == 0 ? INFINITY : m + std::log(w1 + w2);
-      for (int64_t e = 0; e < dv; ++e) {
-        const double x = oa.data<double>()[row * dv + e] * w1 + oz.data<double>()[row * dv + e] * w2;
-        merged.data<double>()[row * dv + e] = w1 + w2 == 0 ? 0.0 : x / (w1 + w2);
-      }
       // log(sum_j exp(scale q.k_j)) over the sequence's keys, in float64 from the formula.
       const mha::Tensor k64 = mha::Tensor::copy_of(c.k_of[b].view().select(0, 0).select(0, h / (hq / hkv)), mha::DType::f64);
       double top = -INFINITY;
@@ -472,8 +462,8 @@ TEST(PagedAttention, LseMergesResultsOverSplitCaches) {
     // float32: each half's output and lse carry float32 rounding of sums of up to 1500 terms (2e-5
     // as the SDPA tests); the lse is O(log S + |s|), its float32 statistics within 1e-5 relative.
     const double out_tol = dtype == mha::DType::f64 ? 1e-12 : 2e-5, lse_tol = dtype == mha::DType::f64 ? 1e-12 : 1e-5;
-    EXPECT_LT(rel_error(merged, whole.output), out_tol);
-    EXPECT_LT(rel_error(merged_lse, whole.lse, 1.0), lse_tol);
+    EXPECT_LT(rel_error(merged.output, whole.output), out_tol);
+    EXPECT_LT(rel_error(merged.lse, whole.lse, 1.0), lse_tol);
     EXPECT_LT(rel_error(whole.lse, expected_lse, 1.0), lse_tol);
   }
 }
@@ -528,6 +518,62 @@ TEST(PagedAttention, VarlenWriteMatchesEachSequencesOwnWrite) {
     expect_error([&] { mha::write_paged_cache_varlen(mha::Tensor::copy_of(k, mha::DType::f16), v, cu, kcv, vcv, table, lens); },
                  "key: expected the caches' dtype");
   }
+}
+
+// merge_attention_states on its own: packed rows [Tq, Hq, Dv] with lse [Hq, Tq] against the
+// formula in float64, bfloat16 outputs rounded once, a part without keys (+inf) taking no weight,
+// neither part with keys giving zeros and +inf, any strides; bad arguments are clear errors.
+TEST(PagedAttention, MergeAttentionStatesFollowsTheFormula) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t tq = 5, hq = 3, dv = 7;
+  const mha::Tensor oa = randn({tq, hq, dv}, rng), ob = randn({tq, hq, dv}, rng);
+  mha::Tensor la = randn({hq, tq}, rng), lb = randn({hq, tq}, rng);
+  la.data<float>()[1] = INFINITY;                               // row (1, 0): b's alone
+  la.data<float>()[2] = lb.data<float>()[2] = INFINITY;         // row (2, 0): neither
+  lb.data<float>()[tq + 3] = INFINITY;                          // row (3, 1): a's alone
+  for (const mha::DType dtype : {mha::DType::f32, mha::DType::bf16}) {
+    SCOPED_TRACE(mha::dtype_name(dtype));
+    const mha::Tensor xa = mha::Tensor::copy_of(oa, dtype), xb = mha::Tensor::copy_of(ob, dtype);
+    const auto m = mha::merge_attention_states_varlen(xa, la, xb, lb);
+    ASSERT_EQ(m.output.sizes(), (mha::Shape{tq, hq, dv}));
+    ASSERT_EQ(m.lse.sizes(), (mha::Shape{hq, tq}));
+    EXPECT_EQ(m.output.dtype(), dtype);
+    const mha::Tensor a64 = mha::Tensor::copy_of(xa, mha::DType::f64), b64 = mha::Tensor::copy_of(xb, mha::DType::f64);
+    const mha::Tensor got = mha::Tensor::copy_of(m.output, mha::DType::f64);
+    for (int64_t t = 0; t < tq; ++t)
+      for (int64_t h = 0; h < hq; ++h) {
+        const double x = la.data<float>()[h * tq + t], y = lb.data<float>()[h * tq + t];
+        const double wx = std::isinf(x) ? 0.0 : std::exp(x), wy = std::isinf(y) ? 0.0 : std::exp(y);
+        const double lse = m.lse.data<float>()[h * tq + t];
+        if (wx + wy == 0) {
+          EXPECT_EQ(lse, INFINITY);
+        } else {
+          EXPECT_NEAR(lse, std::log(wx + wy), 1e-6 * std::max(1.0, std::abs(lse)));
+        }
+        for (int64_t e = 0; e < dv; ++e) {
+          const int64_t at = (t * hq + h) * dv + e;
+          const double want = wx + wy == 0 ? 0.0 : (wx * a64.data<double>()[at] + wy * b64.data<double>()[at]) / (wx + wy);
+          EXPECT_NEAR(got.data<double>()[at], want, dtype == mha::DType::f32 ? 1e-6 : 1e-2 * std::max(1.0, std::abs(want)))
+              << "row " << t << " head " << h;
+        }
+      }
+  }
+  // [B, Hq, Lq, Dv] with [B, Hq, Lq], views with strides: one row's merge is the packed one's.
+  const auto packed = mha::merge_attention_states_varlen(oa, la, ob, lb);
+  const auto rows = mha::merge_attention_states(oa.view().transpose(0, 1).unsqueeze(0), la.view().unsqueeze(0),
+                                                ob.view().transpose(0, 1).unsqueeze(0), lb.view().unsqueeze(0));
+  EXPECT_TRUE(agree(rows.output, mha::Tensor::copy_of(packed.output.view().transpose(0, 1).unsqueeze(0))));
+  EXPECT_TRUE(agree(rows.lse, mha::Tensor::copy_of(packed.lse.view().unsqueeze(0))));
+  expect_error([&] { (void)mha::merge_attention_states_varlen(oa, la, randn({tq, hq, dv + 1}, rng), lb); },
+               "out_b: expected out_a's shape and dtype [5, 3, 7] float32, got [5, 3, 8] float32");
+  expect_error([&] { (void)mha::merge_attention_states_varlen(oa, la, ob, randn({hq, tq}, rng, mha::DType::f64)); },
+               "lse_b: expected lse_a's shape and dtype [3, 5] float32, got [3, 5] float64");
+  expect_error([&] { (void)mha::merge_attention_states_varlen(oa, randn({tq, hq}, rng), ob, randn({tq, hq}, rng)); },
+               "lse_a: expected [Hq, Tq] = [3, 5], got [5, 3]");
+  expect_error([&] { (void)mha::merge_attention_states(oa, la, ob, lb); },
+               "lse_a: expected the output's shape without its last dimension, [5, 3], got [3, 5]");
+  const mha::Tensor bf = mha::Tensor::copy_of(la, mha::DType::bf16);
+  expect_error([&] { (void)mha::merge_attention_states_varlen(oa, bf, ob, bf); }, "lse_a: expected float32 or float64, got bfloat16");
 }
 
 }  // namespace

@@ -74,6 +74,18 @@ PagedAttentionOutput paged_attention_varlen_with_lse(const TensorView& q, std::s
                                                      std::span<const int64_t> cache_seqlens,
                                                      const SdpaOptions& options = {});
 
+// The result over the union of two disjoint sets of keys from each set's output and lse, by the
+// formula above (cascade attention: a shared prefix's result merged into each sequence's own).
+// out_a and out_b of one shape and dtype, lse_a and lse_b of one shape and dtype (float32 or
+// float64): [.., Dv] with lse [..] ([B, Hq, Lq, Dv] and [B, Hq, Lq]), or for the varlen form
+// packed rows [Tq, Hq, Dv] with lse [Hq, Tq]; any strides, on the host. Computed in float64;
+// returns the output in out's dtype and the lse in lse's (+inf where neither part saw a key,
+// whose output is zeros).
+PagedAttentionOutput merge_attention_states(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
+                                            const TensorView& lse_b);
+PagedAttentionOutput merge_attention_states_varlen(const TensorView& out_a, const TensorView& lse_a,
+                                                   const TensorView& out_b, const TensorView& lse_b);
+
 // Writes new keys and values into the cache, as a decoding step does before its attention: row t
 // of sequence b (key[b, :, t, :], value[b, :, t, :]) goes to position cache_seqlens[b] + t of
 // that sequence's pages. key [B, Hkv, Lnew, Dk], value [B, Hkv, Lnew, Dv] of the caches' dtype;
