@@ -9,9 +9,10 @@
 // Every call returns or throws mha::Error, never crashes or trips a sanitizer. Beyond that: an
 // attention that succeeds on finite inputs returns finite values (the views' buffers hold 0.5
 // between NaN guards, so a read past a view, which the sanitizers cannot see inside its vector,
-// shows as NaN), and its lse, when asked for, holds no NaN; a write that succeeds leaves the
+// shows as NaN), and its lse, when asked for, holds no NaN and merges with itself as the formula says; a write that succeeds leaves the
 // caches' guards as they were; a call given a null
 // data pointer for a non-empty tensor throws. Calls run for real only on tiny views.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -148,6 +149,18 @@ void fuzz_attention(FuzzInput& in, bool packed, bool lse) {
     const mha::Tensor l = mha::Tensor::copy_of(r.lse, mha::DType::f64);
     for (int64_t i = 0; i < l.numel(); ++i)
       if (std::isnan(l.data<double>()[i])) __builtin_trap();
+    // Merged with itself (merge_attention_states): the same output, each copy half the weight, and
+    // the lse plus log 2 (+inf, a row that saw no key, stays +inf).
+    const mha::PagedAttentionOutput m = packed ? mha::merge_attention_states_varlen(r.output, r.lse, r.output, r.lse)
+                                               : mha::merge_attention_states(r.output, r.lse, r.output, r.lse);
+    const mha::Tensor got = mha::Tensor::copy_of(m.output, mha::DType::f64), want = mha::Tensor::copy_of(r.output, mha::DType::f64);
+    for (int64_t i = 0; i < want.numel(); ++i)
+      if (got.data<double>()[i] != want.data<double>()[i]) __builtin_trap();
+    const mha::Tensor lm = mha::Tensor::copy_of(m.lse, mha::DType::f64);
+    for (int64_t i = 0; i < l.numel(); ++i) {
+      const double x = l.data<double>()[i], y = lm.data<double>()[i];
+      if (std::isinf(x) ? y != x : !(std::fabs(y - (x + std::log(2.0))) <= 1e-6 * std::max(1.0, std::fabs(x)))) __builtin_trap();
+    }
   }
 }
 
