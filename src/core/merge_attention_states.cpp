@@ -12,7 +12,7 @@ namespace mha {
 namespace {
 
 void check_host(const TensorView& t, const char* name) {
-  if (!t.device.is_cpu()) throw Error(std::string(name) + ": expected a host (cpu) tensor, got one on " + t.device.str());
+  require_cpu(t, name);
   if (t.numel() > 0 && t.data == nullptr) throw Error(std::string(name) + ": data pointer is null");
 }
 
