@@ -1,5 +1,6 @@
 // Element types: float32, bfloat16 and float16 for the kernels (fp32 accumulation throughout);
-// bool for masks; float64 for the reference implementation.
+// float8 e4m3 (PyTorch's float8_e4m3fn) for keys and values held in 8 bits (a quantized cache,
+// widened exactly as it is read); bool for masks; float64 for the reference implementation.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +9,7 @@
 
 namespace mha {
 
-enum class DType : uint8_t { f32, f64, bf16, f16, boolean };
+enum class DType : uint8_t { f32, f64, bf16, f16, boolean, f8e4m3 };
 
 constexpr int64_t dtype_size(DType t) {
   switch (t) {
@@ -17,6 +18,7 @@ constexpr int64_t dtype_size(DType t) {
     case DType::bf16: return 2;
     case DType::f16: return 2;
     case DType::boolean: return 1;
+    case DType::f8e4m3: return 1;
   }
   return 0;
 }
@@ -28,6 +30,7 @@ constexpr std::string_view dtype_name(DType t) {
     case DType::bf16: return "bfloat16";
     case DType::f16: return "float16";
     case DType::boolean: return "bool";
+    case DType::f8e4m3: return "float8_e4m3fn";
   }
   return "?";
 }
@@ -113,11 +116,65 @@ struct float16 {
   }
 };
 
+// float8 e4m3 as PyTorch's float8_e4m3fn (OCP FP8): 1 sign, 4 exponent (bias 7), 3 mantissa bits;
+// no infinities, one NaN pattern per sign (0x7f / 0xff), largest finite 448, subnormals down to
+// 2^-9. Conversion from float rounds to nearest even; what rounds past 448 (and infinities, NaN)
+// becomes NaN, as PyTorch's `.to(torch.float8_e4m3fn)` gives.
+struct float8_e4m3 {
+  uint8_t bits = 0;
+  float8_e4m3() = default;
+  static float8_e4m3 from_bits(uint8_t b) {
+    float8_e4m3 r;
+    r.bits = b;
+    return r;
+  }
+  explicit float8_e4m3(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+    uint32_t abs = u & 0x7fffffffu;
+    if (abs >= 0x43f00000u) {  // >= 480 (the first value past 448's rounding range), inf, NaN
+      bits = static_cast<uint8_t>(sign | 0x7fu);
+    } else if (abs < 0x3c800000u) {  // below 2^-6, the smallest normal: subnormal or zero
+      // Add 2^14 as a float: its ulp is 2^-9, e4m3's subnormal step, so the hardware's rounding
+      // leaves the subnormal's count of steps (0 to 8; 8 is 2^-6 itself) in the low bits.
+      float a;
+      std::memcpy(&a, &abs, 4);
+      a += 16384.0f;
+      uint32_t r;
+      std::memcpy(&r, &a, 4);
+      bits = static_cast<uint8_t>(sign | (r - 0x46800000u));
+    } else {
+      const uint32_t odd = (abs >> 20) & 1u;
+      abs += 0xc407ffffu + odd;  // rebias the exponent (-120 << 23) and round the 20 dropped bits
+      bits = static_cast<uint8_t>(sign | (abs >> 20));  // (past 448 this is 0x7f: NaN)
+    }
+  }
+  explicit operator float() const {
+    const uint32_t sign = static_cast<uint32_t>(bits & 0x80u) << 24;
+    const uint32_t exp = (bits >> 3) & 0xfu, man = bits & 0x7u;
+    uint32_t u;
+    if ((bits & 0x7fu) == 0x7fu) {
+      u = sign | 0x7fc00000u;
+    } else if (exp != 0) {
+      u = sign | ((exp + 120u) << 23) | (man << 20);
+    } else {
+      float f = static_cast<float>(man) * 0.001953125f;  // man * 2^-9
+      std::memcpy(&u, &f, 4);
+      u |= sign;
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
 template <class T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::f32; }
 template <> constexpr DType dtype_of<double>() { return DType::f64; }
 template <> constexpr DType dtype_of<bfloat16>() { return DType::bf16; }
 template <> constexpr DType dtype_of<float16>() { return DType::f16; }
 template <> constexpr DType dtype_of<bool>() { return DType::boolean; }
+template <> constexpr DType dtype_of<float8_e4m3>() { return DType::f8e4m3; }
 
 }  // namespace mha

@@ -149,6 +149,33 @@ static void check_sinks(const TensorView& sinks, const AttentionProblem& p, cons
   }
 }
 
+namespace {
+
+// q, k and v share a dtype, or k and v are float8 e4m3 (a quantized cache, widened exactly as
+// the kernels read it) under a float32, bfloat16 or float16 query, on the host.
+void check_input_dtypes(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in, InputDtypes dtypes) {
+  if (q_in.dtype == DType::f8e4m3) {
+    throw Error("query: expected float32, float64, bfloat16 or float16 (float8_e4m3fn is taken for key and value "
+                "only), got float8_e4m3fn");
+  }
+  const bool eight_bit = k_in.dtype == DType::f8e4m3 || v_in.dtype == DType::f8e4m3;
+  if (eight_bit && (k_in.dtype != v_in.dtype || q_in.dtype == DType::f64)) {
+    throw Error("key, value: float8_e4m3fn keys and values go together, under a float32, bfloat16 or float16 query; "
+                "got query " + std::string(dtype_name(q_in.dtype)) + ", key " + std::string(dtype_name(k_in.dtype)) +
+                ", value " + std::string(dtype_name(v_in.dtype)));
+  }
+  if (eight_bit && !q_in.device.is_cpu()) {
+    throw Error("key: float8_e4m3fn keys and values are read by the host kernels; got inputs on " + q_in.device.str());
+  }
+  if (dtypes == InputDtypes::fused && !eight_bit && (k_in.dtype != q_in.dtype || v_in.dtype != q_in.dtype)) {
+    throw Error("query, key, value: expected one dtype (or float8_e4m3fn key and value), got " +
+                std::string(dtype_name(q_in.dtype)) + ", " + std::string(dtype_name(k_in.dtype)) + ", " +
+                std::string(dtype_name(v_in.dtype)));
+  }
+}
+
+}  // namespace
+
 AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
                                    const SdpaOptions& options, InputDtypes dtypes) {
   const TensorView* inputs[] = {&q_in, &k_in, &v_in};
@@ -174,10 +201,7 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
   if (dtypes == InputDtypes::fused && q_in.dtype == DType::f64 && !q_in.device.is_cpu()) {
     throw Error("query: float64 runs on the host only, got a float64 tensor on " + q_in.device.str());
   }
-  if (dtypes == InputDtypes::fused && (k_in.dtype != q_in.dtype || v_in.dtype != q_in.dtype)) {
-    throw Error("query, key, value: expected one dtype, got " + std::string(dtype_name(q_in.dtype)) + ", " +
-                std::string(dtype_name(k_in.dtype)) + ", " + std::string(dtype_name(v_in.dtype)));
-  }
+  check_input_dtypes(q_in, k_in, v_in, dtypes);
   for (int i = 0; i < 3; ++i) {
     if (inputs[i]->ndim < 2) {
       throw Error(std::string(names[i]) + ": expected at least 2 dimensions ([..., L, E]), got shape " +

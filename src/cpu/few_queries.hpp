@@ -133,6 +133,17 @@ struct FewQueries {
     const float* vp[kKeys];
     const uint16_t* kp16[kKeys];  // bfloat16 or float16 rows read in place (dot mode)
     const uint16_t* vp16[kKeys];
+    const uint8_t* kp8[kKeys];  // float8 e4m3 rows read in place (dot mode)
+    const uint8_t* vp8[kKeys];
+    // The key (value) row pointers of elements E.
+    template <class E> const E** keys_of() {
+      if constexpr (std::is_same_v<E, uint8_t>) return kp8;
+      else return kp16;
+    }
+    template <class E> const E** values_of() {
+      if constexpr (std::is_same_v<E, uint8_t>) return vp8;
+      else return vp16;
+    }
     int64_t seen = 0;  // dot mode: keys [j_begin, j_begin + seen) of the last run had their probabilities in `scores`
     bool skipped[kKeysPerRun / kKeys];  // per block of the run from j_begin: excluded for every row (mark_skipped)
   };
@@ -173,14 +184,15 @@ struct FewQueries {
     const int64_t offset = p.key_row_offset(t, b, hk, j);
     if (in_place) return t.data_as<float>() + offset;
     if (t.dtype == DType::f32) std::memcpy(dst, t.data_as<float>() + offset, sizeof(float) * width);
-    else T::widen(t.dtype, t.data_as<uint16_t>() + offset, dst, width);
+    else T::widen(t.dtype, element_address(t.data, t.dtype, offset), dst, width);
     std::fill(dst + width, dst + padded, 0.0f);
     return dst;
   }
 
-  // Row j of a bfloat16 or float16 k (or v) of batch b, head hk, in place.
-  const uint16_t* row16(const TensorView& t, int64_t b, int64_t hk, int64_t j) const {
-    return t.data_as<uint16_t>() + p.key_row_offset(t, b, hk, j);
+  // Row j of a 16- or 8-bit k (or v) of batch b, head hk, in place, as elements E.
+  template <class E>
+  const E* low_row(const TensorView& t, int64_t b, int64_t hk, int64_t j) const {
+    return static_cast<const E*>(element_address(t.data, t.dtype, p.key_row_offset(t, b, hk, j)));
   }
 
   // kt[d][c] = key j0 + c, element d, for c < nc (rounded up to 8 keys, zero rows past nc) and
@@ -207,10 +219,10 @@ struct FewQueries {
     }
   }
 
-  // How rows are read: float32, or bfloat16 / float16 widened as they are loaded. Dot mode reads
-  // 16-bit rows of whole vectors in place this way, whatever its row count: on AVX2, 0.60-0.73x the
-  // time of widening each block into a buffer first at one or two rows, 0.78-1.04x at 4 and 8
-  // (level at worst, so no row threshold).
+  // How rows are read: float32, or bfloat16 / float16 / float8 e4m3 widened as they are loaded.
+  // Dot mode reads 16-bit rows of whole vectors in place this way, whatever its row count: on AVX2,
+  // 0.60-0.73x the time of widening each block into a buffer first at one or two rows, 0.78-1.04x
+  // at 4 and 8 (level at worst, so no row threshold); 8-bit rows the same way.
   struct AsF32 {
     using E = float;
     static F load(const float* x) { return S::load(x); }
@@ -223,12 +235,17 @@ struct FewQueries {
     using E = uint16_t;
     static F load(const uint16_t* x) { return S::load_f16(x); }
   };
-  // fn(loader) for rows of `dtype`: AsF32 unless 16-bit rows are read in place.
+  struct AsF8 {
+    using E = uint8_t;
+    static F load(const uint8_t* x) { return S::load_f8(x); }
+  };
+  // fn(loader) for rows of `dtype`: AsF32 unless low-precision rows are read in place.
   template <class Fn>
-  static void with_loader(DType dtype, bool in_place16, Fn fn) {
-    if (!in_place16 || dtype == DType::f32) fn(AsF32{});
+  static void with_loader(DType dtype, bool in_place_low, Fn fn) {
+    if (!in_place_low || dtype == DType::f32) fn(AsF32{});
     else if (dtype == DType::bf16) fn(AsBf16{});
-    else fn(AsF16{});
+    else if (dtype == DType::f16) fn(AsF16{});
+    else fn(AsF8{});
   }
 
   // The scores of one query row against kLanes key rows kp[0..kLanes): per key a vector of partial
@@ -391,7 +408,7 @@ struct FewQueries {
       const int64_t offset = b * p.q.strides[0] + h * p.q.strides[1] + i * p.q.strides[2];
       float* q = s.q + qi * dk();
       if (p.q.dtype == DType::f32) std::memcpy(q, p.q.data_as<float>() + offset, sizeof(float) * p.dim_qk);
-      else T::widen(p.q.dtype, p.q.data_as<uint16_t>() + offset, q, p.dim_qk);
+      else T::widen(p.q.dtype, element_address(p.q.data, p.q.dtype, offset), q, p.dim_qk);
       for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= qscale;
       std::fill(q + p.dim_qk, q + dk(), 0.0f);
       std::fill(s.acc + qi * dv(), s.acc + (qi + 1) * dv(), 0.0f);
@@ -534,7 +551,7 @@ struct FewQueries {
     auto skipped = [&](int64_t h, int64_t j) { return sh[h].skipped[(j - j_begin) / kKeys]; };
     // (the same bytes ahead whatever the heads: a sweep of 16 heads reads 16 rows per position)
     const int64_t ahead = std::max<int64_t>(kLanes, kDotPrefetchKeys / heads / kLanes * kLanes);
-    const auto zero16 = reinterpret_cast<const uint16_t*>(sh[0].zero);  // as many zero bits as dk and dv need
+    const void* zero_bits = sh[0].zero;  // as many zero bits as dk and dv need (+0 in every dtype)
     const bool k_in_place = keys_in_place();  // (out of the loop: it divides, twice)
     with_loader(p.k.dtype, p.dim_qk % kLanes == 0, [&](auto loader) {
       using L = decltype(loader);
@@ -551,8 +568,11 @@ struct FewQueries {
             s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), k_in_place, s.kbuf + c * dk()) : s.zero;
           kp = s.kp;
         } else {
-          for (int c = 0; c < kLanes; ++c) s.kp16[c] = c < nc ? row16(p.k, b, hk, j0 + c) : zero16;
-          kp = s.kp16;
+          using E = typename L::E;
+          const E** rows_in_place = s.template keys_of<E>();
+          for (int c = 0; c < kLanes; ++c)
+            rows_in_place[c] = c < nc ? low_row<E>(p.k, b, hk, j0 + c) : static_cast<const E*>(zero_bits);
+          kp = rows_in_place;
         }
         for (int64_t qi = 0; qi < rows; ++qi)
           S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<L>(kp, s.q + qi * dk(), dk()));
@@ -581,8 +601,10 @@ struct FewQueries {
           for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
           accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, s.vp);
         } else {
-          for (int c = 0; c < nc; ++c) s.vp16[c] = row16(p.v, b, hk, j0 + c);
-          accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, s.vp16);
+          using E = typename L::E;
+          const E** rows_in_place = s.template values_of<E>();
+          for (int c = 0; c < nc; ++c) rows_in_place[c] = low_row<E>(p.v, b, hk, j0 + c);
+          accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, rows_in_place);
         }
       });
     });

@@ -104,12 +104,12 @@ struct FlashForward {
   static int64_t round_up(int64_t x, int64_t m) { return T::round_up(x, m); }
 
   // Where a task reads the rows of its key/value head: float32 rows (the inputs, or their widened
-  // copy in a chunk buffer), or 16-bit rows (k16, v16) to widen a key block at a time.
+  // copy in a chunk buffer), or 16- or 8-bit rows (k_low, v_low) to widen a key block at a time.
   struct KeyValueRows {
     const float* k = nullptr;
     const float* v = nullptr;
-    const uint16_t* k16 = nullptr;
-    const uint16_t* v16 = nullptr;
+    const void* k_low = nullptr;
+    const void* v_low = nullptr;
     int64_t k_stride = 0, v_stride = 0;  // between rows, in elements
   };
 
@@ -119,8 +119,8 @@ struct FlashForward {
     KeyValueRows kv;
     const int64_t k_offset = b * p.k.strides[0] + hk * p.k.strides[1], v_offset = b * p.v.strides[0] + hk * p.v.strides[1];
     if (widens()) {
-      kv.k16 = p.k.data_as<uint16_t>() + k_offset;
-      kv.v16 = p.v.data_as<uint16_t>() + v_offset;
+      kv.k_low = element_address(p.k.data, p.k.dtype, k_offset);
+      kv.v_low = element_address(p.v.data, p.v.dtype, v_offset);
     } else {
       kv.k = p.k.data_as<float>() + k_offset;
       kv.v = p.v.data_as<float>() + v_offset;
@@ -130,9 +130,18 @@ struct FlashForward {
     return kv;
   }
 
-  // One row of a bfloat16 / float16 operand (unit stride, as run_attention guarantees) to float32.
-  void widen_row(const uint16_t* src, float* dst, int64_t n) const { T::widen(p.k.dtype, src, dst, n); }
+  // Row j of the low-precision keys (values) at kv to float32 (unit stride, as run_attention
+  // guarantees).
+  void widen_key(const KeyValueRows& kv, int64_t j, float* dst) const {
+    T::widen(p.k.dtype, element_address(kv.k_low, p.k.dtype, j * kv.k_stride), dst, p.dim_qk);
+  }
+  void widen_value(const KeyValueRows& kv, int64_t j, float* dst) const {
+    T::widen(p.v.dtype, element_address(kv.v_low, p.v.dtype, j * kv.v_stride), dst, p.dim_v);
+  }
 
+  // Keys and values are widened: bfloat16 / float16 calls (q too, then), and float8 keys and values
+  // under any query dtype. A 16-bit query is widened whenever its keys are (they are its dtype or
+  // float8), so the buffers the keys' widening allocates hold it too.
   bool widens() const { return p.k.dtype != DType::f32; }
 
   bool wants_weights() const { return o.weights != nullptr || o.average_weights != nullptr; }
@@ -180,7 +189,7 @@ struct FlashForward {
     // panels) skips the empty ones where the register block is one vector wide.
     const int vecs = T::vecs_for(rows);
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const bool widen = kv.k16 != nullptr;
+    const bool widen = kv.k_low != nullptr;
     const bool dropout = p.dropout_p > 0;
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
@@ -198,8 +207,8 @@ struct FlashForward {
         } else if (widen) {
           float* kc = s.kconv + jj * p.dim_qk;
           float* vc = s.vconv + jj * p.dim_v;
-          widen_row(kv.k16 + j * kv.k_stride, kc, p.dim_qk);
-          widen_row(kv.v16 + j * kv.v_stride, vc, p.dim_v);
+          widen_key(kv, j, kc);
+          widen_value(kv, j, vc);
           s.kp[jj] = kc, s.vp[jj] = vc;
         } else {
           s.kp[jj] = kv.k + j * kv.k_stride;
@@ -344,9 +353,9 @@ struct FlashForward {
     // Q^T, pre-scaled; lanes past the last query stay zero. Low-precision rows are widened first
     // (into the key block's buffer, free until the first key block).
     const int64_t q_offset = b * p.q.strides[0] + h * p.q.strides[1] + i0 * p.q.strides[2];
-    if (widens()) {
+    if (p.q.dtype != DType::f32) {
       for (int64_t ii = 0; ii < rows; ++ii) {
-        widen_row(p.q.data_as<uint16_t>() + q_offset + ii * p.q.strides[2], s.kconv, p.dim_qk);
+        T::widen(p.q.dtype, element_address(p.q.data, p.q.dtype, q_offset + ii * p.q.strides[2]), s.kconv, p.dim_qk);
         for (int64_t d = 0; d < p.dim_qk; ++d) s.qt[d * kBlockQ + ii] = s.kconv[d] * qscale;
       }
       for (int64_t d = 0; d < p.dim_qk; ++d)
@@ -673,8 +682,8 @@ struct FlashForward {
         float* v = k + p.len_k * p.dim_qk;
         for (int64_t j = j0; j < j1; ++j) {
           if (widens()) {
-            widen_row(in.k16 + j * in.k_stride, k + j * p.dim_qk, p.dim_qk);
-            widen_row(in.v16 + j * in.v_stride, v + j * p.dim_v, p.dim_v);
+            widen_key(in, j, k + j * p.dim_qk);
+            widen_value(in, j, v + j * p.dim_v);
           } else {
             std::memcpy(k + j * p.dim_qk, in.k + j * in.k_stride, sizeof(float) * p.dim_qk);
             std::memcpy(v + j * p.dim_v, in.v + j * in.v_stride, sizeof(float) * p.dim_v);

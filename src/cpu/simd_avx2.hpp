@@ -142,6 +142,26 @@ struct Avx2 {
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
   }
 
+  // kLanes float8 e4m3 values (as bits) into a register, exactly: each byte becomes the half
+  // with the same sign, exponent field and mantissa (bias 15 against e4m3's 7, so a factor 2^-8
+  // off, subnormals included), F16C widens it and 2^8 restores the scale; 0x7f / 0xff are NaN.
+  static __m256 f8x8(__m128i bytes) {
+    const __m128i w = _mm_cvtepu8_epi16(bytes);
+    const __m128i em = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(em, 7));
+    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7c00)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  }
+  static F load_f8(const uint8_t* p) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {f8x8(x), f8x8(_mm_unpackhi_epi64(x, x))};
+  }
+  static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, f8x8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i < n; ++i) dst[i] = static_cast<float>(float8_e4m3::from_bits(src[i]));
+  }
+
   // n bfloat16 / float16 values (as bits) to float32, exactly (F16C for the halves).
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
     int64_t i = 0;

@@ -78,6 +78,16 @@ struct Portable {
     return r;
   }
 
+  // kLanes float8 e4m3 values (as bits) into a register, exactly.
+  static F load_f8(const uint8_t* p) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(float8_e4m3::from_bits(p[i]));
+    return r;
+  }
+  static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(float8_e4m3::from_bits(src[i]));
+  }
+
   // n bfloat16 / float16 values (as bits) to float32, exactly.
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(bfloat16::from_bits(src[i]));

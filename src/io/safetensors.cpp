@@ -23,9 +23,10 @@ DType parse_dtype(const std::string& s, const std::string& name) {
   if (s == "F64") return DType::f64;
   if (s == "BF16") return DType::bf16;
   if (s == "F16") return DType::f16;
+  if (s == "F8_E4M3") return DType::f8e4m3;
   if (s == "BOOL") return DType::boolean;
   throw Error("safetensors: tensor '" + name + "' has dtype '" + s +
-              "'; supported are F32, F64, BF16, F16 and BOOL");
+              "'; supported are F32, F64, BF16, F16, F8_E4M3 and BOOL");
 }
 
 const char* dtype_code(DType t) {
@@ -34,6 +35,7 @@ const char* dtype_code(DType t) {
     case DType::f64: return "F64";
     case DType::bf16: return "BF16";
     case DType::f16: return "F16";
+    case DType::f8e4m3: return "F8_E4M3";
     case DType::boolean: return "BOOL";
   }
   return "?";
