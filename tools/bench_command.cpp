@@ -114,7 +114,16 @@ Device parse_device(const std::string& name) {
 }
 
 DType parse_dtype(const std::string& name) {
+  if (name == "float8_e4m3fn") return DType::f8e4m3;
   return name == "bfloat16" ? DType::bf16 : name == "float16" ? DType::f16 : name == "float64" ? DType::f64 : DType::f32;
+}
+
+// The keys' and values' dtype: --kv-dtype's, else --dtype's.
+DType kv_dtype(const BenchOptions& o) { return parse_dtype(o.kv_dtype.empty() ? o.dtype : o.kv_dtype); }
+
+// " (keys and values float8_e4m3fn)" where --kv-dtype differs from --dtype.
+std::string kv_note(const BenchOptions& o) {
+  return o.kv_dtype.empty() || o.kv_dtype == o.dtype ? "" : " (keys and values " + o.kv_dtype + ")";
 }
 
 // A random normal tensor in `dtype` on `device`.
@@ -136,8 +145,8 @@ Workload paged_workload(const BenchShape& s, const BenchOptions& o, std::mt19937
   const DType dtype = parse_dtype(o.dtype);
   const int64_t per_sequence = (s.len_k + o.page_size - 1) / o.page_size, pages = s.batch * per_sequence;
   const Tensor q = random_input({s.batch, s.heads, s.len_q, s.dim}, rng, dtype, Device::cpu());
-  const Tensor k = random_input({pages, o.page_size, s.kv_heads, s.dim}, rng, dtype, Device::cpu());
-  const Tensor v = random_input({pages, o.page_size, s.kv_heads, s.dim_v}, rng, dtype, Device::cpu());
+  const Tensor k = random_input({pages, o.page_size, s.kv_heads, s.dim}, rng, kv_dtype(o), Device::cpu());
+  const Tensor v = random_input({pages, o.page_size, s.kv_heads, s.dim_v}, rng, kv_dtype(o), Device::cpu());
   auto table = std::make_shared<std::vector<int32_t>>(static_cast<size_t>(pages));
   std::iota(table->begin(), table->end(), 0);
   std::shuffle(table->begin(), table->end(), rng);
@@ -149,7 +158,7 @@ Workload paged_workload(const BenchShape& s, const BenchOptions& o, std::mt19937
   w.call = [q, k, v, table, lens, tensors, options] {
     (void)paged_attention(q, k.view().transpose(1, 2), v.view().transpose(1, 2), *table, *lens, options);
   };
-  w.description = "paged_attention (pages of " + std::to_string(o.page_size) + ") on cpu, " + o.dtype;
+  w.description = "paged_attention (pages of " + std::to_string(o.page_size) + ") on cpu, " + o.dtype + kv_note(o);
   return w;
 }
 
@@ -167,10 +176,14 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
   if (!device.is_cpu() && o.window_left >= 0) {
     throw UsageError("--window-left: a window's left end runs on the host kernels; drop --window-left or --device");
   }
+  if (kv_dtype(o) != dtype && (o.backward || !device.is_cpu())) {
+    throw UsageError("--kv-dtype: keys and values of another dtype are an inference call on the host; drop " +
+                     std::string(o.backward ? "--backward" : "--device"));
+  }
   if (o.page_size > 0) return paged_workload(s, o, rng);
   const Tensor q = random_input({s.batch, s.heads, s.len_q, s.dim}, rng, dtype, device);
-  const Tensor k = random_input({s.batch, s.kv_heads, s.len_k, s.dim}, rng, dtype, device);
-  const Tensor v = random_input({s.batch, s.kv_heads, s.len_k, s.dim_v}, rng, dtype, device);
+  const Tensor k = random_input({s.batch, s.kv_heads, s.len_k, s.dim}, rng, kv_dtype(o), device);
+  const Tensor v = random_input({s.batch, s.kv_heads, s.len_k, s.dim_v}, rng, kv_dtype(o), device);
   // Outputs are allocated once so the timing is the kernel's, not the allocator's.
   const Tensor out = Tensor::empty({s.batch, s.heads, s.len_q, s.dim_v}, dtype, device);
   Tensor weights_buffer;
@@ -201,12 +214,16 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
     scaled_dot_product_attention_into(q, k, v, out, options, weights_view);
     if (!device.is_cpu()) cuda::synchronize(device.index);
   };
-  w.description = "scaled_dot_product_attention on " + device.str() + ", " + o.dtype;
+  w.description = "scaled_dot_product_attention on " + device.str() + ", " + o.dtype + kv_note(o);
   return w;
 }
 
 Workload module_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_64& rng) {
   // SDPA options that the module does not have.
+  if (kv_dtype(o) != parse_dtype(o.dtype)) {
+    throw UsageError("--kv-dtype: MultiheadAttention projects its keys and values in its own dtype; drop --module or "
+                     "--kv-dtype");
+  }
   if (s.kv_heads != s.heads) {
     throw UsageError("--kv-heads: MultiheadAttention has no grouped-query attention; drop --module or --kv-heads");
   }
@@ -274,7 +291,8 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
     << ", \"page_size\": " << o.page_size << "}"
     << ", \"op\": \"" << (o.module ? "module" : o.backward ? "sdpa_backward" : o.page_size > 0 ? "paged" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
     << ", \"dropout\": " << o.dropout
-    << ", \"dtype\": \"" << o.dtype << "\", \"device\": \"" << o.device << "\""
+    << ", \"dtype\": \"" << o.dtype << "\", \"kv_dtype\": \"" << (o.kv_dtype.empty() ? o.dtype : o.kv_dtype)
+    << "\", \"device\": \"" << o.device << "\""
     << ", \"threads\": " << get_num_threads() << ", \"isa\": \"" << cpu_isa() << "\", \"reps\": " << o.reps
     << ", \"ms_median\": " << t.median_ms << ", \"ms_min\": " << t.min_ms << ", \"flops\": " << std::fixed
     << std::setprecision(0) << flops << std::defaultfloat << std::setprecision(7)

@@ -142,23 +142,29 @@ struct Avx2 {
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
   }
 
-  // kLanes float8 e4m3 values (as bits) into a register, exactly: each byte becomes the half
-  // with the same sign, exponent field and mantissa (bias 15 against e4m3's 7, so a factor 2^-8
-  // off, subnormals included), F16C widens it and 2^8 restores the scale; 0x7f / 0xff are NaN.
+  // kLanes float8 e4m3 values (as bits) into a register, exactly: each byte b becomes the half
+  // (b << 8) >> 1 (arithmetic) with bit 14 cleared, the same sign, exponent field and mantissa
+  // under a bias of 15 against e4m3's 7, so a factor 2^-8 off, subnormals included; F16C widens
+  // it and 2^8 restores the scale. NaN bytes (0x7f, 0xff: no half of this form) are rare, so
+  // they are looked for 16 at a time and take the scalar conversion.
   static __m256 f8x8(__m128i bytes) {
-    const __m128i w = _mm_cvtepu8_epi16(bytes);
-    const __m128i em = _mm_and_si128(w, _mm_set1_epi16(0x7f));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(em, 7));
-    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7c00)));
+    const __m128i w = _mm_unpacklo_epi8(_mm_setzero_si128(), bytes);  // b << 8
+    const __m128i h = _mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16(static_cast<short>(0xbfff)));
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
   }
   static F load_f8(const uint8_t* p) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i all = _mm_set1_epi8(static_cast<char>(0xff));
+    if (_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_or_si128(x, _mm_set1_epi8(static_cast<char>(0x80))), all)) != 0) [[unlikely]] {
+      alignas(32) float v[kLanes];
+      for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(float8_e4m3::from_bits(p[i]));
+      return load(v);
+    }
     return {f8x8(x), f8x8(_mm_unpackhi_epi64(x, x))};
   }
   static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, f8x8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i + kLanes <= n; i += kLanes) store(dst + i, load_f8(src + i));
     for (; i < n; ++i) dst[i] = static_cast<float>(float8_e4m3::from_bits(src[i]));
   }
 
