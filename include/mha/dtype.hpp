@@ -118,8 +118,8 @@ struct float16 {
 
 // float8 e4m3 as PyTorch's float8_e4m3fn (OCP FP8): 1 sign, 4 exponent (bias 7), 3 mantissa bits;
 // no infinities, one NaN pattern per sign (0x7f / 0xff), largest finite 448, subnormals down to
-// 2^-9. Conversion from float rounds to nearest even; what rounds past 448 (and infinities, NaN)
-// becomes NaN, as PyTorch's `.to(torch.float8_e4m3fn)` gives.
+// 2^-9. Conversion from float rounds to nearest even and saturates: beyond 448 (infinities too)
+// gives 448 with the sign, NaN stays NaN, as PyTorch's `.to(torch.float8_e4m3fn)` gives.
 struct float8_e4m3 {
   uint8_t bits = 0;
   float8_e4m3() = default;
@@ -133,8 +133,10 @@ struct float8_e4m3 {
     std::memcpy(&u, &f, 4);
     const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
     uint32_t abs = u & 0x7fffffffu;
-    if (abs >= 0x43f00000u) {  // >= 480 (the first value past 448's rounding range), inf, NaN
+    if (abs > 0x7f800000u) {  // NaN
       bits = static_cast<uint8_t>(sign | 0x7fu);
+    } else if (abs > 0x43e00000u) {  // beyond 448, infinities included: saturated
+      bits = static_cast<uint8_t>(sign | 0x7eu);
     } else if (abs < 0x3c800000u) {  // below 2^-6, the smallest normal: subnormal or zero
       // Add 2^14 as a float: its ulp is 2^-9, e4m3's subnormal step, so the hardware's rounding
       // leaves the subnormal's count of steps (0 to 8; 8 is 2^-6 itself) in the low bits.
@@ -147,7 +149,7 @@ struct float8_e4m3 {
     } else {
       const uint32_t odd = (abs >> 20) & 1u;
       abs += 0xc407ffffu + odd;  // rebias the exponent (-120 << 23) and round the 20 dropped bits
-      bits = static_cast<uint8_t>(sign | (abs >> 20));  // (past 448 this is 0x7f: NaN)
+      bits = static_cast<uint8_t>(sign | (abs >> 20));
     }
   }
   explicit operator float() const {

@@ -37,8 +37,9 @@
 
 namespace mha {
 
-// Returns out [B, Hq, Lq, Dv] (contiguous, the inputs' dtype: float32, bfloat16, float16 or
-// float64, one dtype for q and both caches; on the host).
+// Returns out [B, Hq, Lq, Dv] (contiguous, the query's dtype: float32, bfloat16, float16 or
+// float64, one dtype for q and both caches, or float8 e4m3 caches under a float32, bfloat16 or
+// float16 query, half a bfloat16 cache's memory; on the host).
 Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
                        std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
                        const SdpaOptions& options = {});
@@ -88,7 +89,8 @@ PagedAttentionOutput merge_attention_states_varlen(const TensorView& out_a, cons
 
 // Writes new keys and values into the cache, as a decoding step does before its attention: row t
 // of sequence b (key[b, :, t, :], value[b, :, t, :]) goes to position cache_seqlens[b] + t of
-// that sequence's pages. key [B, Hkv, Lnew, Dk], value [B, Hkv, Lnew, Dv] of the caches' dtype;
+// that sequence's pages. key [B, Hkv, Lnew, Dk], value [B, Hkv, Lnew, Dv] of the caches' dtype
+// (into float8 caches also float32, bfloat16 or float16, rounded to nearest even as written);
 // every position written must lie in a listed page. cache_seqlens is left as it is (the caller
 // advances it by Lnew). Sequences are written in order, so where two share a page slot the later
 // sequence's row is the one kept.

@@ -253,10 +253,24 @@ def _autocast(dtype, *tensors) -> tuple:
     (PyTorch's SDPA and linear among them): every floating CPU tensor but a float64 one in
     `dtype`; bool masks, tensors on other devices (another autocast's), numpy arrays and None as
     they are. The casts are torch operators, so gradients flow back to the tensors in their own
-    dtype."""
+    dtype. float8 keys and values (a quantized cache, which the kernels widen exactly) stay as
+    they are too: autocast would only spend memory widening them."""
     torch = _loaded_torch()
     return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_cpu
-                 and x.dtype not in (dtype, torch.float64) else x for x in tensors)
+                 and x.dtype not in (dtype, torch.float64) and x.element_size() > 1 else x for x in tensors)
+
+
+def _check_float8_inference(key, value, *others) -> None:
+    """float8_e4m3fn keys and values are an inference call: an error where autograd would need the
+    call's backward (a quantized cache takes no gradient, and the C++ backward takes one dtype)."""
+    torch = _loaded_torch()
+    f8 = getattr(torch, "float8_e4m3fn", None)
+    if f8 is None:
+        return
+    eight_bit = (isinstance(key, torch.Tensor) and key.dtype == f8) or (isinstance(value, torch.Tensor) and value.dtype == f8)
+    if eight_bit and _needs_grad(key, value, *others):
+        raise ValueError("key, value: float8_e4m3fn keys and values are for inference (a quantized cache takes no "
+                         "gradient); run the call under torch.no_grad() or detach the inputs that require grad")
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
@@ -271,7 +285,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     to 6; the batch dimensions (all but the last two) broadcast as PyTorch's do, and a broadcast
     input's gradient is summed over them. With enable_gqa, key and value head counts each divide
     Hq (they may differ, as in PyTorch). float32, bfloat16, float16 or float64 (computed in
-    float64, for torch.autograd.gradcheck; its float mask may be float64).
+    float64, for torch.autograd.gradcheck; its float mask may be float64). key and value may
+    instead both be torch.float8_e4m3fn under a float32, bfloat16 or float16 query: a quantized
+    cache, half a bfloat16 one's memory, widened exactly as the kernels read it (the output in the
+    query's dtype; inference only). A per-tensor scale s_k of the keys goes into `scale` (times
+    s_k), one s_v of the values multiplies the output.
     attn_mask: bool (True = attend) or float (added to the scores; float32, or the inputs' bfloat16 or
     float16, as PyTorch takes it), broadcastable to [..., Hq, L, S].
     is_causal may be combined with attn_mask (a key must pass both). causal_alignment is
@@ -322,6 +340,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if alibi_slopes is not None and _is_torch(query) and not _is_torch(alibi_slopes):
         alibi_slopes = _loaded_torch().as_tensor(alibi_slopes)  # (the torch paths pass tensors on)
     sinks = _sinks_operand(query, sinks)
+    _check_float8_inference(key, value, query, attn_mask, sinks)
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
                             causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap)

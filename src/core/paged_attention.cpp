@@ -299,12 +299,18 @@ PagedAttentionOutput packed_queries(const TensorView& q, std::span<const int64_t
   return r;
 }
 
-// The new rows' dtype must be the caches'.
+// The new rows' dtype must be the caches', or, into a float8 cache, float32, bfloat16 or float16
+// (rounded to nearest even as they are written, PyTorch's conversion: saturated beyond 448).
 void check_new_rows_dtype(const TensorView& key, const TensorView& value, const TensorView& key_cache) {
   for (const TensorView* t : {&key, &value}) {
-    if (t->dtype != key_cache.dtype) {
+    if (t->dtype == key_cache.dtype) continue;
+    const bool rounded = key_cache.dtype == DType::f8e4m3 &&
+                         (t->dtype == DType::f32 || t->dtype == DType::bf16 || t->dtype == DType::f16);
+    if (!rounded) {
       throw Error(std::string(t == &key ? "key" : "value") + ": expected the caches' dtype " +
-                  std::string(dtype_name(key_cache.dtype)) + ", got " + std::string(dtype_name(t->dtype)));
+                  std::string(dtype_name(key_cache.dtype)) +
+                  (key_cache.dtype == DType::f8e4m3 ? " (or float32, bfloat16, float16, rounded into it)" : "") +
+                  ", got " + std::string(dtype_name(t->dtype)));
     }
   }
 }

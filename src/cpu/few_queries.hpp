@@ -97,6 +97,22 @@ struct FewQueries {
   static constexpr bool kSum4 = requires(F x, float* out) { S::sum4(x, x, x, x, out); };
   static constexpr int64_t kDotRows = kSum4 ? 8 : 4;
   bool scores_by_dot() const { return queries() <= kDotRows; }
+  // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
+  // each vector as it loads it: 16-bit rows of whole vectors always; float8 rows only with one
+  // query per key/value head, as their widening costs several times a 16-bit one's and rows in
+  // place are widened again for every query (GQA decoding at 32/8 heads ran level with bfloat16
+  // so, and faster with each block widened once into a buffer).
+  bool reads_in_place(DType dtype, int64_t width) const {
+    return width % kLanes == 0 && (dtype != DType::f8e4m3 || queries() == 1);
+  }
+  // What dot mode's queries (keys) and output (values) are multiplied by where it reads float8
+  // rows in place (AsF8): 2^8, else 1.
+  float key_unscale() const {
+    return scores_by_dot() && p.k.dtype == DType::f8e4m3 && reads_in_place(p.k.dtype, p.dim_qk) ? 256.0f : 1.0f;
+  }
+  float value_unscale() const {
+    return scores_by_dot() && p.v.dtype == DType::f8e4m3 && reads_in_place(p.v.dtype, p.dim_v) ? 256.0f : 1.0f;
+  }
   // The panel schedule prefetches key rows of 512 bytes and more a block ahead; with shorter rows
   // (d = 64 in float32), prefetching next to its panel transposes cost more than it saved (a step
   // at B=4 H=16 S=4096 d=64 took 1.4x the time on AVX2). Dot mode reads keys, then values, each
@@ -235,9 +251,14 @@ struct FewQueries {
     using E = uint16_t;
     static F load(const uint16_t* x) { return S::load_f16(x); }
   };
+  // float8 rows are read as their values times 2^-8 (the widening without its last multiply):
+  // dot mode multiplies its queries by 2^8 for the keys and the output's 1 / l for the values
+  // (key_unscale, value_unscale), exactly, as powers of two move no rounding, so the bits are
+  // those of widened rows. On AVX2 a step over a float8 cache at B=4 H=16 S=4096 d=64 took
+  // about 0.88x the time of the multiplying load.
   struct AsF8 {
     using E = uint8_t;
-    static F load(const uint8_t* x) { return S::load_f8(x); }
+    static F load(const uint8_t* x) { return S::load_f8_over_256(x); }
   };
   // fn(loader) for rows of `dtype`: AsF32 unless low-precision rows are read in place.
   template <class Fn>
@@ -410,6 +431,8 @@ struct FewQueries {
       if (p.q.dtype == DType::f32) std::memcpy(q, p.q.data_as<float>() + offset, sizeof(float) * p.dim_qk);
       else T::widen(p.q.dtype, element_address(p.q.data, p.q.dtype, offset), q, p.dim_qk);
       for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= qscale;
+      if (const float unscale = key_unscale(); unscale != 1.0f)
+        for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= unscale;
       std::fill(q + p.dim_qk, q + dk(), 0.0f);
       std::fill(s.acc + qi * dv(), s.acc + (qi + 1) * dv(), 0.0f);
       std::fill(s.l + qi * kLanes, s.l + (qi + 1) * kLanes, 0.0f);
@@ -553,7 +576,7 @@ struct FewQueries {
     const int64_t ahead = std::max<int64_t>(kLanes, kDotPrefetchKeys / heads / kLanes * kLanes);
     const void* zero_bits = sh[0].zero;  // as many zero bits as dk and dv need (+0 in every dtype)
     const bool k_in_place = keys_in_place();  // (out of the loop: it divides, twice)
-    with_loader(p.k.dtype, p.dim_qk % kLanes == 0, [&](auto loader) {
+    with_loader(p.k.dtype, reads_in_place(p.k.dtype, p.dim_qk), [&](auto loader) {
       using L = decltype(loader);
       sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
         const int64_t hk = hk0 + h;
@@ -592,7 +615,7 @@ struct FewQueries {
     // slices of kLanes value rows, which stay in L1 while the row blocks sweep them a few vectors
     // at a time (slices of 48 rows took 1.1-1.2x the time on AVX2, of 32 1.05x).
     const bool v_in_place = values_in_place();
-    with_loader(p.v.dtype, p.dim_v % kLanes == 0, [&](auto loader) {
+    with_loader(p.v.dtype, reads_in_place(p.v.dtype, p.dim_v), [&](auto loader) {
       using L = decltype(loader);
       sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.v, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
         const int64_t hk = hk0 + h;
@@ -687,7 +710,7 @@ struct FewQueries {
   // O / l into the output (in its dtype) and the log-sum-exp, for row `row` of key/value head (b, hk).
   void store(int64_t b, int64_t hk, int64_t row, const float* acc, float m, float l) const {
     const int64_t h = hk * group() + row / p.len_q, i = row % p.len_q;
-    const float inv_l = l > 0 ? 1.0f / l : 0.0f;
+    const float inv_l = (l > 0 ? 1.0f / l : 0.0f) * value_unscale();
     const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i * o.out_strides[2];
     with_output_elements(o.out, o.out_dtype, offset, [&](auto* out, auto round) {
       for (int64_t d = 0; d < p.dim_v; ++d) out[d * o.out_strides[3]] = round(acc[d] * inv_l);

@@ -147,21 +147,23 @@ struct Avx2 {
   // under a bias of 15 against e4m3's 7, so a factor 2^-8 off, subnormals included; F16C widens
   // it and 2^8 restores the scale. NaN bytes (0x7f, 0xff: no half of this form) are rare, so
   // they are looked for 16 at a time and take the scalar conversion.
-  static __m256 f8x8(__m128i bytes) {
+  static __m256 f8x8_over_256(__m128i bytes) {
     const __m128i w = _mm_unpacklo_epi8(_mm_setzero_si128(), bytes);  // b << 8
-    const __m128i h = _mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16(static_cast<short>(0xbfff)));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16(static_cast<short>(0xbfff))));
   }
-  static F load_f8(const uint8_t* p) {
+  // The values times 2^-8, exactly: a caller that folds the 2^8 into another operand (a power of
+  // two moves no rounding) saves the multiplication.
+  static F load_f8_over_256(const uint8_t* p) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i all = _mm_set1_epi8(static_cast<char>(0xff));
     if (_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_or_si128(x, _mm_set1_epi8(static_cast<char>(0x80))), all)) != 0) [[unlikely]] {
       alignas(32) float v[kLanes];
-      for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(float8_e4m3::from_bits(p[i]));
+      for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(float8_e4m3::from_bits(p[i])) * 0.00390625f;
       return load(v);
     }
-    return {f8x8(x), f8x8(_mm_unpackhi_epi64(x, x))};
+    return {f8x8_over_256(x), f8x8_over_256(_mm_unpackhi_epi64(x, x))};
   }
+  static F load_f8(const uint8_t* p) { return mul(load_f8_over_256(p), set1(256.0f)); }
   static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) store(dst + i, load_f8(src + i));

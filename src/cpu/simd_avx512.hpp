@@ -88,14 +88,15 @@ struct Avx512 {
   // kLanes float8 e4m3 values (as bits) into a register, exactly: each byte becomes the half
   // with the same sign, exponent field and mantissa (bias 15 against e4m3's 7, so a factor 2^-8
   // off, subnormals included), widened as a half and scaled by 2^8; 0x7f / 0xff are NaN.
-  static F f8x16(__m128i bytes) {
-    const __m256i w = _mm256_cvtepu8_epi16(bytes);
+  // load_f8_over_256: the values times 2^-8, exactly (for callers that fold the 2^8 elsewhere).
+  static F load_f8_over_256(const uint8_t* p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m256i em = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
     __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8), _mm256_slli_epi16(em, 7));
     h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7c00)));
-    return _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xffff, h), _mm512_set1_ps(256.0f));
+    return _mm512_maskz_cvtph_ps(0xffff, h);
   }
-  static F load_f8(const uint8_t* p) { return f8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load_f8(const uint8_t* p) { return _mm512_mul_ps(load_f8_over_256(p), _mm512_set1_ps(256.0f)); }
   static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_f8(src + i));

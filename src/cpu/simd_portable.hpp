@@ -84,6 +84,12 @@ struct Portable {
     for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(float8_e4m3::from_bits(p[i]));
     return r;
   }
+  // The values times 2^-8, exactly (for callers that fold the 2^8 elsewhere).
+  static F load_f8_over_256(const uint8_t* p) {
+    F r = load_f8(p);
+    for (int i = 0; i < kLanes; ++i) r.v[i] *= 0.00390625f;
+    return r;
+  }
   static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(float8_e4m3::from_bits(src[i]));
   }
