@@ -2,6 +2,8 @@
 // NaN guards, the size limits of calls that run for real, finiteness checks and fuzzed SDPA options.
 #pragma once
 
+#include <bit>
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -28,10 +30,13 @@ struct Arg {
 };
 
 // A view with fuzzed rank, sizes, strides and dtype; its buffer holds 0.5f (finite in every
-// dtype, read as bytes 0x00 0x00 0x00 0x3f) between two guards of NaN (NaN in every floating
-// dtype): a read past either end of the view that the sanitizers cannot see (inside BLAS, which
-// is not instrumented) turns the output non-finite, which check_finite catches.
+// dtype, read as bytes 0x00 0x00 0x00 0x3f) between two guards of NaN (kGuardNaN: NaN in every
+// floating dtype): a read past either end of the view that the sanitizers cannot see (inside
+// BLAS, which is not instrumented) turns the output non-finite, which check_finite catches.
 constexpr size_t kGuard = 64;  // floats
+// A float32 NaN whose halves are bfloat16 and float16 NaNs, whose bytes (0xff, 0x7f) float8 NaNs,
+// and two of which make a float64 NaN.
+inline float guard_nan() { return std::bit_cast<float>(0x7fff7fffu); }
 inline Arg make(FuzzInput& in, int max_rank) {
   Arg a;
   const int rank = static_cast<int>(in.small(max_rank));
@@ -50,14 +55,14 @@ inline Arg make(FuzzInput& in, int max_rank) {
     }
   }
   static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::f32, mha::DType::bf16,
-                                      mha::DType::f16, mha::DType::boolean, mha::DType::f64};
-  const mha::DType dtype = dtypes[in.small(6)];
+                                      mha::DType::f16, mha::DType::boolean, mha::DType::f64, mha::DType::f8e4m3};
+  const mha::DType dtype = dtypes[in.small(7)];
   try {
     if (!a.big) {
       int64_t max_offset = 0;
       for (int d = 0; d < rank; ++d) max_offset += (shape[d] > 0 ? shape[d] - 1 : 0) * strides[d];
       const size_t floats = static_cast<size_t>((max_offset + 1) * mha::dtype_size(dtype) / 4 + 1);
-      a.storage.assign(kGuard + floats + kGuard, std::numeric_limits<float>::quiet_NaN());
+      a.storage.assign(kGuard + floats + kGuard, guard_nan());
       std::fill_n(a.storage.begin() + kGuard, floats, 0.5f);
       a.view = mha::TensorView(a.storage.data() + kGuard, dtype, shape, strides);
       a.placeholder = a.view;

@@ -3,7 +3,8 @@
 // transposed view of [B, L, H, D] storage), GQA, causality and its alignment, a bool or additive
 // mask (with -inf entries, broadcast or not; bands and padding that exclude whole blocks; huge
 // finite values, Hugging Face's), a sliding window, ALiBi's slopes, attention sinks, soft-capping, scale, dropout and the thread
-// count; then, for a quarter of the inputs, the backward. Aborts when
+// count; float8 keys and values for a sixth of the float32 inputs (forward only); then, for a
+// quarter of the inputs, the backward. Aborts when
 //   - an output, weight or gradient is NaN or infinite (the inputs are finite and bounded by 3), or
 //   - the normwise relative error max|fused - ref| / max|ref| of the output (with and without
 //     weights), of the weights or of a gradient exceeds 1e-4.
@@ -14,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -212,6 +214,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       fail("float64 dmask", err, scale, B, Hq, Lq, Lk);
     if (sinks.defined() && (err = normwise(g.sinks, r.sinks, &scale, floor)) > 1e-10)
       fail("float64 dsinks", err, scale, B, Hq, Lq, Lk);
+    return 0;
+  }
+  // float8 keys and values (the next tail byte, a sixth of the float32 inputs): rounded to e4m3,
+  // the forward against the reference on those values, and the bits of the float32 call on them
+  // widened (the kernels widen each element exactly).
+  if (in.tail_byte() % 6 == 1) {
+    const mha::Tensor k8 = mha::Tensor::copy_of(k, mha::DType::f8e4m3), v8 = mha::Tensor::copy_of(v, mha::DType::f8e4m3);
+    const mha::Tensor k32 = mha::Tensor::copy_of(k8, mha::DType::f32), v32 = mha::Tensor::copy_of(v8, mha::DType::f32);
+    const auto fused = mha::scaled_dot_product_attention_with_weights(q, k8, v8, o);
+    const mha::Tensor plain = mha::scaled_dot_product_attention(q, k8, v8, o);
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k8, v8, o);
+    double scale = 0, err = 0;
+    if ((err = normwise(fused.output, ref.output, &scale)) > MHA_FUZZ_TOLERANCE) fail("float8 output (with weights)", err, scale, B, Hq, Lq, Lk);
+    if ((err = normwise(plain, ref.output, &scale)) > MHA_FUZZ_TOLERANCE) fail("float8 output", err, scale, B, Hq, Lq, Lk);
+    if ((err = normwise(fused.weights, ref.weights, &scale)) > MHA_FUZZ_TOLERANCE) fail("float8 weights", err, scale, B, Hq, Lq, Lk);
+    const mha::Tensor wide = mha::scaled_dot_product_attention(q, k32, v32, o);
+    if (std::memcmp(plain.data<float>(), wide.data<float>(), sizeof(float) * static_cast<size_t>(plain.numel())) != 0)
+      fail("float8 output against its widened call", normwise(plain, wide, &scale), scale, B, Hq, Lq, Lk);
     return 0;
   }
   const auto fused = mha::scaled_dot_product_attention_with_weights(q, k, v, o);

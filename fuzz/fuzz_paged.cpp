@@ -56,7 +56,7 @@ Arg guarded(const mha::Shape& shape, mha::DType dtype, bool flash_layout) {
   int64_t numel = 1;
   for (int64_t d : stored) numel *= d;
   const size_t floats = static_cast<size_t>(numel * mha::dtype_size(dtype) / 4 + 1);
-  a.storage.assign(kGuard + floats + kGuard, std::numeric_limits<float>::quiet_NaN());
+  a.storage.assign(kGuard + floats + kGuard, guard_nan());
   std::fill_n(a.storage.begin() + kGuard, floats, 0.5f);
   a.view = mha::TensorView(a.storage.data() + kGuard, dtype, stored);
   if (flash_layout) a.view = a.view.transpose(1, 2);
@@ -71,12 +71,15 @@ struct Fitting {
   int64_t batch, heads_kv, group, rows, dim, pages, page_size;
   mha::DType dtype;
   bool flash_layout;
+  mha::DType cache_dtype;  // the query's, or float8 caches (under a float32/bf16/fp16 query)
 };
 Fitting fitting(FuzzInput& in) {
   static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::bf16, mha::DType::f16, mha::DType::f64};
-  return {in.small(3), 1 + in.small(2), 1 + in.small(2), in.small(4) == 0 ? 33 + in.small(3) : in.small(4),
-          in.small(3) == 0 ? in.small(9) : 8 * (1 + in.small(2)), 1 + in.small(5), 1 + in.small(6),
-          dtypes[in.small(3)], in.flag()};
+  Fitting f{in.small(3), 1 + in.small(2), 1 + in.small(2), in.small(4) == 0 ? 33 + in.small(3) : in.small(4),
+            in.small(3) == 0 ? in.small(9) : 8 * (1 + in.small(2)), 1 + in.small(5), 1 + in.small(6),
+            dtypes[in.small(3)], in.flag(), mha::DType::f32};
+  f.cache_dtype = in.small(3) == 0 && f.dtype != mha::DType::f64 ? mha::DType::f8e4m3 : f.dtype;
+  return f;
 }
 
 // Whether the guards around a view's buffer still hold NaN (a write stayed inside it).
@@ -109,8 +112,8 @@ void fuzz_attention(FuzzInput& in, bool packed, bool lse) {
     const Fitting f = fitting(in);
     q = packed ? guarded({f.batch * f.rows, f.heads_kv * f.group, f.dim}, f.dtype, false)
                : guarded({f.batch, f.heads_kv * f.group, f.rows, f.dim}, f.dtype, in.flag());
-    key_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.dtype, f.flash_layout);
-    value_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.dtype, f.flash_layout);
+    key_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.cache_dtype, f.flash_layout);
+    value_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.cache_dtype, f.flash_layout);
   } else {
     q = make(in, packed ? 4 : 5), key_cache = make(in, 5), value_cache = make(in, 5);
   }
@@ -172,8 +175,8 @@ void fuzz_write(FuzzInput& in, bool packed) {
                                    : mha::Shape{f.batch, f.heads_kv, f.rows, f.dim};
     key = guarded(rows, f.dtype, !packed && in.flag());
     value = guarded(rows, f.dtype, !packed && in.flag());
-    key_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.dtype, f.flash_layout);
-    value_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.dtype, f.flash_layout);
+    key_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.cache_dtype, f.flash_layout);
+    value_cache = guarded({f.pages, f.heads_kv, f.page_size, f.dim}, f.cache_dtype, f.flash_layout);
   } else {
     key = make(in, 5), value = make(in, 5), key_cache = make(in, 5), value_cache = make(in, 5);
   }
