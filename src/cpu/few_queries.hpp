@@ -8,7 +8,7 @@
 // read in place. With up to 8 (AVX2) or 4 queries per key/value head (dot mode), each score is a
 // dot product of whole rows instead, and a run's keys are read in one pass, its softmax taken
 // whole, then its values read in another pass (no rescaling per block); 16-bit rows are widened as
-// they are loaded. The query heads that share a key/value head (GQA) are rows of the same task, so
+// they are loaded, float8 rows too up to 4 queries per key/value head (AsF8). The query heads that share a key/value head (GQA) are rows of the same task, so
 // each key block is read once for all of them. Long caches are split into shape-fixed runs of keys
 // whose partial softmax states are merged in order afterwards; every query row's arithmetic is the
 // same whichever rows share its register block or task, so the bits depend on the shape only, not

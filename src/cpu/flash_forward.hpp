@@ -10,8 +10,8 @@
 //     vertical operations, with no horizontal reductions;
 //   - the output accumulates transposed too, O^T += V^T P^T, and is transposed once at the end.
 // Work is split into tasks of (batch, head, 48 queries), handed out dynamically.
-// bfloat16 / float16 inputs are widened inside the kernel, exactly: Q when it is transposed; K and V
-// one key block at a time into the task's scratch while a head has few query tasks, and for long
+// bfloat16 / float16 inputs (and float8 keys and values) are widened inside the kernel, exactly: Q
+// when it is transposed; K and V one key block at a time into the task's scratch while a head has few query tasks, and for long
 // sequences once per head, a chunk of heads at a time, into a buffer the chunk's tasks share. The
 // arithmetic is then the float32 kernel's, and so are the bits.
 #pragma once
