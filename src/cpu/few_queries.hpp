@@ -8,8 +8,9 @@
 // read in place. With up to 8 (AVX2) or 4 queries per key/value head (dot mode), each score is a
 // dot product of whole rows instead, and a run's keys are read in one pass, its softmax taken
 // whole, then its values read in another pass (no rescaling per block); 16-bit rows are widened as
-// they are loaded, float8 rows too up to 4 queries per key/value head (AsF8). The query heads that share a key/value head (GQA) are rows of the same task, so
-// each key block is read once for all of them. Long caches are split into shape-fixed runs of keys
+// they are loaded, float8 rows too up to 4 queries per key/value head (AsF8). The query heads that
+// share a key/value head (GQA) are rows of the same task, so each key block is read once for all
+// of them. Long caches are split into shape-fixed runs of keys
 // whose partial softmax states are merged in order afterwards; every query row's arithmetic is the
 // same whichever rows share its register block or task, so the bits depend on the shape only, not
 // on the thread count. Key blocks a mask excludes for every row of a task (a batch's left
@@ -239,7 +240,7 @@ struct FewQueries {
   // How rows are read: float32, or bfloat16 / float16 / float8 e4m3 widened as they are loaded.
   // Dot mode reads 16-bit rows of whole vectors in place this way, whatever its row count: on AVX2,
   // 0.60-0.73x the time of widening each block into a buffer first at one or two rows, 0.78-1.04x
-  // at 4 and 8 (level at worst, so no row threshold); 8-bit rows the same way.
+  // at 4 and 8 (level at worst, so no row threshold); float8 rows up to 4 queries (reads_in_place).
   struct AsF32 {
     using E = float;
     static F load(const float* x) { return S::load(x); }
@@ -255,8 +256,7 @@ struct FewQueries {
   // float8 rows are read as their values times 2^-8 (the widening without its last multiply):
   // dot mode multiplies its queries by 2^8 for the keys and the output's 1 / l for the values
   // (key_unscale, value_unscale), exactly, as powers of two move no rounding, so the bits are
-  // those of widened rows. On AVX2 a step over a float8 cache at B=4 H=16 S=4096 d=64 took
-  // about 0.88x the time of the multiplying load.
+  // those of widened rows, one multiply per 8 elements fewer (AVX2).
   struct AsF8 {
     using E = uint8_t;
     static F load(const uint8_t* x) { return S::load_f8_over_256(x); }
