@@ -139,8 +139,8 @@ void time_decode_steps(benchmark::State& state, const mha::Tensor& q, const mha:
                                                benchmark::Counter::kIs1024);
 }
 
-// Args: B, Hq, Hkv, S, d, Lq, dtype (0: float32, 1: bfloat16, 2: bfloat16 queries over a float8
-// e4m3 cache, half the bytes). A decoding step: Lq new queries per head against a cache of S keys
+// Args: B, Hq, Hkv, S, d, Lq, dtype (0: float32, 1: bfloat16, 2 and 3: bfloat16 queries over a
+// float8 e4m3 and e5m2 cache, half the bytes). A decoding step: Lq new queries per head against a cache of S keys
 // and values (Hkv key/value heads; fewer than Hq is grouped-query attention), causal
 // from the bottom right (each new token sees the cache and the tokens before it). A step reads the
 // whole cache once, so the bytes counter (the cache's size per call) says more than the FLOPs.
@@ -148,7 +148,7 @@ void sdpa_decode(benchmark::State& state) {
   const int64_t batch = state.range(0), heads = state.range(1), kv_heads = state.range(2), cache = state.range(3);
   const int64_t dim = state.range(4), queries = state.range(5);
   const mha::DType dtype = state.range(6) != 0 ? mha::DType::bf16 : mha::DType::f32;
-  const mha::DType cache_dtype = state.range(6) == 2 ? mha::DType::f8e4m3 : dtype;
+  const mha::DType cache_dtype = state.range(6) == 2 ? mha::DType::f8e4m3 : state.range(6) == 3 ? mha::DType::f8e5m2 : dtype;
   std::mt19937_64 rng(45);
   auto input = [&](int64_t h, int64_t l, mha::DType t) {
     return mha::Tensor::copy_of(random_normal({batch, h, l, dim}, rng), t);
@@ -290,9 +290,9 @@ void register_benchmarks() {
 
   auto* decode = benchmark::RegisterBenchmark("SDPA_decode", sdpa_decode);
   decode->ArgNames({"B", "Hq", "Hkv", "S", "d", "Lq", "dtype"})->UseRealTime()->Unit(benchmark::kMillisecond);
-  for (const int64_t dtype : {0, 1, 2}) decode->Args({4, 16, 16, 2048, 64, 1, dtype});  // one token, a cache in memory
+  for (const int64_t dtype : {0, 1, 2, 3}) decode->Args({4, 16, 16, 2048, 64, 1, dtype});  // one token, a cache in memory
   decode->Args({4, 16, 16, 512, 64, 1, 0});                                          // a cache that fits in L3
-  for (const int64_t dtype : {0, 2}) decode->Args({1, 32, 8, 4096, 128, 1, dtype});  // grouped heads
+  for (const int64_t dtype : {0, 2, 3}) decode->Args({1, 32, 8, 4096, 128, 1, dtype});  // grouped heads
   decode->Args({1, 32, 8, 4096, 128, 8, 0});                                         // speculative: 8 tokens
 
   auto* paged = benchmark::RegisterBenchmark("SDPA_decode_paged", sdpa_decode_paged);

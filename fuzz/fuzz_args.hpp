@@ -55,8 +55,9 @@ inline Arg make(FuzzInput& in, int max_rank) {
     }
   }
   static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::f32, mha::DType::bf16,
-                                      mha::DType::f16, mha::DType::boolean, mha::DType::f64, mha::DType::f8e4m3};
-  const mha::DType dtype = dtypes[in.small(7)];
+                                      mha::DType::f16, mha::DType::boolean, mha::DType::f64, mha::DType::f8e4m3,
+                                      mha::DType::f8e5m2};
+  const mha::DType dtype = dtypes[in.small(8)];
   try {
     if (!a.big) {
       int64_t max_offset = 0;

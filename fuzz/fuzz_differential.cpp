@@ -216,11 +216,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       fail("float64 dsinks", err, scale, B, Hq, Lq, Lk);
     return 0;
   }
-  // float8 keys and values (the next tail byte, a sixth of the float32 inputs): rounded to e4m3,
-  // the forward against the reference on those values, and the bits of the float32 call on them
-  // widened (the kernels widen each element exactly).
-  if (in.tail_byte() % 6 == 1) {
-    const mha::Tensor k8 = mha::Tensor::copy_of(k, mha::DType::f8e4m3), v8 = mha::Tensor::copy_of(v, mha::DType::f8e4m3);
+  // float8 keys and values (the next tail byte, a sixth of the float32 inputs): rounded to e4m3 or
+  // e5m2, the forward against the reference on those values, and the bits of the float32 call on
+  // them widened (the kernels widen each element exactly).
+  if (const uint8_t f_byte = in.tail_byte(); f_byte % 6 == 1) {
+    const mha::DType eight = (f_byte >> 3) % 2 ? mha::DType::f8e5m2 : mha::DType::f8e4m3;
+    const mha::Tensor k8 = mha::Tensor::copy_of(k, eight), v8 = mha::Tensor::copy_of(v, eight);
     const mha::Tensor k32 = mha::Tensor::copy_of(k8, mha::DType::f32), v32 = mha::Tensor::copy_of(v8, mha::DType::f32);
     const auto fused = mha::scaled_dot_product_attention_with_weights(q, k8, v8, o);
     const mha::Tensor plain = mha::scaled_dot_product_attention(q, k8, v8, o);

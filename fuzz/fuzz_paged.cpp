@@ -78,7 +78,8 @@ Fitting fitting(FuzzInput& in) {
   Fitting f{in.small(3), 1 + in.small(2), 1 + in.small(2), in.small(4) == 0 ? 33 + in.small(3) : in.small(4),
             in.small(3) == 0 ? in.small(9) : 8 * (1 + in.small(2)), 1 + in.small(5), 1 + in.small(6),
             dtypes[in.small(3)], in.flag(), mha::DType::f32};
-  f.cache_dtype = in.small(3) == 0 && f.dtype != mha::DType::f64 ? mha::DType::f8e4m3 : f.dtype;
+  if (in.small(3) == 0 && f.dtype != mha::DType::f64) f.cache_dtype = in.flag() ? mha::DType::f8e5m2 : mha::DType::f8e4m3;
+  else f.cache_dtype = f.dtype;
   return f;
 }
 

@@ -36,15 +36,19 @@ TEST(Safetensors, RoundTripWithStridesDtypesAndMetadata) {
   mha::Tensor mask = mha::Tensor::zeros({4}, mha::DType::boolean);
   mask.data<bool>()[1] = true;
   const mha::Tensor half = mha::Tensor::copy_of(a, mha::DType::bf16);
-  const mha::Tensor eight = mha::Tensor::copy_of(a, mha::DType::f8e4m3);  // a float8 cache, "F8_E4M3"
+  const mha::Tensor eight = mha::Tensor::copy_of(a, mha::DType::f8e4m3);  // float8 caches, "F8_E4M3"
+  const mha::Tensor wide_eight = mha::Tensor::copy_of(a, mha::DType::f8e5m2);  // and "F8_E5M2"
   const std::string path = temp_path("rt.safetensors");
-  mha::save_safetensors(path, {{"a_t", a.view().transpose(0, 1)}, {"mask", mask}, {"half", half}, {"eight", eight}},
-                        {{"num_heads", "4"}});
+  mha::save_safetensors(path, {{"a_t", a.view().transpose(0, 1)}, {"mask", mask}, {"half", half}, {"eight", eight},
+                               {"e5m2", wide_eight}}, {{"num_heads", "4"}});
   EXPECT_NE(bytes_of(path).find("\"dtype\":\"F8_E4M3\""), std::string::npos);
+  EXPECT_NE(bytes_of(path).find("\"dtype\":\"F8_E5M2\""), std::string::npos);
   const mha::SafetensorsFile f = mha::load_safetensors(path);
-  ASSERT_EQ(f.tensors.size(), 4u);
+  ASSERT_EQ(f.tensors.size(), 5u);
   expect_equal(f.tensors.at("eight"), eight);
   EXPECT_EQ(f.tensors.at("eight").dtype(), mha::DType::f8e4m3);
+  expect_equal(f.tensors.at("e5m2"), wide_eight);
+  EXPECT_EQ(f.tensors.at("e5m2").dtype(), mha::DType::f8e5m2);
   expect_equal(f.tensors.at("a_t"), a.view().transpose(0, 1));
   expect_equal(f.tensors.at("mask"), mask);
   expect_equal(f.tensors.at("half"), half);

@@ -115,6 +115,7 @@ Device parse_device(const std::string& name) {
 
 DType parse_dtype(const std::string& name) {
   if (name == "float8_e4m3fn") return DType::f8e4m3;
+  if (name == "float8_e5m2") return DType::f8e5m2;
   return name == "bfloat16" ? DType::bf16 : name == "float16" ? DType::f16 : name == "float64" ? DType::f64 : DType::f32;
 }
 

@@ -49,7 +49,7 @@ struct BenchOptions {
   bool json = false;
   uint64_t seed = 1;
   std::string dtype = "float32";  // or bfloat16, float16 (the GPU kernel takes these two)
-  std::string kv_dtype;           // keys' and values' dtype: empty for --dtype's, or float8_e4m3fn
+  std::string kv_dtype;           // keys' and values' dtype: empty for --dtype's, or a float8 format
   std::string device = "cpu";     // or cuda, cuda:N
 };
 int run_bench(const BenchOptions& options);

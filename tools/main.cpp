@@ -94,9 +94,9 @@ void add_bench(CLI::App& app, BenchOptions& o) {
       ->capture_default_str()
       ->check(CLI::IsMember({"float32", "float64", "bfloat16", "float16"}));
   bench->add_option("--kv-dtype", o.kv_dtype,
-                    "Keys' and values' dtype (default: --dtype): float8_e4m3fn holds them in 8 bits, a quantized "
-                    "cache (SDPA and --page-size forwards on the host)")
-      ->check(CLI::IsMember({"float32", "bfloat16", "float16", "float8_e4m3fn"}));
+                    "Keys' and values' dtype (default: --dtype): float8_e4m3fn or float8_e5m2 hold them in 8 "
+                    "bits, a quantized cache (SDPA and --page-size forwards on the host)")
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}));
   bench->add_option("--device", o.device, "cpu, or cuda[:N] for the GPU kernel (SDPA only; bfloat16 or float16)")
       ->capture_default_str();
 }

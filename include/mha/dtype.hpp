@@ -1,6 +1,7 @@
 // Element types: float32, bfloat16 and float16 for the kernels (fp32 accumulation throughout);
-// float8 e4m3 (PyTorch's float8_e4m3fn) for keys and values held in 8 bits (a quantized cache,
-// widened exactly as it is read); bool for masks; float64 for the reference implementation.
+// float8 e4m3 and e5m2 (PyTorch's float8_e4m3fn and float8_e5m2) for keys and values held in 8
+// bits (a quantized cache, widened exactly as it is read); bool for masks; float64 for the
+// reference implementation.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,7 @@
 
 namespace mha {
 
-enum class DType : uint8_t { f32, f64, bf16, f16, boolean, f8e4m3 };
+enum class DType : uint8_t { f32, f64, bf16, f16, boolean, f8e4m3, f8e5m2 };
 
 constexpr int64_t dtype_size(DType t) {
   switch (t) {
@@ -19,6 +20,7 @@ constexpr int64_t dtype_size(DType t) {
     case DType::f16: return 2;
     case DType::boolean: return 1;
     case DType::f8e4m3: return 1;
+    case DType::f8e5m2: return 1;
   }
   return 0;
 }
@@ -31,9 +33,13 @@ constexpr std::string_view dtype_name(DType t) {
     case DType::f16: return "float16";
     case DType::boolean: return "bool";
     case DType::f8e4m3: return "float8_e4m3fn";
+    case DType::f8e5m2: return "float8_e5m2";
   }
   return "?";
 }
+
+// The two float8 formats, which only keys and values take.
+constexpr bool is_float8(DType t) { return t == DType::f8e4m3 || t == DType::f8e5m2; }
 
 constexpr bool is_floating(DType t) { return t != DType::boolean; }
 
@@ -171,6 +177,45 @@ struct float8_e4m3 {
   }
 };
 
+// float8 e5m2 as PyTorch's float8_e5m2: the top byte of an IEEE half (1 sign, 5 exponent bits
+// with bias 15, 2 mantissa bits), infinities and NaN included; largest finite 57344, subnormals
+// down to 2^-16. Conversion from float rounds to nearest even; what rounds beyond 57344 becomes
+// infinity, NaN stays NaN, as PyTorch's `.to(torch.float8_e5m2)` gives. Widening is exact: the
+// byte shifted up is the half.
+struct float8_e5m2 {
+  uint8_t bits = 0;
+  float8_e5m2() = default;
+  static float8_e5m2 from_bits(uint8_t b) {
+    float8_e5m2 r;
+    r.bits = b;
+    return r;
+  }
+  explicit float8_e5m2(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+    uint32_t abs = u & 0x7fffffffu;
+    if (abs > 0x7f800000u) {  // NaN
+      bits = static_cast<uint8_t>(sign | 0x7fu);
+    } else if (abs >= 0x47800000u) {  // 65536 and beyond, infinities: infinity
+      bits = static_cast<uint8_t>(sign | 0x7cu);
+    } else if (abs < 0x38800000u) {  // below 2^-14, the smallest normal: subnormal or zero
+      // Add 2^7 as a float: its ulp is 2^-16, e5m2's subnormal step (as float8_e4m3 does).
+      float a;
+      std::memcpy(&a, &abs, 4);
+      a += 128.0f;
+      uint32_t r;
+      std::memcpy(&r, &a, 4);
+      bits = static_cast<uint8_t>(sign | (r - 0x43000000u));
+    } else {
+      const uint32_t odd = (abs >> 21) & 1u;
+      abs += 0xc80fffffu + odd;  // rebias the exponent (-112 << 23) and round the 21 dropped bits
+      bits = static_cast<uint8_t>(sign | (abs >> 21));  // (rounding past 57344 gives 0x7c: infinity)
+    }
+  }
+  explicit operator float() const { return static_cast<float>(float16::from_bits(static_cast<uint16_t>(bits << 8))); }
+};
+
 template <class T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::f32; }
 template <> constexpr DType dtype_of<double>() { return DType::f64; }
@@ -178,5 +223,6 @@ template <> constexpr DType dtype_of<bfloat16>() { return DType::bf16; }
 template <> constexpr DType dtype_of<float16>() { return DType::f16; }
 template <> constexpr DType dtype_of<bool>() { return DType::boolean; }
 template <> constexpr DType dtype_of<float8_e4m3>() { return DType::f8e4m3; }
+template <> constexpr DType dtype_of<float8_e5m2>() { return DType::f8e5m2; }
 
 }  // namespace mha

@@ -31,8 +31,9 @@ mha::DType to_dtype(const nb::dlpack::dtype& t, const std::string& name) {
   if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return mha::DType::bf16;
   if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16) return mha::DType::f16;
   if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float8_E4M3FN) && t.bits == 8) return mha::DType::f8e4m3;
-  throw nb::type_error(
-      (name + ": unsupported dtype (expected float32, float64, bfloat16, float16, float8_e4m3fn or bool)").c_str());
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float8_E5M2) && t.bits == 8) return mha::DType::f8e5m2;
+  throw nb::type_error((name + ": unsupported dtype (expected float32, float64, bfloat16, float16, float8_e4m3fn, "
+                               "float8_e5m2 or bool)").c_str());
 }
 
 // A view of the caller's memory, strides and all: no copy (read-only or writable arrays).
@@ -60,7 +61,7 @@ std::optional<mha::TensorView> optional_view(const std::optional<Array>& a, cons
 // torch.bfloat16, still without a copy) or, with `bf16_bits` false, converted to float32.
 NumpyArray to_numpy(const mha::Tensor& tensor, bool bf16_bits = true) {
   // (numpy has no float8 either: such tensors, a file's, come back widened to float32, exactly)
-  const bool convert = (tensor.dtype() == mha::DType::bf16 && !bf16_bits) || tensor.dtype() == mha::DType::f8e4m3;
+  const bool convert = (tensor.dtype() == mha::DType::bf16 && !bf16_bits) || mha::is_float8(tensor.dtype());
   const mha::Tensor t = convert ? mha::Tensor::copy_of(tensor, mha::DType::f32) : tensor;
   auto* owner = new mha::Tensor(t);
   nb::capsule keep(owner, [](void* p) noexcept { delete static_cast<mha::Tensor*>(p); });

@@ -151,24 +151,24 @@ static void check_sinks(const TensorView& sinks, const AttentionProblem& p, cons
 
 namespace {
 
-// q, k and v share a dtype, or k and v are float8 e4m3 (a quantized cache, widened exactly as
-// the kernels read it) under a float32, bfloat16 or float16 query, on the host.
+// q, k and v share a dtype, or k and v are of one float8 format (a quantized cache, widened
+// exactly as the kernels read it) under a float32, bfloat16 or float16 query, on the host.
 void check_input_dtypes(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in, InputDtypes dtypes) {
-  if (q_in.dtype == DType::f8e4m3) {
-    throw Error("query: expected float32, float64, bfloat16 or float16 (float8_e4m3fn is taken for key and value "
-                "only), got float8_e4m3fn");
+  if (is_float8(q_in.dtype)) {
+    throw Error("query: expected float32, float64, bfloat16 or float16 (float8 is taken for key and value only), got " +
+                std::string(dtype_name(q_in.dtype)));
   }
-  const bool eight_bit = k_in.dtype == DType::f8e4m3 || v_in.dtype == DType::f8e4m3;
+  const bool eight_bit = is_float8(k_in.dtype) || is_float8(v_in.dtype);
   if (eight_bit && (k_in.dtype != v_in.dtype || q_in.dtype == DType::f64)) {
-    throw Error("key, value: float8_e4m3fn keys and values go together, under a float32, bfloat16 or float16 query; "
-                "got query " + std::string(dtype_name(q_in.dtype)) + ", key " + std::string(dtype_name(k_in.dtype)) +
-                ", value " + std::string(dtype_name(v_in.dtype)));
+    throw Error("key, value: float8 keys and values (float8_e4m3fn or float8_e5m2) go together, in one format, under "
+                "a float32, bfloat16 or float16 query; got query " + std::string(dtype_name(q_in.dtype)) + ", key " +
+                std::string(dtype_name(k_in.dtype)) + ", value " + std::string(dtype_name(v_in.dtype)));
   }
   if (eight_bit && !q_in.device.is_cpu()) {
-    throw Error("key: float8_e4m3fn keys and values are read by the host kernels; got inputs on " + q_in.device.str());
+    throw Error("key: float8 keys and values are read by the host kernels; got inputs on " + q_in.device.str());
   }
   if (dtypes == InputDtypes::fused && !eight_bit && (k_in.dtype != q_in.dtype || v_in.dtype != q_in.dtype)) {
-    throw Error("query, key, value: expected one dtype (or float8_e4m3fn key and value), got " +
+    throw Error("query, key, value: expected one dtype (or float8 key and value), got " +
                 std::string(dtype_name(q_in.dtype)) + ", " + std::string(dtype_name(k_in.dtype)) + ", " +
                 std::string(dtype_name(v_in.dtype)));
   }

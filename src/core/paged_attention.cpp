@@ -304,12 +304,12 @@ PagedAttentionOutput packed_queries(const TensorView& q, std::span<const int64_t
 void check_new_rows_dtype(const TensorView& key, const TensorView& value, const TensorView& key_cache) {
   for (const TensorView* t : {&key, &value}) {
     if (t->dtype == key_cache.dtype) continue;
-    const bool rounded = key_cache.dtype == DType::f8e4m3 &&
+    const bool rounded = is_float8(key_cache.dtype) &&
                          (t->dtype == DType::f32 || t->dtype == DType::bf16 || t->dtype == DType::f16);
     if (!rounded) {
       throw Error(std::string(t == &key ? "key" : "value") + ": expected the caches' dtype " +
                   std::string(dtype_name(key_cache.dtype)) +
-                  (key_cache.dtype == DType::f8e4m3 ? " (or float32, bfloat16, float16, rounded into it)" : "") +
+                  (is_float8(key_cache.dtype) ? " (or float32, bfloat16, float16, rounded into it)" : "") +
                   ", got " + std::string(dtype_name(t->dtype)));
     }
   }

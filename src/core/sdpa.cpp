@@ -154,9 +154,9 @@ void sdpa_forward_host(const AttentionProblem& p, const TensorView& out, const T
 }
 
 void sdpa_backward_host(const AttentionProblem& p, const BackwardViews& views) {
-  if (p.k.dtype == DType::f8e4m3) {  // (every backward entry comes through here before it computes)
-    throw Error("key, value: float8_e4m3fn keys and values are for inference (a quantized cache takes no "
-                "gradient); the backward takes query, key and value of one dtype");
+  if (is_float8(p.k.dtype)) {  // (every backward entry comes through here before it computes)
+    throw Error("key, value: float8 keys and values are for inference (a quantized cache takes no gradient); the "
+                "backward takes query, key and value of one dtype, got " + std::string(dtype_name(p.k.dtype)));
   }
   // bfloat16 / float16: the float32 kernel widens q, k, v and the output's gradient as it reads
   // their rows, reads the saved output as it is (for D = rowsum(dO O)) and rounds each gradient

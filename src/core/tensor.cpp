@@ -226,6 +226,7 @@ double load(const void* base, DType t, int64_t offset) {
     case DType::f16: return static_cast<float>(static_cast<const float16*>(base)[offset]);
     case DType::boolean: return static_cast<const uint8_t*>(base)[offset] != 0 ? 1.0 : 0.0;  // any nonzero byte
     case DType::f8e4m3: return static_cast<float>(static_cast<const float8_e4m3*>(base)[offset]);
+    case DType::f8e5m2: return static_cast<float>(static_cast<const float8_e5m2*>(base)[offset]);
   }
   return 0;
 }
@@ -238,6 +239,7 @@ void store(void* base, DType t, int64_t offset, double value) {
     case DType::f16: static_cast<float16*>(base)[offset] = float16(static_cast<float>(value)); break;
     case DType::boolean: static_cast<bool*>(base)[offset] = value != 0.0; break;
     case DType::f8e4m3: static_cast<float8_e4m3*>(base)[offset] = float8_e4m3(static_cast<float>(value)); break;
+    case DType::f8e5m2: static_cast<float8_e5m2*>(base)[offset] = float8_e5m2(static_cast<float>(value)); break;
   }
 }
 
@@ -263,7 +265,9 @@ SpanCopy span_copy(DType a, DType b) {
   if (a == b && a == DType::f32) return move_span<float>;
   if (a == b && a == DType::f64) return move_span<double>;
   if (a == b && (a == DType::bf16 || a == DType::f16)) return move_span<uint16_t>;
-  if (a == b && a == DType::f8e4m3) return move_span<uint8_t>;
+  if (a == b && is_float8(a)) return move_span<uint8_t>;
+  if (a == DType::f8e5m2 && b == DType::f32) return convert_span<float8_e5m2, float>;
+  if (a == DType::f32 && b == DType::f8e5m2) return convert_span<float, float8_e5m2>;
   if (a == DType::f8e4m3 && b == DType::f32) return convert_span<float8_e4m3, float>;
   if (a == DType::f32 && b == DType::f8e4m3) return convert_span<float, float8_e4m3>;
   if (a == DType::bf16 && b == DType::f32) return convert_span<bfloat16, float>;

@@ -76,13 +76,16 @@ inline const void* element_address(const void* base, DType dtype, int64_t offset
 }
 
 // Calls read(src, widen) with src = base + offset elements of an input of `dtype` (float32,
-// bfloat16, float16 or, for keys and values, float8 e4m3) and widen its element -> float32
+// bfloat16, float16 or, for keys and values, float8 e4m3 / e5m2) and widen its element -> float32
 // conversion (exact).
 template <class Read>
 void with_input_elements(const void* base, DType dtype, int64_t offset, Read read) {
   switch (dtype) {
     case DType::f8e4m3:
       read(static_cast<const uint8_t*>(base) + offset, [](uint8_t x) { return static_cast<float>(float8_e4m3::from_bits(x)); });
+      break;
+    case DType::f8e5m2:
+      read(static_cast<const uint8_t*>(base) + offset, [](uint8_t x) { return static_cast<float>(float8_e5m2::from_bits(x)); });
       break;
     case DType::bf16:
       read(static_cast<const uint16_t*>(base) + offset, [](uint16_t x) { return static_cast<float>(bfloat16::from_bits(x)); });
@@ -103,7 +106,7 @@ constexpr int64_t kFewQueriesPerHead = 32;
 constexpr int64_t kFewQueriesPerHeadAmx = 4;
 
 // Preconditions (checked by run_attention): q, k, v of one dtype (float32, bfloat16 or float16),
-// or k and v of float8 e4m3 (an inference call), with unit stride in the last dimension; Lq, Lk < 2^31; 0 <= dropout_p < 1; Lk > 0.
+// or k and v of one float8 format (an inference call), with unit stride in the last dimension; Lq, Lk < 2^31; 0 <= dropout_p < 1; Lk > 0.
 void flash_forward_portable(const AttentionProblem& p, const ForwardOutputs& o);
 void flash_forward_avx2(const AttentionProblem& p, const ForwardOutputs& o);
 void flash_forward_avx512(const AttentionProblem& p, const ForwardOutputs& o);

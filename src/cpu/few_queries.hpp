@@ -8,7 +8,7 @@
 // read in place. With up to 8 (AVX2) or 4 queries per key/value head (dot mode), each score is a
 // dot product of whole rows instead, and a run's keys are read in one pass, its softmax taken
 // whole, then its values read in another pass (no rescaling per block); 16-bit rows are widened as
-// they are loaded, float8 rows too up to 4 queries per key/value head (AsF8). The query heads that
+// they are loaded, float8 rows too (e4m3 up to 4 queries per key/value head). The query heads that
 // share a key/value head (GQA) are rows of the same task, so each key block is read once for all
 // of them. Long caches are split into shape-fixed runs of keys
 // whose partial softmax states are merged in order afterwards; every query row's arithmetic is the
@@ -99,7 +99,7 @@ struct FewQueries {
   static constexpr int64_t kDotRows = kSum4 ? 8 : 4;
   bool scores_by_dot() const { return queries() <= kDotRows; }
   // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
-  // each vector as it loads it: 16-bit rows of whole vectors always; float8 rows up to 4 queries
+  // each vector as it loads it: 16-bit and e5m2 rows of whole vectors always; e4m3 rows up to 4 queries
   // per key/value head, as their widening costs several times a 16-bit one's and rows in place
   // are widened again for every query (AVX2, bf16 queries, medians of 40, three runs: 4 rows
   // 0.78-0.87x the time of widening each block once into a buffer, at B=4 H=16 S=2048 d=64 and
@@ -151,7 +151,7 @@ struct FewQueries {
     const float* vp[kKeys];
     const uint16_t* kp16[kKeys];  // bfloat16 or float16 rows read in place (dot mode)
     const uint16_t* vp16[kKeys];
-    const uint8_t* kp8[kKeys];  // float8 e4m3 rows read in place (dot mode)
+    const uint8_t* kp8[kKeys];  // float8 rows read in place (dot mode)
     const uint8_t* vp8[kKeys];
     // The key (value) row pointers of elements E.
     template <class E> const E** keys_of() {
@@ -261,12 +261,18 @@ struct FewQueries {
     using E = uint8_t;
     static F load(const uint8_t* x) { return S::load_f8_over_256(x); }
   };
+  // float8 e5m2 rows: each byte shifted up is a half, widened as a 16-bit row is.
+  struct AsF8E5M2 {
+    using E = uint8_t;
+    static F load(const uint8_t* x) { return S::load_f8e5m2(x); }
+  };
   // fn(loader) for rows of `dtype`: AsF32 unless low-precision rows are read in place.
   template <class Fn>
   static void with_loader(DType dtype, bool in_place_low, Fn fn) {
     if (!in_place_low || dtype == DType::f32) fn(AsF32{});
     else if (dtype == DType::bf16) fn(AsBf16{});
     else if (dtype == DType::f16) fn(AsF16{});
+    else if (dtype == DType::f8e5m2) fn(AsF8E5M2{});
     else fn(AsF8{});
   }
 

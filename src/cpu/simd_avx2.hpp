@@ -164,6 +164,18 @@ struct Avx2 {
     return {f8x8_over_256(x), f8x8_over_256(_mm_unpackhi_epi64(x, x))};
   }
   static F load_f8(const uint8_t* p) { return mul(load_f8_over_256(p), set1(256.0f)); }
+  // kLanes float8 e5m2 values (as bits) into a register, exactly: each byte shifted up is the half
+  // (infinities, NaN and subnormals included), which F16C widens.
+  static F load_f8e5m2(const uint8_t* p) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), x)),
+            _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), x))};
+  }
+  static void widen_f8e5m2(const uint8_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) store(dst + i, load_f8e5m2(src + i));
+    for (; i < n; ++i) dst[i] = static_cast<float>(float8_e5m2::from_bits(src[i]));
+  }
   static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) store(dst + i, load_f8(src + i));

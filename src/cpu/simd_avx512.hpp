@@ -97,6 +97,16 @@ struct Avx512 {
     return _mm512_maskz_cvtph_ps(0xffff, h);
   }
   static F load_f8(const uint8_t* p) { return _mm512_mul_ps(load_f8_over_256(p), _mm512_set1_ps(256.0f)); }
+  // kLanes float8 e5m2 values (as bits), exactly: each byte shifted up is the half.
+  static F load_f8e5m2(const uint8_t* p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_maskz_cvtph_ps(0xffff, _mm256_slli_epi16(w, 8));
+  }
+  static void widen_f8e5m2(const uint8_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_f8e5m2(src + i));
+    for (; i < n; ++i) dst[i] = static_cast<float>(float8_e5m2::from_bits(src[i]));
+  }
   static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_f8(src + i));

@@ -90,6 +90,15 @@ struct Portable {
     for (int i = 0; i < kLanes; ++i) r.v[i] *= 0.00390625f;
     return r;
   }
+  // kLanes float8 e5m2 values (as bits), exactly.
+  static F load_f8e5m2(const uint8_t* p) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(float8_e5m2::from_bits(p[i]));
+    return r;
+  }
+  static void widen_f8e5m2(const uint8_t* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(float8_e5m2::from_bits(src[i]));
+  }
   static void widen_f8(const uint8_t* src, float* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(float8_e4m3::from_bits(src[i]));
   }

@@ -29,11 +29,12 @@ struct Tiles {
 
   static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-  // n bfloat16, float16 or float8 e4m3 values (`dtype`, as bits, from src's first element) to
-  // float32, exactly: how the kernels read low-precision rows.
+  // n bfloat16, float16 or float8 (e4m3, e5m2) values (`dtype`, as bits, from src's first element)
+  // to float32, exactly: how the kernels read low-precision rows.
   static void widen(DType dtype, const void* src, float* dst, int64_t n) {
     if (dtype == DType::bf16) S::widen_bf16(static_cast<const uint16_t*>(src), dst, n);
     else if (dtype == DType::f16) S::widen_f16(static_cast<const uint16_t*>(src), dst, n);
+    else if (dtype == DType::f8e5m2) S::widen_f8e5m2(static_cast<const uint8_t*>(src), dst, n);
     else S::widen_f8(static_cast<const uint8_t*>(src), dst, n);
   }
 

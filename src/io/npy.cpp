@@ -137,6 +137,7 @@ void save_npy(const std::string& path, const TensorView& tensor) {
     case DType::boolean: descr = "|b1"; break;
     case DType::bf16: throw Error("save_npy: numpy has no bfloat16; convert to float32 first");
     case DType::f8e4m3: throw Error("save_npy: numpy has no float8_e4m3fn; convert to float32 first");
+    case DType::f8e5m2: throw Error("save_npy: numpy has no float8_e5m2; convert to float32 first");
   }
   if (tensor.numel() > 0 && tensor.data == nullptr) throw Error("save_npy: null data");
   std::string shape = "(";

@@ -24,9 +24,10 @@ DType parse_dtype(const std::string& s, const std::string& name) {
   if (s == "BF16") return DType::bf16;
   if (s == "F16") return DType::f16;
   if (s == "F8_E4M3") return DType::f8e4m3;
+  if (s == "F8_E5M2") return DType::f8e5m2;
   if (s == "BOOL") return DType::boolean;
   throw Error("safetensors: tensor '" + name + "' has dtype '" + s +
-              "'; supported are F32, F64, BF16, F16, F8_E4M3 and BOOL");
+              "'; supported are F32, F64, BF16, F16, F8_E4M3, F8_E5M2 and BOOL");
 }
 
 const char* dtype_code(DType t) {
@@ -36,6 +37,7 @@ const char* dtype_code(DType t) {
     case DType::bf16: return "BF16";
     case DType::f16: return "F16";
     case DType::f8e4m3: return "F8_E4M3";
+    case DType::f8e5m2: return "F8_E5M2";
     case DType::boolean: return "BOOL";
   }
   return "?";

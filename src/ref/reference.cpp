@@ -28,6 +28,7 @@ double element(const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) 
     case DType::bf16: return static_cast<float>(t.data_as<bfloat16>()[off]);
     case DType::f16: return static_cast<float>(t.data_as<float16>()[off]);
     case DType::f8e4m3: return static_cast<float>(t.data_as<float8_e4m3>()[off]);
+    case DType::f8e5m2: return static_cast<float>(t.data_as<float8_e5m2>()[off]);
     case DType::boolean: break;
   }
   throw Error("reference: unexpected dtype");
