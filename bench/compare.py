@@ -175,28 +175,31 @@ def bench_decode(reps, rows, dtypes):
                                       reps * 3)
         op = f"sdpa decode {name}" if Lq == 1 else f"sdpa decode {name}, {Lq} tokens"
         rows.append((op, f"B={B} H={Hq}/{Hkv} S={S} d={d}", ours, theirs, 4.0 * B * Hq * Lq * S * d))
-    if "bf16" in dtypes and hasattr(torch, "float8_e4m3fn"):
+    if "bf16" in dtypes and hasattr(torch, "float8_e5m2"):
         bench_decode_float8(reps, rows)
 
 
 def bench_decode_float8(reps, rows):
-    """A decoding step (bf16 queries) over a float8_e4m3fn cache, half a bf16 cache's bytes: mha
-    widens it as it reads it. PyTorch's CPU SDPA takes no float8, so its sides are its step over a
-    bf16 cache (what it runs instead) and over the float8 cache converted to bf16 every step."""
+    """A decoding step (bf16 queries) over a float8 cache (e4m3 and e5m2), half a bf16 cache's bytes:
+    mha widens it as it reads it. PyTorch's CPU SDPA takes no float8, so its sides are its step
+    over a bf16 cache (what it runs instead) and, for e4m3, over the float8 cache converted to
+    bf16 every step."""
     for B, Hq, Hkv, S, d in ((4, 16, 16, 2048, 64), (1, 32, 8, 4096, 128)):
         g = torch.Generator().manual_seed(3)
         q = torch.randn(B, Hq, 1, d, generator=g).to(torch.bfloat16)
         k16, v16 = (torch.randn(B, Hkv, S, d, generator=g).to(torch.bfloat16) for _ in range(2))
-        k8, v8 = k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn)
         gqa = Hq != Hkv
-        ours = lambda: mha.scaled_dot_product_attention(q, k8, v8, enable_gqa=gqa)  # noqa: E731
-        for against, theirs in (
-                ("bf16 cache", lambda: F.scaled_dot_product_attention(q, k16, v16, enable_gqa=gqa)),
-                ("fp8 to bf16", lambda: F.scaled_dot_product_attention(q, k8.to(torch.bfloat16), v8.to(torch.bfloat16),
-                                                                       enable_gqa=gqa))):
-            mine, its = paired_medians(ours, theirs, reps * 3)
-            rows.append((f"sdpa decode fp8 cache vs {against}", f"B={B} H={Hq}/{Hkv} S={S} d={d}", mine, its,
-                         4.0 * B * Hq * S * d))
+        for fmt, name in ((torch.float8_e4m3fn, "e4m3"), (torch.float8_e5m2, "e5m2")):
+            k8, v8 = k16.to(fmt), v16.to(fmt)
+            ours = lambda: mha.scaled_dot_product_attention(q, k8, v8, enable_gqa=gqa)  # noqa: E731
+            sides = [("bf16 cache", lambda: F.scaled_dot_product_attention(q, k16, v16, enable_gqa=gqa))]
+            if name == "e4m3":
+                sides.append(("fp8 to bf16", lambda: F.scaled_dot_product_attention(
+                    q, k8.to(torch.bfloat16), v8.to(torch.bfloat16), enable_gqa=gqa)))
+            for against, theirs in sides:
+                mine, its = paired_medians(ours, theirs, reps * 3)
+                rows.append((f"sdpa decode fp8 {name} cache vs {against}", f"B={B} H={Hq}/{Hkv} S={S} d={d}", mine,
+                             its, 4.0 * B * Hq * S * d))
 
 
 def bench_paged(reps, rows):

@@ -264,13 +264,24 @@ def _check_float8_inference(key, value, *others) -> None:
     """float8_e4m3fn keys and values are an inference call: an error where autograd would need the
     call's backward (a quantized cache takes no gradient, and the C++ backward takes one dtype)."""
     torch = _loaded_torch()
-    f8 = getattr(torch, "float8_e4m3fn", None)
-    if f8 is None:
+    if torch is None:
         return
-    eight_bit = (isinstance(key, torch.Tensor) and key.dtype == f8) or (isinstance(value, torch.Tensor) and value.dtype == f8)
+    eight_bit = (isinstance(key, torch.Tensor) and key.dtype in _float8_dtypes(torch)) or \
+        (isinstance(value, torch.Tensor) and value.dtype in _float8_dtypes(torch))
     if eight_bit and _needs_grad(key, value, *others):
-        raise ValueError("key, value: float8_e4m3fn keys and values are for inference (a quantized cache takes no "
+        raise ValueError("key, value: float8 keys and values are for inference (a quantized cache takes no "
                          "gradient); run the call under torch.no_grad() or detach the inputs that require grad")
+
+
+_float8 = None
+
+
+def _float8_dtypes(torch) -> tuple:
+    """The float8 formats the kernels take for keys and values, as torch dtypes."""
+    global _float8
+    if _float8 is None:
+        _float8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+    return _float8
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
@@ -286,9 +297,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     input's gradient is summed over them. With enable_gqa, key and value head counts each divide
     Hq (they may differ, as in PyTorch). float32, bfloat16, float16 or float64 (computed in
     float64, for torch.autograd.gradcheck; its float mask may be float64). key and value may
-    instead both be torch.float8_e4m3fn under a float32, bfloat16 or float16 query: a quantized
-    cache, half a bfloat16 one's memory, widened exactly as the kernels read it (the output in the
-    query's dtype; inference only). A per-tensor scale s_k of the keys goes into `scale` (times
+    instead both be torch.float8_e4m3fn or both torch.float8_e5m2 under a float32, bfloat16 or
+    float16 query: a quantized cache, half a bfloat16 one's memory, widened exactly as the kernels
+    read it (the output in the query's dtype; inference only). A per-tensor scale s_k of the keys goes into `scale` (times
     s_k), one s_v of the values multiplies the output.
     attn_mask: bool (True = attend) or float (added to the scores; float32, or the inputs' bfloat16 or
     float16, as PyTorch takes it), broadcastable to [..., Hq, L, S].

@@ -146,9 +146,9 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
     query sees every key: FlashAttention's kvcache rule; causal_alignment="top_left" for PyTorch's).
     window_size, alibi_slopes ([Hq] or [B, Hq]), sinks ([Hq], gpt-oss's), softcap (Gemma 2's logit
     soft-capping), scale and enable_gqa as in mha.scaled_dot_product_attention. float32, bfloat16,
-    float16 or float64, or torch.float8_e4m3fn caches under a float32, bfloat16 or float16 query (k
-    and v are then rounded into them as they are written, unless already float8); torch tensors or
-    numpy arrays, on the CPU. Up to 32 queries per head read the pages where they lie; longer query
+    float16 or float64, or float8 caches (torch.float8_e4m3fn, torch.float8_e5m2) under a float32,
+    bfloat16 or float16 query (k and v are then rounded into them as they are written, unless
+    already float8); torch tensors or numpy arrays, on the CPU. Up to 32 queries per head read the pages where they lie; longer query
     blocks gather each sequence's pages first. Inference only: inputs that require grad are an
     error while grad mode is on.
 
@@ -264,8 +264,8 @@ def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seq
     attention: key [B, Lnew, Hkv, E] and value [B, Lnew, Hkv, Ev] (FlashAttention's layout), row t of
     sequence b to position cache_seqlens[b] + t of its pages. The caches (key_cache
     [pages, page_size, Hkv, E], value_cache [pages, page_size, Hkv, Ev]) are written, of the same
-    dtype as key and value (torch.float8_e4m3fn caches also take float32, bfloat16 or float16 rows,
-    rounded to nearest even as torch's .to(torch.float8_e4m3fn) rounds); every position written
+    dtype as key and value (float8 caches also take float32, bfloat16 or float16 rows, rounded to
+    nearest even as torch's .to() rounds into them); every position written
     must lie in a listed page. block_table=None and
     an int cache_seqlens as in paged_attention. cache_seqlens is not advanced (add Lnew afterwards).
 

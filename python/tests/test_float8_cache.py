@@ -1,8 +1,9 @@
-"""float8_e4m3fn keys and values (a quantized key/value cache) from Python. The kernels widen each
+"""float8 keys and values (torch.float8_e4m3fn, torch.float8_e5m2; a quantized key/value cache)
+from Python. The kernels widen each
 element exactly, so a call must give the bits of the same call on the keys and values converted
 to float32 (a 16-bit query: on its float32 copy too, the output rounded once), and agree with
 PyTorch's SDPA in float64 on those values (float32 within 2e-5 of the largest output, as the SDPA
-tests). Rounding into a float8 cache is PyTorch's .to(torch.float8_e4m3fn), bit for bit. Paged
+tests). Rounding into a float8 cache is PyTorch's .to(), bit for bit. Paged
 caches, packed sequences, torch.compile, and the clear errors: a float8 query, mixed dtypes,
 autograd."""
 
@@ -14,6 +15,7 @@ import mha
 from _compare import relative as _relative
 
 F8 = torch.float8_e4m3fn
+FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 @pytest.fixture
@@ -25,13 +27,14 @@ def _t(rng, shape, dtype=torch.float32):
     return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_sdpa_gives_the_bits_of_widened_keys_and_values(rng, dtype):
+def test_sdpa_gives_the_bits_of_widened_keys_and_values(rng, dtype, fmt):
     for trial, L in enumerate([1, 3, 40, 600]):  # dot mode, the decoding kernel's rows, tiles, long tiles
         B, hkv, group = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.integers(1, 3))
         S, E = int(rng.choice([9, 100, 300])), int(rng.choice([16, 64, 80]))
         q = _t(rng, (B, hkv * group, L, E), dtype)
-        k, v = _t(rng, (B, hkv, S, E), F8), _t(rng, (B, hkv, S, E), F8)
+        k, v = _t(rng, (B, hkv, S, E), fmt), _t(rng, (B, hkv, S, E), fmt)
         mask = _t(rng, (L, S)) if trial == 2 else None
         options = dict(is_causal=trial % 2 == 1, enable_gqa=group > 1)
         with torch.no_grad():
@@ -46,27 +49,31 @@ def test_sdpa_gives_the_bits_of_widened_keys_and_values(rng, dtype):
             assert _relative(out, ref) < 2e-5
 
 
-def test_rounding_into_a_cache_is_torchs(rng):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rounding_into_a_cache_is_torchs(rng, fmt):
     """Rows written into float8 caches round as torch's conversion does: ties to even, subnormals,
-    saturation beyond 448 (infinities too), NaN kept."""
-    special = torch.tensor([0.0, -0.0, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -7 + 2.0 ** -10, 448.0, 460.0, 464.0,
-                            470.0, 479.0, 480.0, 1e6, float("inf"), float("-inf"), float("nan"), -300.5, 1.0625])
-    drawn = torch.from_numpy(rng.standard_normal(16 * 64 - special.numel()) * np.exp2(rng.integers(-12, 9, 16 * 64 - special.numel())))
+    the top of the range (e4m3 saturates beyond 448, e5m2 overflows to infinity), NaN kept."""
+    special = torch.tensor([0.0, -0.0, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -7 + 2.0 ** -10, 2.0 ** -17, 3 * 2.0 ** -17,
+                            448.0, 460.0, 464.0, 470.0, 479.0, 480.0, 57344.0, 61439.0, 61440.0, 1e6, float("inf"),
+                            float("-inf"), float("nan"), -300.5, 1.0625, 1.125, 1.375])
+    drawn = torch.from_numpy(rng.standard_normal(16 * 64 - special.numel())
+                             * np.exp2(rng.integers(-18, 16, 16 * 64 - special.numel())))
     rows = torch.cat([special, drawn.float()]).reshape(1, 16, 1, 64)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = rows.to(dtype)
-        kc, vc = torch.zeros(1, 16, 1, 64, dtype=F8), torch.zeros(1, 16, 1, 64, dtype=F8)
+        kc, vc = torch.zeros(1, 16, 1, 64, dtype=fmt), torch.zeros(1, 16, 1, 64, dtype=fmt)
         mha.write_paged_cache(x, x, kc, vc, None, 0)
-        assert torch.equal(kc.view(torch.uint8), x.to(F8).view(torch.uint8)), dtype
+        assert torch.equal(kc.view(torch.uint8), x.to(fmt).view(torch.uint8)), dtype
 
 
-def test_paged_cache_decoding_loop(rng):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_paged_cache_decoding_loop(rng, fmt):
     """A float8 cache filled by a bfloat16 model's decoding loop (its rows rounded as they are
     written): each step the bits of SDPA over the rounded keys, read in place (one token) and
     gathered (a chunk of 40)."""
     batch, hq, hkv, e, page_size, prompt, steps = 2, 4, 2, 64, 8, 11, 5
     per_seq = (prompt + 40 + steps + page_size - 1) // page_size
-    kc = torch.full((batch * per_seq + 1, page_size, hkv, e), float("nan")).to(F8)
+    kc = torch.full((batch * per_seq + 1, page_size, hkv, e), float("nan")).to(fmt)
     vc = kc.clone()
     table = torch.tensor(rng.permutation(batch * per_seq + 1)[: batch * per_seq].reshape(batch, per_seq),
                          dtype=torch.int32)
@@ -80,19 +87,20 @@ def test_paged_cache_decoding_loop(rng):
         q = _t(rng, (batch, new, hq, e), torch.bfloat16)
         out = mha.paged_attention(q, kc, vc, table, lens, is_causal=True, enable_gqa=True)
         n = int(lens[0])
-        k8, v8 = keys[:, :n].to(F8), values[:, :n].to(F8)
+        k8, v8 = keys[:, :n].to(fmt), values[:, :n].to(fmt)
         alone = mha.scaled_dot_product_attention(q.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True, causal_alignment="bottom_right")
         assert torch.equal(out.transpose(1, 2), alone)
 
 
-def test_packed_sequences_and_compile(rng):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_sequences_and_compile(rng, fmt):
     q = _t(rng, (50, 4, 32))
-    k, v = _t(rng, (70, 2, 32), F8), _t(rng, (70, 2, 32), F8)
+    k, v = _t(rng, (70, 2, 32), fmt), _t(rng, (70, 2, 32), fmt)
     cu_q, cu_k = torch.tensor([0, 10, 50]), torch.tensor([0, 30, 70])
     out = mha.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True, enable_gqa=True)
     assert torch.equal(out, mha.varlen_attention(q, k.float(), v.float(), cu_q, cu_k, is_causal=True, enable_gqa=True))
-    qs, ks, vs = _t(rng, (2, 4, 5, 32)), _t(rng, (2, 2, 60, 32), F8), _t(rng, (2, 2, 60, 32), F8)
+    qs, ks, vs = _t(rng, (2, 4, 5, 32)), _t(rng, (2, 2, 60, 32), fmt), _t(rng, (2, 2, 60, 32), fmt)
     compiled = torch.compile(lambda a, b, c: mha.scaled_dot_product_attention(a, b, c, enable_gqa=True),
                              backend="aot_eager", fullgraph=True)
     with torch.no_grad():
@@ -103,16 +111,20 @@ def test_packed_sequences_and_compile(rng):
 
 def test_calls_that_take_no_float8_are_clear_errors(rng, tmp_path):
     q, k, v = _t(rng, (1, 2, 5, 16)), _t(rng, (1, 2, 9, 16), F8), _t(rng, (1, 2, 9, 16), F8)
-    with pytest.raises(ValueError, match="float8_e4m3fn is taken for key and value"):
+    with pytest.raises(ValueError, match="float8 is taken for key and value"):
         mha.scaled_dot_product_attention(q.to(F8), k, v)
-    with pytest.raises(ValueError, match="float8_e4m3fn keys and values go together"):
+    with pytest.raises(ValueError, match="float8 keys and values .* go together"):
         mha.scaled_dot_product_attention(q, k, v.float())
-    with pytest.raises(ValueError, match="float8_e4m3fn keys and values are for inference"):
-        mha.scaled_dot_product_attention(q.requires_grad_(), k, v)
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
+    with pytest.raises(ValueError, match="key float8_e4m3fn, value float8_e5m2"):
+        mha.scaled_dot_product_attention(q, k, v.float().to(torch.float8_e5m2))
+    for fmt in FORMATS:
+        with pytest.raises(ValueError, match="float8 keys and values are for inference"):
+            mha.scaled_dot_product_attention(q.detach().requires_grad_(), k.float().to(fmt), v.float().to(fmt))
+    with pytest.raises(ValueError, match="float8"):
         mha.scaled_dot_product_attention(q.double().detach(), k, v)
     # a file's float8 tensor comes back to numpy (which has none) widened to float32, exactly
     path = str(tmp_path / "cache.safetensors")
-    mha.save_safetensors(path, {"k": k})
-    loaded = mha.load_safetensors(path)["k"]
-    assert loaded.dtype == np.float32 and np.array_equal(loaded, k.float().numpy())
+    mha.save_safetensors(path, {"k": k, "k2": k.float().to(torch.float8_e5m2)})
+    loaded = mha.load_safetensors(path)
+    assert loaded["k"].dtype == np.float32 and np.array_equal(loaded["k"], k.float().numpy())
+    assert np.array_equal(loaded["k2"], k.float().to(torch.float8_e5m2).float().numpy())
