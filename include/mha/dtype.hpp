@@ -4,6 +4,7 @@
 // reference implementation.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
@@ -122,6 +123,25 @@ struct float16 {
   }
 };
 
+// The magnitude of a float (its bits `abs`, finite and below the format's overflow) rounded to
+// nearest even in a float8 format of kMan mantissa bits and exponent bias kBias: subnormals by
+// adding a float whose ulp is the format's subnormal step (the hardware's rounding leaves the
+// count of steps in the low bits; one past the last is the smallest normal's bits), normals by
+// rebiasing the exponent and rounding the dropped mantissa bits.
+template <int kMan, int kBias>
+constexpr uint8_t round_float8_magnitude(uint32_t abs) {
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - kBias) << 23;
+  constexpr uint32_t kStepUlp = static_cast<uint32_t>(127 + 1 - kBias - kMan + 23) << 23;
+  constexpr int kDropped = 23 - kMan;
+  if (abs < kMinNormal) {
+    float a = std::bit_cast<float>(abs) + std::bit_cast<float>(kStepUlp);
+    return static_cast<uint8_t>(std::bit_cast<uint32_t>(a) - kStepUlp);
+  }
+  const uint32_t odd = (abs >> kDropped) & 1u;
+  const uint32_t rebiased = abs - (static_cast<uint32_t>(127 - kBias) << 23);
+  return static_cast<uint8_t>((rebiased + (1u << (kDropped - 1)) - 1u + odd) >> kDropped);
+}
+
 // float8 e4m3 as PyTorch's float8_e4m3fn (OCP FP8): 1 sign, 4 exponent (bias 7), 3 mantissa bits;
 // no infinities, one NaN pattern per sign (0x7f / 0xff), largest finite 448, subnormals down to
 // 2^-9. Conversion from float rounds to nearest even and saturates: beyond 448 (infinities too)
@@ -138,24 +158,13 @@ struct float8_e4m3 {
     uint32_t u;
     std::memcpy(&u, &f, 4);
     const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-    uint32_t abs = u & 0x7fffffffu;
+    const uint32_t abs = u & 0x7fffffffu;
     if (abs > 0x7f800000u) {  // NaN
       bits = static_cast<uint8_t>(sign | 0x7fu);
     } else if (abs > 0x43e00000u) {  // beyond 448, infinities included: saturated
       bits = static_cast<uint8_t>(sign | 0x7eu);
-    } else if (abs < 0x3c800000u) {  // below 2^-6, the smallest normal: subnormal or zero
-      // Add 2^14 as a float: its ulp is 2^-9, e4m3's subnormal step, so the hardware's rounding
-      // leaves the subnormal's count of steps (0 to 8; 8 is 2^-6 itself) in the low bits.
-      float a;
-      std::memcpy(&a, &abs, 4);
-      a += 16384.0f;
-      uint32_t r;
-      std::memcpy(&r, &a, 4);
-      bits = static_cast<uint8_t>(sign | (r - 0x46800000u));
     } else {
-      const uint32_t odd = (abs >> 20) & 1u;
-      abs += 0xc407ffffu + odd;  // rebias the exponent (-120 << 23) and round the 20 dropped bits
-      bits = static_cast<uint8_t>(sign | (abs >> 20));
+      bits = static_cast<uint8_t>(sign | round_float8_magnitude<3, 7>(abs));
     }
   }
   explicit operator float() const {
@@ -194,23 +203,13 @@ struct float8_e5m2 {
     uint32_t u;
     std::memcpy(&u, &f, 4);
     const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-    uint32_t abs = u & 0x7fffffffu;
+    const uint32_t abs = u & 0x7fffffffu;
     if (abs > 0x7f800000u) {  // NaN
       bits = static_cast<uint8_t>(sign | 0x7fu);
     } else if (abs >= 0x47800000u) {  // 65536 and beyond, infinities: infinity
       bits = static_cast<uint8_t>(sign | 0x7cu);
-    } else if (abs < 0x38800000u) {  // below 2^-14, the smallest normal: subnormal or zero
-      // Add 2^7 as a float: its ulp is 2^-16, e5m2's subnormal step (as float8_e4m3 does).
-      float a;
-      std::memcpy(&a, &abs, 4);
-      a += 128.0f;
-      uint32_t r;
-      std::memcpy(&r, &a, 4);
-      bits = static_cast<uint8_t>(sign | (r - 0x43000000u));
-    } else {
-      const uint32_t odd = (abs >> 21) & 1u;
-      abs += 0xc80fffffu + odd;  // rebias the exponent (-112 << 23) and round the 21 dropped bits
-      bits = static_cast<uint8_t>(sign | (abs >> 21));  // (rounding past 57344 gives 0x7c: infinity)
+    } else {  // (rounding past 57344 gives 0x7c: infinity)
+      bits = static_cast<uint8_t>(sign | round_float8_magnitude<2, 15>(abs));
     }
   }
   explicit operator float() const { return static_cast<float>(float16::from_bits(static_cast<uint16_t>(bits << 8))); }
