@@ -38,8 +38,9 @@
 namespace mha {
 
 // Returns out [B, Hq, Lq, Dv] (contiguous, the query's dtype: float32, bfloat16, float16 or
-// float64, one dtype for q and both caches, or float8 e4m3 caches under a float32, bfloat16 or
-// float16 query, half a bfloat16 cache's memory; on the host).
+// float64, one dtype for q and both caches, or float8 caches (e4m3 or e5m2, with k_descale and
+// v_descale where they are scaled) under a float32, bfloat16 or float16 query, half a bfloat16
+// cache's memory; on the host).
 Tensor paged_attention(const TensorView& q, const TensorView& key_cache, const TensorView& value_cache,
                        std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
                        const SdpaOptions& options = {});
@@ -87,6 +88,17 @@ PagedAttentionOutput merge_attention_states(const TensorView& out_a, const Tenso
 PagedAttentionOutput merge_attention_states_varlen(const TensorView& out_a, const TensorView& lse_a,
                                                    const TensorView& out_b, const TensorView& lse_b);
 
+// Quantisation of the rows written into float8 caches (vLLM's k_scale and v_scale): each row of
+// key/value head h of sequence b is divided by k_descale (v_descale) for (b, h) before it is
+// rounded, so that attention given the same tensors as SdpaOptions::k_descale / v_descale reads
+// back the rows written (to float8's precision). float32 of shape [], [Hkv] or [B, Hkv] (either
+// dimension 1 to broadcast; for the varlen form B is the sequences'), finite and > 0; for float8
+// caches only. The division is in float32: PyTorch's (key.float() / k_descale).to(float8).
+struct CacheWriteScales {
+  std::optional<TensorView> k_descale;
+  std::optional<TensorView> v_descale;
+};
+
 // Writes new keys and values into the cache, as a decoding step does before its attention: row t
 // of sequence b (key[b, :, t, :], value[b, :, t, :]) goes to position cache_seqlens[b] + t of
 // that sequence's pages. key [B, Hkv, Lnew, Dk], value [B, Hkv, Lnew, Dv] of the caches' dtype
@@ -96,7 +108,7 @@ PagedAttentionOutput merge_attention_states_varlen(const TensorView& out_a, cons
 // sequence's row is the one kept.
 void write_paged_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, std::span<const int32_t> block_table,
-                       std::span<const int64_t> cache_seqlens);
+                       std::span<const int64_t> cache_seqlens, const CacheWriteScales& scales = {});
 
 // The same for rows of a different count per sequence, packed one after another: key [Tnew, Hkv, Dk],
 // value [Tnew, Hkv, Dv], sequence b's rows [cu_seqlens_new[b], cu_seqlens_new[b + 1]) (B + 1
@@ -104,6 +116,7 @@ void write_paged_cache(const TensorView& key, const TensorView& value, const Ten
 // their key and value).
 void write_paged_cache_varlen(const TensorView& key, const TensorView& value, std::span<const int64_t> cu_seqlens_new,
                               const TensorView& key_cache, const TensorView& value_cache,
-                              std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens);
+                              std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
+                              const CacheWriteScales& scales = {});
 
 }  // namespace mha

@@ -67,6 +67,15 @@ struct SdpaOptions {
   // softmax, bounding it to (-softcap, softcap); 0 leaves the scores as they are. 0 or in
   // [1e-30, 1e30]. Forward and backward (the gradient through the tanh); on the host only.
   double softcap = 0.0;
+  // Dequantisation scales of float8 keys and values (FlashAttention 3's k_descale and v_descale,
+  // vLLM's k_scale and v_scale): the call attends over k * k_descale and v * v_descale, one
+  // scale per key/value head, per batch entry too where given. float32 of shape [] (one for the
+  // tensor), [Hkv] or broadcastable to the batch dimensions and key/value heads [.., Hkv]
+  // (FlashAttention 3's [B, Hkv]); finite and > 0; taken with float8 keys and values only. The
+  // kernels fold k_descale into the head's softmax scale and v_descale into its output's
+  // normalisation: no key or value is multiplied. write_paged_cache divides by the same tensors.
+  std::optional<TensorView> k_descale;
+  std::optional<TensorView> v_descale;
   std::optional<double> scale;  // default 1/sqrt(Dk)
   bool enable_gqa = false;      // allow Hq to be a multiple of Hkv (grouped-query attention)
   double dropout_p = 0.0;       // dropout on the attention weights, in [0, 1]

@@ -174,6 +174,16 @@ void check_input_dtypes(const TensorView& q_in, const TensorView& k_in, const Te
   }
 }
 
+// A dequantisation scale of float8 keys or values (SdpaOptions::k_descale, v_descale), beside
+// float8 keys and values; its values are read (finite, > 0) by materialise_inputs.
+void check_descale(const TensorView& descale, const std::string& name, const AttentionProblem& p, DType key_dtype) {
+  if (!is_float8(key_dtype)) {
+    throw Error(name + ": dequantisation scales are taken with float8 keys and values (float8_e4m3fn or "
+                "float8_e5m2), got keys of dtype " + std::string(dtype_name(key_dtype)));
+  }
+  check_scales(descale, p.batch_shape_with_heads(p.heads_kv), name);
+}
+
 }  // namespace
 
 AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
@@ -376,6 +386,9 @@ AttentionProblem make_sdpa_problem(const TensorView& q_in, const TensorView& k_i
     p.alibi_diagonal = diagonal;
   }
   if (options.sinks) check_sinks(*options.sinks, p, q_in);
+  if (options.k_descale) check_descale(*options.k_descale, "k_descale", p, k_in.dtype);
+  if (options.v_descale) check_descale(*options.v_descale, "v_descale", p, v_in.dtype);
+  p.descale_input = {options.k_descale, options.v_descale};
   p.sinks = options.sinks;
   // (The float32 kernels hold the cap and its inverse as normal floats: [1e-30, 1e30] keeps both.)
   if (options.softcap != 0 && !(options.softcap >= 1e-30 && options.softcap <= 1e30)) {
@@ -437,6 +450,77 @@ void materialise_inputs(AttentionProblem& p) {
                 " pass window_left = -1 (window_right and is_causal run there)");
   }
   if (p.alibi_input) add_alibi_term(p);
+  if (p.descale_input[0] || p.descale_input[1]) {  // [B * Hkv] each, b major
+    const int64_t n = p.batch * p.heads_kv;
+    p.descale_storage = Tensor::empty({2, n});
+    float* scales = p.descale_storage.data<float>();
+    for (int i = 0; i < 2; ++i) {
+      if (!p.descale_input[i]) continue;
+      const std::vector<float> read =
+          read_scales(*p.descale_input[i], p.batch_shape_with_heads(p.heads_kv), i == 0 ? "k_descale" : "v_descale");
+      std::copy(read.begin(), read.end(), scales + i * n);
+    }
+    p.k_descales = p.descale_input[0] ? scales : nullptr;
+    p.v_descales = p.descale_input[1] ? scales + n : nullptr;
+  }
+}
+
+void check_scales(const TensorView& scales, const Shape& target, const std::string& name) {
+  if (scales.dtype != DType::f32) throw Error(name + ": expected dtype float32, got " + std::string(dtype_name(scales.dtype)));
+  if (!scales.device.is_cpu()) throw Error(name + ": expected a host tensor, got one on " + scales.device.str());
+  check_data(scales, name);
+  bool fits = true;  // (extra leading dimensions of size 1 too, as a mask may have)
+  for (int d = 0; fits && d < scales.ndim; ++d) {
+    const int64_t td = static_cast<int64_t>(target.size()) - scales.ndim + d;
+    fits = scales.shape[d] == 1 || (td >= 0 && scales.shape[d] == target[td]);
+  }
+  if (!fits) {
+    throw Error(name + ": expected one scale per key/value head, shape [], [Hkv] or broadcastable to the batch "
+                "dimensions and key/value heads " + TensorView(nullptr, DType::f32, target).shape_str() + ", got " +
+                scales.shape_str());
+  }
+}
+
+std::vector<float> read_scales(const TensorView& scales, const Shape& target, const std::string& name) {
+  check_scales(scales, target, name);
+  int64_t n = 1;
+  for (int64_t t : target) n *= t;
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t rest = t, offset = 0;  // target index t, right-aligned onto the scales' dimensions
+    for (int d = static_cast<int>(target.size()) - 1; d >= 0; --d) {
+      const int64_t i = rest % target[d];
+      rest /= target[d];
+      const int sd = scales.ndim - static_cast<int>(target.size()) + d;
+      if (sd >= 0 && scales.shape[sd] != 1) offset += i * scales.strides[sd];
+    }
+    const float x = scales.data_as<float>()[offset];
+    if (!(std::isfinite(x) && x > 0)) {
+      std::ostringstream got;
+      got << x;
+      const int64_t heads = target.empty() ? 1 : target.back();
+      throw Error(name + ": expected finite scales > 0, got " + got.str() + " for key/value head " +
+                  std::to_string(t % heads) + " of batch entry " + std::to_string(t / heads));
+    }
+    out[static_cast<size_t>(t)] = x;
+  }
+  return out;
+}
+
+void check_per_sequence_option(const TensorView& t, const std::string& name, const std::string& heads,
+                               const std::string& sequences_name, int64_t sequences, bool scalar_ok) {
+  if ((t.ndim == 0 && !scalar_ok) || t.ndim > 2 || (t.ndim == 2 && t.shape[0] != 1 && t.shape[0] != sequences)) {
+    const std::string per = heads.substr(1, heads.size() - 2);  // "Hq" of "[Hq]"
+    const std::string count = sequences_name == "B" ? "B = " + std::to_string(sequences)
+                                                    : std::to_string(sequences) + " " + sequences_name;
+    throw Error(name + ": expected shape " + (scalar_ok ? "[], " : "") + heads + " or [" + sequences_name + ", " +
+                per + "] (" + count + "), got " + t.shape_str());
+  }
+}
+
+std::optional<TensorView> sequence_option(const std::optional<TensorView>& t, int64_t s) {
+  if (t && t->ndim == 2 && t->shape[0] > 1) return t->slice(0, s, s + 1);
+  return t;
 }
 
 void add_alibi_term(AttentionProblem& p) {

@@ -9,6 +9,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "mha/sdpa.hpp"
 #include "mha/tensor.hpp"
@@ -74,6 +75,16 @@ struct AttentionProblem {
   // host forward scales each row by its share of the softmax with the sink (apply_sinks).
   std::optional<TensorView> sinks;
   double sink(int64_t h) const { return sink_value(*sinks, h); }
+  // Dequantisation scales of float8 keys and values (SdpaOptions::k_descale, v_descale), as given
+  // (checked by make_sdpa_problem), then read by materialise_inputs into [B, Hkv] float32 each
+  // (descale_storage; null without them). The kernels fold the key's into the head's softmax
+  // scale and the value's into its output's 1 / l.
+  std::array<std::optional<TensorView>, 2> descale_input;
+  const float* k_descales = nullptr;
+  const float* v_descales = nullptr;
+  Tensor descale_storage;
+  float key_descale(int64_t b, int64_t hk) const { return k_descales ? k_descales[b * heads_kv + hk] : 1.0f; }
+  float value_descale(int64_t b, int64_t hk) const { return v_descales ? v_descales[b * heads_kv + hk] : 1.0f; }
   // A paged key/value cache (core/paged_attention.cpp; one batch entry): key j lies in page
   // key_pages[j / page_size] at row j % page_size, k's and v's strides[0] stepping from page to
   // page. Null for keys and values in one strided view. Only the decoding kernel (few_queries.hpp)
@@ -172,6 +183,22 @@ void add_alibi_term(AttentionProblem& p);
 // excludes, as they skip a padding mask's) for the paths that do not apply the window
 // themselves; p as it is without a window.
 AttentionProblem with_window_as_mask(const AttentionProblem& p);
+
+// Scales per key/value head (SdpaOptions::k_descale, v_descale; write_paged_cache's): float32 on
+// the host, broadcastable to `target` (right-aligned, dimensions of size 1 or missing stretching);
+// mha::Error naming `name` otherwise. read_scales also reads them, as numel(target) floats in
+// row-major order, each finite and > 0.
+void check_scales(const TensorView& scales, const Shape& target, const std::string& name);
+std::vector<float> read_scales(const TensorView& scales, const Shape& target, const std::string& name);
+
+// A per-sequence option of a paged or packed call (alibi_slopes, k_descale, v_descale): [H] or
+// [sequences, H] (FlashAttention's [batch, H]), either dimension 1 to broadcast, or [] where
+// `scalar_ok`; mha::Error naming it otherwise ("[Hq]" the heads it names, "B" the sequences').
+// The rest (dtype, heads) is checked on one sequence's (first_sequence_option) by make_sdpa_problem.
+void check_per_sequence_option(const TensorView& t, const std::string& name, const std::string& heads,
+                               const std::string& sequences_name, int64_t sequences, bool scalar_ok);
+// The option as sequence s reads it: row s of a [sequences, H] tensor (as [1, H]), else as given.
+std::optional<TensorView> sequence_option(const std::optional<TensorView>& t, int64_t s);
 
 // t, of shape p.batch_shape_with_heads(heads) + [rows, cols], as the [B, heads, rows, cols] view
 // the kernels read or write (fold_batch); mha::Error naming `name` where its strides do not fold.

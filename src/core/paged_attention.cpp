@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/attention_problem.hpp"
@@ -127,14 +128,14 @@ void validate_options(const TensorView& q_one, const PagedShape& s, const Tensor
     throw Error("dropout_p: paged_attention is for inference and takes no dropout, got " +
                 std::to_string(options.dropout_p));
   }
+  // Per-sequence options, [H] or [B, H]; the rest is checked on the first sequence's below.
   SdpaOptions one = options;
-  if (options.alibi_slopes) {  // [Hq] or [B, Hq]; the rest is checked on one sequence's slopes below
-    const TensorView& slopes = *options.alibi_slopes;
-    if (slopes.ndim > 2 || (slopes.ndim == 2 && slopes.shape[0] != 1 && slopes.shape[0] != s.batch)) {
-      throw Error("alibi_slopes: expected shape [Hq] or [B, Hq] (B = " + std::to_string(s.batch) + "), got " +
-                  slopes.shape_str());
-    }
-    if (slopes.ndim == 2) one.alibi_slopes = slopes.select(0, 0);
+  for (auto [option, name, heads] : {std::tuple{&SdpaOptions::alibi_slopes, "alibi_slopes", "[Hq]"},
+                                     std::tuple{&SdpaOptions::k_descale, "k_descale", "[Hkv]"},
+                                     std::tuple{&SdpaOptions::v_descale, "v_descale", "[Hkv]"}}) {
+    if (!(options.*option)) continue;
+    detail::check_per_sequence_option(*(options.*option), name, heads, "B", s.batch, option != &SdpaOptions::alibi_slopes);
+    one.*option = detail::sequence_option(options.*option, 0);
   }
   // The options against one sequence of a page's keys: dtypes, head counts, head dims, scale.
   const TensorView k = key_cache.slice(0, 0, std::min<int64_t>(1, s.pages));
@@ -209,8 +210,8 @@ AttentionProblem sequence_problem(const TensorView& qb, const TensorView& key_ca
                                   std::vector<Tensor>& storage) {
   SdpaOptions o = options;
   o.num_threads = threads;
-  if (options.alibi_slopes && options.alibi_slopes->ndim == 2 && options.alibi_slopes->shape[0] > 1)
-    o.alibi_slopes = options.alibi_slopes->slice(0, b, b + 1);  // [1, Hq]: this sequence's slopes
+  for (auto option : {&SdpaOptions::alibi_slopes, &SdpaOptions::k_descale, &SdpaOptions::v_descale})
+    o.*option = detail::sequence_option(options.*option, b);  // [1, H]: this sequence's
   const int64_t len = lens[b];
   const int32_t* pages = table.data() + b * s.pages_per_sequence;
   AttentionProblem p = detail::make_sdpa_problem(qb, first_rows(key_cache, len), first_rows(value_cache, len), o,
@@ -315,20 +316,58 @@ void check_new_rows_dtype(const TensorView& key, const TensorView& value, const 
   }
 }
 
+// The quantisation scales of a write (CacheWriteScales), read as [B * Hkv] floats each (empty
+// where not given); mha::Error unless the caches are float8 and the scales fit.
+struct RowScales {
+  std::vector<float> key, value;
+
+  RowScales(const CacheWriteScales& given, const PagedShape& s, DType cache_dtype) {
+    for (auto [scales, out, name] : {std::tuple{&given.k_descale, &key, "k_descale"},
+                                     std::tuple{&given.v_descale, &value, "v_descale"}}) {
+      if (!*scales) continue;
+      if (!is_float8(cache_dtype)) {
+        throw Error(std::string(name) + ": scales are taken for float8 caches (float8_e4m3fn or float8_e5m2), got " +
+                    std::string(dtype_name(cache_dtype)) + " caches");
+      }
+      detail::check_per_sequence_option(**scales, name, "[Hkv]", "B", s.batch, true);
+      *out = detail::read_scales(**scales, {s.batch, s.heads_kv}, name);
+    }
+  }
+};
+
+// Copies row ([Hkv, D]) into dst, with each head's elements divided by scales[h] in float32 first
+// where scales are given (through `staging`, a float32 [Hkv, D] buffer).
+void write_row(const TensorView& row, const TensorView& dst, const float* scales, const Tensor& staging) {
+  if (scales == nullptr) {
+    copy_into(row, dst);
+    return;
+  }
+  copy_into(row, staging.view());
+  float* x = staging.data<float>();
+  const int64_t heads = row.shape[0], width = row.shape[1];
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < width; ++d) x[h * width + d] /= scales[h];
+  copy_into(staging.view(), dst);
+}
+
 // Writes rows t < added[b] of each sequence b, key_row(b, t) and value_row(b, t) ([Hkv, D] views),
-// to position cache_seqlens[b] + t of its pages; sequences in order (a later one's row is kept
-// where two share a slot).
+// to position cache_seqlens[b] + t of its pages, divided by their scales where given; sequences in
+// order (a later one's row is kept where two share a slot).
 template <class KeyRow, class ValueRow>
 void write_rows(const PagedShape& s, const TensorView& key_cache, const TensorView& value_cache,
                 std::span<const int32_t> table, std::span<const int64_t> lens, std::span<const int64_t> added,
-                KeyRow key_row, ValueRow value_row) {
+                const RowScales& scales, KeyRow key_row, ValueRow value_row) {
+  const Tensor key_staging = Tensor::empty({s.heads_kv, scales.key.empty() ? 0 : s.dim_qk});
+  const Tensor value_staging = Tensor::empty({s.heads_kv, scales.value.empty() ? 0 : s.dim_v});
   for (int64_t b = 0; b < s.batch; ++b) {
     const int32_t* pages = table.data() + b * s.pages_per_sequence;
+    const float* key_scales = scales.key.empty() ? nullptr : scales.key.data() + b * s.heads_kv;
+    const float* value_scales = scales.value.empty() ? nullptr : scales.value.data() + b * s.heads_kv;
     for (int64_t t = 0; t < added[b]; ++t) {
       const int64_t j = lens[b] + t;
       const int64_t page = pages[j / s.page_size], row = j % s.page_size;
-      copy_into(key_row(b, t), key_cache.select(0, page).select(1, row));
-      copy_into(value_row(b, t), value_cache.select(0, page).select(1, row));
+      write_row(key_row(b, t), key_cache.select(0, page).select(1, row), key_scales, key_staging);
+      write_row(value_row(b, t), value_cache.select(0, page).select(1, row), value_scales, value_staging);
     }
   }
 }
@@ -364,7 +403,7 @@ PagedAttentionOutput paged_attention_varlen_with_lse(const TensorView& q, std::s
 
 void write_paged_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, std::span<const int32_t> block_table,
-                       std::span<const int64_t> cache_seqlens) {
+                       std::span<const int64_t> cache_seqlens, const CacheWriteScales& scales) {
   check_rank4(key, "key", "[B, Hkv, Lnew, Dk]");
   check_rank4(value, "value", "[B, Hkv, Lnew, Dv]");
   const PagedShape s = check_cache(key_cache, value_cache, block_table, cache_seqlens, key.shape[0]);
@@ -378,15 +417,17 @@ void write_paged_cache(const TensorView& key, const TensorView& value, const Ten
   check_new_rows_dtype(key, value, key_cache);
   const std::vector<int64_t> added(static_cast<size_t>(s.batch), key.shape[2]);
   check_table(s, block_table, cache_seqlens, added, "writes rows");
+  const RowScales row_scales(scales, s, key_cache.dtype);
   write_rows(
-      s, key_cache, value_cache, block_table, cache_seqlens, added,
+      s, key_cache, value_cache, block_table, cache_seqlens, added, row_scales,
       [&](int64_t b, int64_t t) { return key.select(0, b).select(1, t); },
       [&](int64_t b, int64_t t) { return value.select(0, b).select(1, t); });
 }
 
 void write_paged_cache_varlen(const TensorView& key, const TensorView& value, std::span<const int64_t> cu_seqlens_new,
                               const TensorView& key_cache, const TensorView& value_cache,
-                              std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens) {
+                              std::span<const int32_t> block_table, std::span<const int64_t> cache_seqlens,
+                              const CacheWriteScales& scales) {
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     if (t->ndim != 3) {
       throw Error(std::string(name) + ": expected a packed [Tnew, Hkv, D] tensor (rank 3), got shape " +
@@ -408,8 +449,9 @@ void write_paged_cache_varlen(const TensorView& key, const TensorView& value, st
   std::vector<int64_t> added(static_cast<size_t>(s.batch));
   for (int64_t b = 0; b < s.batch; ++b) added[b] = cu_seqlens_new[b + 1] - cu_seqlens_new[b];
   check_table(s, block_table, cache_seqlens, added, "writes rows");
+  const RowScales row_scales(scales, s, key_cache.dtype);
   write_rows(
-      s, key_cache, value_cache, block_table, cache_seqlens, added,
+      s, key_cache, value_cache, block_table, cache_seqlens, added, row_scales,
       [&](int64_t b, int64_t t) { return key.select(0, cu_seqlens_new[b] + t); },
       [&](int64_t b, int64_t t) { return value.select(0, cu_seqlens_new[b] + t); });
 }

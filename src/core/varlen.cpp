@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/attention_problem.hpp"
@@ -63,15 +64,14 @@ PackedShape validate(const TensorView& q, const TensorView& k, const TensorView&
   const int64_t sequences = static_cast<int64_t>(cu_q.size()) - 1;
   SdpaOptions whole = options;
   whole.is_causal = false;
-  if (options.alibi_slopes) {
-    // [Hq] or [sequences, Hq] (FlashAttention's [batch, Hq]), either dimension 1 to broadcast; the
-    // rest (dtype, heads) is checked below on one sequence's slopes.
-    const TensorView& slopes = *options.alibi_slopes;
-    if (slopes.ndim > 2 || (slopes.ndim == 2 && slopes.shape[0] != 1 && slopes.shape[0] != sequences)) {
-      throw Error("alibi_slopes: expected shape [Hq] or [sequences, Hq] (" + std::to_string(sequences) +
-                  " sequences), got " + slopes.shape_str());
-    }
-    if (slopes.ndim == 2) whole.alibi_slopes = TensorView(slopes.data, slopes.dtype, {slopes.shape[1]}, {slopes.strides[1]}).on(slopes.device);
+  // Per-sequence options: [H] or [sequences, H] (FlashAttention's [batch, H]); the rest (dtype,
+  // heads) is checked below on the first sequence's.
+  for (auto [option, name, heads] : {std::tuple{&SdpaOptions::alibi_slopes, "alibi_slopes", "[Hq]"},
+                                     std::tuple{&SdpaOptions::k_descale, "k_descale", "[Hkv]"},
+                                     std::tuple{&SdpaOptions::v_descale, "v_descale", "[Hkv]"}}) {
+    if (!(options.*option)) continue;
+    detail::check_per_sequence_option(*(options.*option), name, heads, "sequences", sequences, option != &SdpaOptions::alibi_slopes);
+    whole.*option = detail::sequence_option(options.*option, 0);
   }
   (void)detail::make_sdpa_problem(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), whole,
                                   detail::InputDtypes::fused);
@@ -96,8 +96,8 @@ AttentionProblem sequence_problem(const TensorView& q, const TensorView& k, cons
   SdpaOptions o = options;
   o.num_threads = threads;
   if (options.dropout_p > 0) o.dropout_seed = varlen_dropout_seed(options.dropout_seed, s);
-  if (options.alibi_slopes && options.alibi_slopes->ndim == 2 && options.alibi_slopes->shape[0] > 1)
-    o.alibi_slopes = options.alibi_slopes->slice(0, s, s + 1);  // [1, Hq]: this sequence's slopes
+  for (auto option : {&SdpaOptions::alibi_slopes, &SdpaOptions::k_descale, &SdpaOptions::v_descale})
+    o.*option = detail::sequence_option(options.*option, s);  // [1, H]: this sequence's
   AttentionProblem p = detail::make_sdpa_problem(rows(q, cu_q[s], cu_q[s + 1]), rows(k, cu_k[s], cu_k[s + 1]),
                                                  rows(v, cu_k[s], cu_k[s + 1]), o, detail::InputDtypes::fused);
   detail::materialise_inputs(p);

@@ -429,7 +429,7 @@ struct FewQueries {
   // r_end) of key/value head (b, hk) over keys [j_begin, j_end); returns the end of the keys any row sees.
   int64_t start_rows(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
                      int64_t j_end) const {
-    const float qscale = static_cast<float>(p.scale) * kLog2e;
+    const float qscale = static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e;
     int64_t key_end = j_begin;
     for (int64_t qi = 0; qi < r_end - r_begin; ++qi) {
       const int64_t h = hk * group() + (r_begin + qi) / p.len_q, i = (r_begin + qi) % p.len_q;
@@ -717,7 +717,7 @@ struct FewQueries {
   // O / l into the output (in its dtype) and the log-sum-exp, for row `row` of key/value head (b, hk).
   void store(int64_t b, int64_t hk, int64_t row, const float* acc, float m, float l) const {
     const int64_t h = hk * group() + row / p.len_q, i = row % p.len_q;
-    const float inv_l = (l > 0 ? 1.0f / l : 0.0f) * value_unscale();
+    const float inv_l = (l > 0 ? 1.0f / l : 0.0f) * value_unscale() * p.value_descale(b, hk);
     const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i * o.out_strides[2];
     with_output_elements(o.out, o.out_dtype, offset, [&](auto* out, auto round) {
       for (int64_t d = 0; d < p.dim_v; ++d) out[d * o.out_strides[3]] = round(acc[d] * inv_l);

@@ -348,7 +348,7 @@ struct FlashForward {
 
   void task(Scratch& s, const KeyValueRows& kv, int64_t b, int64_t h, int64_t i0) const {
     const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
-    const float qscale = static_cast<float>(p.scale) * kLog2e;
+    const float qscale = static_cast<float>(p.scale) * p.key_descale(b, h / p.group()) * kLog2e;
 
     // Q^T, pre-scaled; lanes past the last query stay zero. Low-precision rows are widened first
     // (into the key block's buffer, free until the first key block).
@@ -405,10 +405,11 @@ struct FlashForward {
   // once, as a float32 output copied into them afterwards would be.
   void store_output(const Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows) const {
     const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i0 * o.out_strides[2];
+    const float descale = p.value_descale(b, h / p.group());  // (1 but for float8 values with v_descale)
     with_output_elements(o.out, o.out_dtype, offset, [&](auto* out, auto round) {
       for (int64_t ii = 0; ii < rows; ++ii)
         for (int64_t d = 0; d < p.dim_v; ++d)
-          out[ii * o.out_strides[2] + d * o.out_strides[3]] = round(s.ot[d * kBlockQ + ii] * s.l[ii]);
+          out[ii * o.out_strides[2] + d * o.out_strides[3]] = round(s.ot[d * kBlockQ + ii] * (s.l[ii] * descale));
     });
   }
 

@@ -20,6 +20,7 @@ void write_mask_only_rows(const AttentionProblem& p, const ForwardOutputs& o, in
   const MaskTerm& t = p.masks[0];
   const int64_t hk = h / (p.heads_q / p.heads_kv);
   std::vector<double> acc(static_cast<size_t>(p.dim_v));
+  const double descale = p.value_descale(b, hk);
   const float* previous = nullptr;
   int64_t previous_end = -1;
   float lse = 0;
@@ -46,7 +47,8 @@ void write_mask_only_rows(const AttentionProblem& p, const ForwardOutputs& o, in
     }
     with_output_elements(o.out, o.out_dtype, b * o.out_strides[0] + h * o.out_strides[1] + i * o.out_strides[2],
                          [&](auto* dst, auto round) {
-                           for (int64_t d = 0; d < p.dim_v; ++d) dst[d * o.out_strides[3]] = round(static_cast<float>(acc[d]));
+                           for (int64_t d = 0; d < p.dim_v; ++d)
+                             dst[d * o.out_strides[3]] = round(static_cast<float>(acc[d] * descale));
                          });
     if (o.lse != nullptr) o.lse[(b * p.heads_q + h) * p.len_q + i] = lse;
     previous = row, previous_end = end;

@@ -132,7 +132,8 @@ struct LargestKeyNorms {
 // A bound on |q.k| * scale * log2(e) as the kernels compute it for query (b, h, i), given the
 // largest key norm of its head: |q| max|k|, twice over for the kernels' float32 rounding.
 inline double qk_bound(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, double key_norm) {
-  return 2 * row_norm(p.q, b, h, i, p.dim_qk) * key_norm * std::fabs(p.scale) * kMaskLog2e;
+  return 2 * row_norm(p.q, b, h, i, p.dim_qk) * key_norm * std::fabs(p.scale) * p.key_descale(b, h / p.group()) *
+         kMaskLog2e;
 }
 
 }  // namespace mha::detail

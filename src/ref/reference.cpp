@@ -49,11 +49,13 @@ void attention(const AttentionProblem& p, double* out, double* weights) {
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.heads_q; ++h) {
       const int64_t hk = h / p.group();  // the key/value head this query head reads
+      // float8 keys and values are k * k_descale and v * v_descale (1 without them)
+      const double kd = p.key_descale(b, hk), vd = p.value_descale(b, hk);
       for (int64_t i = 0; i < p.len_q; ++i) {
         // scores = q k^T * scale + masks, with keys outside causality or the window at -inf
         for (int64_t j = 0; j < p.len_k; ++j) {
           double dot = 0;
-          for (int64_t d = 0; d < p.dim_qk; ++d) dot += element(p.q, b, h, i, d) * element(p.k, b, hk, j, d);
+          for (int64_t d = 0; d < p.dim_qk; ++d) dot += element(p.q, b, h, i, d) * (element(p.k, b, hk, j, d) * kd);
           double s = capped(p, dot * p.scale);
           for (int m = 0; m < p.num_masks; ++m) s += m == p.alibi_term ? alibi_bias(p, b, h, i, j) : p.masks[m].bias_f64(b, h, i, j);
           if (!p.visible(i, j)) s = neg_inf;
@@ -83,7 +85,7 @@ void attention(const AttentionProblem& p, double* out, double* weights) {
         double* o = out + ((b * p.heads_q + h) * p.len_q + i) * p.dim_v;
         for (int64_t d = 0; d < p.dim_v; ++d) {
           double acc = 0;
-          for (int64_t j = 0; j < p.len_k; ++j) acc += w[j] * element(p.v, b, hk, j, d);
+          for (int64_t j = 0; j < p.len_k; ++j) acc += w[j] * (element(p.v, b, hk, j, d) * vd);
           o[d] = acc;
         }
       }
@@ -125,6 +127,10 @@ Result scaled_dot_product_attention(const TensorView& q, const TensorView& k, co
 Gradients scaled_dot_product_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                                 const TensorView& grad_output, const SdpaOptions& options) {
   require_cpu(q, "query");
+  if (options.k_descale || options.v_descale) {
+    throw Error(std::string(options.k_descale ? "k_descale" : "v_descale") +
+                ": float8 keys and values with scales are for inference; the reference's backward takes no scales");
+  }
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::any_float);
   detail::materialise_inputs(p);
   Tensor grad_copy;
