@@ -103,6 +103,8 @@ void run_with_mask_only_prefixes(const AttentionProblem& p, const ForwardOutputs
     s.k = p.k.slice(0, b, b + 1);
     s.v = p.v.slice(0, b, b + 1);
     s.masks[0].data = mask_row(p.masks[0], b, 0, first);
+    if (s.k_descales) s.k_descales += b * p.heads_kv;  // (entry b's scales are the sub-problem's entry 0)
+    if (s.v_descales) s.v_descales += b * p.heads_kv;
     s.causal_offset = p.causal_offset + first;
     ForwardOutputs so = o;
     so.out = static_cast<char*>(o.out) +
