@@ -289,7 +289,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                  enable_gqa: bool = False, *, dropout_seed: Optional[int] = None,
                                  causal_alignment: str = "top_left", need_weights: bool = False,
                                  num_threads: int = 0, window_size: Optional[Tuple[int, int]] = None,
-                                 alibi_slopes=None, sinks=None, softcap: float = 0.0):
+                                 alibi_slopes=None, sinks=None, softcap: float = 0.0, k_descale=None,
+                                 v_descale=None):
     """torch.nn.functional.scaled_dot_product_attention on the fused kernel.
 
     query [..., Hq, L, E], key [..., Hkv, S, E], value [..., Hkv, S, Ev] -> [..., Hq, L, Ev], rank 2
@@ -299,8 +300,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     float64, for torch.autograd.gradcheck; its float mask may be float64). key and value may
     instead both be torch.float8_e4m3fn or both torch.float8_e5m2 under a float32, bfloat16 or
     float16 query: a quantized cache, half a bfloat16 one's memory, widened exactly as the kernels
-    read it (the output in the query's dtype; inference only). A per-tensor scale s_k of the keys goes into `scale` (times
-    s_k), one s_v of the values multiplies the output.
+    read it (the output in the query's dtype; inference only). k_descale and v_descale dequantise
+    them (FlashAttention 3's descales, vLLM's k_scale and v_scale): float32 [], [Hkv] or
+    [..., Hkv] (per batch entry and key/value head), finite and > 0; the call attends over
+    key * k_descale and value * v_descale, the kernels folding the scales into the softmax scale
+    and the output's normalisation (no key or value is multiplied).
     attn_mask: bool (True = attend) or float (added to the scores; float32, or the inputs' bfloat16 or
     float16, as PyTorch takes it), broadcastable to [..., Hq, L, S].
     is_causal may be combined with attn_mask (a key must pass both). causal_alignment is
@@ -343,7 +347,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         query, key, value, attn_mask = _autocast(autocast, query, key, value, attn_mask)
     window = _window.check_window(window_size)
     softcap = check_softcap(softcap)
+    k_descale, v_descale = _check_descales(query, key, k_descale, v_descale)
     if _is_torch(query) and query.is_nested:  # jagged [B, H, j, D]: packed sequences, no padding
+        if k_descale is not None or v_descale is not None:
+            raise ValueError("k_descale, v_descale: not taken with nested (jagged) inputs; pass the packed values "
+                             "to mha.varlen_attention, which takes them")
         return _varlen.nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    dropout_seed, causal_alignment, num_threads, need_weights, window, alibi_slopes,
                                    sinks, softcap)
@@ -354,9 +362,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     _check_float8_inference(key, value, query, attn_mask, sinks)
     if _compiling():
         return _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                            causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap)
+                            causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap,
+                            k_descale, v_descale)
     _auto_threading()
     if _transformed():
+        if k_descale is not None or v_descale is not None:
+            raise ValueError("k_descale, v_descale: scaled float8 keys and values are not taken under torch.func "
+                             "transforms or forward-mode AD (an inference call: run it outside them)")
         return _transformed_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
                                  causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap)
     grad = _needs_grad(query, key, value, attn_mask, sinks)
@@ -366,6 +378,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     m = _as_array(attn_mask, "attn_mask", allow_none=True, once=True)
     a = _as_array(alibi_slopes, "alibi_slopes", allow_none=True)
     sk = _as_array(sinks, "sinks", allow_none=True)
+    kd = _as_array(k_descale, "k_descale", allow_none=True)
+    vd = _as_array(v_descale, "v_descale", allow_none=True)
     _check_alignment_and_mask(causal_alignment, attn_mask)
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
@@ -388,10 +402,27 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                             softcap)
     out, weights = _mha.sdpa(q, k, v, m, float(dropout_p), bool(is_causal),
                              None if scale is None else float(scale), softcap, bool(enable_gqa), int(dropout_seed),
-                             bool(need_weights), causal_alignment == "bottom_right", *window, a, int(num_threads), sk)
+                             bool(need_weights), causal_alignment == "bottom_right", *window, a, int(num_threads), sk,
+                             kd, vd)
     if need_weights:
         return _like(query, out), _like(query, weights)
     return _like(query, out)
+
+
+def _check_descales(query, key, k_descale, v_descale):
+    """k_descale and v_descale as the kernels take them (float32 tensors beside torch inputs),
+    after checking they come with float8 keys (the paths that never reach the kernels' own check,
+    autograd's, would drop them)."""
+    if k_descale is None and v_descale is None:
+        return None, None
+    torch = _loaded_torch()
+    if torch is None or not isinstance(key, torch.Tensor) or key.dtype not in _float8_dtypes(torch):
+        name = "k_descale" if k_descale is not None else "v_descale"
+        raise ValueError(f"{name}: dequantisation scales are taken with float8 keys and values (float8_e4m3fn or "
+                         f"float8_e5m2), got keys of dtype {getattr(key, 'dtype', type(key).__name__)}")
+    from ._paged import _descales  # noqa: PLC0415
+
+    return _descales(query, k_descale, v_descale)
 
 
 def _sinks_operand(query, sinks):
@@ -461,14 +492,15 @@ def _differentiable_weights(query, key, attn_mask, dropout_p, is_causal, scale, 
 
 
 def _traced_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-                 causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap=0.0):
+                 causal_alignment, num_threads, need_weights, window, alibi_slopes, sinks, softcap=0.0,
+                 k_descale=None, v_descale=None):
     from . import ops
 
     _check_alignment_and_mask(causal_alignment, attn_mask)
     # (one seed for both operators: the weights are those of the output's dropout mask)
     args = (float(dropout_p), bool(is_causal), None if scale is None else float(scale), bool(enable_gqa),
             ops.seed_tensor(dropout_seed, float(dropout_p)), causal_alignment == "bottom_right", *window,
-            alibi_slopes, int(num_threads), softcap, sinks)
+            alibi_slopes, int(num_threads), softcap, sinks, k_descale, v_descale)
     if need_weights and not _needs_grad(query, key, value, attn_mask, sinks):
         return ops.sdpa_with_weights(query, key, value, attn_mask, *args)
     out, _ = ops.sdpa_train(query, key, value, attn_mask, *args)

@@ -125,7 +125,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
                     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
                     causal_alignment: str = "bottom_right", window_size: Optional[Tuple[int, int]] = None,
                     alibi_slopes=None, num_threads: int = 0, cu_seqlens_q=None, return_softmax_lse: bool = False,
-                    sinks=None, softcap: float = 0.0):
+                    sinks=None, softcap: float = 0.0, k_descale=None, v_descale=None):
     """Attention of new queries over a paged key/value cache, in FlashAttention's layout
     (its flash_attn_with_kvcache).
 
@@ -148,7 +148,10 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
     soft-capping), scale and enable_gqa as in mha.scaled_dot_product_attention. float32, bfloat16,
     float16 or float64, or float8 caches (torch.float8_e4m3fn, torch.float8_e5m2) under a float32,
     bfloat16 or float16 query (k and v are then rounded into them as they are written, unless
-    already float8); torch tensors or numpy arrays, on the CPU. Up to 32 queries per head read the pages where they lie; longer query
+    already float8); torch tensors or numpy arrays, on the CPU. k_descale and v_descale (float32
+    [], [Hkv] or [B, Hkv]; FlashAttention 3's descales, vLLM's k_scale and v_scale) dequantise
+    float8 caches: the call attends over key_cache * k_descale and value_cache * v_descale, per
+    sequence and key/value head, and k and v, when given, are divided by them as they are written. Up to 32 queries per head read the pages where they lie; longer query
     blocks gather each sequence's pages first. Inference only: inputs that require grad are an
     error while grad mode is on.
 
@@ -182,6 +185,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
 
     sinks = _sinks_operand(query, sinks)
     _no_grad(query, key_cache, value_cache, k, v, sinks)
+    k_descale, v_descale = _descales(query, k_descale, v_descale)
     batch = _sequences(query, cu_seqlens_q)
     if block_table is None and key_cache.shape[0] != batch:
         raise ValueError(f"key_cache: without a block_table, expected one contiguous cache [B, S, Hkv, E] per "
@@ -198,26 +202,39 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
         table, lens = _table_and_lengths_tensors(block_table, cache_seqlens, batch)
         cu = None if cu_seqlens_q is None else torch.as_tensor(cu_seqlens_q)
         if k is not None:
-            torch.ops.mha.write_paged_cache(k, v, key_cache, value_cache, table, lens, cu)
+            torch.ops.mha.write_paged_cache(k, v, key_cache, value_cache, table, lens, cu, k_descale, v_descale)
             lens = lens + (k.shape[1] if cu is None else cu[1:] - cu[:-1])
         out, lse = torch.ops.mha.paged_attention(query, key_cache, value_cache, table, lens, *options,
                                                  None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
                                                  int(num_threads), cu, bool(return_softmax_lse), softcap,
-                                                 None if sinks is None else torch.as_tensor(sinks))
+                                                 None if sinks is None else torch.as_tensor(sinks), k_descale, v_descale)
         return (out, lse) if return_softmax_lse else out
     table, lens = _table_and_lengths(block_table, cache_seqlens, batch)
     if k is not None:
         cu = None if not packed else _offsets(cu_seqlens_q, "cu_seqlens_q", int(query.shape[0]))
-        run_write_paged_cache(k, v, key_cache, value_cache, table, lens, cu)
+        run_write_paged_cache(k, v, key_cache, value_cache, table, lens, cu, k_descale, v_descale)
         lens = lens + (int(k.shape[1]) if cu is None else np.diff(cu))
     out, lse = run_paged_attention(query, key_cache, value_cache, table, lens, *options, alibi_slopes,
-                                   int(num_threads), cu_seqlens_q, bool(return_softmax_lse), softcap, sinks)
+                                   int(num_threads), cu_seqlens_q, bool(return_softmax_lse), softcap, sinks, k_descale,
+                                   v_descale)
     return (out, lse) if return_softmax_lse else out
+
+
+def _descales(template, k_descale, v_descale):
+    """The scales as the operators take them: torch tensors beside a torch template (numpy arrays
+    and Python floats as float32 tensors), numpy arrays (or None) beside numpy inputs."""
+    if isinstance(template, np.ndarray):
+        return tuple(None if x is None else np.asarray(x, dtype=np.float32) if not isinstance(x, np.ndarray) else x
+                     for x in (k_descale, v_descale))
+    import torch  # noqa: PLC0415 - a non-numpy input is a torch tensor
+
+    return tuple(None if x is None else x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.float32)
+                 for x in (k_descale, v_descale))
 
 
 def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
                         bottom_right, window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q=None,
-                        return_lse=False, softcap=0.0, sinks=None):
+                        return_lse=False, softcap=0.0, sinks=None, k_descale=None, v_descale=None):
     """paged_attention's work once its options are checked (the eager call and the operator's
     body): (output, lse), lse None unless return_lse."""
     from . import _as_array, _like  # noqa: PLC0415
@@ -225,18 +242,19 @@ def run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlen
     k, v = (_transposed(_as_array(x, name)) for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")))
     slopes = _as_array(alibi_slopes, "alibi_slopes", allow_none=True)
     sink_array = _as_array(sinks, "sinks", allow_none=True)
+    scales = (_as_array(k_descale, "k_descale", allow_none=True), _as_array(v_descale, "v_descale", allow_none=True))
     if cu_seqlens_q is not None:  # packed rows [Tq, Hq, E], read as they are
         cu = _integers(cu_seqlens_q, "cu_seqlens_q", np.int64, 1)
         table, lens = _table_and_lengths(block_table, cache_seqlens, max(cu.shape[0] - 1, 0))
         out, lse = _mha.paged_attention(_as_array(query, "query"), k, v, table, lens, is_causal, scale, softcap,
                                         enable_gqa,
                                         bottom_right, window_left, window_right, slopes, num_threads, cu, return_lse,
-                                        sink_array)
+                                        sink_array, *scales)
         return _like(query, out), _statistics_like(query, lse)
     table, lens = _table_and_lengths(block_table, cache_seqlens, query.shape[0])
     q = _transposed(_as_array(query, "query"))
     out, lse = _mha.paged_attention(q, k, v, table, lens, is_causal, scale, softcap, enable_gqa, bottom_right, window_left,
-                                    window_right, slopes, num_threads, None, return_lse, sink_array)
+                                    window_right, slopes, num_threads, None, return_lse, sink_array, *scales)
     result = _like(query, out)  # [B, Hq, Lq, Ev]
     if isinstance(result, np.ndarray):
         return np.ascontiguousarray(result.swapaxes(1, 2)), lse
@@ -259,7 +277,8 @@ def _transposed(array: Any):
     return array.swapaxes(1, 2) if isinstance(array, np.ndarray) else array.transpose(1, 2)
 
 
-def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, *, cu_seqlens_new=None) -> None:
+def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, *, cu_seqlens_new=None,
+                      k_descale=None, v_descale=None) -> None:
     """Writes new keys and values into a paged cache in place, as a decoding step does before its
     attention: key [B, Lnew, Hkv, E] and value [B, Lnew, Hkv, Ev] (FlashAttention's layout), row t of
     sequence b to position cache_seqlens[b] + t of its pages. The caches (key_cache
@@ -271,7 +290,12 @@ def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seq
 
     With cu_seqlens_new (B + 1 integer offsets from 0 to Tnew), key [Tnew, Hkv, E] and value
     [Tnew, Hkv, Ev] are packed rows, sequence b's cu_seqlens_new[b]:cu_seqlens_new[b+1] (a different
-    count per sequence)."""
+    count per sequence).
+
+    k_descale and v_descale (float32 [], [Hkv] or [B, Hkv], positive: vLLM's k_scale and v_scale)
+    quantise the rows written into float8 caches: each is divided by its sequence and head's
+    scale in float32 before it is rounded, as (key.float() / k_descale).to(float8) would; pass the
+    same tensors to paged_attention to read them back."""
     from . import _compiling  # noqa: PLC0415
 
     packed = cu_seqlens_new is not None
@@ -284,6 +308,7 @@ def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seq
     _rank4(key_cache, "key_cache", "[pages, page_size, Hkv, E]")
     _rank4(value_cache, "value_cache", "[pages, page_size, Hkv, Ev]")
     batch = _sequences(key, cu_seqlens_new)
+    k_descale, v_descale = _descales(key, k_descale, v_descale)
     if _compiling():  # one node of the graph, mha::write_paged_cache, which mutates the caches
         import torch  # noqa: PLC0415
 
@@ -291,24 +316,29 @@ def write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seq
 
         table, lens = _table_and_lengths_tensors(block_table, cache_seqlens, batch)
         torch.ops.mha.write_paged_cache(key, value, key_cache, value_cache, table, lens,
-                                        None if cu_seqlens_new is None else torch.as_tensor(cu_seqlens_new))
+                                        None if cu_seqlens_new is None else torch.as_tensor(cu_seqlens_new),
+                                        k_descale, v_descale)
         return
-    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new)
+    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new, k_descale,
+                          v_descale)
 
 
-def run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new=None) -> None:
+def run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new=None,
+                          k_descale=None, v_descale=None) -> None:
     """write_paged_cache's work (the eager call and the operator's body)."""
     from . import _as_array  # noqa: PLC0415
+
+    scales = (_as_array(k_descale, "k_descale", allow_none=True), _as_array(v_descale, "v_descale", allow_none=True))
 
     kc, vc = (_transposed(_as_array(x, name)) for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")))
     if cu_seqlens_new is not None:  # packed rows [Tnew, Hkv, E], read as they are
         cu = _integers(cu_seqlens_new, "cu_seqlens_new", np.int64, 1)
         table, lens = _table_and_lengths(block_table, cache_seqlens, max(cu.shape[0] - 1, 0))
-        _mha.write_paged_cache(_as_array(key, "key"), _as_array(value, "value"), kc, vc, table, lens, cu)
+        _mha.write_paged_cache(_as_array(key, "key"), _as_array(value, "value"), kc, vc, table, lens, cu, *scales)
         return
     table, lens = _table_and_lengths(block_table, cache_seqlens, key.shape[0])
     k, v = (_transposed(_as_array(x, name)) for x, name in ((key, "key"), (value, "value")))
-    _mha.write_paged_cache(k, v, kc, vc, table, lens, None)
+    _mha.write_paged_cache(k, v, kc, vc, table, lens, None, *scales)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

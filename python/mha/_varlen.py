@@ -136,7 +136,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
                      is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
                      dropout_p: float = 0.0, dropout_seed: Optional[int] = None, causal_alignment: str = "top_left",
                      num_threads: int = 0, window_size: Optional[Tuple[int, int]] = None, alibi_slopes=None,
-                     sinks=None, softcap: float = 0.0):
+                     sinks=None, softcap: float = 0.0, k_descale=None, v_descale=None):
     """Attention over sequences of different lengths packed without padding.
 
     query [Tq, Hq, E], key [Tk, Hkv, E], value [Tk, Hkv, Ev] -> [Tq, Hq, Ev]. Sequence s holds
@@ -151,22 +151,29 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
     on that side). alibi_slopes [Hq] or [B, Hq] (per sequence) is ALiBi within each sequence, as in
     mha.scaled_dot_product_attention, and so are sinks [Hq] (differentiable) and softcap (logit
     soft-capping, softcap * tanh(s / softcap)). float32, bfloat16, float16 or
-    float64; torch tensors (differentiable, once) or numpy arrays. Nested inputs to
+    float64, or float8 key and value (torch.float8_e4m3fn or torch.float8_e5m2, inference) under a
+    float32, bfloat16 or float16 query, with k_descale and v_descale (float32 [], [Hkv] or [B, Hkv],
+    per sequence) dequantising them as in mha.scaled_dot_product_attention; torch tensors
+    (differentiable, once) or numpy arrays. Nested inputs to
     mha.scaled_dot_product_attention (and to PyTorch's, under mha.patch_torch_sdpa) come here.
     Under torch.compile (and torch.export) the call is one node of the graph, mha::sdpa_varlen_train,
     its gradient mha::sdpa_varlen_backward; the offsets are tensor operands there.
     """
-    from . import _as_array, _compiling, _like, _needs_grad, _new_seed, _sinks_operand  # noqa: PLC0415
+    from . import _as_array, _check_descales, _compiling, _like, _needs_grad, _new_seed, _sinks_operand  # noqa: PLC0415
 
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}")
     window = check_window(window_size)
     softcap = check_softcap(softcap)
     sinks = _sinks_operand(query, sinks)
+    k_descale, v_descale = _check_descales(query, key, k_descale, v_descale)
+    if (k_descale is not None or v_descale is not None) and _needs_grad(query, key, value, sinks):
+        raise ValueError("key, value: float8 keys and values are for inference (a quantized cache takes no "
+                         "gradient); run the call under torch.no_grad() or detach the inputs that require grad")
     if _compiling():  # one node of the graph, the offsets tensor operands (no specialisation on lengths)
         return _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, enable_gqa, dropout_p,
                               dropout_seed, causal_alignment == "bottom_right", window, alibi_slopes, num_threads,
-                              sinks, softcap)
+                              sinks, softcap, k_descale, v_descale)
     cu_q = offsets_list(cu_seqlens_q, "cu_seqlens_q")
     cu_k = cu_q if cu_seqlens_k is None else offsets_list(cu_seqlens_k, "cu_seqlens_k")
     if dropout_seed is None:
@@ -185,11 +192,14 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k: Optional[Seq
     q = _as_array(query, "query", once=True)
     k = _as_array(key, "key", once=True)
     v = _as_array(value, "value", once=True)
-    return _like(query, _mha.sdpa_varlen(q, k, v, cu_q, cu_k, *options, _as_array(sinks, "sinks", allow_none=True)))
+    return _like(query, _mha.sdpa_varlen(q, k, v, cu_q, cu_k, *options, _as_array(sinks, "sinks", allow_none=True),
+                                         _as_array(k_descale, "k_descale", allow_none=True),
+                                         _as_array(v_descale, "v_descale", allow_none=True)))
 
 
 def _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, enable_gqa, dropout_p,
-                   dropout_seed, bottom_right, window, alibi_slopes, num_threads, sinks, softcap=0.0):
+                   dropout_seed, bottom_right, window, alibi_slopes, num_threads, sinks, softcap=0.0, k_descale=None,
+                   v_descale=None):
     """varlen_attention inside torch.compile / torch.export: the operator mha::sdpa_varlen_train."""
     import torch  # noqa: PLC0415
 
@@ -206,7 +216,7 @@ def _traced_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, sca
                                              *sides(window),
                                              None if alibi_slopes is None else torch.as_tensor(alibi_slopes),
                                              int(num_threads), float(softcap),
-                                             None if sinks is None else torch.as_tensor(sinks))
+                                             None if sinks is None else torch.as_tensor(sinks), k_descale, v_descale)
     return out
 
 

@@ -49,13 +49,13 @@ def sdpa_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
                dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, dropout_seed: torch.Tensor,
                bottom_right: bool, window_left: int, window_right: int,
                alibi_slopes: Optional[torch.Tensor], num_threads: int, softcap: float = 0.0,
-               sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               sinks: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [..., Hq, L, Ev] and the row log-sum-exp [..., Hq, L] (float32; float64 for float64
-    inputs) of the training forward."""
+    inputs) of the training forward (and of an inference call over scaled float8 keys and values)."""
     _auto_threading()
     out, lse = _mha.sdpa_train(query, key, value, attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa,
                                _seed_value(dropout_seed), bottom_right, window_left, window_right, alibi_slopes, num_threads,
-                               sinks)
+                               sinks, k_descale, v_descale)
     return _tensor(out), torch.from_numpy(lse)
 
 
@@ -71,7 +71,7 @@ def _rows(query, key, value, enable_gqa):
 
 @sdpa_train.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-      window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None):
+      window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None, k_descale=None, v_descale=None):
     rows = _rows(query, key, value, enable_gqa)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return query.new_empty((*rows, value.shape[-1])), query.new_empty(rows, dtype=lse_dtype)
@@ -108,7 +108,7 @@ def _(grad_output, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-     window_right, alibi_slopes, num_threads, softcap, sinks) = inputs
+     window_right, alibi_slopes, num_threads, softcap, sinks, *_descales) = inputs  # (float8 inference's)
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, alibi_slopes, sinks)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, num_threads, softcap)
@@ -123,7 +123,7 @@ def _backward(ctx, grad_output, grad_lse):
                                         scale, enable_gqa, dropout_seed, bottom_right, window_left, window_right,
                                         alibi_slopes, num_threads, wanted, softcap, sinks)
     sinks_grad = grads[4] if sinks is not None and ctx.needs_input_grad[15] else None
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 11 + (sinks_grad,)
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 11 + (sinks_grad, None, None)
 
 
 sdpa_train.register_autograd(_backward, setup_context=_setup_context)
@@ -167,19 +167,19 @@ def sdpa_with_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                       dropout_seed: torch.Tensor, bottom_right: bool, window_left: int, window_right: int,
                       alibi_slopes: Optional[torch.Tensor], num_threads: int, softcap: float = 0.0,
-                      sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      sinks: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output and the attention weights [..., Hq, L, S] (after dropout), in the inputs' dtype;
     not differentiated (a training call takes its output from mha::sdpa_train)."""
     _auto_threading()
     out, weights = _mha.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa,
                              _seed_value(dropout_seed), True, bottom_right, window_left, window_right, alibi_slopes, num_threads,
-                             sinks)
+                             sinks, k_descale, v_descale)
     return _tensor(out), _tensor(weights)
 
 
 @sdpa_with_weights.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-      window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None):
+      window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None, k_descale=None, v_descale=None):
     rows = _rows(query, key, value, enable_gqa)
     return query.new_empty((*rows, value.shape[-1])), query.new_empty((*rows, key.shape[-2]))
 
@@ -354,18 +354,20 @@ def sdpa_varlen_train(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       cu_seqlens_k: torch.Tensor, dropout_p: float, is_causal: bool, scale: Optional[float],
                       enable_gqa: bool, dropout_seed: torch.Tensor, bottom_right: bool, window_left: int,
                       window_right: int, alibi_slopes: Optional[torch.Tensor], num_threads: int,
-                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                      k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The packed output [Tq, Hq, Ev] and the log-sum-exp [Hq, Tq] of the varlen training forward."""
     _auto_threading()
     out, lse = _mha.sdpa_varlen_train(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dropout_p,
                                       is_causal, scale, softcap, enable_gqa, _seed_value(dropout_seed), bottom_right,
-                                      window_left, window_right, alibi_slopes, num_threads, sinks)
+                                      window_left, window_right, alibi_slopes, num_threads, sinks, k_descale, v_descale)
     return _tensor(out), torch.from_numpy(lse)
 
 
 @sdpa_varlen_train.register_fake
 def _(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed,
-      bottom_right, window_left, window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None):
+      bottom_right, window_left, window_right, alibi_slopes, num_threads, softcap=0.0, sinks=None, k_descale=None,
+      v_descale=None):
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return (query.new_empty((query.shape[0], query.shape[1], value.shape[-1])),
             query.new_empty((query.shape[1], query.shape[0]), dtype=lse_dtype))
@@ -399,7 +401,7 @@ def _(grad_output, query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, drop
 
 def _varlen_setup_context(ctx, inputs, output):
     (query, key, value, cu_q, cu_k, dropout_p, is_causal, scale, enable_gqa, dropout_seed, bottom_right, window_left,
-     window_right, alibi_slopes, threads, softcap, sinks) = inputs
+     window_right, alibi_slopes, threads, softcap, sinks, *_descales) = inputs  # (float8 inference's)
     out, lse = output
     ctx.save_for_backward(query, key, value, cu_q, cu_k, out, lse, dropout_seed, alibi_slopes, sinks)
     ctx.options = (dropout_p, is_causal, scale, enable_gqa)
@@ -414,7 +416,7 @@ def _varlen_backward(ctx, grad_output, grad_lse):
                                                dropout_seed, *ctx.threading, alibi_slopes, ctx.threads, wanted,
                                                ctx.softcap, sinks)
     sinks_grad = grads[3] if sinks is not None and ctx.needs_input_grad[16] else None
-    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 13 + (sinks_grad,)
+    return (*(g if w else None for g, w in zip(grads, wanted)),) + (None,) * 13 + (sinks_grad, None, None)
 
 
 sdpa_varlen_train.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -429,7 +431,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     bottom_right: bool, window_left: int, window_right: int, alibi_slopes: Optional[torch.Tensor],
                     num_threads: int, cu_seqlens_q: Optional[torch.Tensor],
                     return_lse: bool, softcap: float = 0.0,
-                    sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    sinks: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output [B, Lq, Hq, Ev] of query [B, Lq, Hq, E] over the cache's pages, or with
     cu_seqlens_q [Tq, Hq, Ev] of packed rows [Tq, Hq, E]; and the lse ([B, Hq, Lq] or [Hq, Tq])
     when return_lse, else an empty tensor."""
@@ -438,7 +440,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     _auto_threading()
     out, lse = run_paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
                                    enable_gqa, bottom_right, window_left, window_right, alibi_slopes, num_threads,
-                                   cu_seqlens_q, return_lse, softcap, sinks)
+                                   cu_seqlens_q, return_lse, softcap, sinks, k_descale, v_descale)
     return out, lse if lse is not None else query.new_empty((0,), dtype=_lse_dtype(query))
 
 
@@ -448,7 +450,8 @@ def _lse_dtype(query: torch.Tensor) -> torch.dtype:
 
 @paged_attention.register_fake
 def _(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa, bottom_right,
-      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q, return_lse, softcap=0.0, sinks=None):
+      window_left, window_right, alibi_slopes, num_threads, cu_seqlens_q, return_lse, softcap=0.0, sinks=None,
+      k_descale=None, v_descale=None):
     out = query.new_empty((*query.shape[:-1], value_cache.shape[-1]))
     if not return_lse:
         return out, query.new_empty((0,), dtype=_lse_dtype(query))
@@ -460,14 +463,15 @@ def _(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scal
 @torch.library.custom_op("mha::write_paged_cache", mutates_args=("key_cache", "value_cache"), device_types="cpu")
 def write_paged_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-                      cu_seqlens_new: Optional[torch.Tensor]) -> None:
+                      cu_seqlens_new: Optional[torch.Tensor], k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None) -> None:
     """Writes key [B, Lnew, Hkv, E] (or packed [Tnew, Hkv, E] rows with cu_seqlens_new) and value
     into the caches at each sequence's length."""
     from ._paged import run_write_paged_cache  # noqa: PLC0415
 
-    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new)
+    run_write_paged_cache(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new, k_descale,
+                          v_descale)
 
 
 @write_paged_cache.register_fake
-def _(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new):
+def _(key, value, key_cache, value_cache, block_table, cache_seqlens, cu_seqlens_new, k_descale=None, v_descale=None):
     return None

@@ -194,9 +194,13 @@ ModuleGradientArrays module_backward_restored(
 mha::SdpaOptions sdpa_options(const std::optional<Array>& attn_mask, double dropout_p, bool is_causal,
                               std::optional<double> scale, double softcap, bool enable_gqa, uint64_t dropout_seed, bool bottom_right,
                               int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes,
-                              int num_threads, const std::optional<Array>& sinks = std::nullopt) {
+                              int num_threads, const std::optional<Array>& sinks = std::nullopt,
+                              const std::optional<Array>& k_descale = std::nullopt,
+                              const std::optional<Array>& v_descale = std::nullopt) {
   mha::SdpaOptions o;
   o.sinks = optional_view(sinks, "sinks");
+  o.k_descale = optional_view(k_descale, "k_descale");
+  o.v_descale = optional_view(v_descale, "v_descale");
   o.window_left = window_left;
   o.window_right = window_right;
   o.alibi_slopes = optional_view(alibi_slopes, "alibi_slopes");
@@ -217,10 +221,11 @@ std::pair<NumpyArray, NumpyArray> sdpa_train(const Array& query, const Array& ke
                                              std::optional<double> scale, double softcap, bool enable_gqa, uint64_t dropout_seed,
                                              bool bottom_right, int64_t window_left, int64_t window_right,
                                              const std::optional<Array>& alibi_slopes, int num_threads,
-                                             const std::optional<Array>& sinks) {
+                                             const std::optional<Array>& sinks, const std::optional<Array>& k_descale,
+                                             const std::optional<Array>& v_descale) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed, bottom_right, window_left,
-                   window_right, alibi_slopes, num_threads, sinks);
+                   window_right, alibi_slopes, num_threads, sinks, k_descale, v_descale);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
   {
@@ -261,10 +266,11 @@ std::tuple<MaybeArray, MaybeArray, MaybeArray, MaybeArray, MaybeArray> sdpa_back
 ForwardReturn sdpa(const Array& query, const Array& key, const Array& value, const std::optional<Array>& attn_mask,
                    double dropout_p, bool is_causal, std::optional<double> scale, double softcap, bool enable_gqa, uint64_t dropout_seed,
                    bool need_weights, bool bottom_right, int64_t window_left, int64_t window_right,
-                   const std::optional<Array>& alibi_slopes, int num_threads, const std::optional<Array>& sinks) {
+                   const std::optional<Array>& alibi_slopes, int num_threads, const std::optional<Array>& sinks,
+                   const std::optional<Array>& k_descale, const std::optional<Array>& v_descale) {
   const mha::SdpaOptions o =
       sdpa_options(attn_mask, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed, bottom_right, window_left,
-                   window_right, alibi_slopes, num_threads, sinks);
+                   window_right, alibi_slopes, num_threads, sinks, k_descale, v_descale);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   if (need_weights) {
     mha::AttentionWithWeights r;
@@ -298,9 +304,11 @@ std::pair<NumpyArray, std::optional<NumpyArray>> paged_attention(
     const Array& query, const Array& key_cache, const Array& value_cache, const PageTable& block_table,
     const Lengths& cache_seqlens, bool is_causal, std::optional<double> scale, double softcap, bool enable_gqa, bool bottom_right,
     int64_t window_left, int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
-    const std::optional<Lengths>& cu_seqlens_q, bool return_lse, const std::optional<Array>& sinks) {
+    const std::optional<Lengths>& cu_seqlens_q, bool return_lse, const std::optional<Array>& sinks,
+    const std::optional<Array>& k_descale, const std::optional<Array>& v_descale) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, 0.0, is_causal, scale, softcap, enable_gqa, 0, bottom_right,
-                                          window_left, window_right, alibi_slopes, num_threads, sinks);
+                                          window_left, window_right, alibi_slopes, num_threads, sinks, k_descale,
+                                          v_descale);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key_cache, "key_cache"),
                         v = view_of(value_cache, "value_cache");
   const std::span<const int32_t> table = table_span(block_table);
@@ -324,15 +332,17 @@ std::pair<NumpyArray, std::optional<NumpyArray>> paged_attention(
 // With cu_seqlens_new, key and value are packed [Tnew, Hkv, D] rows (write_paged_cache_varlen).
 void write_paged_cache(const Array& key, const Array& value, const Writable& key_cache, const Writable& value_cache,
                        const PageTable& block_table, const Lengths& cache_seqlens,
-                       const std::optional<Lengths>& cu_seqlens_new) {
+                       const std::optional<Lengths>& cu_seqlens_new, const std::optional<Array>& k_descale,
+                       const std::optional<Array>& v_descale) {
   const mha::TensorView k = view_of(key, "key"), v = view_of(value, "value");
   const mha::TensorView kc = view_of(key_cache, "key_cache"), vc = view_of(value_cache, "value_cache");
+  const mha::CacheWriteScales scales{optional_view(k_descale, "k_descale"), optional_view(v_descale, "v_descale")};
   nb::gil_scoped_release release;
   if (cu_seqlens_new) {
     mha::write_paged_cache_varlen(k, v, lengths_span(*cu_seqlens_new), kc, vc, table_span(block_table),
-                                  lengths_span(cache_seqlens));
+                                  lengths_span(cache_seqlens), scales);
   } else {
-    mha::write_paged_cache(k, v, kc, vc, table_span(block_table), lengths_span(cache_seqlens));
+    mha::write_paged_cache(k, v, kc, vc, table_span(block_table), lengths_span(cache_seqlens), scales);
   }
 }
 
@@ -345,9 +355,10 @@ NumpyArray sdpa_varlen(const Array& query, const Array& key, const Array& value,
                        const Offsets& cu_k, double dropout_p, bool is_causal, std::optional<double> scale, double softcap,
                        bool enable_gqa, uint64_t dropout_seed, bool bottom_right, int64_t window_left,
                        int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
-    const std::optional<Array>& sinks) {
+    const std::optional<Array>& sinks, const std::optional<Array>& k_descale, const std::optional<Array>& v_descale) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed,
-                                          bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks);
+                                          bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks,
+                                          k_descale, v_descale);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::Tensor out;
   {
@@ -362,9 +373,10 @@ std::pair<NumpyArray, NumpyArray> sdpa_varlen_train(const Array& query, const Ar
                                                     bool is_causal, std::optional<double> scale, double softcap, bool enable_gqa,
                                                     uint64_t dropout_seed, bool bottom_right, int64_t window_left,
                                                     int64_t window_right, const std::optional<Array>& alibi_slopes, int num_threads,
-    const std::optional<Array>& sinks) {
+    const std::optional<Array>& sinks, const std::optional<Array>& k_descale, const std::optional<Array>& v_descale) {
   const mha::SdpaOptions o = sdpa_options(std::nullopt, dropout_p, is_causal, scale, softcap, enable_gqa, dropout_seed,
-                                          bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks);
+                                          bottom_right, window_left, window_right, alibi_slopes, num_threads, sinks,
+                                          k_descale, v_descale);
   const mha::TensorView q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   mha::AttentionForTraining r;
   {
@@ -496,7 +508,8 @@ NB_MODULE(_mha, m) {
   m.def("sdpa", &sdpa, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("need_weights"), nb::arg("bottom_right"), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
+        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none(),
+        nb::arg("k_descale").none() = nb::none(), nb::arg("v_descale").none() = nb::none());
   m.def(
       "load_safetensors",
       [](const std::string& path) {
@@ -523,7 +536,8 @@ NB_MODULE(_mha, m) {
   m.def("sdpa_train", &sdpa_train, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("attn_mask").none(),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"),
         nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
+        nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none(),
+        nb::arg("k_descale").none() = nb::none(), nb::arg("v_descale").none() = nb::none());
   m.def("sdpa_backward", &sdpa_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("output"),
         nb::arg("lse"), nb::arg("grad_output"), nb::arg("attn_mask").none(), nb::arg("dropout_p"),
         nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"), nb::arg("dropout_seed"),
@@ -533,12 +547,13 @@ NB_MODULE(_mha, m) {
   m.def("sdpa_varlen", &sdpa_varlen, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"),
         nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none());
+        nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("sinks").none() = nb::none(),
+        nb::arg("k_descale").none() = nb::none(), nb::arg("v_descale").none() = nb::none());
   m.def("sdpa_varlen_train", &sdpa_varlen_train, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("dropout_p"), nb::arg("is_causal"),
         nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"), nb::arg("dropout_seed"), nb::arg("bottom_right"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("alibi_slopes").none(), nb::arg("num_threads"),
-        nb::arg("sinks").none() = nb::none());
+        nb::arg("sinks").none() = nb::none(), nb::arg("k_descale").none() = nb::none(), nb::arg("v_descale").none() = nb::none());
   m.def("sdpa_varlen_backward", &sdpa_varlen_backward, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("output"), nb::arg("lse"), nb::arg("grad_output"),
         nb::arg("dropout_p"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"), nb::arg("enable_gqa"),
@@ -549,10 +564,10 @@ NB_MODULE(_mha, m) {
         nb::arg("block_table"), nb::arg("cache_seqlens"), nb::arg("is_causal"), nb::arg("scale").none(), nb::arg("softcap"),
         nb::arg("enable_gqa"), nb::arg("bottom_right"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("alibi_slopes").none(), nb::arg("num_threads"), nb::arg("cu_seqlens_q").none(),
-        nb::arg("return_lse") = false, nb::arg("sinks").none() = nb::none());
+        nb::arg("return_lse") = false, nb::arg("sinks").none() = nb::none(), nb::arg("k_descale").none() = nb::none(), nb::arg("v_descale").none() = nb::none());
   m.def("write_paged_cache", &write_paged_cache, nb::arg("key"), nb::arg("value"), nb::arg("key_cache"),
         nb::arg("value_cache"), nb::arg("block_table"), nb::arg("cache_seqlens"),
-        nb::arg("cu_seqlens_new").none() = nb::none());
+        nb::arg("cu_seqlens_new").none() = nb::none(), nb::arg("k_descale").none() = nb::none(), nb::arg("v_descale").none() = nb::none());
   m.def("varlen_dropout_seed", &mha::varlen_dropout_seed, nb::arg("seed"), nb::arg("sequence"));
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
