@@ -219,10 +219,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // float8 keys and values (the next tail byte, a sixth of the float32 inputs): rounded to e4m3 or
   // e5m2, the forward against the reference on those values, and the bits of the float32 call on
   // them widened (the kernels widen each element exactly).
+  // With scales (half of them: k_descale and v_descale, powers of two per batch entry and key/value
+  // head, so that the kernels' folding into the softmax scale and the output's 1 / l moves no
+  // rounding), the widened call's keys and values are multiplied by them.
   if (const uint8_t f_byte = in.tail_byte(); f_byte % 6 == 1) {
     const mha::DType eight = (f_byte >> 3) % 2 ? mha::DType::f8e5m2 : mha::DType::f8e4m3;
     const mha::Tensor k8 = mha::Tensor::copy_of(k, eight), v8 = mha::Tensor::copy_of(v, eight);
-    const mha::Tensor k32 = mha::Tensor::copy_of(k8, mha::DType::f32), v32 = mha::Tensor::copy_of(v8, mha::DType::f32);
+    mha::Tensor k32 = mha::Tensor::copy_of(k8, mha::DType::f32), v32 = mha::Tensor::copy_of(v8, mha::DType::f32);
+    mha::Tensor k_scales, v_scales;
+    if ((f_byte >> 4) % 2 && k.ndim == 4) {  // (keys of their own per batch entry: the widened copies keep their layout)
+      const int64_t heads = k.shape[1];
+      k_scales = mha::Tensor::empty({B, heads}), v_scales = mha::Tensor::empty({B, heads});
+      for (int64_t i = 0; i < B * heads; ++i) {
+        k_scales.data<float>()[i] = std::ldexp(1.0f, static_cast<int>(rng() % 4) - 2);  // 1/4 to 2
+        v_scales.data<float>()[i] = std::ldexp(1.0f, static_cast<int>(rng() % 7) - 3);  // 1/8 to 8
+      }
+      o.k_descale = k_scales.view(), o.v_descale = v_scales.view();
+      // The keys and values scaled, one [B, heads, L, D] copy each (k may be shared by the batch).
+      auto scale_heads = [&](mha::Tensor& x32, const mha::Tensor& scales) {  // x32 is contiguous [B, heads, L, D]
+        const int64_t per_head = x32.numel() / (B * heads);
+        for (int64_t t = 0; t < B * heads; ++t)
+          for (int64_t e = 0; e < per_head; ++e) x32.data<float>()[t * per_head + e] *= scales.data<float>()[t];
+      };
+      scale_heads(k32, k_scales), scale_heads(v32, v_scales);
+    }
     const auto fused = mha::scaled_dot_product_attention_with_weights(q, k8, v8, o);
     const mha::Tensor plain = mha::scaled_dot_product_attention(q, k8, v8, o);
     const auto ref = mha::reference::scaled_dot_product_attention(q, k8, v8, o);

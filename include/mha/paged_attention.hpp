@@ -20,7 +20,8 @@
 // are the last Lq positions, so the last query sees every key; FlashAttention's kvcache
 // alignment), a sliding window, ALiBi (alibi_slopes [Hq] or [B, Hq]), attention sinks (sinks
 // [Hq]; a sequence with no key then has the sinks as its lse), softcap, scale, enable_gqa (Hq a
-// multiple of Hkv: the cache is read once per key/value head), num_threads. attn_mask and dropout
+// multiple of Hkv: the cache is read once per key/value head), k_descale and v_descale for float8
+// caches ([], [Hkv] or [B, Hkv]: each sequence's own), num_threads. attn_mask and dropout
 // are not taken (inference: the sequences' lengths are their masks).
 //
 // Up to 32 queries per head (decoding, speculative decoding) the kernel reads the pages where

@@ -12,11 +12,13 @@
 // BottomRight a sequence's last query sees all its keys), a sliding window (window_left,
 // window_right, within each sequence likewise), ALiBi (alibi_slopes [Hq] or [sequences, Hq], the
 // distances within each sequence), attention sinks (sinks [Hq], shared by the sequences; the
-// backward's AttentionGradients::sinks sums over them), softcap, scale, enable_gqa, dropout_p with
+// backward's AttentionGradients::sinks sums over them), softcap, scale, enable_gqa, k_descale and
+// v_descale for float8 keys and values ([], [Hkv] or [sequences, Hkv]), dropout_p with
 // dropout_seed (sequence s draws the mask a one-sequence call with seed
 // varlen_dropout_seed(dropout_seed, s) draws), num_threads. attn_mask is not taken (causality and
 // the sequence boundaries are the masks here). Inputs may have any strides; float32, bfloat16,
-// float16 or float64, one dtype, on the host.
+// float16 or float64, one dtype, or float8 keys and values under a float32, bfloat16 or float16
+// query (inference), on the host.
 //
 // Work is spread over the threads by cost: sequences that each hold a large share of the work run
 // one after another on all threads, the others one per thread, longest first.

@@ -523,6 +523,11 @@ std::optional<TensorView> sequence_option(const std::optional<TensorView>& t, in
   return t;
 }
 
+std::optional<TensorView> first_sequence_option(const std::optional<TensorView>& t) {
+  if (t && t->ndim == 2) return t->select(0, 0);
+  return t;
+}
+
 void add_alibi_term(AttentionProblem& p) {
   if (!p.on_cpu()) {
     throw Error("alibi_slopes: ALiBi's biases are applied by the host kernels; on " + p.q.device.str() +

@@ -199,6 +199,8 @@ void check_per_sequence_option(const TensorView& t, const std::string& name, con
                                const std::string& sequences_name, int64_t sequences, bool scalar_ok);
 // The option as sequence s reads it: row s of a [sequences, H] tensor (as [1, H]), else as given.
 std::optional<TensorView> sequence_option(const std::optional<TensorView>& t, int64_t s);
+// The first sequence's, as the validation reads it: row 0 of a [sequences, H] tensor as [H].
+std::optional<TensorView> first_sequence_option(const std::optional<TensorView>& t);
 
 // t, of shape p.batch_shape_with_heads(heads) + [rows, cols], as the [B, heads, rows, cols] view
 // the kernels read or write (fold_batch); mha::Error naming `name` where its strides do not fold.

@@ -135,7 +135,7 @@ void validate_options(const TensorView& q_one, const PagedShape& s, const Tensor
                                      std::tuple{&SdpaOptions::v_descale, "v_descale", "[Hkv]"}}) {
     if (!(options.*option)) continue;
     detail::check_per_sequence_option(*(options.*option), name, heads, "B", s.batch, option != &SdpaOptions::alibi_slopes);
-    one.*option = detail::sequence_option(options.*option, 0);
+    one.*option = detail::first_sequence_option(options.*option);
   }
   // The options against one sequence of a page's keys: dtypes, head counts, head dims, scale.
   const TensorView k = key_cache.slice(0, 0, std::min<int64_t>(1, s.pages));

@@ -71,7 +71,7 @@ PackedShape validate(const TensorView& q, const TensorView& k, const TensorView&
                                      std::tuple{&SdpaOptions::v_descale, "v_descale", "[Hkv]"}}) {
     if (!(options.*option)) continue;
     detail::check_per_sequence_option(*(options.*option), name, heads, "sequences", sequences, option != &SdpaOptions::alibi_slopes);
-    whole.*option = detail::sequence_option(options.*option, 0);
+    whole.*option = detail::first_sequence_option(options.*option);
   }
   (void)detail::make_sdpa_problem(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), whole,
                                   detail::InputDtypes::fused);
