@@ -177,6 +177,22 @@ inline void fuzz_options(FuzzInput& in, mha::SdpaOptions& o) {
     static const double caps[] = {1e-30, 0.5, 3.0, 50.0, 1e30, -1.0, std::nan(""), 2e30};
     o.softcap = caps[(c >> 2) % 8];
   }
+  // float8 dequantisation scales (the next tail byte): none, k_descale, v_descale or both, of a
+  // shape that fits the call or not, float32, float64 or bfloat16, positive, or 0, negative, inf
+  // or NaN (refused); taken only with float8 keys and values.
+  const uint8_t d = in.tail_byte();
+  if (d % 4 != 0) {
+    static thread_local mha::Tensor scales;
+    static const mha::Shape shapes[] = {{}, {1}, {2}, {3}, {2, 2}, {0}, {1, 2}, {4, 1}};
+    static const mha::DType dtypes[] = {mha::DType::f32, mha::DType::f32, mha::DType::f64, mha::DType::bf16};
+    static const float bad[] = {0.0f, -1.0f, INFINITY, NAN};
+    mha::Tensor values = mha::Tensor::empty(shapes[(d >> 2) % 8]);
+    for (int64_t i = 0; i < values.numel(); ++i) values.data<float>()[i] = 0.25f * static_cast<float>(i + 1);
+    if (values.numel() > 0 && (d >> 5) % 2) values.data<float>()[values.numel() - 1] = bad[(d >> 6) % 4];
+    scales = mha::Tensor::copy_of(values.view(), dtypes[(d >> 6) % 4 == 3 ? 0 : (d >> 5) % 4]);
+    if (d % 4 != 2) o.k_descale = scales.view();
+    if (d % 4 != 1) o.v_descale = scales.view();
+  }
 }
 
 }  // namespace fuzz_args

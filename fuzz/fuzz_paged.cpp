@@ -186,11 +186,14 @@ void fuzz_write(FuzzInput& in, bool packed) {
   const std::vector<int64_t> cu =
       packed ? fuzz_offsets(in, static_cast<int64_t>(lens.size()), key.view.ndim >= 1 ? key.view.shape[0] : 0)
              : std::vector<int64_t>{};
+  mha::SdpaOptions o;  // its k_descale and v_descale (fitting or not) quantise the rows written
+  fuzz_options(in, o);
+  const mha::CacheWriteScales scales{o.k_descale, o.v_descale};
   auto write = [&] {
     if (packed) {
-      mha::write_paged_cache_varlen(key.view, value.view, cu, key_cache.view, value_cache.view, table, lens);
+      mha::write_paged_cache_varlen(key.view, value.view, cu, key_cache.view, value_cache.view, table, lens, scales);
     } else {
-      mha::write_paged_cache(key.view, value.view, key_cache.view, value_cache.view, table, lens);
+      mha::write_paged_cache(key.view, value.view, key_cache.view, value_cache.view, table, lens, scales);
     }
   };
   const bool runs = tiny(key) && tiny(value) && tiny(key_cache) && tiny(value_cache);

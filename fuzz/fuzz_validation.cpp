@@ -40,6 +40,7 @@ void fuzz_sdpa(FuzzInput& in) {
   op.is_causal = o.is_causal, op.causal_alignment = o.causal_alignment, op.scale = o.scale;
   op.enable_gqa = o.enable_gqa, op.dropout_p = o.dropout_p, op.num_threads = o.num_threads;
   op.window_left = o.window_left, op.window_right = o.window_right, op.alibi_slopes = o.alibi_slopes;
+  op.k_descale = o.k_descale, op.v_descale = o.v_descale;
 
   // The validator on every size, absurd ones included.
   try {
