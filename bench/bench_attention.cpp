@@ -140,7 +140,8 @@ void time_decode_steps(benchmark::State& state, const mha::Tensor& q, const mha:
 }
 
 // Args: B, Hq, Hkv, S, d, Lq, dtype (0: float32, 1: bfloat16, 2 and 3: bfloat16 queries over a
-// float8 e4m3 and e5m2 cache, half the bytes). A decoding step: Lq new queries per head against a cache of S keys
+// float8 e4m3 and e5m2 cache, half the bytes; 4: the e5m2 cache with k_descale and v_descale per
+// batch entry and key/value head, against 3 the cost of the scales). A decoding step: Lq new queries per head against a cache of S keys
 // and values (Hkv key/value heads; fewer than Hq is grouped-query attention), causal
 // from the bottom right (each new token sees the cache and the tokens before it). A step reads the
 // whole cache once, so the bytes counter (the cache's size per call) says more than the FLOPs.
@@ -148,7 +149,9 @@ void sdpa_decode(benchmark::State& state) {
   const int64_t batch = state.range(0), heads = state.range(1), kv_heads = state.range(2), cache = state.range(3);
   const int64_t dim = state.range(4), queries = state.range(5);
   const mha::DType dtype = state.range(6) != 0 ? mha::DType::bf16 : mha::DType::f32;
-  const mha::DType cache_dtype = state.range(6) == 2 ? mha::DType::f8e4m3 : state.range(6) == 3 ? mha::DType::f8e5m2 : dtype;
+  const mha::DType cache_dtype = state.range(6) == 2   ? mha::DType::f8e4m3
+                                 : state.range(6) >= 3 ? mha::DType::f8e5m2
+                                                       : dtype;
   std::mt19937_64 rng(45);
   auto input = [&](int64_t h, int64_t l, mha::DType t) {
     return mha::Tensor::copy_of(random_normal({batch, h, l, dim}, rng), t);
@@ -156,8 +159,11 @@ void sdpa_decode(benchmark::State& state) {
   const mha::Tensor q = input(heads, queries, dtype), k = input(kv_heads, cache, cache_dtype);
   const mha::Tensor v = input(kv_heads, cache, cache_dtype);
   const mha::Tensor out = mha::Tensor::empty({batch, heads, queries, dim}, dtype);
-  const mha::SdpaOptions options{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight,
-                                 .enable_gqa = kv_heads != heads};
+  mha::SdpaOptions options{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight,
+                           .enable_gqa = kv_heads != heads};
+  mha::Tensor scales = mha::Tensor::empty({2, batch, kv_heads});
+  for (int64_t i = 0; i < scales.numel(); ++i) scales.data<float>()[i] = 0.5f + static_cast<float>(i % 7) / 8.0f;
+  if (state.range(6) == 4) options.k_descale = scales.view().select(0, 0), options.v_descale = scales.view().select(0, 1);
   time_decode_steps(state, q, k, v, out, options);
   state.counters["FLOPS"] = flops_counter(mha::attention_flops(batch, heads, queries, cache, dim, dim, true,
                                                                mha::CausalAlignment::BottomRight));
@@ -290,9 +296,9 @@ void register_benchmarks() {
 
   auto* decode = benchmark::RegisterBenchmark("SDPA_decode", sdpa_decode);
   decode->ArgNames({"B", "Hq", "Hkv", "S", "d", "Lq", "dtype"})->UseRealTime()->Unit(benchmark::kMillisecond);
-  for (const int64_t dtype : {0, 1, 2, 3}) decode->Args({4, 16, 16, 2048, 64, 1, dtype});  // one token, a cache in memory
+  for (const int64_t dtype : {0, 1, 2, 3, 4}) decode->Args({4, 16, 16, 2048, 64, 1, dtype});  // one token, a cache in memory
   decode->Args({4, 16, 16, 512, 64, 1, 0});                                          // a cache that fits in L3
-  for (const int64_t dtype : {0, 2, 3}) decode->Args({1, 32, 8, 4096, 128, 1, dtype});  // grouped heads
+  for (const int64_t dtype : {0, 2, 3, 4}) decode->Args({1, 32, 8, 4096, 128, 1, dtype});  // grouped heads
   decode->Args({1, 32, 8, 4096, 128, 8, 0});                                         // speculative: 8 tokens
 
   auto* paged = benchmark::RegisterBenchmark("SDPA_decode_paged", sdpa_decode_paged);

@@ -24,7 +24,7 @@ import numpy as _np
 
 from . import _mha, _varlen, _window
 from ._softcap import check_softcap
-from ._paged import merge_attention_states, paged_attention, write_paged_cache
+from ._paged import _descales, merge_attention_states, paged_attention, write_paged_cache
 from ._varlen import varlen_attention, varlen_dropout_seed
 
 __all__ = [
@@ -378,8 +378,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     m = _as_array(attn_mask, "attn_mask", allow_none=True, once=True)
     a = _as_array(alibi_slopes, "alibi_slopes", allow_none=True)
     sk = _as_array(sinks, "sinks", allow_none=True)
-    kd = _as_array(k_descale, "k_descale", allow_none=True)
-    vd = _as_array(v_descale, "v_descale", allow_none=True)
+    kd = _as_array(k_descale, "k_descale", allow_none=True, once=True)
+    vd = _as_array(v_descale, "v_descale", allow_none=True, once=True)
     _check_alignment_and_mask(causal_alignment, attn_mask)
     if dropout_seed is None:
         dropout_seed = _new_seed() if dropout_p > 0 else 0
@@ -416,12 +416,10 @@ def _check_descales(query, key, k_descale, v_descale):
     if k_descale is None and v_descale is None:
         return None, None
     torch = _loaded_torch()
-    if torch is None or not isinstance(key, torch.Tensor) or key.dtype not in _float8_dtypes(torch):
+    if torch is None or getattr(key, "dtype", None) not in _float8_dtypes(torch):
         name = "k_descale" if k_descale is not None else "v_descale"
         raise ValueError(f"{name}: dequantisation scales are taken with float8 keys and values (float8_e4m3fn or "
                          f"float8_e5m2), got keys of dtype {getattr(key, 'dtype', type(key).__name__)}")
-    from ._paged import _descales  # noqa: PLC0415
-
     return _descales(query, k_descale, v_descale)
 
 
