@@ -19,7 +19,8 @@ struct FuzzInput {
     for (int i = 0; i < 8; ++i) v = v << 8 | byte();
     return v;
   }
-  int64_t small(int64_t max) { return byte() % (max + 1); }  // [0, max]
+  // [0, max] (max up to the int64 limit: an absurd size's)
+  int64_t small(int64_t max) { return static_cast<int64_t>(byte() % (static_cast<uint64_t>(max) + 1)); }
   // A size that is usually small, sometimes 0, sometimes large or absurd: 2^k - 1, 2^k, 2^k + 1
   // for k up to 62, or within 5 of the int64 limit.
   int64_t dim() {
