@@ -297,7 +297,10 @@ TEST(Float8Scales, BadScalesAreClearErrors) {
   }
   mha::Tensor zero = good.clone();
   zero.data<float>()[1] = 0.0f;
-  expect_error([&] { call(zero, k8, v8); }, "got 0 for key/value head 1 of batch entry 0");
+  expect_error([&] { call(zero, k8, v8); }, "k_descale: expected finite scales > 0, got 0 at index [1]");
+  mha::Tensor grid = filled({2, 2});
+  grid.data<float>()[2] = -2.0f;
+  expect_error([&] { call(grid, k8, v8, true); }, "v_descale: expected finite scales > 0, got -2 at index [1, 0]");
   // The reference's backward takes no scales (the kernels' takes no float8 at all).
   mha::SdpaOptions o;
   o.enable_gqa = true;

@@ -450,7 +450,11 @@ void materialise_inputs(AttentionProblem& p) {
                 " pass window_left = -1 (window_right and is_causal run there)");
   }
   if (p.alibi_input) add_alibi_term(p);
-  if (p.descale_input[0] || p.descale_input[1]) {  // [B * Hkv] each, b major
+  for (int i = 0; i < 2; ++i)
+    if (p.descale_input[i]) check_scale_values(*p.descale_input[i], i == 0 ? "k_descale" : "v_descale");
+  // The kernels' table, [B * Hkv] each, b major: for calls that read a key or value element (so
+  // that B * Hkv is bounded by their storage; the others read no scale).
+  if ((p.descale_input[0] || p.descale_input[1]) && (p.k.numel() > 0 || p.v.numel() > 0)) {
     const int64_t n = p.batch * p.heads_kv;
     p.descale_storage = Tensor::empty({2, n});
     float* scales = p.descale_storage.data<float>();
@@ -481,8 +485,33 @@ void check_scales(const TensorView& scales, const Shape& target, const std::stri
   }
 }
 
+void check_scale_values(const TensorView& scales, const std::string& name) {
+  // Each distinct element once: a dimension of stride 0 holds one element (so the walk is bounded
+  // by the storage, whatever the shape).
+  std::array<int64_t, kMaxDims> extent{}, index{};
+  for (int d = 0; d < scales.ndim; ++d) {
+    if (scales.shape[d] == 0) return;  // no element
+    extent[d] = scales.strides[d] == 0 ? 1 : scales.shape[d];
+  }
+  for (;;) {
+    int64_t offset = 0;
+    for (int d = 0; d < scales.ndim; ++d) offset += index[d] * scales.strides[d];
+    const float x = scales.data_as<float>()[offset];
+    if (!(std::isfinite(x) && x > 0)) {
+      std::ostringstream got;
+      got << x << " at index [";
+      for (int d = 0; d < scales.ndim; ++d) got << (d ? ", " : "") << index[d];
+      throw Error(name + ": expected finite scales > 0, got " + got.str() + "]");
+    }
+    int d = scales.ndim - 1;  // odometer
+    for (; d >= 0 && ++index[d] == extent[d]; --d) index[d] = 0;
+    if (d < 0) return;
+  }
+}
+
 std::vector<float> read_scales(const TensorView& scales, const Shape& target, const std::string& name) {
   check_scales(scales, target, name);
+  check_scale_values(scales, name);
   int64_t n = 1;
   for (int64_t t : target) n *= t;
   std::vector<float> out(static_cast<size_t>(n));
@@ -494,15 +523,7 @@ std::vector<float> read_scales(const TensorView& scales, const Shape& target, co
       const int sd = scales.ndim - static_cast<int>(target.size()) + d;
       if (sd >= 0 && scales.shape[sd] != 1) offset += i * scales.strides[sd];
     }
-    const float x = scales.data_as<float>()[offset];
-    if (!(std::isfinite(x) && x > 0)) {
-      std::ostringstream got;
-      got << x;
-      const int64_t heads = target.empty() ? 1 : target.back();
-      throw Error(name + ": expected finite scales > 0, got " + got.str() + " for key/value head " +
-                  std::to_string(t % heads) + " of batch entry " + std::to_string(t / heads));
-    }
-    out[static_cast<size_t>(t)] = x;
+    out[static_cast<size_t>(t)] = scales.data_as<float>()[offset];
   }
   return out;
 }

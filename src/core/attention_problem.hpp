@@ -186,9 +186,11 @@ AttentionProblem with_window_as_mask(const AttentionProblem& p);
 
 // Scales per key/value head (SdpaOptions::k_descale, v_descale; write_paged_cache's): float32 on
 // the host, broadcastable to `target` (right-aligned, dimensions of size 1 or missing stretching);
-// mha::Error naming `name` otherwise. read_scales also reads them, as numel(target) floats in
-// row-major order, each finite and > 0.
+// mha::Error naming `name` otherwise. check_scale_values reads each element (finite and > 0 or
+// an mha::Error); read_scales checks both and returns them broadcast to `target`, numel(target)
+// floats in row-major order.
 void check_scales(const TensorView& scales, const Shape& target, const std::string& name);
+void check_scale_values(const TensorView& scales, const std::string& name);
 std::vector<float> read_scales(const TensorView& scales, const Shape& target, const std::string& name);
 
 // A per-sequence option of a paged or packed call (alibi_slopes, k_descale, v_descale): [H] or

@@ -321,7 +321,8 @@ void check_new_rows_dtype(const TensorView& key, const TensorView& value, const 
 struct RowScales {
   std::vector<float> key, value;
 
-  RowScales(const CacheWriteScales& given, const PagedShape& s, DType cache_dtype) {
+  // (Read only where rows are written: then B * Hkv is bounded by the caches' storage.)
+  RowScales(const CacheWriteScales& given, const PagedShape& s, DType cache_dtype, std::span<const int64_t> added) {
     for (auto [scales, out, name] : {std::tuple{&given.k_descale, &key, "k_descale"},
                                      std::tuple{&given.v_descale, &value, "v_descale"}}) {
       if (!*scales) continue;
@@ -330,7 +331,10 @@ struct RowScales {
                     std::string(dtype_name(cache_dtype)) + " caches");
       }
       detail::check_per_sequence_option(**scales, name, "[Hkv]", "B", s.batch, true);
-      *out = detail::read_scales(**scales, {s.batch, s.heads_kv}, name);
+      detail::check_scales(**scales, {s.batch, s.heads_kv}, name);
+      detail::check_scale_values(**scales, name);
+      if (std::any_of(added.begin(), added.end(), [](int64_t n) { return n > 0; }))
+        *out = detail::read_scales(**scales, {s.batch, s.heads_kv}, name);
     }
   }
 };
@@ -417,7 +421,7 @@ void write_paged_cache(const TensorView& key, const TensorView& value, const Ten
   check_new_rows_dtype(key, value, key_cache);
   const std::vector<int64_t> added(static_cast<size_t>(s.batch), key.shape[2]);
   check_table(s, block_table, cache_seqlens, added, "writes rows");
-  const RowScales row_scales(scales, s, key_cache.dtype);
+  const RowScales row_scales(scales, s, key_cache.dtype, added);
   write_rows(
       s, key_cache, value_cache, block_table, cache_seqlens, added, row_scales,
       [&](int64_t b, int64_t t) { return key.select(0, b).select(1, t); },
@@ -449,7 +453,7 @@ void write_paged_cache_varlen(const TensorView& key, const TensorView& value, st
   std::vector<int64_t> added(static_cast<size_t>(s.batch));
   for (int64_t b = 0; b < s.batch; ++b) added[b] = cu_seqlens_new[b + 1] - cu_seqlens_new[b];
   check_table(s, block_table, cache_seqlens, added, "writes rows");
-  const RowScales row_scales(scales, s, key_cache.dtype);
+  const RowScales row_scales(scales, s, key_cache.dtype, added);
   write_rows(
       s, key_cache, value_cache, block_table, cache_seqlens, added, row_scales,
       [&](int64_t b, int64_t t) { return key.select(0, cu_seqlens_new[b] + t); },
