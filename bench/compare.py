@@ -183,7 +183,9 @@ def bench_decode_float8(reps, rows):
     """A decoding step (bf16 queries) over a float8 cache (e4m3 and e5m2), half a bf16 cache's bytes:
     mha widens it as it reads it. PyTorch's CPU SDPA takes no float8, so its sides are its step
     over a bf16 cache (what it runs instead) and, for e4m3, over the float8 cache converted to
-    bf16 every step."""
+    bf16 every step; and an e4m3 cache with scales per batch entry and key/value head (vLLM's
+    k_scale / v_scale: mha's k_descale, v_descale) against the cache converted and multiplied by
+    them every step."""
     for B, Hq, Hkv, S, d in ((4, 16, 16, 2048, 64), (1, 32, 8, 4096, 128)):
         g = torch.Generator().manual_seed(3)
         q = torch.randn(B, Hq, 1, d, generator=g).to(torch.bfloat16)
@@ -200,6 +202,15 @@ def bench_decode_float8(reps, rows):
                 mine, its = paired_medians(ours, theirs, reps * 3)
                 rows.append((f"sdpa decode fp8 {name} cache vs {against}", f"B={B} H={Hq}/{Hkv} S={S} d={d}", mine,
                              its, 4.0 * B * Hq * S * d))
+            if name == "e4m3":
+                kd, vd = (torch.rand(B, Hkv, generator=g) + 0.5 for _ in range(2))
+                kd16, vd16 = (x.to(torch.bfloat16)[..., None, None] for x in (kd, vd))
+                mine, its = paired_medians(
+                    lambda: mha.scaled_dot_product_attention(q, k8, v8, enable_gqa=gqa, k_descale=kd, v_descale=vd),
+                    lambda: F.scaled_dot_product_attention(q, k8.to(torch.bfloat16) * kd16, v8.to(torch.bfloat16) * vd16,
+                                                           enable_gqa=gqa), reps * 3)
+                rows.append(("sdpa decode fp8 e4m3 scaled cache vs fp8 to bf16 times scales",
+                             f"B={B} H={Hq}/{Hkv} S={S} d={d}", mine, its, 4.0 * B * Hq * S * d))
 
 
 def bench_paged(reps, rows):
