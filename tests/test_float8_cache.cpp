@@ -231,7 +231,18 @@ TEST(Float8, EveryValueWidensExactlyOnEveryIsa) {
         const mha::Tensor with_nan = mha::scaled_dot_product_attention(q, k8, nan_v, o);
         for (int64_t i = 0; i < lq; ++i) EXPECT_TRUE(std::isnan(with_nan.data<float>()[i * 64 + 5]));
         EXPECT_FALSE(std::isnan(with_nan.data<float>()[4]));
+        // A NaN key (0x7f: the other NaN byte of e4m3) makes its score NaN, and so every output of
+        // the rows that see it (here all); the bytes around it widen as ever.
+        mha::Tensor nan_k = k8.clone();
+        nan_k.data<uint8_t>()[3 * 64 + 17] = f.dtype == mha::DType::f8e4m3 ? 0x7f : 0xff;
+        const mha::Tensor nan_scores = mha::scaled_dot_product_attention(q, nan_k, v8, o);
+        for (int64_t e = 0; e < nan_scores.numel(); ++e) EXPECT_TRUE(std::isnan(nan_scores.data<float>()[e]));
       }
+      // Rows of 48 bytes (a last 16 past the 32-byte steps): a NaN there too.
+      mha::Tensor k48 = randn({1, 1, 40, 48}, rng, f.dtype), v48 = randn({1, 1, 40, 48}, rng, f.dtype);
+      k48.data<uint8_t>()[5 * 48 + 40] = 0xff;
+      const mha::Tensor out48 = mha::scaled_dot_product_attention(randn({1, 1, 2, 48}, rng), k48, v48);
+      for (int64_t e = 0; e < out48.numel(); ++e) EXPECT_TRUE(std::isnan(out48.data<float>()[e]));
     }
     mha::detail::force_isa(std::nullopt);
   }

@@ -261,6 +261,12 @@ struct FewQueries {
     using E = uint8_t;
     static F load(const uint8_t* x) { return S::load_f8_over_256(x); }
   };
+  // e4m3 rows of a block tested once for NaN bytes (S::f8_rows_free_of_nan): loaded without the
+  // test per vector that AsF8 makes (on AVX2 its 4 instructions per 16 elements).
+  struct AsF8Finite {
+    using E = uint8_t;
+    static F load(const uint8_t* x) { return S::load_f8_over_256_finite(x); }
+  };
   // float8 e5m2 rows: each byte shifted up is a half, widened as a 16-bit row is.
   struct AsF8E5M2 {
     using E = uint8_t;
@@ -604,6 +610,13 @@ struct FewQueries {
             rows_in_place[c] = c < nc ? low_row<E>(p.k, b, hk, j0 + c) : static_cast<const E*>(zero_bits);
           kp = rows_in_place;
         }
+        if constexpr (std::is_same_v<L, AsF8>) {
+          if (S::f8_rows_free_of_nan(kp, kLanes, dk())) {
+            for (int64_t qi = 0; qi < rows; ++qi)
+              S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<AsF8Finite>(kp, s.q + qi * dk(), dk()));
+            return;
+          }
+        }
         for (int64_t qi = 0; qi < rows; ++qi)
           S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<L>(kp, s.q + qi * dk(), dk()));
       });
@@ -634,6 +647,12 @@ struct FewQueries {
           using E = typename L::E;
           const E** rows_in_place = s.template values_of<E>();
           for (int c = 0; c < nc; ++c) rows_in_place[c] = low_row<E>(p.v, b, hk, j0 + c);
+          if constexpr (std::is_same_v<L, AsF8>) {
+            if (S::f8_rows_free_of_nan(rows_in_place, nc, dv())) {
+              accumulate_rows<AsF8Finite>(s, rows, s.scores + (j0 - j_begin), stride, nc, rows_in_place);
+              return;
+            }
+          }
           accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, rows_in_place);
         }
       });

@@ -163,6 +163,30 @@ struct Avx2 {
     }
     return {f8x8_over_256(x), f8x8_over_256(_mm_unpackhi_epi64(x, x))};
   }
+  // The same for bytes known to hold no NaN (f8_rows_free_of_nan): without the test.
+  static F load_f8_over_256_finite(const uint8_t* p) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {f8x8_over_256(x), f8x8_over_256(_mm_unpackhi_epi64(x, x))};
+  }
+  // Whether no e4m3 NaN (0x7f, 0xff) lies in the first `width` bytes (a multiple of kLanes) of
+  // rows[0..n): one test per block of rows, 32 bytes at a time, instead of one per 16 as loaded.
+  static bool f8_rows_free_of_nan(const uint8_t* const* rows, int n, int64_t width) {
+    const __m256i high = _mm256_set1_epi8(static_cast<char>(0x80)), all = _mm256_set1_epi8(static_cast<char>(0xff));
+    __m256i hit = _mm256_setzero_si256();
+    __m128i tail = _mm_setzero_si128();
+    for (int r = 0; r < n; ++r) {
+      int64_t d = 0;
+      for (; d + 32 <= width; d += 32) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + d));
+        hit = _mm256_or_si256(hit, _mm256_cmpeq_epi8(_mm256_or_si256(x, high), all));
+      }
+      if (d < width) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + d));
+        tail = _mm_or_si128(tail, _mm_cmpeq_epi8(_mm_or_si128(x, _mm256_castsi256_si128(high)), _mm256_castsi256_si128(all)));
+      }
+    }
+    return _mm256_testz_si256(hit, hit) && _mm_testz_si128(tail, tail);
+  }
   static F load_f8(const uint8_t* p) { return mul(load_f8_over_256(p), set1(256.0f)); }
   // kLanes float8 e5m2 values (as bits) into a register, exactly: each byte shifted up is the half
   // (infinities, NaN and subnormals included), which F16C widens.

@@ -90,6 +90,9 @@ struct Portable {
     for (int i = 0; i < kLanes; ++i) r.v[i] *= 0.00390625f;
     return r;
   }
+  // (The scalar conversion takes NaN bytes as they come: no test per block of rows.)
+  static F load_f8_over_256_finite(const uint8_t* p) { return load_f8_over_256(p); }
+  static bool f8_rows_free_of_nan(const uint8_t* const*, int, int64_t) { return false; }
   // kLanes float8 e5m2 values (as bits), exactly.
   static F load_f8e5m2(const uint8_t* p) {
     F r;
