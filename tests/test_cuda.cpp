@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_support.hpp"
 #include "mha/cuda.hpp"
 #include "test_support.hpp"
 
@@ -21,6 +22,13 @@ using mha_test::rel_error;
 using mha_test::test_seed;
 
 using mha_test::expect_error;
+using mha_test::GpuTest;
+using mha_test::KernelChoice;
+using mha_test::kernels;
+using mha_test::Operand;
+using mha_test::operand;
+using mha_test::poisoned;
+using mha_test::tolerance;
 
 // Views of device memory, whatever the build: the CPU functions refuse them by name, before
 // touching the pointer (which here is not even valid).
@@ -68,64 +76,6 @@ TEST(Cuda, WithoutADeviceAllocationIsAnError) {
 
 // ---------------------------------------------------------------------------------------------
 // On a GPU.
-
-class GpuTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!mha::cuda::is_available()) GTEST_SKIP() << mha::cuda::describe() << "; the GPU tests need a CUDA device";
-    std::printf("%s\n", mha::cuda::describe().c_str());
-  }
-};
-
-// A host tensor of `shape` in `dtype` on the GPU, with its host copy for the reference.
-struct Operand {
-  mha::Tensor host, device;
-};
-Operand operand(const mha::Shape& shape, std::mt19937_64& rng, mha::DType dtype) {
-  Operand o;
-  o.host = randn(shape, rng, dtype);
-  o.device = o.host.to(mha::Device::cuda());
-  return o;
-}
-
-// An output buffer on the GPU filled with NaN, so that an element the kernel does not write fails.
-mha::Tensor poisoned(const mha::Shape& shape, mha::DType dtype) {
-  mha::Tensor h = mha::Tensor::empty(shape, mha::DType::f32);
-  for (int64_t i = 0; i < h.numel(); ++i) h.data<float>()[i] = std::numeric_limits<float>::quiet_NaN();
-  return mha::Tensor::copy_of(h, dtype).to(mha::Device::cuda());
-}
-
-// The GPU kernels this device runs: the mma.sync one everywhere, the wgmma one on Hopper.
-std::vector<std::string> kernels() {
-  std::vector<std::string> names = {"mma"};
-  if (mha::cuda::compute_capability() == 90) names.push_back("wgmma");
-  return names;
-}
-
-// Sets MHA_CUDA_KERNEL for a scope (the kernel choice reads it at every call), then restores it.
-class KernelChoice {
- public:
-  explicit KernelChoice(const std::string& name) {
-    if (const char* before = std::getenv("MHA_CUDA_KERNEL")) previous_ = before;
-    setenv("MHA_CUDA_KERNEL", name.c_str(), 1);
-  }
-  ~KernelChoice() {
-    if (previous_) {
-      setenv("MHA_CUDA_KERNEL", previous_->c_str(), 1);
-    } else {
-      unsetenv("MHA_CUDA_KERNEL");
-    }
-  }
-  KernelChoice(const KernelChoice&) = delete;
-  KernelChoice& operator=(const KernelChoice&) = delete;
-
- private:
-  std::optional<std::string> previous_;
-};
-
-// bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3 per element, on inputs, on P
-// and on the output), fp16 11 (2^-12 ~ 2.4e-4): normwise 1e-2 and 3e-3 leave room for the sums.
-double tolerance(mha::DType dtype) { return dtype == mha::DType::bf16 ? 1e-2 : 3e-3; }
 
 TEST_F(GpuTest, ForwardMatchesFloat64ReferenceAcrossOptions) {
   std::mt19937_64 rng(test_seed());

@@ -50,6 +50,60 @@ void require_no_weights_on_device(const AttentionProblem& p) {
   }
 }
 
+// Operands in CUDA memory: the GPU backward (deterministic; bfloat16 / float16), for inputs of
+// the full batch shape. The mask's gradient and gradients summed over broadcast dimensions are
+// the host backward's.
+AttentionGradients backward_on_device(const AttentionProblem& p, const TensorView* inputs[3],
+                                      const AttentionForTraining& saved, const TensorView& grad_output,
+                                      const SdpaGradientsWanted& wanted) {
+  const Device device = p.q.device;
+  const std::pair<const TensorView*, const char*> operands[] = {
+      {&grad_output, "grad_output"}, {&saved.output.view(), "saved.output"}, {&saved.lse.view(), "saved.lse"}};
+  for (const auto& [t, name] : operands) {
+    if (t->device != device) {
+      throw Error(std::string(name) + ": expected the query's device " + device.str() + ", got " + t->device.str());
+    }
+  }
+  if (wanted.attn_mask) {
+    throw Error("attn_mask_grad: the mask's gradient is computed by the host backward; got inputs on " + device.str());
+  }
+  const Shape out_shape = detail::output_shape(p, p.len_q, p.dim_v);
+  detail::check_output_view(saved.output, out_shape, p.q.dtype, "saved.output");
+  detail::check_output_view(saved.lse, detail::output_shape(p, p.len_q), DType::f32, "saved.lse");
+  detail::check_output_view(grad_output, out_shape, p.q.dtype, "grad_output");
+  if (!saved.lse.view().is_contiguous()) {
+    throw Error("saved.lse: on " + device.str() + " expected a contiguous tensor, as the forward returns it");
+  }
+  detail::CudaBackwardViews views;
+  views.out4 = detail::folded(p, saved.output, p.heads_q, "saved.output");
+  views.grad_out4 = detail::folded(p, grad_output, p.heads_q, "grad_output");
+  views.lse = static_cast<const float*>(saved.lse.view().data);
+  const Tensor delta = Tensor::empty(detail::output_shape(p, p.len_q), DType::f32, device);
+  views.delta = delta.data<float>();
+
+  const char* names[] = {"query", "key", "value"};
+  const bool wanted_of[] = {wanted.query, wanted.key, wanted.value};
+  const int64_t heads_of[] = {p.heads_q, p.heads_kv, p.heads_kv};
+  std::optional<TensorView>* views_of[] = {&views.dq, &views.dk, &views.dv};
+  AttentionGradients g;
+  Tensor* results[] = {&g.query, &g.key, &g.value};
+  for (int i = 0; i < 3; ++i) {
+    if (!wanted_of[i]) continue;
+    const TensorView& input = *inputs[i];
+    Shape full = p.batch_shape_with_heads(heads_of[i]);
+    full.insert(full.end(), input.sizes().end() - 2, input.sizes().end());
+    if (input.sizes() != full) {
+      throw Error(std::string(names[i]) + ": on " + device.str() + " the backward takes inputs of the full batch shape " +
+                  TensorView(nullptr, input.dtype, full).shape_str() + ", got " + input.shape_str() +
+                  ", which broadcasts; expand and copy it, or run the backward on the host");
+    }
+    *results[i] = Tensor::empty(input.sizes(), p.q.dtype, device);
+    *views_of[i] = detail::folded(p, *results[i], heads_of[i], names[i]);
+  }
+  detail::cuda_attention_backward(p, views);
+  return g;
+}
+
 }  // namespace
 
 namespace detail {
@@ -329,9 +383,12 @@ AttentionGradients scaled_dot_product_attention_backward(const TensorView& q, co
                                                          const TensorView& grad_output, const SdpaOptions& options,
                                                          const SdpaGradientsWanted& wanted) {
   const bool attn_mask_grad = wanted.attn_mask;
-  require_cpu(q, "query");  // the GPU backward is not part of this build
   AttentionProblem p = detail::make_sdpa_problem(q, k, v, options, detail::InputDtypes::fused);
   detail::materialise_inputs(p);
+  if (!p.on_cpu()) {
+    const TensorView* operands[] = {&q, &k, &v};
+    return backward_on_device(p, operands, saved, grad_output, wanted);
+  }
   require_cpu(grad_output, "grad_output");
   require_cpu(saved.output, "saved.output");
   const Shape out_shape = detail::output_shape(p, p.len_q, p.dim_v);

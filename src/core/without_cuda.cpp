@@ -30,6 +30,9 @@ void copy_device_to_host(const void*, void*, int64_t, Device device) { no_cuda("
 void cuda_attention_forward(const AttentionProblem& p, const TensorView&, float*) {
   no_cuda("attention on " + p.q.device.str());
 }
+void cuda_attention_backward(const AttentionProblem& p, const CudaBackwardViews&) {
+  no_cuda("the attention backward on " + p.q.device.str());
+}
 }  // namespace detail
 
 }  // namespace mha

@@ -32,6 +32,7 @@
 #include "cuda/cuda_attention.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/flash_common.cuh"
+#include "cuda/kernel_params.hpp"
 
 namespace mha::detail {
 namespace {
@@ -41,62 +42,18 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kPad = 8;  // elements of padding per shared-memory row: 16 bytes, so ldmatrix rows rotate banks
 
 using gpu::commit_copies;
-using gpu::copy_16_async;
 using gpu::fast_exp2;
+using gpu::ldmatrix_x4;
+using gpu::ldmatrix_x4_trans;
+using gpu::mask_bias;
 using gpu::Pack;
 using gpu::Params;
-using gpu::shared_address;
+using gpu::require;
 using gpu::wait_copies;
 
-__device__ void ldmatrix_x4(uint32_t r[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row))
-               : "memory");
-}
-__device__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row))
-               : "memory");
-}
-
-// Starts copying Rows rows of D elements into shared memory (rows past `valid` are zero-filled:
-// the copy reads 0 bytes of them, from row 0, which exists). Completes at the matching wait.
-// Each thread copies one 16-byte column chunk of every kThreads / (D / 8)-th row: a fixed trip
-// count, so the loop unrolls into straight-line copies with one address step each.
 template <class T, int D, int Rows>
-__device__ void copy_tile_async(T* tile, const T* src, long long row_stride, int valid) {
-  constexpr int kChunks = D / 8, kRowsPerPass = kThreads / kChunks;
-  static_assert(Rows % kRowsPerPass == 0, "a tile is a whole number of passes");
-  const int r0 = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 8;
-  const T* from = src + r0 * row_stride + col;
-  const uint32_t to = shared_address(tile + r0 * (D + kPad) + col);
-#pragma unroll
-  for (int pass = 0; pass < Rows / kRowsPerPass; ++pass) {
-    const bool inside = r0 + pass * kRowsPerPass < valid;
-    copy_16_async(to + static_cast<uint32_t>(pass * kRowsPerPass * (D + kPad) * sizeof(T)),
-                  inside ? from + pass * kRowsPerPass * row_stride : src, inside ? 16 : 0);
-  }
-}
-
-// What the masks add (in base-2 units) to score (b, h, i, j): 0, -inf or the additive value.
-__device__ float mask_bias(const Params& p, int b, int h, int i, int j) {
-  float bias = 0.0f;
-  for (int m = 0; m < p.num_masks; ++m) {
-    const gpu::GpuMask& mk = p.masks[m];
-    const long long off = b * mk.strides[0] + h * mk.strides[1] + i * mk.strides[2] + j * mk.strides[3];
-    if (mk.kind == 0) {
-      // A finite value stays finite when scaled (Hugging Face's finfo.min would overflow to -inf,
-      // and a row of it give zeros where PyTorch gives uniform weights), as on the CPU.
-      const float value = static_cast<const float*>(mk.data)[off], scaled = value * 1.4426950408889634f;
-      bias += isfinite(value) ? fminf(fmaxf(scaled, -FLT_MAX), FLT_MAX) : scaled;
-    } else {
-      const bool value = static_cast<const uint8_t*>(mk.data)[off] != 0;
-      if (value != (mk.kind == 1)) bias = -INFINITY;
-    }
-  }
-  return bias;
+__device__ __forceinline__ void copy_tile_async(T* tile, const T* src, long long row_stride, int valid) {
+  gpu::copy_tile_async<T, D, Rows, kThreads, kPad>(tile, src, row_stride, valid);
 }
 
 // Scores to base-2 exponents: scaled and, where kChecked, -inf for keys past the end or the
@@ -356,26 +313,6 @@ void launch_for_dim(const Params& params, int dim, int batch) {
   }
 }
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error(message);
-}
-
-// The view's (b, h, l) strides, after checking that the GPU kernel can address it: unit stride
-// along the head dim, 16-byte aligned rows (pointer and strides multiples of 8 elements).
-void copy_strides(const TensorView& t, const char* name, long long* strides) {
-  require(t.shape[3] <= 1 || t.strides[3] == 1,
-          std::string(name) + ": the GPU kernel needs unit stride along the head dimension, got stride " +
-              std::to_string(t.strides[3]));
-  require(reinterpret_cast<uintptr_t>(t.data) % 16 == 0,
-          std::string(name) + ": the GPU kernel needs 16-byte aligned data");
-  for (int d = 0; d < 3; ++d) {
-    require(t.strides[d] % 8 == 0 || t.shape[d] == 1,
-            std::string(name) + ": the GPU kernel needs strides that are multiples of 8 elements, got " +
-                std::to_string(t.strides[d]) + " in dimension " + std::to_string(d));
-    strides[d] = t.shape[d] == 1 ? 0 : t.strides[d];
-  }
-}
-
 // Which kernel runs a problem: the Hopper one (wgmma) on a device of compute capability 9.0 for
 // head dim 128 without masks, the mma.sync one otherwise (at d = 64 both measured level on an
 // H200; docs/CUDA.md). MHA_CUDA_KERNEL=mma forces the mma.sync kernel everywhere (to compare);
@@ -405,51 +342,17 @@ bool use_hopper_kernel(const AttentionProblem& p, int device) {
 }  // namespace
 
 void cuda_attention_forward(const AttentionProblem& p, const TensorView& out4, float* lse) {
-  const DType dt = p.q.dtype;
-  require(dt == DType::bf16 || dt == DType::f16,
-          "query: the GPU kernel takes bfloat16 or float16, got " + std::string(dtype_name(dt)));
-  require(p.dim_qk == p.dim_v, "value: the GPU kernel needs the value head dim equal to the query's (" +
-                                   std::to_string(p.dim_qk) + "), got " + std::to_string(p.dim_v));
-  require(p.dim_qk == 64 || p.dim_qk == 128 || p.dim_qk == 256,
-          "query: the GPU kernel takes head dims 64, 128 or 256, got " + std::to_string(p.dim_qk));
-  require(p.dropout_p == 0.0, "dropout_p: dropout is not implemented in the GPU kernel, got " +
-                                  std::to_string(p.dropout_p));
-  require(p.len_q < (int64_t{1} << 31) && p.len_k < (int64_t{1} << 31) && p.heads_q <= 65535 && p.batch <= 65535,
-          "query: the GPU kernel takes sequence lengths below 2^31 and at most 65535 heads and batch entries, got "
-          "shape [" + std::to_string(p.batch) + ", " + std::to_string(p.heads_q) + ", " + std::to_string(p.len_q) +
-              ", " + std::to_string(p.dim_qk) + "]");
+  gpu::check_supported(p);
   if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
-
-  Params params{};
-  params.q = p.q.data;
-  params.k = p.k.data;
-  params.v = p.v.data;
+  Params params = gpu::kernel_params(p);
   params.out = out4.data;
   params.lse = lse;
-  copy_strides(p.q, "query", params.q_strides);
-  copy_strides(p.k, "key", params.k_strides);
-  copy_strides(p.v, "value", params.v_strides);
-  copy_strides(out4, "out", params.out_strides);
-  params.heads_q = static_cast<int>(p.heads_q);
-  params.group = static_cast<int>(p.group());
-  params.len_q = static_cast<int>(p.len_q);
-  params.len_k = static_cast<int>(p.len_k);
-  params.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
-  params.causal = p.causal ? 1 : 0;
-  params.causal_offset = p.causal_offset;
-  params.num_masks = p.num_masks;
-  for (int m = 0; m < p.num_masks; ++m) {
-    params.masks[m].data = p.masks[m].data;
-    params.masks[m].kind = p.masks[m].kind == MaskKind::additive       ? 0
-                           : p.masks[m].kind == MaskKind::keep_if_true ? 1
-                                                                        : 2;
-    for (int d = 0; d < 4; ++d) params.masks[m].strides[d] = p.masks[m].strides[d];
-  }
+  gpu::copy_strides(out4, "out", params.out_strides);
 
   DeviceGuard guard(p.q.device.index);
   if (use_hopper_kernel(p, p.q.device.index)) {
-    gpu::launch_forward_sm90(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch), dt == DType::bf16);
-  } else if (dt == DType::bf16) {
+    gpu::launch_forward_sm90(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch), p.q.dtype == DType::bf16);
+  } else if (p.q.dtype == DType::bf16) {
     launch_for_dim<__nv_bfloat16>(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch));
   } else {
     launch_for_dim<__half>(params, static_cast<int>(p.dim_qk), static_cast<int>(p.batch));
