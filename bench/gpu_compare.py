@@ -4,6 +4,7 @@ efficient) on the same GPU, in the same run, on the same shapes.
 
   python bench/gpu_compare.py                       # the issue's table: B*L = 16384 tokens, 2048 channels
   python bench/gpu_compare.py --lengths 512 2048 8192 16384 --dims 64 128 --json out.json
+  python bench/gpu_compare.py --backward            # the backward alone, beside each backend's
 
 mha is timed by its command line (`build/tools/mha bench --device cuda --json`, which waits for
 the kernel after each call), once per kernel in --kernels (MHA_CUDA_KERNEL: `auto` picks the
@@ -60,13 +61,45 @@ def torch_backend(name, B, H, L, d, causal, dtype, reps):
     return {"fwd_s": fwd, "fwd_bwd_s": both}
 
 
-def ours(binary, kernel, B, H, L, d, causal, dtype, reps):
+def ours(binary, kernel, B, H, L, d, causal, dtype, reps, backward=False):
     cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "-b", str(B), "--heads", str(H), "--lq", str(L),
            "--dim", str(d), "--reps", str(reps), "--warmup", "3", "--json"] + (["--causal"] if causal else [])
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, MHA_CUDA_KERNEL=kernel))
+    r = subprocess.run(cmd + (["--backward"] if backward else []), capture_output=True, text=True,
+                       env=dict(os.environ, MHA_CUDA_KERNEL=kernel))
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout).strip().splitlines()[-1]}
-    return {"fwd_s": json.loads(r.stdout)["ms_median"] / 1e3}
+    return {("bwd_s" if backward else "fwd_s"): json.loads(r.stdout)["ms_median"] / 1e3}
+
+
+def backward_table(args, dtype):
+    """Backward alone: mha's (its command line's --backward: one backward from a saved forward,
+    gradients allocated per call) against each PyTorch backend's fwd+bwd less its fwd."""
+    print("| d | L | causal | mha bwd | flash bwd | cudnn bwd | efficient bwd | mha / flash | mha / best |")
+    print("|" + " --- |" * 9)
+    rows = []
+    for d in args.dims:
+        for L in args.lengths:
+            for causal in (False, True):
+                B, H = max(1, args.tokens // L), args.channels // d
+                fl = 2.5 * flops(B, H, L, d, causal)
+                row = {"B": B, "H": H, "L": L, "d": d, "causal": causal,
+                       "mha": ours(args.binary, "auto", B, H, L, d, causal, args.dtype, args.reps, backward=True)}
+                for name in BACKENDS:
+                    r = torch_backend(name, B, H, L, d, causal, dtype, args.reps)
+                    if "fwd_s" in r:
+                        r["bwd_s"] = r["fwd_bwd_s"] - r["fwd_s"]
+                    row[name] = r
+                rows.append(row)
+                rate = {n: fl / row[n]["bwd_s"] for n in ["mha", *BACKENDS] if "bwd_s" in row[n]}
+                cells = [f"{rate[n] / 1e12:.0f}" if n in rate else "-" for n in ["mha", *BACKENDS]]
+                peers = [rate[n] for n in BACKENDS if n in rate]
+                cells.append(f"{rate['mha'] / rate['flash']:.2f}x" if "mha" in rate and "flash" in rate else "-")
+                cells.append(f"{rate['mha'] / max(peers):.2f}x" if "mha" in rate and peers else "-")
+                print(f"| {d} | {L} | {int(causal)} | " + " | ".join(cells) + " |", flush=True)
+                if "error" in row["mha"]:
+                    print("mha:", row["mha"]["error"])
+    print("TFLOP/s at the median; the backward counts 2.5x the forward's FLOPs.")
+    return rows
 
 
 def main():
@@ -80,6 +113,7 @@ def main():
     ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "wgmma"],
                     help="mha's kernels to time (a column each)")
     ap.add_argument("--binary", default=os.path.join(HERE, "..", "build", "tools", "mha"))
+    ap.add_argument("--backward", action="store_true", help="time the backward alone instead of the forward")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -87,6 +121,12 @@ def main():
     dtype = getattr(torch, args.dtype)
     print(f"# {torch.cuda.get_device_name()}, PyTorch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"{args.dtype}, B*L = {args.tokens}, H*d = {args.channels}")
+    if args.backward:
+        rows = backward_table(args, dtype)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     ours_names = [f"mha {k}" if len(args.kernels) > 1 else "mha" for k in args.kernels]
     print("| d | L | causal | " + " | ".join(f"{n} fwd" for n in ours_names) +
           " | flash fwd / fwd+bwd | cudnn fwd / fwd+bwd | efficient fwd / fwd+bwd | " +

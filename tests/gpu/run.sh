@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run on the GPU machine (from the repository root):
 #   1. configure with MHA_CUDA=ON and the ptxas resource report, build;
-#   2. the C++ suite, whose Cuda.* and GpuTest.* tests compare the fused GPU kernel with the
-#      float64 reference on fresh random inputs (a seed is printed per test);
+#   2. the C++ suite, whose Cuda.* and GpuTest.* tests compare the fused GPU kernels (forward and
+#      backward) with the float64 reference on fresh random inputs (a seed is printed per test);
 #   3. compute-sanitizer (memcheck, racecheck) on the GPU tests, where the toolkit has it;
 #   4. the rest of the C++ suite.
 # Without a GPU the GPU tests skip (and say so); the script then stops with status 2.
@@ -25,7 +25,7 @@ fi
 if command -v compute-sanitizer > /dev/null; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 1 "$TESTS" \
-      --gtest_filter='GpuTest.StridedViewsOfBatchFirstStorage:GpuTest.FullyMaskedRows*:GpuTest.HugeFinite*'
+      --gtest_filter='GpuTest.StridedViewsOfBatchFirstStorage:GpuTest.FullyMaskedRows*:GpuTest.HugeFinite*:GpuTest.BackwardGivesZeros*:GpuTest.BackwardRefuses*'
   done
 else
   echo "compute-sanitizer not found: skipped"
