@@ -90,9 +90,10 @@ AttentionGradients backward_on_device(const AttentionProblem& p, const TensorVie
   for (int i = 0; i < 3; ++i) {
     if (!wanted_of[i]) continue;
     const TensorView& input = *inputs[i];
+    const Shape sizes = input.sizes();
     Shape full = p.batch_shape_with_heads(heads_of[i]);
-    full.insert(full.end(), input.sizes().end() - 2, input.sizes().end());
-    if (input.sizes() != full) {
+    full.insert(full.end(), sizes.end() - 2, sizes.end());
+    if (sizes != full) {
       throw Error(std::string(names[i]) + ": on " + device.str() + " the backward takes inputs of the full batch shape " +
                   TensorView(nullptr, input.dtype, full).shape_str() + ", got " + input.shape_str() +
                   ", which broadcasts; expand and copy it, or run the backward on the host");
