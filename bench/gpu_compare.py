@@ -61,11 +61,13 @@ def torch_backend(name, B, H, L, d, causal, dtype, reps):
     return {"fwd_s": fwd, "fwd_bwd_s": both}
 
 
-def ours(binary, kernel, B, H, L, d, causal, dtype, reps, backward=False):
+def ours(binary, kernel, B, H, L, d, causal, dtype, reps, backward=False, tile=None):
     cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "-b", str(B), "--heads", str(H), "--lq", str(L),
            "--dim", str(d), "--reps", str(reps), "--warmup", "3", "--json"] + (["--causal"] if causal else [])
-    r = subprocess.run(cmd + (["--backward"] if backward else []), capture_output=True, text=True,
-                       env=dict(os.environ, MHA_CUDA_KERNEL=kernel))
+    env = dict(os.environ, MHA_CUDA_KERNEL=kernel)
+    if tile:
+        env["MHA_CUDA_BACKWARD_TILE"] = tile
+    r = subprocess.run(cmd + (["--backward"] if backward else []), capture_output=True, text=True, env=env)
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout).strip().splitlines()[-1]}
     return {("bwd_s" if backward else "fwd_s"): json.loads(r.stdout)["ms_median"] / 1e3}
@@ -73,31 +75,39 @@ def ours(binary, kernel, B, H, L, d, causal, dtype, reps, backward=False):
 
 def backward_table(args, dtype):
     """Backward alone: mha's (its command line's --backward: one backward from a saved forward,
-    gradients allocated per call) against each PyTorch backend's fwd+bwd less its fwd."""
-    print("| d | L | causal | mha bwd | flash bwd | cudnn bwd | efficient bwd | mha / flash | mha / best |")
-    print("|" + " --- |" * 9)
+    gradients allocated per call), a column per --tiles entry (MHA_CUDA_BACKWARD_TILE), against
+    each PyTorch backend's fwd+bwd less its fwd."""
+    ours_names = [f"mha tile {t}" for t in args.tiles] if len(args.tiles) > 1 else ["mha"]
+    names = [*ours_names, *BACKENDS]
+    print("| d | L | causal | " + " | ".join(f"{n} bwd" for n in names) + " | " +
+          " | ".join(f"{n} / flash | {n} / best" for n in ours_names) + " |")
+    print("|" + " --- |" * (3 + len(names) + 2 * len(ours_names)))
     rows = []
     for d in args.dims:
         for L in args.lengths:
             for causal in (False, True):
                 B, H = max(1, args.tokens // L), args.channels // d
                 fl = 2.5 * flops(B, H, L, d, causal)
-                row = {"B": B, "H": H, "L": L, "d": d, "causal": causal,
-                       "mha": ours(args.binary, "auto", B, H, L, d, causal, args.dtype, args.reps, backward=True)}
+                row = {"B": B, "H": H, "L": L, "d": d, "causal": causal}
+                for tile, name in zip(args.tiles, ours_names):
+                    row[name] = ours(args.binary, "auto", B, H, L, d, causal, args.dtype, args.reps, backward=True,
+                                     tile=tile)
                 for name in BACKENDS:
                     r = torch_backend(name, B, H, L, d, causal, dtype, args.reps)
                     if "fwd_s" in r:
                         r["bwd_s"] = r["fwd_bwd_s"] - r["fwd_s"]
                     row[name] = r
                 rows.append(row)
-                rate = {n: fl / row[n]["bwd_s"] for n in ["mha", *BACKENDS] if "bwd_s" in row[n]}
-                cells = [f"{rate[n] / 1e12:.0f}" if n in rate else "-" for n in ["mha", *BACKENDS]]
+                rate = {n: fl / row[n]["bwd_s"] for n in names if "bwd_s" in row[n]}
+                cells = [f"{rate[n] / 1e12:.0f}" if n in rate else "-" for n in names]
                 peers = [rate[n] for n in BACKENDS if n in rate]
-                cells.append(f"{rate['mha'] / rate['flash']:.2f}x" if "mha" in rate and "flash" in rate else "-")
-                cells.append(f"{rate['mha'] / max(peers):.2f}x" if "mha" in rate and peers else "-")
+                for n in ours_names:
+                    cells.append(f"{rate[n] / rate['flash']:.2f}x" if n in rate and "flash" in rate else "-")
+                    cells.append(f"{rate[n] / max(peers):.2f}x" if n in rate and peers else "-")
                 print(f"| {d} | {L} | {int(causal)} | " + " | ".join(cells) + " |", flush=True)
-                if "error" in row["mha"]:
-                    print("mha:", row["mha"]["error"])
+                for n in ours_names:
+                    if "error" in row[n]:
+                        print(f"{n}:", row[n]["error"])
     print("TFLOP/s at the median; the backward counts 2.5x the forward's FLOPs.")
     return rows
 
@@ -114,6 +124,8 @@ def main():
                     help="mha's kernels to time (a column each)")
     ap.add_argument("--binary", default=os.path.join(HERE, "..", "build", "tools", "mha"))
     ap.add_argument("--backward", action="store_true", help="time the backward alone instead of the forward")
+    ap.add_argument("--tiles", nargs="+", default=[""], choices=["", "64", "32"],
+                    help="with --backward: mha's tilings to time (MHA_CUDA_BACKWARD_TILE; '' the default)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -52,24 +52,27 @@ inline std::vector<std::string> kernels() {
   return names;
 }
 
-// Sets MHA_CUDA_KERNEL for a scope (the kernel choice reads it at every call), then restores it.
+// Sets an environment variable the GPU entry points read at every call (MHA_CUDA_KERNEL by
+// default) for a scope, then restores it.
 class KernelChoice {
  public:
-  explicit KernelChoice(const std::string& name) {
-    if (const char* before = std::getenv("MHA_CUDA_KERNEL")) previous_ = before;
-    setenv("MHA_CUDA_KERNEL", name.c_str(), 1);
+  explicit KernelChoice(const std::string& value, const std::string& variable = "MHA_CUDA_KERNEL")
+      : variable_(variable) {
+    if (const char* before = std::getenv(variable_.c_str())) previous_ = before;
+    setenv(variable_.c_str(), value.c_str(), 1);
   }
   ~KernelChoice() {
     if (previous_) {
-      setenv("MHA_CUDA_KERNEL", previous_->c_str(), 1);
+      setenv(variable_.c_str(), previous_->c_str(), 1);
     } else {
-      unsetenv("MHA_CUDA_KERNEL");
+      unsetenv(variable_.c_str());
     }
   }
   KernelChoice(const KernelChoice&) = delete;
   KernelChoice& operator=(const KernelChoice&) = delete;
 
  private:
+  std::string variable_;
   std::optional<std::string> previous_;
 };
 

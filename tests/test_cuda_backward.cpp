@@ -16,6 +16,7 @@ namespace {
 
 using mha_test::expect_error;
 using mha_test::GpuTest;
+using mha_test::KernelChoice;
 using mha_test::Operand;
 using mha_test::operand;
 using mha_test::poisoned;
@@ -66,11 +67,16 @@ std::string describe(const Case& c, int n) {
          " Lk=" + std::to_string(c.Lk) + " case " + std::to_string(n);
 }
 
+// The tilings MHA_CUDA_BACKWARD_TILE chooses between (flash_backward.cu).
+const char* const kTiles[] = {"64", "32"};
+
 // Every head dim and dtype, causal in both alignments, GQA, Lq != Lk, a bool and an additive
-// mask (with -inf entries), a given scale.
+// mask (with -inf entries), a given scale; on each tiling.
 TEST_F(GpuTest, BackwardMatchesFloat64ReferenceAcrossOptions) {
   std::mt19937_64 rng(test_seed());
+  for (const char* tile : kTiles)
   for (mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
+    const KernelChoice choice(tile, "MHA_CUDA_BACKWARD_TILE");
     for (int64_t d : {64, 128, 256}) {
       for (int n = 0; n < 6; ++n) {
         Case c{.dtype = dtype, .d = d};
@@ -99,7 +105,7 @@ TEST_F(GpuTest, BackwardMatchesFloat64ReferenceAcrossOptions) {
           c.options.attn_mask = mask_device.view();
           c.host_options.attn_mask = mask_host.view();
         }
-        SCOPED_TRACE(describe(c, n));
+        SCOPED_TRACE(describe(c, n) + " tile " + tile);
         check_against_reference(c, rng);
       }
     }
@@ -110,7 +116,9 @@ TEST_F(GpuTest, BackwardMatchesFloat64ReferenceAcrossOptions) {
 // per key/value head, causal in both alignments.
 TEST_F(GpuTest, BackwardOfLongSequencesMatchesTheFloat64Reference) {
   std::mt19937_64 rng(test_seed());
+  for (const char* tile : kTiles)
   for (int64_t d : {64, 128}) {
+    const KernelChoice choice(tile, "MHA_CUDA_BACKWARD_TILE");
     for (int n = 0; n < 3; ++n) {
       Case c{.dtype = n == 1 ? mha::DType::f16 : mha::DType::bf16, .B = 1, .Hq = 3, .Hkv = 1, .d = d};
       c.Lq = 500 + rng() % 400;
@@ -118,7 +126,7 @@ TEST_F(GpuTest, BackwardOfLongSequencesMatchesTheFloat64Reference) {
       c.options = {.is_causal = n != 2, .enable_gqa = true};
       c.options.causal_alignment = n == 1 ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
       c.host_options = c.options;
-      SCOPED_TRACE(describe(c, n));
+      SCOPED_TRACE(describe(c, n) + " tile " + tile);
       check_against_reference(c, rng);
     }
   }

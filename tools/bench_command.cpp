@@ -127,6 +127,21 @@ std::string kv_note(const BenchOptions& o) {
   return o.kv_dtype.empty() || o.kv_dtype == o.dtype ? "" : " (keys and values " + o.kv_dtype + ")";
 }
 
+// --grads: letters of q, k and v, each at most once, at least one.
+SdpaGradientsWanted wanted_gradients(const std::string& letters) {
+  SdpaGradientsWanted w{.query = false, .key = false, .value = false};
+  bool* of[] = {&w.query, &w.key, &w.value};
+  for (const char c : letters) {
+    const auto at = std::string("qkv").find(c);
+    if (at == std::string::npos || *of[at]) {
+      throw UsageError("--grads: expected letters of q, k and v, each at most once, got '" + letters + "'");
+    }
+    *of[at] = true;
+  }
+  if (letters.empty()) throw UsageError("--grads: expected at least one of q, k and v, got ''");
+  return w;
+}
+
 // A random normal tensor in `dtype` on `device`.
 Tensor random_input(const Shape& shape, std::mt19937_64& rng, DType dtype, Device device) {
   const Tensor t = random_normal(shape, rng);
@@ -201,8 +216,9 @@ Workload sdpa_workload(const BenchShape& s, const BenchOptions& o, std::mt19937_
     // log-sum-exp, for a random output gradient.
     auto saved = std::make_shared<const AttentionForTraining>(scaled_dot_product_attention_for_training(q, k, v, options));
     const Tensor grad_out = random_input({s.batch, s.heads, s.len_q, s.dim_v}, rng, dtype, device);
-    w.call = [q, k, v, saved, grad_out, tensors, options, device] {
-      (void)scaled_dot_product_attention_backward(q, k, v, *saved, grad_out, options);
+    const SdpaGradientsWanted wanted = wanted_gradients(o.grads);
+    w.call = [q, k, v, saved, grad_out, tensors, options, device, wanted] {
+      (void)scaled_dot_product_attention_backward(q, k, v, *saved, grad_out, options, wanted);
       if (!device.is_cpu()) cuda::synchronize(device.index);
     };
     w.flops *= 2.5;  // the FlashAttention papers' convention (docs/PERFORMANCE.md)
@@ -291,6 +307,7 @@ std::string json_report(const BenchShape& s, const BenchOptions& o, const Timing
     << ", \"softcap\": " << o.softcap
     << ", \"page_size\": " << o.page_size << "}"
     << ", \"op\": \"" << (o.module ? "module" : o.backward ? "sdpa_backward" : o.page_size > 0 ? "paged" : "sdpa") << "\", \"weights\": " << boolean(o.weights)
+    << ", \"grads\": \"" << (o.backward ? o.grads : "") << "\""
     << ", \"dropout\": " << o.dropout
     << ", \"dtype\": \"" << o.dtype << "\", \"kv_dtype\": \"" << (o.kv_dtype.empty() ? o.dtype : o.kv_dtype)
     << "\", \"device\": \"" << o.device << "\""
@@ -337,6 +354,7 @@ int run_bench(const BenchOptions& o) {
   if (o.backward && (o.module || o.weights)) {
     throw UsageError(std::string("--backward: times the SDPA backward alone; drop ") + (o.module ? "--module" : "--weights"));
   }
+  if (!o.backward && o.grads != "qkv") throw UsageError("--grads: chooses the backward's gradients; add --backward");
   const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {
     std::printf("shape    %s\n", shape_line(s, o).c_str());

@@ -44,6 +44,7 @@ struct BenchOptions {
   int warmup = 1;
   bool module = false;   // time MultiheadAttention.forward with embed_dim = heads * dim
   bool backward = false;  // time the SDPA backward (the gradients of q, k, v) instead of the forward
+  std::string grads = "qkv";  // with backward: which gradients (letters of q, k, v)
   bool weights = false;  // also return the attention weights
   double dropout = 0.0;  // dropout probability on the weights (the module in training mode)
   bool json = false;

@@ -84,6 +84,10 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   bench->add_flag("--backward", o.backward,
                   "Time the SDPA backward (gradients of q, k and v from the training forward's output and "
                   "log-sum-exp); FLOPs are 2.5x the forward's");
+  bench->add_option("--grads", o.grads,
+                    "With --backward: the gradients to compute, letters of q, k and v (the others' products are "
+                    "skipped; FLOPs are still counted as the whole backward's, so compare times)")
+      ->capture_default_str();
   bench->add_flag("--weights", o.weights, "Also return the attention weights (materialises Lq x Lk per head)");
   bench->add_option("--dropout", o.dropout, "Dropout probability on the attention weights (the module in training mode)")
       ->capture_default_str()

@@ -24,6 +24,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "cuda/cuda_attention.hpp"
 #include "cuda/cuda_check.hpp"
@@ -458,17 +460,30 @@ void launch_query_blocks(const BackwardParams& params, int batch) {
 // Query tiles of 64 rows at d = 64 and 128 (32 at 256) for the key blocks, key tiles of 64 (32
 // at 256) for the query blocks: what keeps a warp's accumulators (16 rows of dK and dV, or of
 // dQ, plus two tiles of scores) in its registers. At d = 256 dK and dV take a launch each.
+// MHA_CUDA_BACKWARD_TILE=32 runs tiles of 32 at d = 64 and 128 too (fewer registers and less
+// shared memory per block, so more blocks per multiprocessor), to compare.
 template <class T>
 void launch_for_dim(const BackwardParams& params, int dim, int heads_kv, int batch) {
+  const char* env = std::getenv("MHA_CUDA_BACKWARD_TILE");
+  const std::string tile = env ? env : "";
+  gpu::require(tile.empty() || tile == "64" || tile == "32",
+               "MHA_CUDA_BACKWARD_TILE: expected 64 or 32, got '" + tile + "'");
+  const bool small = tile == "32";
   const bool key_grads = params.dk || params.dv;
   switch (dim) {
     case 64:
-      if (key_grads) launch_key_blocks<T, 64, 64, true, true>(params, heads_kv, batch);
-      if (params.dq) launch_query_blocks<T, 64, 64>(params, batch);
+      if (key_grads) {
+        small ? launch_key_blocks<T, 64, 32, true, true>(params, heads_kv, batch)
+              : launch_key_blocks<T, 64, 64, true, true>(params, heads_kv, batch);
+      }
+      if (params.dq) small ? launch_query_blocks<T, 64, 32>(params, batch) : launch_query_blocks<T, 64, 64>(params, batch);
       break;
     case 128:
-      if (key_grads) launch_key_blocks<T, 128, 64, true, true>(params, heads_kv, batch);
-      if (params.dq) launch_query_blocks<T, 128, 64>(params, batch);
+      if (key_grads) {
+        small ? launch_key_blocks<T, 128, 32, true, true>(params, heads_kv, batch)
+              : launch_key_blocks<T, 128, 64, true, true>(params, heads_kv, batch);
+      }
+      if (params.dq) small ? launch_query_blocks<T, 128, 32>(params, batch) : launch_query_blocks<T, 128, 64>(params, batch);
       break;
     default:
       if (params.dk) launch_key_blocks<T, 256, 32, true, false>(params, heads_kv, batch);
