@@ -24,10 +24,54 @@ using mha_test::randn;
 using mha_test::rel_error;
 using mha_test::test_seed;
 
-// The backward rounds P and dS to 16 bits before their products (as FlashAttention does) on top
-// of the forward's rounded output, which enters through delta = rowsum(dO * O): bf16 (2^-9
-// relative per rounding) 2e-2 normwise, fp16 (2^-12) 4e-3.
+// The backward rounds P and dS to 16 bits before their products (as FlashAttention does): bf16
+// (2^-9 relative per rounding) 2e-2 normwise, fp16 (2^-12) 4e-3, against the expected gradients
+// below, with the CPU backward tests' floor of 5% of the largest gradient for one that cancels.
 double gradient_tolerance(mha::DType dtype) { return dtype == mha::DType::bf16 ? 2e-2 : 4e-3; }
+
+// What a backward that reads the saved, rounded output should give. Its delta_i = sum_d dO_id O_id
+// uses that output where the float64 reference uses the exact one; the difference Delta_i moves
+// dS_ij = P_ij (dP_ij - delta_i) by -P_ij Delta_i, so dQ_i by -scale Delta_i (P K)_i and dK_j by
+// -scale sum_i P_ij Delta_i Q_i (over the group's query heads). Without this, a row that sees a
+// single key (dS = 0 exactly, so dQ = 0) would be judged on the rounding of O alone.
+struct ExpectedGradients {
+  mha::Tensor query, key, value;  // float64
+  double floor;                   // 5% of the largest of them
+};
+ExpectedGradients expected_gradients(const mha::TensorView& q, const mha::TensorView& k, const mha::TensorView& v,
+                                     const mha::TensorView& grad, const mha::TensorView& saved_output,
+                                     const mha::SdpaOptions& host_options) {
+  const auto forward = mha::reference::scaled_dot_product_attention(q, k, v, host_options);
+  const auto ref = mha::reference::scaled_dot_product_attention_backward(q, k, v, grad, host_options);
+  const mha::Tensor Q = mha::Tensor::copy_of(q, mha::DType::f64), K = mha::Tensor::copy_of(k, mha::DType::f64),
+                    dO = mha::Tensor::copy_of(grad, mha::DType::f64),
+                    O = mha::Tensor::copy_of(saved_output, mha::DType::f64);
+  const int64_t B = q.shape[0], Hq = q.shape[1], Lq = q.shape[2], D = q.shape[3], Hkv = k.shape[1], Lk = k.shape[2];
+  const double scale = host_options.scale ? *host_options.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  ExpectedGradients e{mha::Tensor::copy_of(ref.query), mha::Tensor::copy_of(ref.key), mha::Tensor::copy_of(ref.value), 0};
+  const double* P = forward.weights.data<double>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t hk = h / (Hq / Hkv);
+      for (int64_t i = 0; i < Lq; ++i) {
+        const int64_t row = ((b * Hq + h) * Lq + i) * D;
+        double delta = 0;
+        for (int64_t x = 0; x < D; ++x)
+          delta += dO.data<double>()[row + x] * (O.data<double>()[row + x] - forward.output.data<double>()[row + x]);
+        const double* p = P + ((b * Hq + h) * Lq + i) * Lk;
+        for (int64_t j = 0; j < Lk; ++j) {
+          if (p[j] == 0) continue;
+          const int64_t key_row = ((b * Hkv + hk) * Lk + j) * D;
+          for (int64_t x = 0; x < D; ++x) {
+            e.query.data<double>()[row + x] -= scale * delta * p[j] * K.data<double>()[key_row + x];
+            e.key.data<double>()[key_row + x] -= scale * delta * p[j] * Q.data<double>()[row + x];
+          }
+        }
+      }
+    }
+  e.floor = 0.05 * std::max({mha_test::max_abs(e.query), mha_test::max_abs(e.key), mha_test::max_abs(e.value)});
+  return e;
+}
 
 // Leaves freed device memory full of NaN, so that a gradient buffer allocated next from it fails
 // the comparison where the kernels skip an element (cudaMalloc hands back recently freed blocks
@@ -53,12 +97,33 @@ void check_against_reference(const Case& c, std::mt19937_64& rng) {
   poison_device_memory({q.host.sizes(), k.host.sizes(), v.host.sizes()}, c.dtype);
   const mha::AttentionGradients g =
       mha::scaled_dot_product_attention_backward(q.device, k.device, v.device, saved, grad.device, c.options);
-  const auto ref = mha::reference::scaled_dot_product_attention_backward(q.host, k.host, v.host, grad.host, c.host_options);
+  const ExpectedGradients e =
+      expected_gradients(q.host, k.host, v.host, grad.host, saved.output.to(mha::Device::cpu()), c.host_options);
   ASSERT_FALSE(g.query.device().is_cpu());
   EXPECT_EQ(g.query.dtype(), c.dtype);
-  EXPECT_LT(rel_error(g.query.to(mha::Device::cpu()), ref.query), gradient_tolerance(c.dtype)) << "dQ";
-  EXPECT_LT(rel_error(g.key.to(mha::Device::cpu()), ref.key), gradient_tolerance(c.dtype)) << "dK";
-  EXPECT_LT(rel_error(g.value.to(mha::Device::cpu()), ref.value), gradient_tolerance(c.dtype)) << "dV";
+  EXPECT_LT(rel_error(g.query.to(mha::Device::cpu()), e.query, e.floor), gradient_tolerance(c.dtype)) << "dQ";
+  EXPECT_LT(rel_error(g.key.to(mha::Device::cpu()), e.key, e.floor), gradient_tolerance(c.dtype)) << "dK";
+  EXPECT_LT(rel_error(g.value.to(mha::Device::cpu()), e.value, e.floor), gradient_tolerance(c.dtype)) << "dV";
+}
+
+// The expected gradients' correction, checked on the float32 host backward given a saved output
+// rounded to bfloat16 (it reads delta from whatever output it is given): against them it is off
+// by float32 rounding; against the plain reference, by the rounding of O it was handed.
+TEST(Cuda, ExpectedGradientsAccountForTheRoundedOutput) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({2, 4, 37, 64}, rng), k = randn({2, 2, 53, 64}, rng), v = randn({2, 2, 53, 64}, rng),
+                    grad = randn({2, 4, 37, 64}, rng);
+  const mha::SdpaOptions o{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight, .enable_gqa = true};
+  mha::AttentionForTraining saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+  saved.output = mha::Tensor::copy_of(mha::Tensor::copy_of(saved.output, mha::DType::bf16), mha::DType::f32);
+  const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o);
+  const ExpectedGradients e = expected_gradients(q, k, v, grad, saved.output, o);
+  const auto ref = mha::reference::scaled_dot_product_attention_backward(q, k, v, grad, o);
+  EXPECT_LT(rel_error(g.query, e.query, e.floor), 1e-5);
+  EXPECT_LT(rel_error(g.key, e.key, e.floor), 1e-5);
+  EXPECT_LT(rel_error(g.value, e.value, e.floor), 1e-5);
+  EXPECT_GT(rel_error(g.query, ref.query, e.floor), 1e-4);  // what the correction accounts for
+  EXPECT_GT(rel_error(g.key, ref.key, e.floor), 1e-4);
 }
 
 std::string describe(const Case& c, int n) {
@@ -160,10 +225,10 @@ TEST_F(GpuTest, BackwardGivesZerosWhereNothingIsSeen) {
           for (int64_t x = 0; x < 64; ++x) ASSERT_EQ(dq.at({0, h, i, x}), 0.0) << i;
       }
     }
-    const auto ref = mha::reference::scaled_dot_product_attention_backward(q.host, k.host, v.host, grad.host, o);
-    EXPECT_LT(rel_error(dq, ref.query), gradient_tolerance(dtype));
-    EXPECT_LT(rel_error(dk, ref.key), gradient_tolerance(dtype));
-    EXPECT_LT(rel_error(dv, ref.value), gradient_tolerance(dtype));
+    const ExpectedGradients e = expected_gradients(q.host, k.host, v.host, grad.host, saved.output.to(mha::Device::cpu()), o);
+    EXPECT_LT(rel_error(dq, e.query, e.floor), gradient_tolerance(dtype));
+    EXPECT_LT(rel_error(dk, e.key, e.floor), gradient_tolerance(dtype));
+    EXPECT_LT(rel_error(dv, e.value, e.floor), gradient_tolerance(dtype));
   }
 }
 
@@ -193,12 +258,13 @@ TEST_F(GpuTest, BackwardIsDeterministicAndTakesSubsetsAndStridedViews) {
   const auto only_v = mha::scaled_dot_product_attention_backward(qt, kt, vt, saved, gt, o, {.query = false, .key = false});
   EXPECT_TRUE(mha_test::same_bits(only_v.value.to(mha::Device::cpu()), first.value.to(mha::Device::cpu())));
   // The strided views against the reference on contiguous host copies.
-  const auto ref = mha::reference::scaled_dot_product_attention_backward(
-      q.host.view().transpose(1, 2), k.host.view().transpose(1, 2), v.host.view().transpose(1, 2),
-      grad.host.view().transpose(1, 2), o);
-  EXPECT_LT(rel_error(first.query.to(mha::Device::cpu()), ref.query), gradient_tolerance(dtype));
-  EXPECT_LT(rel_error(first.key.to(mha::Device::cpu()), ref.key), gradient_tolerance(dtype));
-  EXPECT_LT(rel_error(first.value.to(mha::Device::cpu()), ref.value), gradient_tolerance(dtype));
+  const ExpectedGradients e = expected_gradients(
+      mha::Tensor::copy_of(q.host.view().transpose(1, 2)), mha::Tensor::copy_of(k.host.view().transpose(1, 2)),
+      mha::Tensor::copy_of(v.host.view().transpose(1, 2)), mha::Tensor::copy_of(grad.host.view().transpose(1, 2)),
+      saved.output.to(mha::Device::cpu()), o);
+  EXPECT_LT(rel_error(first.query.to(mha::Device::cpu()), e.query, e.floor), gradient_tolerance(dtype));
+  EXPECT_LT(rel_error(first.key.to(mha::Device::cpu()), e.key, e.floor), gradient_tolerance(dtype));
+  EXPECT_LT(rel_error(first.value.to(mha::Device::cpu()), e.value, e.floor), gradient_tolerance(dtype));
 }
 
 TEST_F(GpuTest, BackwardRefusesWhatItCannotDo) {
