@@ -132,8 +132,8 @@ std::string describe(const Case& c, int n) {
          " Lk=" + std::to_string(c.Lk) + " case " + std::to_string(n);
 }
 
-// The tilings MHA_CUDA_BACKWARD_TILE chooses between (flash_backward.cu).
-const char* const kTiles[] = {"64", "32"};
+// The tilings MHA_CUDA_BACKWARD_TILE chooses between (flash_backward.cu); "" is the default mix.
+const char* const kTiles[] = {"", "64", "32"};
 
 // Every head dim and dtype, causal in both alignments, GQA, Lq != Lk, a bool and an additive
 // mask (with -inf entries), a given scale; on each tiling.
@@ -170,7 +170,7 @@ TEST_F(GpuTest, BackwardMatchesFloat64ReferenceAcrossOptions) {
           c.options.attn_mask = mask_device.view();
           c.host_options.attn_mask = mask_host.view();
         }
-        SCOPED_TRACE(describe(c, n) + " tile " + tile);
+        SCOPED_TRACE(describe(c, n) + " tile '" + tile + "'");
         check_against_reference(c, rng);
       }
     }
@@ -191,7 +191,7 @@ TEST_F(GpuTest, BackwardOfLongSequencesMatchesTheFloat64Reference) {
       c.options = {.is_causal = n != 2, .enable_gqa = true};
       c.options.causal_alignment = n == 1 ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
       c.host_options = c.options;
-      SCOPED_TRACE(describe(c, n) + " tile " + tile);
+      SCOPED_TRACE(describe(c, n) + " tile '" + tile + "'");
       check_against_reference(c, rng);
     }
   }
@@ -285,6 +285,11 @@ TEST_F(GpuTest, BackwardRefusesWhatItCannotDo) {
   const auto plain = mha::scaled_dot_product_attention_for_training(q.device, q.device, q.device);
   expect_error([&] { mha::scaled_dot_product_attention_backward(q.device, q.device, q.device, plain, grad.host); },
                "grad_output: expected the query's device cuda:0, got cpu");
+  {
+    const KernelChoice choice("16", "MHA_CUDA_BACKWARD_TILE");
+    expect_error([&] { mha::scaled_dot_product_attention_backward(q.device, q.device, q.device, plain, grad.device); },
+                 "MHA_CUDA_BACKWARD_TILE: expected 64 or 32, got '16'");
+  }
 }
 
 // Without a GPU: the backward checks where its operands are before it allocates anything.

@@ -457,33 +457,40 @@ void launch_query_blocks(const BackwardParams& params, int batch) {
   launch_kernel(query_block_kernel<T, D, Bc>, grid, smem, params);
 }
 
-// Query tiles of 64 rows at d = 64 and 128 (32 at 256) for the key blocks, key tiles of 64 (32
-// at 256) for the query blocks: what keeps a warp's accumulators (16 rows of dK and dV, or of
-// dQ, plus two tiles of scores) in its registers. At d = 256 dK and dV take a launch each.
-// MHA_CUDA_BACKWARD_TILE=32 runs tiles of 32 at d = 64 and 128 too (fewer registers and less
-// shared memory per block, so more blocks per multiprocessor), to compare.
+// The key blocks walk query tiles of 64 rows at d = 64 and 128 (32 at 256); the query blocks key
+// tiles of 64 at d = 64, 32 at 128 and 256. That keeps a warp's accumulators (16 rows of dK and
+// dV, or of dQ, plus two tiles of scores) in its registers, and each is the faster of 32 and 64
+// as measured on an H200 (docs/CUDA.md): the query blocks at d = 128 run 17% faster on 32-key
+// tiles (168 registers at 64), the key blocks 10-14% slower on 32-row tiles. At d = 256 dK and
+// dV take a launch each. MHA_CUDA_BACKWARD_TILE=64 or 32 sets both tile sizes at d = 64 and 128
+// (to compare).
 template <class T>
 void launch_for_dim(const BackwardParams& params, int dim, int heads_kv, int batch) {
   const char* env = std::getenv("MHA_CUDA_BACKWARD_TILE");
   const std::string tile = env ? env : "";
   gpu::require(tile.empty() || tile == "64" || tile == "32",
                "MHA_CUDA_BACKWARD_TILE: expected 64 or 32, got '" + tile + "'");
-  const bool small = tile == "32";
+  const bool small_key_tiles = tile.empty() ? dim == 128 : tile == "32";  // the query blocks' key tiles
+  const bool small_query_tiles = tile == "32";                             // the key blocks' query tiles
   const bool key_grads = params.dk || params.dv;
   switch (dim) {
     case 64:
       if (key_grads) {
-        small ? launch_key_blocks<T, 64, 32, true, true>(params, heads_kv, batch)
-              : launch_key_blocks<T, 64, 64, true, true>(params, heads_kv, batch);
+        small_query_tiles ? launch_key_blocks<T, 64, 32, true, true>(params, heads_kv, batch)
+                          : launch_key_blocks<T, 64, 64, true, true>(params, heads_kv, batch);
       }
-      if (params.dq) small ? launch_query_blocks<T, 64, 32>(params, batch) : launch_query_blocks<T, 64, 64>(params, batch);
+      if (params.dq) {
+        small_key_tiles ? launch_query_blocks<T, 64, 32>(params, batch) : launch_query_blocks<T, 64, 64>(params, batch);
+      }
       break;
     case 128:
       if (key_grads) {
-        small ? launch_key_blocks<T, 128, 32, true, true>(params, heads_kv, batch)
-              : launch_key_blocks<T, 128, 64, true, true>(params, heads_kv, batch);
+        small_query_tiles ? launch_key_blocks<T, 128, 32, true, true>(params, heads_kv, batch)
+                          : launch_key_blocks<T, 128, 64, true, true>(params, heads_kv, batch);
       }
-      if (params.dq) small ? launch_query_blocks<T, 128, 32>(params, batch) : launch_query_blocks<T, 128, 64>(params, batch);
+      if (params.dq) {
+        small_key_tiles ? launch_query_blocks<T, 128, 32>(params, batch) : launch_query_blocks<T, 128, 64>(params, batch);
+      }
       break;
     default:
       if (params.dk) launch_key_blocks<T, 256, 32, true, false>(params, heads_kv, batch);
