@@ -457,6 +457,17 @@ void launch_query_blocks(const BackwardParams& params, int batch) {
   launch_kernel(query_block_kernel<T, D, Bc>, grid, smem, params);
 }
 
+// d = 64 and 128: both gradients in one launch, on tiles of 32 or 64.
+template <class T, int D>
+void launch_key_blocks(const BackwardParams& params, bool small_tiles, int heads_kv, int batch) {
+  small_tiles ? launch_key_blocks<T, D, 32, true, true>(params, heads_kv, batch)
+              : launch_key_blocks<T, D, 64, true, true>(params, heads_kv, batch);
+}
+template <class T, int D>
+void launch_query_blocks(const BackwardParams& params, bool small_tiles, int batch) {
+  small_tiles ? launch_query_blocks<T, D, 32>(params, batch) : launch_query_blocks<T, D, 64>(params, batch);
+}
+
 // The key blocks walk query tiles of 64 rows at d = 64 and 128 (32 at 256); the query blocks key
 // tiles of 64 at d = 64, 32 at 128 and 256. That keeps a warp's accumulators (16 rows of dK and
 // dV, or of dQ, plus two tiles of scores) in its registers, and each is the faster of 32 and 64
@@ -475,22 +486,12 @@ void launch_for_dim(const BackwardParams& params, int dim, int heads_kv, int bat
   const bool key_grads = params.dk || params.dv;
   switch (dim) {
     case 64:
-      if (key_grads) {
-        small_query_tiles ? launch_key_blocks<T, 64, 32, true, true>(params, heads_kv, batch)
-                          : launch_key_blocks<T, 64, 64, true, true>(params, heads_kv, batch);
-      }
-      if (params.dq) {
-        small_key_tiles ? launch_query_blocks<T, 64, 32>(params, batch) : launch_query_blocks<T, 64, 64>(params, batch);
-      }
+      if (key_grads) launch_key_blocks<T, 64>(params, small_query_tiles, heads_kv, batch);
+      if (params.dq) launch_query_blocks<T, 64>(params, small_key_tiles, batch);
       break;
     case 128:
-      if (key_grads) {
-        small_query_tiles ? launch_key_blocks<T, 128, 32, true, true>(params, heads_kv, batch)
-                          : launch_key_blocks<T, 128, 64, true, true>(params, heads_kv, batch);
-      }
-      if (params.dq) {
-        small_key_tiles ? launch_query_blocks<T, 128, 32>(params, batch) : launch_query_blocks<T, 128, 64>(params, batch);
-      }
+      if (key_grads) launch_key_blocks<T, 128>(params, small_query_tiles, heads_kv, batch);
+      if (params.dq) launch_query_blocks<T, 128>(params, small_key_tiles, batch);
       break;
     default:
       if (params.dk) launch_key_blocks<T, 256, 32, true, false>(params, heads_kv, batch);
