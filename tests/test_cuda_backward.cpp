@@ -136,14 +136,14 @@ std::string describe(const Case& c, int n) {
 const char* const kTiles[] = {"", "64", "32"};
 
 // Every head dim and dtype, causal in both alignments, GQA, Lq != Lk, a bool and an additive
-// mask (with -inf entries), a given scale; on each tiling.
+// mask (with -inf entries), a key padding mask, a given scale; on each tiling.
 TEST_F(GpuTest, BackwardMatchesFloat64ReferenceAcrossOptions) {
   std::mt19937_64 rng(test_seed());
   for (const char* tile : kTiles)
   for (mha::DType dtype : {mha::DType::bf16, mha::DType::f16}) {
     const KernelChoice choice(tile, "MHA_CUDA_BACKWARD_TILE");
     for (int64_t d : {64, 128, 256}) {
-      for (int n = 0; n < 6; ++n) {
+      for (int n = 0; n < 7; ++n) {
         Case c{.dtype = dtype, .d = d};
         c.B = 1 + rng() % 2;
         c.Hkv = 1 + rng() % 2;
@@ -159,6 +159,12 @@ TEST_F(GpuTest, BackwardMatchesFloat64ReferenceAcrossOptions) {
         if (n == 2) {  // bool [Lq, Lk], true attends
           mask_host = mha::Tensor::empty({c.Lq, c.Lk}, mha::DType::boolean);
           for (int64_t i = 0; i < mask_host.numel(); ++i) mask_host.data<bool>()[i] = rng() % 5 != 0;
+        } else if (n == 6) {  // key padding, bool [B, 1, 1, Lk]: each entry's last keys dropped
+          mask_host = mha::Tensor::empty({c.B, 1, 1, c.Lk}, mha::DType::boolean);
+          for (int64_t b = 0; b < c.B; ++b) {
+            const int64_t kept = 1 + static_cast<int64_t>(rng() % c.Lk);
+            for (int64_t j = 0; j < c.Lk; ++j) mask_host.data<bool>()[b * c.Lk + j] = j < kept;
+          }
         } else if (n == 5) {  // additive [B, 1, Lq, Lk] with some -inf
           mask_host = randn({c.B, 1, c.Lq, c.Lk}, rng);
           for (int64_t i = 0; i < mask_host.numel(); ++i)
@@ -229,6 +235,24 @@ TEST_F(GpuTest, BackwardGivesZerosWhereNothingIsSeen) {
     EXPECT_LT(rel_error(dq, e.query, e.floor), gradient_tolerance(dtype));
     EXPECT_LT(rel_error(dk, e.key, e.floor), gradient_tolerance(dtype));
     EXPECT_LT(rel_error(dv, e.value, e.floor), gradient_tolerance(dtype));
+  }
+}
+
+// No query rows, or no keys: empty gradients where the inputs are empty, zeros where nothing is
+// seen (every dQ row without keys).
+TEST_F(GpuTest, BackwardOfEmptySequences) {
+  std::mt19937_64 rng(test_seed());
+  const mha::DType dtype = mha::DType::bf16;
+  for (const auto& [Lq, Lk] : {std::pair<int64_t, int64_t>{0, 70}, {70, 0}}) {
+    const Operand q = operand({2, 2, Lq, 64}, rng, dtype), k = operand({2, 2, Lk, 64}, rng, dtype),
+                  v = operand({2, 2, Lk, 64}, rng, dtype), grad = operand({2, 2, Lq, 64}, rng, dtype);
+    const auto saved = mha::scaled_dot_product_attention_for_training(q.device, k.device, v.device);
+    const auto g = mha::scaled_dot_product_attention_backward(q.device, k.device, v.device, saved, grad.device);
+    EXPECT_EQ(g.query.sizes(), q.host.sizes());
+    EXPECT_EQ(g.key.sizes(), k.host.sizes());
+    const mha::Tensor dq = g.query.to(mha::Device::cpu()), dk = g.key.to(mha::Device::cpu()),
+                      dv = g.value.to(mha::Device::cpu());
+    for (const mha::Tensor* t : {&dq, &dk, &dv}) EXPECT_EQ(mha_test::max_abs(*t), 0.0);
   }
 }
 
