@@ -68,6 +68,8 @@ TEST(Cuda, WithoutADeviceAllocationIsAnError) {
   if (mha::cuda::is_available()) GTEST_SKIP() << "a CUDA device is present: " << mha::cuda::describe();
   std::printf("%s\n", mha::cuda::describe().c_str());
   EXPECT_EQ(mha::cuda::device_count(), 0);
+  EXPECT_EQ(mha::cuda::cached_bytes(), 0u);
+  mha::cuda::release_cache();  // nothing to return
   expect_error([] { mha::Tensor::empty({4}, mha::DType::f32, mha::Device::cuda()); }, "cuda:0");
   std::mt19937_64 rng(1);
   const mha::Tensor t = randn({4}, rng);
@@ -196,6 +198,29 @@ TEST_F(GpuTest, StridedViewsOfBatchFirstStorage) {
         q.host.view().transpose(1, 2), k.host.view().transpose(1, 2), v.host.view().transpose(1, 2), o);
     EXPECT_LT(rel_error(out.to(mha::Device::cpu()), ref.output), tolerance(dtype));
   }
+}
+
+// Freed device memory is kept per device and handed out again for a request of the same rounded
+// size, until release_cache returns it to the driver.
+TEST_F(GpuTest, FreedDeviceMemoryIsKeptForReuse) {
+  mha::cuda::release_cache();
+  EXPECT_EQ(mha::cuda::cached_bytes(), 0u);
+  for (const mha::Shape& shape : {mha::Shape{3, 1000, 1000}, mha::Shape{100}}) {  // 12 MB (2 MiB granule), 400 B
+    const void* first = nullptr;
+    {
+      const mha::Tensor t = mha::Tensor::empty(shape, mha::DType::f32, mha::Device::cuda());
+      first = t.view().data;
+    }
+    EXPECT_GT(mha::cuda::cached_bytes(), 0u);
+    const mha::Tensor again = mha::Tensor::empty(shape, mha::DType::f32, mha::Device::cuda());
+    EXPECT_EQ(again.view().data, first);
+  }
+  mha::cuda::release_cache();
+  EXPECT_EQ(mha::cuda::cached_bytes(), 0u);
+  // Memory handed out again holds what it held: a copy round trip is still exact.
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor h = randn({3, 1000, 1000}, rng);
+  EXPECT_TRUE(mha_test::same_bits(h.to(mha::Device::cuda()).to(mha::Device::cpu()), h));
 }
 
 // Rows that see no key (top-left causality with Lq > Lk and a bool mask row of false) are zero.

@@ -74,8 +74,9 @@ ExpectedGradients expected_gradients(const mha::TensorView& q, const mha::Tensor
 }
 
 // Leaves freed device memory full of NaN, so that a gradient buffer allocated next from it fails
-// the comparison where the kernels skip an element (cudaMalloc hands back recently freed blocks
-// of the same size in practice; a fresh block is zeros, which the exact-zero checks still catch).
+// the comparison where the kernels skip an element (the device's block cache hands the newest
+// freed block of a size out again; with MHA_CUDA_CACHE_MB=0 cudaMalloc does so in practice, and a
+// fresh block is zeros, which the exact-zero checks still catch).
 void poison_device_memory(const std::vector<mha::Shape>& shapes, mha::DType dtype) {
   std::vector<mha::Tensor> held;
   for (const mha::Shape& s : shapes) held.push_back(poisoned(s, dtype));

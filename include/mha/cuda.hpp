@@ -8,8 +8,14 @@
 // 9.0) head dim 128 without masks runs a wgmma kernel, everything else an mma.sync one;
 // MHA_CUDA_KERNEL=mma in the environment forces the latter, =wgmma asks for the former wherever it
 // can run (head dims 64 and 128 without masks; an mha::Error elsewhere).
+// scaled_dot_product_attention_backward runs the GPU backward on such operands (deterministic).
+//
+// Device memory freed by tensors is kept per device for reuse, up to MHA_CUDA_CACHE_MB (default
+// 1024; 0 keeps none), as PyTorch's caching allocator does: cudaMalloc and the synchronisation
+// of cudaFree are paid once rather than per call.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace mha::cuda {
@@ -27,5 +33,9 @@ std::string describe(int device = 0);
 // Kernels are queued on the device's default stream and return at once, as in PyTorch; this
 // waits for all of them to finish (and reports a failure of any as an mha::Error).
 void synchronize(int device = 0);
+// Bytes of freed device memory kept for reuse on `device`, and returning them to the driver
+// (for other libraries in the process; both do nothing without such a device).
+size_t cached_bytes(int device = 0);
+void release_cache(int device = 0);
 
 }  // namespace mha::cuda

@@ -1,10 +1,9 @@
 #include "core/host_memory.hpp"
 
 #include <cstdlib>
-#include <mutex>
 #include <string>
-#include <vector>
 
+#include "core/block_cache.hpp"
 #include "mha/error.hpp"
 #include "mha/tensor.hpp"
 
@@ -32,62 +31,10 @@ size_t cap_from_environment() {
   return static_cast<size_t>(mb) << 20;
 }
 
-class BlockCache {
- public:
-  void* take(size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = blocks_.size(); i-- > 0;) {  // newest first: its pages are the likeliest in cache
-      if (blocks_[i].bytes == bytes) {
-        void* p = blocks_[i].data;
-        cached_ -= bytes;
-        blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(i));
-        return p;
-      }
-    }
-    return nullptr;
-  }
-  // Keeps the block, evicting the oldest ones to stay under `cap`.
-  void give(void* p, size_t bytes, size_t cap) {
-    std::vector<void*> evicted;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      while (!blocks_.empty() && cached_ + bytes > cap) {
-        evicted.push_back(blocks_.front().data);
-        cached_ -= blocks_.front().bytes;
-        blocks_.erase(blocks_.begin());
-      }
-      blocks_.push_back({p, bytes});
-      cached_ += bytes;
-    }
-    for (void* e : evicted) std::free(e);
-  }
-  void release_all() {
-    std::vector<Block> blocks;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      blocks.swap(blocks_);
-      cached_ = 0;
-    }
-    for (const Block& b : blocks) std::free(b.data);
-  }
-  size_t cached_bytes() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return cached_;
-  }
-
- private:
-  struct Block {
-    void* data;
-    size_t bytes;
-  };
-  std::mutex mutex_;
-  std::vector<Block> blocks_;  // oldest first
-  size_t cached_ = 0;
-};
-
 // Never destroyed: blocks freed by tensors that outlive static destruction still find it.
-BlockCache& cache() {
-  static BlockCache* c = new BlockCache();
+using HostBlockCache = BlockCache<void (*)(void*)>;
+HostBlockCache& cache() {
+  static HostBlockCache* c = new HostBlockCache([](void* p) { std::free(p); });
   return *c;
 }
 

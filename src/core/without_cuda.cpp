@@ -21,6 +21,8 @@ int device_count() { return 0; }
 int compute_capability(int) { return 0; }
 std::string describe(int) { return "no CUDA backend in this build"; }
 void synchronize(int device) { no_cuda("synchronizing cuda:" + std::to_string(device)); }
+size_t cached_bytes(int) { return 0; }
+void release_cache(int) {}
 }  // namespace cuda
 
 namespace detail {

@@ -1,6 +1,9 @@
 // Device memory for Tensor over the CUDA runtime, and what mha::cuda reports about the machine.
+#include <cstdlib>
 #include <string>
+#include <vector>
 
+#include "core/block_cache.hpp"
 #include "core/device_memory.hpp"
 #include "cuda/cuda_check.hpp"
 #include "mha/cuda.hpp"
@@ -62,26 +65,77 @@ void check_device(Device device) {
   }
 }
 
+// Returns a block to the driver on its own device (a deleter: it must not throw, and a failure
+// has nowhere to go).
+struct DeviceFree {
+  int index;
+  void operator()(void* p) const {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(index);
+    cudaFree(p);
+    cudaSetDevice(previous);
+  }
+};
+using DeviceBlockCache = BlockCache<DeviceFree>;
+
+// MHA_CUDA_CACHE_MB: how much freed device memory each device keeps for reuse (default 1 GiB;
+// 0 keeps none, as compute-sanitizer's runs want, so that every free is seen).
+size_t device_cache_cap() {
+  const char* env = std::getenv("MHA_CUDA_CACHE_MB");
+  if (env == nullptr || *env == '\0') return size_t{1} << 30;
+  char* end = nullptr;
+  const long long mb = std::strtoll(env, &end, 10);
+  if (*end != '\0' || mb < 0 || mb > (1ll << 30)) {
+    throw Error(std::string("MHA_CUDA_CACHE_MB: expected a whole number of MiB >= 0, got '") + env + "'");
+  }
+  return static_cast<size_t>(mb) << 20;
+}
+
+// One cache per device, made on first use and never destroyed (tensors freed during static
+// destruction still find theirs).
+DeviceBlockCache& device_cache(int index) {
+  static std::vector<DeviceBlockCache*>* caches = [] {
+    auto* v = new std::vector<DeviceBlockCache*>();
+    for (int d = 0; d < cuda::device_count(); ++d) v->push_back(new DeviceBlockCache(DeviceFree{d}));
+    return v;
+  }();
+  return *caches->at(static_cast<size_t>(index));
+}
+
 }  // namespace
 
 std::shared_ptr<std::byte> device_allocate(int64_t bytes, Device device) {
   check_device(device);
-  DeviceGuard guard(device.index);
-  void* p = nullptr;
-  const cudaError_t status = cudaMalloc(&p, static_cast<size_t>(bytes));
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    throw Error("Tensor::empty: cannot allocate " + std::to_string(bytes) + " bytes on " + device.str() + ": " +
-                cudaGetErrorString(status));
-  }
+  static const size_t cap = device_cache_cap();  // read once, as the host cache's
   const int index = device.index;
-  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [index](std::byte* q) {
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(index);
-    cudaFree(q);  // a deleter must not throw; a failure here has nowhere to go
-    cudaSetDevice(previous);
-  });
+  // Rounded so that near sizes share blocks: 512 bytes below 1 MiB, 2 MiB above (cudaMalloc's
+  // own granule for large blocks).
+  const size_t granule = static_cast<size_t>(bytes) < (size_t{1} << 20) ? 512 : size_t{2} << 20;
+  const size_t rounded = (static_cast<size_t>(bytes) + granule - 1) / granule * granule;
+  const bool cached = rounded <= cap;
+  DeviceGuard guard(index);
+  void* p = cached ? device_cache(index).take(rounded) : nullptr;
+  if (p == nullptr) {
+    cudaError_t status = cudaMalloc(&p, cached ? rounded : static_cast<size_t>(bytes));
+    if (status == cudaErrorMemoryAllocation) {  // the kept blocks may be what fills the device
+      cudaGetLastError();
+      device_cache(index).release_all();
+      status = cudaMalloc(&p, cached ? rounded : static_cast<size_t>(bytes));
+    }
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      throw Error("Tensor::empty: cannot allocate " + std::to_string(bytes) + " bytes on " + device.str() + ": " +
+                  cudaGetErrorString(status));
+    }
+  }
+  if (cached) {
+    // Kernels run in order on the device's default stream, so a block handed out again is
+    // written only after the kernels that read it as a freed tensor have run.
+    return std::shared_ptr<std::byte>(static_cast<std::byte*>(p),
+                                      [index, rounded](std::byte* q) { device_cache(index).give(q, rounded, cap); });
+  }
+  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [index](std::byte* q) { DeviceFree{index}(q); });
 }
 
 void copy_host_to_device(const void* host, void* dst, int64_t bytes, Device device) {
@@ -98,3 +152,17 @@ void copy_device_to_host(const void* src, void* host, int64_t bytes, Device devi
 
 }  // namespace detail
 }  // namespace mha
+
+namespace mha::cuda {
+
+size_t cached_bytes(int device) {
+  if (device < 0 || device >= device_count()) return 0;
+  return detail::device_cache(device).cached_bytes();
+}
+
+void release_cache(int device) {
+  if (device < 0 || device >= device_count()) return;
+  detail::device_cache(device).release_all();
+}
+
+}  // namespace mha::cuda

@@ -3,7 +3,8 @@
 #   1. configure with MHA_CUDA=ON and the ptxas resource report, build;
 #   2. the C++ suite, whose Cuda.* and GpuTest.* tests compare the fused GPU kernels (forward and
 #      backward) with the float64 reference on fresh random inputs (a seed is printed per test);
-#   3. compute-sanitizer (memcheck, racecheck) on the GPU tests, where the toolkit has it;
+#   3. compute-sanitizer (memcheck, racecheck) on the GPU tests, where the toolkit has it, with the
+#      device block cache off (MHA_CUDA_CACHE_MB=0) so that every free is seen;
 #   4. the rest of the C++ suite.
 # Without a GPU the GPU tests skip (and say so); the script then stops with status 2.
 # A GPU machine without the project's dependencies (OpenBLAS, GoogleTest, ...) can run a test
@@ -24,7 +25,7 @@ fi
 "$TESTS" --gtest_filter='Cuda.*:GpuTest.*'
 if command -v compute-sanitizer > /dev/null; then
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 1 "$TESTS" \
+    MHA_CUDA_CACHE_MB=0 compute-sanitizer --tool "$tool" --error-exitcode 1 "$TESTS" \
       --gtest_filter='GpuTest.StridedViewsOfBatchFirstStorage:GpuTest.FullyMaskedRows*:GpuTest.HugeFinite*:GpuTest.BackwardGivesZeros*:GpuTest.BackwardRefuses*'
   done
 else
