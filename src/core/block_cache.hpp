@@ -12,6 +12,10 @@
 
 namespace mha::detail {
 
+// A cache's cap from the environment variable `variable`, a whole number of MiB (default 1 GiB;
+// 0 keeps nothing); anything else is an mha::Error naming the variable.
+size_t cache_cap_from_environment(const char* variable);
+
 template <class Release>
 class BlockCache {
  public:

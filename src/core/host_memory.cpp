@@ -20,17 +20,6 @@ constexpr bool kCacheEnabled = false;
 constexpr bool kCacheEnabled = true;
 #endif
 
-size_t cap_from_environment() {
-  const char* env = std::getenv("MHA_HOST_CACHE_MB");
-  if (env == nullptr || *env == '\0') return size_t{1} << 30;  // 1 GiB
-  char* end = nullptr;
-  const long long mb = std::strtoll(env, &end, 10);
-  if (*end != '\0' || mb < 0 || mb > (1ll << 30)) {
-    throw Error(std::string("MHA_HOST_CACHE_MB: expected a whole number of MiB >= 0, got '") + env + "'");
-  }
-  return static_cast<size_t>(mb) << 20;
-}
-
 // Never destroyed: blocks freed by tensors that outlive static destruction still find it.
 using HostBlockCache = BlockCache<void (*)(void*)>;
 HostBlockCache& cache() {
@@ -40,10 +29,21 @@ HostBlockCache& cache() {
 
 }  // namespace
 
+size_t cache_cap_from_environment(const char* variable) {
+  const char* env = std::getenv(variable);
+  if (env == nullptr || *env == '\0') return size_t{1} << 30;  // 1 GiB
+  char* end = nullptr;
+  const long long mb = std::strtoll(env, &end, 10);
+  if (*end != '\0' || mb < 0 || mb > (1ll << 30)) {
+    throw Error(std::string(variable) + ": expected a whole number of MiB >= 0, got '" + env + "'");
+  }
+  return static_cast<size_t>(mb) << 20;
+}
+
 std::shared_ptr<std::byte> host_allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
   // Read once; a bad MHA_HOST_CACHE_MB is an Error on every allocation until it is fixed.
-  static const size_t configured = cap_from_environment();
+  static const size_t configured = cache_cap_from_environment("MHA_HOST_CACHE_MB");
   const size_t cap = kCacheEnabled ? configured : 0;
   const size_t rounded = (bytes + kGranule - 1) / kGranule * kGranule;
   const bool cached = bytes >= kSmallest && rounded <= cap;

@@ -98,7 +98,7 @@ AttentionGradients backward_on_device(const AttentionProblem& p, const TensorVie
                   TensorView(nullptr, input.dtype, full).shape_str() + ", got " + input.shape_str() +
                   ", which broadcasts; expand and copy it, or run the backward on the host");
     }
-    *results[i] = Tensor::empty(input.sizes(), p.q.dtype, device);
+    *results[i] = Tensor::empty(sizes, p.q.dtype, device);
     *views_of[i] = detail::folded(p, *results[i], heads_of[i], names[i]);
   }
   detail::cuda_attention_backward(p, views);

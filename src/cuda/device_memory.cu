@@ -1,5 +1,4 @@
 // Device memory for Tensor over the CUDA runtime, and what mha::cuda reports about the machine.
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -79,19 +78,6 @@ struct DeviceFree {
 };
 using DeviceBlockCache = BlockCache<DeviceFree>;
 
-// MHA_CUDA_CACHE_MB: how much freed device memory each device keeps for reuse (default 1 GiB;
-// 0 keeps none, as compute-sanitizer's runs want, so that every free is seen).
-size_t device_cache_cap() {
-  const char* env = std::getenv("MHA_CUDA_CACHE_MB");
-  if (env == nullptr || *env == '\0') return size_t{1} << 30;
-  char* end = nullptr;
-  const long long mb = std::strtoll(env, &end, 10);
-  if (*end != '\0' || mb < 0 || mb > (1ll << 30)) {
-    throw Error(std::string("MHA_CUDA_CACHE_MB: expected a whole number of MiB >= 0, got '") + env + "'");
-  }
-  return static_cast<size_t>(mb) << 20;
-}
-
 // One cache per device, made on first use and never destroyed (tensors freed during static
 // destruction still find theirs).
 DeviceBlockCache& device_cache(int index) {
@@ -107,7 +93,9 @@ DeviceBlockCache& device_cache(int index) {
 
 std::shared_ptr<std::byte> device_allocate(int64_t bytes, Device device) {
   check_device(device);
-  static const size_t cap = device_cache_cap();  // read once, as the host cache's
+  // MHA_CUDA_CACHE_MB: how much freed memory each device keeps (0 keeps none, as
+  // compute-sanitizer's runs want, so that every free is seen); read once, as the host cache's.
+  static const size_t cap = cache_cap_from_environment("MHA_CUDA_CACHE_MB");
   const int index = device.index;
   // Rounded so that near sizes share blocks: 512 bytes below 1 MiB, 2 MiB above (cudaMalloc's
   // own granule for large blocks).
