@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/amx.hpp"
 #include "cpu/dispatch.hpp"
 #include "cpu/vector_exp2.hpp"
 #include "test_support.hpp"
@@ -141,6 +142,34 @@ TEST(VectorTanh, EdgeCases) {
     }
     EXPECT_TRUE(std::isnan(y.back()));
   }
+}
+
+// The AMX kernel's exponential (its probabilities are rounded to bfloat16, 2^-9 relative, before
+// the tile unit multiplies them): the degree-3 minimax polynomial, 7.48e-5 in exact arithmetic,
+// plus float rounding; arguments from -100 to the 8 its lazy rescaling allows, and what it must
+// give for -inf (a masked score), below -100 and NaN.
+TEST(AmxExp2, MaximumRelativeErrorAndEdgeCases) {
+  if (!mha::detail::amx_usable()) GTEST_SKIP() << "this CPU has no AMX";
+  std::mt19937_64 rng(mha_test::test_seed());
+  std::vector<float> x;
+  for (int i = -(1 << 17); i <= (1 << 17); ++i) x.push_back(static_cast<float>(i) / (1 << 17));
+  for (double v = -100.0; v <= 8.0; v += 1.0 / 4096) x.push_back(static_cast<float>(v));
+  std::uniform_real_distribution<float> anywhere(-100.0f, 8.0f);
+  for (int i = 0; i < 100000; ++i) x.push_back(anywhere(rng));
+  std::vector<float> y(x.size());
+  mha::detail::amx_exp2_bf16(x.data(), y.data(), static_cast<int64_t>(x.size()));
+  const WorstError w = worst_error(x, y);
+  std::printf("exp2_bf16: maximum relative error %.3g (at x = %.9g) over %zu inputs\n", w.relative, w.at, x.size());
+  EXPECT_LT(w.relative, 7.6e-5) << "at x = " << w.at;
+  EXPECT_GT(w.relative, 7.0e-5);  // it is the degree-3 polynomial, not a more accurate one
+  const float edge[] = {-std::numeric_limits<float>::infinity(), -100.5f, -1e30f, std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  float out[5];
+  mha::detail::amx_exp2_bf16(edge, out, 5);  // (5 lanes: the masked tail of a vector too)
+  EXPECT_EQ(out[0], 0.0f);
+  EXPECT_EQ(out[1], 0.0f);
+  EXPECT_EQ(out[2], 0.0f);
+  EXPECT_TRUE(std::isnan(out[3]));
+  EXPECT_NEAR(out[4], 1.0f, 7.6e-5);
 }
 
 }  // namespace

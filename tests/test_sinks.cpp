@@ -134,13 +134,19 @@ TEST(Sinks, MatchFloat64Reference) {
       }
       const auto g = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, c.options);
       if (dtype == mha::DType::bf16) {
-        // Gradients from D = rowsum(dO O) on the rounded output, as every bfloat16 backward:
-        // the float32 path on widened copies and that rounded output, rounded once.
+        // The training forward within bfloat16 rounding of the float32 path on widened copies, its
+        // log-sum-exp within 2e-4 (the AMX kernel, where it takes the call, sums exponentials of
+        // its own, 7.5e-5 relative each, of scores summed in another order). Gradients from
+        // D = rowsum(dO O) on the rounded output, as every bfloat16 backward: the float32 path on
+        // widened copies, that rounded output and that log-sum-exp, rounded once.
         auto wide = [](const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); };
         const auto saved32 = mha::scaled_dot_product_attention_for_training(wide(c.q), wide(c.k), wide(c.v), c.options);
-        EXPECT_TRUE(agree(saved.output, mha::Tensor::copy_of(saved32.output, dtype)));
-        EXPECT_TRUE(agree(saved.lse, saved32.lse));
-        const mha::AttentionForTraining rounded{wide(saved.output), saved32.lse};
+        EXPECT_LT(rel_error(saved.output, saved32.output), out_tol);
+        for (int64_t r = 0; r < saved.lse.numel(); ++r) {
+          const float a = saved.lse.data<float>()[r], want = saved32.lse.data<float>()[r];
+          ASSERT_NEAR(a, want, 2e-4 * std::max(1.0f, std::abs(want))) << "row " << r;
+        }
+        const mha::AttentionForTraining rounded{wide(saved.output), saved.lse};
         const auto g32 = mha::scaled_dot_product_attention_backward(wide(c.q), wide(c.k), wide(c.v), rounded,
                                                                     wide(c.grad), c.options);
         EXPECT_TRUE(agree(g.query, mha::Tensor::copy_of(g32.query, dtype)));

@@ -115,11 +115,12 @@ void forward_kernels(const AttentionProblem& p, const TensorView& out, const Ten
     forward_f64(p, out, weights, static_cast<double*>(lse));
     return;
   }
-  if (p.q.dtype != DType::f32 && weights == nullptr && lse == nullptr && !p.windowed && amx_usable() &&
-      amx_bf16_supports(p)) {  // (a sliding window runs in the float32 kernel, which skips by it)
+  if (p.q.dtype != DType::f32 && weights == nullptr && amx_usable() && amx_bf16_supports(p)) {
     AmxOutputs o;  // bfloat16 on the tile unit
+    o.lse = static_cast<float*>(lse);
     const TensorView out4 = folded(p, out, p.heads_q, "out");
-    o.out = out4.data_as<uint16_t>();
+    o.out = out4.data;
+    o.out_f32 = out4.dtype == DType::f32;
     set_strides(out4, o.out_strides);
     amx_bf16_forward(p, o);
     return;

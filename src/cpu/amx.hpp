@@ -7,10 +7,14 @@
 
 namespace mha::detail {
 
-// Where the bf16 forward writes: out [B, Hq, Lq, Dv] as bfloat16 bits, any strides.
+// Where the bf16 forward writes: out [B, Hq, Lq, Dv], any strides, as bfloat16 bits or (out_f32)
+// float32; lse, when not null, each row's natural log-sum-exp [B, Hq, Lq] (contiguous; +inf where
+// no key is seen).
 struct AmxOutputs {
-  uint16_t* out = nullptr;
+  void* out = nullptr;
+  bool out_f32 = false;
   int64_t out_strides[4] = {};
+  float* lse = nullptr;
 };
 
 // The CPU has AMX-BF16 and the kernel granted this process the tile state (requested once, with
@@ -22,5 +26,8 @@ bool amx_usable();
 bool amx_bf16_supports(const AttentionProblem& p);
 
 void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o);
+
+// The kernel's 2^x (exp2_bf16) on n floats, for its tests. Needs AVX-512 (amx_usable()).
+void amx_exp2_bf16(const float* x, float* y, int64_t n);
 
 }  // namespace mha::detail

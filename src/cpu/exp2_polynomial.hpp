@@ -16,6 +16,12 @@ inline constexpr float kExp2Poly[7] = {
     0.00015345812158740183f,
 };
 
+// The degree-3 polynomial of least maximum relative error for 2^f on [-0.5, 0.5]: 7.48e-5
+// (Remez exchange), for probabilities rounded to bfloat16 (relative 2^-9 = 1.95e-3) before
+// they are used: the AMX kernel's exp2_bf16.
+inline constexpr float kExp2PolyBf16[4] = {0.9999280735404956f, 0.6932609854573362f, 0.2426111221943308f,
+                                           0.055171669074864f};
+
 // kExp2Poly at f by Horner's rule, for any vector type: fmadd(a, b, c) = a * b + c, set1(x) a
 // vector of x. Evaluated the same way on every ISA, so the layers differ only in their rounding
 // of the reduced argument and the scaling by 2^n.

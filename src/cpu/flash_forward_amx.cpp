@@ -7,6 +7,12 @@
 //   Kp[d/2][key][2]   so that S = Q K^T is A = Q rows, B = Kp           (tiles 16 x 32 bf16)
 //   Vp[key/2][d][2]   so that O += P V is A = P rows (bf16), B = Vp
 // Tiles: tmm0-3 accumulate 2 x 2 blocks of 16 x 16 fp32, tmm4-5 hold A, tmm6-7 hold B.
+//
+// The tile products take a fraction of the time; the softmax between them, a few vector
+// instructions per score, is what costs. So: row maxima of 16 rows at once by a transposing
+// reduction (no horizontal reduction per row), row sums kept as 16 lanes until the end, the base
+// of each row's exponentials raised only when a block's maximum passes it by 2^8 (most blocks
+// rescale nothing), and 2^x by a polynomial sized for bfloat16 probabilities (exp2_bf16).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -21,6 +27,7 @@
 #include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
+#include "cpu/exp2_polynomial.hpp"
 #include "cpu/simd_avx512.hpp"
 #include "cpu/tile_kernels.hpp"
 
@@ -65,9 +72,61 @@ uint16_t to_bf16_bits(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-uint16_t bits_at(const TensorView& t, int64_t b, int64_t h, int64_t l, int64_t d) {
-  return t.data_as<const uint16_t>()[b * t.strides[0] + h * t.strides[1] + l * t.strides[2] + d * t.strides[3]];
+// Terms 2^(s - base) stay below 2^kLazyRescale (256): exact in bfloat16's and float's range.
+constexpr float kLazyRescale = 8.0f;
+
+// 2^x for the probabilities the tile unit multiplies in bfloat16 (and their float32 sums): with n
+// the nearest integer to x, 2^(x - n) by kExp2PolyBf16 (relative error 7.5e-5, a 26th of
+// bfloat16's half unit, 2^-9), scaled by 2^n exactly; below 2^-100 (and for -inf) zero. Two
+// multiply-adds fewer per 16 scores than the float32 kernels' exp2.
+inline __m512 exp2_bf16(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x);  // the constant first: a NaN stays NaN
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2PolyBf16[3]), f, _mm512_set1_ps(kExp2PolyBf16[2]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2PolyBf16[1]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2PolyBf16[0]));
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, n);
 }
+
+// Lane k of the result: the maximum of v[k]'s 16 lanes. A transposing tree (halves, quarters,
+// pairs, lanes of two vectors at a time: 45 shuffles and maxima for 16 rows, against 8 per row
+// for one horizontal reduction each), then one permutation back to row order.
+inline __m512 max_of_each(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int k = 0; k < 8; ++k)  // 256-bit halves: [v0 lo|v0 hi] -> v0 in blocks 0-1, v1 in 2-3
+    a[k] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xee));
+  for (int k = 0; k < 4; ++k)  // 128-bit blocks: block j holds row 4k + j
+    b[k] = _mm512_max_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88), _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xdd));
+  for (int k = 0; k < 2; ++k)  // pairs of lanes within each block
+    c[k] = _mm512_max_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44), _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xee));
+  // Lane 4j + t now holds row 4t + j.
+  const __m512 z = _mm512_max_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xdd));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
+}
+
+// A thread's working rows, each 64-byte aligned (every size is a multiple of 16 floats).
+struct Scratch {
+  uint16_t* q_rows;  // [kQ][Dk] bfloat16 bits
+  float* s;          // [kQ][kK] scores
+  uint16_t* p_rows;  // [kQ][kK] bfloat16 bits
+  float* out_acc;    // [kQ][Dv]
+  float* sums;       // [kQ][16] each row's sum of P, by key modulo 16
+  static int64_t floats(const AttentionProblem& p) {
+    return kQ * p.dim_qk / 2 + kQ * kK + kQ * kK / 2 + kQ * p.dim_v + kQ * 16;
+  }
+  static Scratch at(float* base, const AttentionProblem& p) {
+    float* f = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(base) + 63) & ~uintptr_t{63});
+    Scratch w;
+    w.q_rows = reinterpret_cast<uint16_t*>(f);
+    w.s = f + kQ * p.dim_qk / 2;
+    w.p_rows = reinterpret_cast<uint16_t*>(w.s + kQ * kK);
+    w.out_acc = w.s + kQ * kK + kQ * kK / 2;
+    w.sums = w.out_acc + kQ * p.dim_v;
+    return w;
+  }
+};
 
 struct AmxForward {
   const AttentionProblem& p;
@@ -112,40 +171,70 @@ struct AmxForward {
     });
   }
 
-  void task(int64_t b, int64_t h, int64_t i0, uint16_t* q_rows, float* s, uint16_t* p_rows, float* out_acc) const {
+  // The base-2 scaled scores of 32 queries x 32 keys (s, row stride kK), with the keys outside each
+  // query's [begin, end) set to -inf where the block is not clean.
+  void mask_outside(float* s, const int64_t* begin, const int64_t* end, int64_t j0) const {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t ii = 0; ii < kQ; ++ii) {
+      const __m512i lo = _mm512_set1_epi32(static_cast<int>(begin[ii])), hi = _mm512_set1_epi32(static_cast<int>(end[ii]));
+      for (int c = 0; c < kK; c += 16) {
+        const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0 + c)));
+        const __mmask16 seen = _mm512_cmp_epi32_mask(j, hi, _MM_CMPINT_LT) & _mm512_cmp_epi32_mask(j, lo, _MM_CMPINT_NLT);
+        float* at = s + ii * kK + c;
+        _mm512_storeu_ps(at, _mm512_mask_blend_ps(seen, neg_inf, _mm512_loadu_ps(at)));
+      }
+    }
+  }
+
+  void task(int64_t b, int64_t h, int64_t i0, const Scratch& w) const {
     const int64_t dk = p.dim_qk, dv = p.dim_v, L = packed.len;
     const int64_t hk = h / (p.heads_q / p.heads_kv);
     const int64_t rows = std::min<int64_t>(kQ, p.len_q - i0);
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    for (int64_t ii = 0; ii < kQ; ++ii)
-      for (int64_t d = 0; d < dk; ++d) q_rows[ii * dk + d] = ii < rows ? bits_at(p.q, b, h, i0 + ii, d) : 0;
-    std::memset(out_acc, 0, sizeof(float) * kQ * dv);
-    alignas(64) float m[kQ], l[kQ];
-    int64_t limit[kQ];
+    const uint16_t* q0 = p.q.data_as<const uint16_t>() + b * p.q.strides[0] + h * p.q.strides[1];
+    for (int64_t ii = 0; ii < kQ; ++ii) {
+      uint16_t* dst = w.q_rows + ii * dk;
+      if (ii < rows) std::memcpy(dst, q0 + (i0 + ii) * p.q.strides[2], static_cast<size_t>(dk) * 2);
+      else std::memset(dst, 0, static_cast<size_t>(dk) * 2);
+    }
+    std::memset(w.out_acc, 0, sizeof(float) * kQ * dv);
+    std::memset(w.sums, 0, sizeof(float) * kQ * 16);
+    // m: the base each row's scores are taken from (base 2, scaled), raised only when a block's
+    // maximum passes it by more than kLazyRescale, so that most blocks rescale nothing; every
+    // term 2^(s - m) is then at most 2^kLazyRescale. base: m, or 0 while m is -inf.
+    alignas(64) float m[kQ], base[kQ];
+    int64_t begin[kQ], end[kQ];
     DropoutRowKey keys[kQ];
     for (int64_t ii = 0; ii < kQ; ++ii) {
-      m[ii] = neg_inf, l[ii] = 0;
+      m[ii] = neg_inf, base[ii] = 0;
       const int64_t i = i0 + ii;
-      limit[ii] = p.causal ? std::clamp<int64_t>(i + p.causal_offset + 1, 0, p.len_k) : p.len_k;
+      begin[ii] = p.window_begin(i), end[ii] = p.causal_end(i);
       if (p.dropout_p > 0) keys[ii] = dropout_row_key(p.dropout_seed, static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i));
     }
-    const int64_t key_end = limit[rows - 1];
+    // Causal and window blocks no query of the task sees are skipped, not masked.
+    const int64_t key_begin = begin[0] / kK * kK, key_end = end[rows - 1];
     const uint16_t* kp = k_panel(b, hk);
     const uint16_t* vp = v_panel(b, hk);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i threshold = _mm512_set1_epi32(static_cast<int>(dropout_threshold(p.dropout_p)));
     const __m512 keep_scale = _mm512_set1_ps(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
+    // Scores are scaled after the maximum is taken unless masks are added (they add base-2
+    // values to scaled scores) or the scale is not positive (the maximum would not commute).
+    const bool prescale = p.num_masks > 0 || !(qk_scale > 0);
+    const __m512 load_scale = _mm512_set1_ps(prescale ? 1.0f : qk_scale);
+    float* s = w.s;
 
-    for (int64_t j0 = 0; j0 < key_end; j0 += kK) {
+    for (int64_t j0 = key_begin; j0 < key_end; j0 += kK) {
       // S = Q K^T for 32 queries x 32 keys.
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t d0 = 0; d0 < dk; d0 += 32) {
-        _tile_loadd(4, q_rows + d0, static_cast<long>(dk * 2));
-        _tile_loadd(5, q_rows + 16 * dk + d0, static_cast<long>(dk * 2));
+        _tile_loadd(4, w.q_rows + d0, static_cast<long>(dk * 2));
+        _tile_loadd(5, w.q_rows + 16 * dk + d0, static_cast<long>(dk * 2));
         _tile_loadd(6, kp + ((d0 / 2) * L + j0) * 2, static_cast<long>(L * 4));
         _tile_loadd(7, kp + ((d0 / 2) * L + j0 + 16) * 2, static_cast<long>(L * 4));
         _tile_dpbf16ps(0, 4, 6);
@@ -157,48 +246,53 @@ struct AmxForward {
       _tile_stored(1, s + 16, kK * 4);
       _tile_stored(2, s + 16 * kK, kK * 4);
       _tile_stored(3, s + 16 * kK + 16, kK * 4);
-      const int64_t nk = std::min<int64_t>(kK, p.len_k - j0);
-      // Scores in base 2: the scale is applied here (or before the masks, which add base-2 values).
-      float load_scale = qk_scale;
-      if (p.num_masks > 0) {
+      if (prescale) {
         for (int64_t e = 0; e < kQ * kK; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), _mm512_set1_ps(qk_scale)));
+        const int64_t nk = std::min<int64_t>(kK, p.len_k - j0);
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], s, kK, 1, b, h, i0, rows, j0, nk);
-        load_scale = 1.0f;
       }
-      // Every query of the task sees every key of the block: no causal or length mask to apply.
-      const bool clean = j0 + kK <= limit[0];
-      alignas(64) float block_max[kQ], m_use[kQ], alpha[kQ], sums[kQ];
-      for (int64_t ii = 0; ii < kQ; ++ii) {
-        float* row = s + ii * kK;
-        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(load_scale));
-        __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(row + 16), _mm512_set1_ps(load_scale));
-        if (!clean) {
-          const __m512i lim = _mm512_set1_epi32(static_cast<int>(limit[ii]));
-          const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0)));
-          x0 = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(j, lim, _MM_CMPINT_LT), _mm512_set1_ps(neg_inf), x0);
-          x1 = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(_mm512_add_epi32(j, _mm512_set1_epi32(16)), lim, _MM_CMPINT_LT),
-                                    _mm512_set1_ps(neg_inf), x1);
-        }
-        _mm512_storeu_ps(row, x0);
-        _mm512_storeu_ps(row + 16, x1);
-        block_max[ii] = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-      }
-      // The statistics of 16 rows at a time: new max, the base to subtract, the rescale factor.
+      // Every query of the task sees every key of the block: nothing to mask.
+      const bool clean = j0 + kK <= end[0] && j0 >= begin[rows - 1];
+      if (!clean) mask_outside(s, begin, end, j0);
+
+      // The statistics of 16 rows at a time: block maxima, and a new base where one passes the
+      // old by more than kLazyRescale (then the row's sum and output so far are rescaled).
       for (int64_t r = 0; r < kQ; r += 16) {
-        const __m512 m_old = _mm512_loadu_ps(m + r);
-        const __m512 m_new = _mm512_max_ps(m_old, _mm512_loadu_ps(block_max + r));
-        const __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(neg_inf), _CMP_EQ_OQ), m_new,
-                                                 _mm512_setzero_ps());
-        _mm512_storeu_ps(m + r, m_new);
-        _mm512_storeu_ps(m_use + r, base);
-        _mm512_storeu_ps(alpha + r, simd::Avx512::exp2(_mm512_sub_ps(m_old, base)));
+        __m512 row_max[16];
+        for (int k = 0; k < 16; ++k) {
+          const float* row = s + (r + k) * kK;
+          row_max[k] = _mm512_max_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16));
+        }
+        const __m512 block_max = _mm512_mul_ps(max_of_each(row_max), load_scale);
+        const __m512 m_old = _mm512_load_ps(m + r);
+        const __mmask16 raise = _mm512_cmp_ps_mask(block_max, _mm512_add_ps(m_old, _mm512_set1_ps(kLazyRescale)), _CMP_GT_OQ);
+        if (raise == 0) continue;
+        const __m512 m_new = _mm512_mask_blend_ps(raise, m_old, block_max);
+        _mm512_store_ps(m + r, m_new);
+        _mm512_store_ps(base + r, _mm512_mask_blend_ps(raise, _mm512_load_ps(base + r), m_new));  // finite where raised
+        alignas(64) float alpha[16];
+        _mm512_store_ps(alpha, exp2_bf16(_mm512_sub_ps(m_old, m_new)));
+        // Rows whose base was -inf have nothing to rescale yet.
+        for (uint32_t bits = raise & _mm512_cmp_ps_mask(m_old, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ); bits != 0; bits &= bits - 1) {
+          const int k = __builtin_ctz(bits);
+          const __m512 a = _mm512_set1_ps(alpha[k]);
+          float* acc = w.out_acc + (r + k) * dv;
+          for (int64_t d = 0; d < dv; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), a));
+          float* sum = w.sums + (r + k) * 16;
+          _mm512_store_ps(sum, _mm512_mul_ps(_mm512_load_ps(sum), a));
+        }
       }
+      // P = 2^(s - base), summed per row (before dropout, which the normaliser does not see) and
+      // rounded to bfloat16 for the tile unit.
       for (int64_t ii = 0; ii < kQ; ++ii) {
         const float* row = s + ii * kK;
-        const __m512 base = _mm512_set1_ps(m_use[ii]);
+        const __m512 bb = _mm512_set1_ps(base[ii]);
         __m512 pr[2];
-        for (int c = 0; c < 2; ++c) pr[c] = simd::Avx512::exp2(_mm512_sub_ps(_mm512_loadu_ps(row + c * 16), base));
-        sums[ii] = _mm512_reduce_add_ps(_mm512_add_ps(pr[0], pr[1]));
+        // (The scaled score rounded before the base is subtracted, not one fused step: the bits of
+        // a call whose scores were scaled first, to add masks, where the masks add nothing.)
+        for (int c = 0; c < 2; ++c) pr[c] = exp2_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(row + c * 16), load_scale), bb));
+        float* sum = w.sums + ii * 16;
+        _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), _mm512_add_ps(pr[0], pr[1])));
         if (p.dropout_p > 0) {
           for (int c = 0; c < 2; ++c) {
             const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0 + c * 16)));
@@ -208,41 +302,49 @@ struct AmxForward {
             pr[c] = _mm512_maskz_mul_ps(keep, pr[c], keep_scale);
           }
         }
-        _mm512_storeu_si512(p_rows + ii * kK, (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
-        if (alpha[ii] != 1.0f) {
-          float* acc = out_acc + ii * dv;
-          const __m512 a = _mm512_set1_ps(alpha[ii]);
-          for (int64_t d = 0; d < dv; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), a));
-        }
-      }
-      for (int64_t r = 0; r < kQ; r += 16) {
-        _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), _mm512_loadu_ps(alpha + r), _mm512_loadu_ps(sums + r)));
+        _mm512_storeu_si512(w.p_rows + ii * kK, (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
       }
 
       // O += P V, 32 value columns at a time.
-      _tile_loadd(4, p_rows, kK * 2);
-      _tile_loadd(5, p_rows + 16 * kK, kK * 2);
+      _tile_loadd(4, w.p_rows, kK * 2);
+      _tile_loadd(5, w.p_rows + 16 * kK, kK * 2);
       for (int64_t d0 = 0; d0 < dv; d0 += 32) {
-        _tile_loadd(0, out_acc + d0, static_cast<long>(dv * 4));
-        _tile_loadd(1, out_acc + d0 + 16, static_cast<long>(dv * 4));
-        _tile_loadd(2, out_acc + 16 * dv + d0, static_cast<long>(dv * 4));
-        _tile_loadd(3, out_acc + 16 * dv + d0 + 16, static_cast<long>(dv * 4));
+        float* acc = w.out_acc;
+        _tile_loadd(0, acc + d0, static_cast<long>(dv * 4));
+        _tile_loadd(1, acc + d0 + 16, static_cast<long>(dv * 4));
+        _tile_loadd(2, acc + 16 * dv + d0, static_cast<long>(dv * 4));
+        _tile_loadd(3, acc + 16 * dv + d0 + 16, static_cast<long>(dv * 4));
         _tile_loadd(6, vp + ((j0 / 2) * dv + d0) * 2, static_cast<long>(dv * 4));
         _tile_loadd(7, vp + ((j0 / 2) * dv + d0 + 16) * 2, static_cast<long>(dv * 4));
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
-        _tile_stored(0, out_acc + d0, static_cast<long>(dv * 4));
-        _tile_stored(1, out_acc + d0 + 16, static_cast<long>(dv * 4));
-        _tile_stored(2, out_acc + 16 * dv + d0, static_cast<long>(dv * 4));
-        _tile_stored(3, out_acc + 16 * dv + d0 + 16, static_cast<long>(dv * 4));
+        _tile_stored(0, acc + d0, static_cast<long>(dv * 4));
+        _tile_stored(1, acc + d0 + 16, static_cast<long>(dv * 4));
+        _tile_stored(2, acc + 16 * dv + d0, static_cast<long>(dv * 4));
+        _tile_stored(3, acc + 16 * dv + d0 + 16, static_cast<long>(dv * 4));
       }
     }
+    float* lse = o.lse ? o.lse + (b * p.heads_q + h) * p.len_q + i0 : nullptr;
     for (int64_t ii = 0; ii < rows; ++ii) {
-      const float inv = l[ii] > 0 ? 1.0f / l[ii] : 0.0f;
-      uint16_t* dst = o.out + b * o.out_strides[0] + h * o.out_strides[1] + (i0 + ii) * o.out_strides[2];
-      for (int64_t d = 0; d < dv; ++d) dst[d * o.out_strides[3]] = to_bf16_bits(out_acc[ii * dv + d] * inv);
+      const float l = _mm512_reduce_add_ps(_mm512_load_ps(w.sums + ii * 16));
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      if (lse) lse[ii] = l > 0 ? (m[ii] + std::log2(l)) * kLn2 : std::numeric_limits<float>::infinity();
+      const int64_t at = b * o.out_strides[0] + h * o.out_strides[1] + (i0 + ii) * o.out_strides[2];
+      const float* acc = w.out_acc + ii * dv;
+      const __m512 scale = _mm512_set1_ps(inv);
+      if (o.out_f32) {  // rows the caller scales further before it rounds them (attention sinks)
+        float* dst = static_cast<float*>(o.out) + at;
+        for (int64_t d = 0; d < dv; ++d) dst[d * o.out_strides[3]] = acc[d] * inv;
+      } else if (o.out_strides[3] == 1) {
+        uint16_t* dst = static_cast<uint16_t*>(o.out) + at;
+        for (int64_t d = 0; d < dv; d += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), scale)));
+      } else {
+        uint16_t* dst = static_cast<uint16_t*>(o.out) + at;
+        for (int64_t d = 0; d < dv; ++d) dst[d * o.out_strides[3]] = to_bf16_bits(acc[d] * inv);
+      }
     }
   }
 
@@ -264,16 +366,11 @@ struct AmxForward {
     parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t t, int) {
       configure_tiles();
       const int64_t qb = q_blocks - 1 - t % q_blocks, bh = t / q_blocks;
-      float* scratch = static_cast<float*>(
-          thread_scratch(sizeof(float) * static_cast<size_t>(kQ * p.dim_qk / 2 + kQ * kK + kQ * kK / 2 + kQ * p.dim_v + 64)));
+      float* scratch = static_cast<float*>(thread_scratch(sizeof(float) * static_cast<size_t>(Scratch::floats(p) + 16)));
       struct Release {
         ~Release() { _tile_release(); }
       } release;
-      uint16_t* q_rows = reinterpret_cast<uint16_t*>(scratch);
-      float* s = scratch + kQ * p.dim_qk / 2;
-      uint16_t* p_rows = reinterpret_cast<uint16_t*>(s + kQ * kK);
-      float* out_acc = s + kQ * kK + kQ * kK / 2;
-      task(bh / p.heads_q, bh % p.heads_q, qb * kQ, q_rows, s, p_rows, out_acc);
+      task(bh / p.heads_q, bh % p.heads_q, qb * kQ, Scratch::at(scratch, p));
     });
   }
 };
@@ -281,5 +378,12 @@ struct AmxForward {
 }  // namespace
 
 void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o) { AmxForward{p, o}.run(); }
+
+void amx_exp2_bf16(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, k, exp2_bf16(_mm512_maskz_loadu_ps(k, x + i)));
+  }
+}
 
 }  // namespace mha::detail
