@@ -2,7 +2,8 @@
 // the online softmax on AVX-512 in fp32. Compiled with -mamx-* (see CMakeLists.txt) and entered
 // only when CPUID reports AMX-BF16 and the kernel has the tile permission.
 //
-// Layout: a task owns 32 queries (two 16-row A tiles); each step takes 32 keys. K and V are
+// Layout: a task owns 32 queries (two 16-row A tiles); each step takes 64 keys, in tile products
+// of 32. K and V are
 // packed once per (batch, key/value head) into the tile unit's pair-interleaved ("VNNI") B layout:
 //   Kp[d/2][key][2]   so that S = Q K^T is A = Q rows, B = Kp           (tiles 16 x 32 bf16)
 //   Vp[key/2][d][2]   so that O += P V is A = P rows (bf16), B = Vp
@@ -36,7 +37,7 @@ namespace {
 
 using T = Tiles<simd::Avx512>;
 constexpr int kQ = 32;  // queries per task
-constexpr int kK = 32;  // keys per step
+constexpr int kK = 64;  // keys per step (two halves of 32, the tiles' width)
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -171,7 +172,7 @@ struct AmxForward {
     });
   }
 
-  // The base-2 scaled scores of 32 queries x 32 keys (s, row stride kK), with the keys outside each
+  // The base-2 scaled scores of 32 queries x 64 keys (s, row stride kK), with the keys outside each
   // query's [begin, end) set to -inf where the block is not clean.
   void mask_outside(float* s, const int64_t* begin, const int64_t* end, int64_t j0) const {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -187,7 +188,8 @@ struct AmxForward {
     }
   }
 
-  void task(int64_t b, int64_t h, int64_t i0, const Scratch& w) const {
+  // (w by value: its pointers stay in registers, as no store through them can change them.)
+  void task(int64_t b, int64_t h, int64_t i0, const Scratch w) const {
     const int64_t dk = p.dim_qk, dv = p.dim_v, L = packed.len;
     const int64_t hk = h / (p.heads_q / p.heads_kv);
     const int64_t rows = std::min<int64_t>(kQ, p.len_q - i0);
@@ -227,25 +229,31 @@ struct AmxForward {
     float* s = w.s;
 
     for (int64_t j0 = key_begin; j0 < key_end; j0 += kK) {
-      // S = Q K^T for 32 queries x 32 keys.
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t d0 = 0; d0 < dk; d0 += 32) {
-        _tile_loadd(4, w.q_rows + d0, static_cast<long>(dk * 2));
-        _tile_loadd(5, w.q_rows + 16 * dk + d0, static_cast<long>(dk * 2));
-        _tile_loadd(6, kp + ((d0 / 2) * L + j0) * 2, static_cast<long>(L * 4));
-        _tile_loadd(7, kp + ((d0 / 2) * L + j0 + 16) * 2, static_cast<long>(L * 4));
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+      // S = Q K^T for 32 queries x 64 keys, 32 keys at a time; the second half only where a
+      // query sees a key in it (past them mask_outside fills -inf, as the block is not clean).
+      const int halves = key_end - j0 > 32 ? 2 : 1;
+      for (int half = 0; half < halves; ++half) {
+        const int64_t j = j0 + 32 * half;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d0 = 0; d0 < dk; d0 += 32) {
+          _tile_loadd(4, w.q_rows + d0, static_cast<long>(dk * 2));
+          _tile_loadd(5, w.q_rows + 16 * dk + d0, static_cast<long>(dk * 2));
+          _tile_loadd(6, kp + ((d0 / 2) * L + j) * 2, static_cast<long>(L * 4));
+          _tile_loadd(7, kp + ((d0 / 2) * L + j + 16) * 2, static_cast<long>(L * 4));
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        float* at = s + 32 * half;
+        _tile_stored(0, at, kK * 4);
+        _tile_stored(1, at + 16, kK * 4);
+        _tile_stored(2, at + 16 * kK, kK * 4);
+        _tile_stored(3, at + 16 * kK + 16, kK * 4);
       }
-      _tile_stored(0, s, kK * 4);
-      _tile_stored(1, s + 16, kK * 4);
-      _tile_stored(2, s + 16 * kK, kK * 4);
-      _tile_stored(3, s + 16 * kK + 16, kK * 4);
       if (prescale) {
         for (int64_t e = 0; e < kQ * kK; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), _mm512_set1_ps(qk_scale)));
         const int64_t nk = std::min<int64_t>(kK, p.len_k - j0);
@@ -261,7 +269,8 @@ struct AmxForward {
         __m512 row_max[16];
         for (int k = 0; k < 16; ++k) {
           const float* row = s + (r + k) * kK;
-          row_max[k] = _mm512_max_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16));
+          row_max[k] = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16)),
+                                     _mm512_max_ps(_mm512_loadu_ps(row + 32), _mm512_loadu_ps(row + 48)));
         }
         const __m512 block_max = _mm512_mul_ps(max_of_each(row_max), load_scale);
         const __m512 m_old = _mm512_load_ps(m + r);
@@ -287,14 +296,14 @@ struct AmxForward {
       for (int64_t ii = 0; ii < kQ; ++ii) {
         const float* row = s + ii * kK;
         const __m512 bb = _mm512_set1_ps(base[ii]);
-        __m512 pr[2];
+        __m512 pr[4];
         // (The scaled score rounded before the base is subtracted, not one fused step: the bits of
         // a call whose scores were scaled first, to add masks, where the masks add nothing.)
-        for (int c = 0; c < 2; ++c) pr[c] = exp2_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(row + c * 16), load_scale), bb));
+        for (int c = 0; c < 4; ++c) pr[c] = exp2_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(row + c * 16), load_scale), bb));
         float* sum = w.sums + ii * 16;
-        _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), _mm512_add_ps(pr[0], pr[1])));
+        _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), _mm512_add_ps(_mm512_add_ps(pr[0], pr[1]), _mm512_add_ps(pr[2], pr[3]))));
         if (p.dropout_p > 0) {
-          for (int c = 0; c < 2; ++c) {
+          for (int c = 0; c < 4; ++c) {
             const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0 + c * 16)));
             const __m512i bits = T::dropout_bits(j, _mm512_set1_epi32(static_cast<int>(keys[ii].lo)),
                                                  _mm512_set1_epi32(static_cast<int>(keys[ii].hi)));
@@ -303,23 +312,28 @@ struct AmxForward {
           }
         }
         _mm512_storeu_si512(w.p_rows + ii * kK, (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+        _mm512_storeu_si512(w.p_rows + ii * kK + 32, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
       }
 
-      // O += P V, 32 value columns at a time.
-      _tile_loadd(4, w.p_rows, kK * 2);
-      _tile_loadd(5, w.p_rows + 16 * kK, kK * 2);
+      // O += P V, 32 value columns at a time, the accumulators loaded and stored once per
+      // 64 keys.
       for (int64_t d0 = 0; d0 < dv; d0 += 32) {
         float* acc = w.out_acc;
         _tile_loadd(0, acc + d0, static_cast<long>(dv * 4));
         _tile_loadd(1, acc + d0 + 16, static_cast<long>(dv * 4));
         _tile_loadd(2, acc + 16 * dv + d0, static_cast<long>(dv * 4));
         _tile_loadd(3, acc + 16 * dv + d0 + 16, static_cast<long>(dv * 4));
-        _tile_loadd(6, vp + ((j0 / 2) * dv + d0) * 2, static_cast<long>(dv * 4));
-        _tile_loadd(7, vp + ((j0 / 2) * dv + d0 + 16) * 2, static_cast<long>(dv * 4));
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        for (int half = 0; half < halves; ++half) {
+          const int64_t j = j0 + 32 * half;
+          _tile_loadd(4, w.p_rows + 32 * half, kK * 2);
+          _tile_loadd(5, w.p_rows + 16 * kK + 32 * half, kK * 2);
+          _tile_loadd(6, vp + ((j / 2) * dv + d0) * 2, static_cast<long>(dv * 4));
+          _tile_loadd(7, vp + ((j / 2) * dv + d0 + 16) * 2, static_cast<long>(dv * 4));
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
         _tile_stored(0, acc + d0, static_cast<long>(dv * 4));
         _tile_stored(1, acc + d0 + 16, static_cast<long>(dv * 4));
         _tile_stored(2, acc + 16 * dv + d0, static_cast<long>(dv * 4));
