@@ -222,9 +222,12 @@ struct AmxForward {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i threshold = _mm512_set1_epi32(static_cast<int>(dropout_threshold(p.dropout_p)));
     const __m512 keep_scale = _mm512_set1_ps(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
-    // Scores are scaled after the maximum is taken unless masks are added (they add base-2
-    // values to scaled scores) or the scale is not positive (the maximum would not commute).
-    const bool prescale = p.num_masks > 0 || !(qk_scale > 0);
+    // Scores are scaled after the maximum is taken (as they enter the exponential) unless an
+    // additive mask adds base-2 values to scaled scores, or the scale is not positive (the
+    // maximum would not commute). Bool masks add 0 or -inf, the same to raw scores.
+    bool additive = false;
+    for (int t = 0; t < p.num_masks; ++t) additive |= p.masks[t].kind == MaskKind::additive;
+    const bool prescale = additive || !(qk_scale > 0);
     const __m512 load_scale = _mm512_set1_ps(prescale ? 1.0f : qk_scale);
     float* s = w.s;
 
@@ -256,6 +259,8 @@ struct AmxForward {
       }
       if (prescale) {
         for (int64_t e = 0; e < kQ * kK; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), _mm512_set1_ps(qk_scale)));
+      }
+      if (p.num_masks > 0) {
         const int64_t nk = std::min<int64_t>(kK, p.len_k - j0);
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], s, kK, 1, b, h, i0, rows, j0, nk);
       }
@@ -297,9 +302,7 @@ struct AmxForward {
         const float* row = s + ii * kK;
         const __m512 bb = _mm512_set1_ps(base[ii]);
         __m512 pr[4];
-        // (The scaled score rounded before the base is subtracted, not one fused step: the bits of
-        // a call whose scores were scaled first, to add masks, where the masks add nothing.)
-        for (int c = 0; c < 4; ++c) pr[c] = exp2_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(row + c * 16), load_scale), bb));
+        for (int c = 0; c < 4; ++c) pr[c] = exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + c * 16), load_scale, bb));
         float* sum = w.sums + ii * 16;
         _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), _mm512_add_ps(_mm512_add_ps(pr[0], pr[1]), _mm512_add_ps(pr[2], pr[3]))));
         if (p.dropout_p > 0) {
