@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <iterator>
 #include <random>
 #include <vector>
 #include <string>
 
+#include "cpu/amx.hpp"
 #include "cpu/dispatch.hpp"
 #include "cpu/few_rows_gemm.hpp"
 #include "module/bf16_matmul.hpp"
@@ -318,6 +320,82 @@ TEST(ModuleLowPrecision, Bf16ProjectionsThroughOneDnn) {
     const mha::ForwardResult ref = mha::reference::multihead_attention(m, q, k, v, {}, false);
     EXPECT_LT(rel_error(ours.output, ref.output), unit_roundoff(mha::DType::bf16) + 1e-5) << "cross " << cross;
   }
+}
+
+// bfloat16 inference on the tile unit (module_bf16_forward.cpp, CPUs with AMX and oneDNN): head
+// dims of 32 and 64, self-attention (one packed product) and cross-attention with other kdim/vdim,
+// both layouts and unbatched, bool and float masks, key padding, causality. Against the float64
+// module reference: the projections, the probabilities and the attention output are each rounded
+// to bfloat16 on the way (as PyTorch's bf16 module rounds them), so a few units of 2^-8 reach the
+// output through the softmax: 2.5e-2 of its largest value (observed about 5e-3). The path is
+// taken (its bits differ from the float32 module's, which need_weights still runs, bit for bit)
+// and its bits do not depend on the thread count.
+TEST(ModuleLowPrecision, Bf16InferenceOnTheTileUnit) {
+  if (!mha::detail::amx_usable() || !mha::detail::bf16_matmul_available()) GTEST_SKIP() << "no AMX or oneDNN here";
+  std::mt19937_64 rng(test_seed());
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  double worst = 0;
+  for (int n = 0; n < 12; ++n) {
+    const int64_t H = n % 2 == 0 ? 4 : 2, E = 128;
+    const bool cross = n % 3 == 1, batched = n % 4 != 3;
+    mha::MultiheadAttentionOptions o{.bias = n % 5 != 4, .batch_first = n % 2 == 1, .seed = rng(), .dtype = mha::DType::bf16};
+    if (cross && n % 2 == 0) o.kdim = 48, o.vdim = 80;
+    mha::MultiheadAttention m(E, H, o);
+    m.eval();
+    const int64_t N = 3, L = 37 + 11 * (n % 4), S = cross ? 29 + 23 * (n % 3) : L;
+    auto shape = [&](int64_t len, int64_t width) -> mha::Shape {
+      if (!batched) return {len, width};
+      return o.batch_first ? mha::Shape{N, len, width} : mha::Shape{len, N, width};
+    };
+    const mha::Tensor query = randn(shape(L, E), rng, mha::DType::bf16);
+    const mha::Tensor key = cross ? randn(shape(S, m.kdim()), rng, mha::DType::bf16) : query;
+    const mha::Tensor value = cross ? randn(shape(S, m.vdim()), rng, mha::DType::bf16) : query;
+    mha::ForwardOptions f{.need_weights = false};
+    f.is_causal = !cross && n % 3 == 0;
+    mha::Tensor attn_mask, kpm;
+    if (n % 3 == 2) {
+      attn_mask = mha::Tensor::empty({L, S}, mha::DType::boolean);
+      for (int64_t i = 0; i < attn_mask.numel(); ++i) attn_mask.data<bool>()[i] = coin(0.2) && i % S != 0;
+      f.attn_mask = attn_mask.view();
+    } else if (n % 4 == 1) {
+      attn_mask = randn({L, S}, rng, mha::DType::bf16);
+      f.attn_mask = attn_mask.view();
+    }
+    if (batched && n % 2 == 0) {
+      kpm = mha::Tensor::zeros({N, S}, mha::DType::boolean);
+      for (int64_t b = 0; b < N; ++b)
+        for (int64_t j = S - b * 5; j < S; ++j) kpm.data<bool>()[b * S + j] = true;  // padded tails
+      f.key_padding_mask = kpm.view();
+    }
+    SCOPED_TRACE("case " + std::to_string(n) + ": H=" + std::to_string(H) + " L=" + std::to_string(L) + " S=" +
+                 std::to_string(S) + " cross=" + std::to_string(cross) + " batched=" + std::to_string(batched) +
+                 " batch_first=" + std::to_string(o.batch_first) + " causal=" + std::to_string(f.is_causal));
+    f.num_threads = 2;
+    const mha::ForwardResult ours = m.forward(query, key, value, f);
+    const mha::ForwardResult ref = mha::reference::multihead_attention(m, query, key, value, f, false);
+    EXPECT_EQ(ours.output.dtype(), mha::DType::bf16);
+    EXPECT_EQ(ours.output.sizes(), ref.output.sizes());
+    EXPECT_LT(rel_error(ours.output, ref.output), 2.5e-2);
+    worst = std::max(worst, rel_error(ours.output, ref.output));
+    for (const int threads : {1, 3}) {
+      f.num_threads = threads;
+      EXPECT_TRUE(same_bits(m.forward(query, key, value, f).output, ours.output)) << threads << " threads";
+    }
+    f.num_threads = 2;
+    mha::detail::disable_bf16_matmul(true);  // the float32 module on widened copies
+    const mha::Tensor wide = m.forward(query, key, value, f).output;
+    mha::detail::disable_bf16_matmul(false);
+    EXPECT_FALSE(same_bits(wide, ours.output));
+    EXPECT_LT(rel_error(wide, ref.output), unit_roundoff(mha::DType::bf16) + 1e-5);
+    f.need_weights = true;  // (returned weights keep the float32 module)
+    const mha::ForwardResult with_weights = m.forward(query, key, value, f);
+    mha::detail::disable_bf16_matmul(true);
+    const mha::ForwardResult with_weights_wide = m.forward(query, key, value, f);
+    mha::detail::disable_bf16_matmul(false);
+    EXPECT_LT(rel_error(with_weights.output, ref.output), unit_roundoff(mha::DType::bf16) + 1e-5);
+    EXPECT_LT(rel_error(with_weights.output, with_weights_wide.output), 2 * unit_roundoff(mha::DType::bf16));
+  }
+  std::printf("bf16 module on the tile unit: largest error %.3g of the largest output\n", worst);
 }
 
 TEST(ModuleLowPrecision, ConversionStateDictsAndErrors) {

@@ -107,6 +107,27 @@ inline __m512 max_of_each(const __m512 v[16]) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
 }
 
+// r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows r held: pairs of words,
+// of pairs, of 128-bit blocks, interleaved in turn.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i)
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // u[4i + c], 128-bit block k: column 4k + c of rows 4i..4i+3.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i x = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), y = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v, x, 0x88), r[8 + c] = _mm512_shuffle_i32x4(v, x, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(w, y, 0x88), r[12 + c] = _mm512_shuffle_i32x4(w, y, 0xdd);
+  }
+}
+
 // A thread's working rows, each 64-byte aligned (every size is a multiple of 16 floats).
 struct Scratch {
   uint16_t* q_rows;  // [kQ][Dk] bfloat16 bits
@@ -138,35 +159,38 @@ struct AmxForward {
   const uint16_t* k_panel(int64_t b, int64_t hk) const { return packed.k + kv_index(b, hk) * p.dim_qk * packed.len; }
   const uint16_t* v_panel(int64_t b, int64_t hk) const { return packed.v + kv_index(b, hk) * packed.len * p.dim_v; }
 
-  // K as pairs of dims (one 32-bit word per key and pair) transposed; V as pairs of keys
-  // interleaved per value column. Rows have unit stride (amx_bf16_supports checks it).
+  // K as pairs of dims (one 32-bit word per key and pair) transposed, 16 keys x 16 pairs at a
+  // time; V as pairs of keys interleaved per value column, 32 columns at a time. Rows have unit
+  // stride (amx_bf16_supports checks it); keys past len_k are zeros.
   void pack(int threads) {
     const int64_t L = packed.len, dk = p.dim_qk, dv = p.dim_v;
+    const __m512i interleave_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                   38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i interleave_hi = _mm512_add_epi16(interleave_lo, _mm512_set1_epi16(16));
     parallel_for(p.batch * p.heads_kv, threads, [&](int64_t t, int) {
       const int64_t b = t / p.heads_kv, hk = t % p.heads_kv;
       uint32_t* kp = reinterpret_cast<uint32_t*>(packed.k + t * dk * L);
       uint16_t* vp = packed.v + t * L * dv;
       const uint16_t* k0 = p.k.data_as<const uint16_t>() + b * p.k.strides[0] + hk * p.k.strides[1];
       const uint16_t* v0 = p.v.data_as<const uint16_t>() + b * p.v.strides[0] + hk * p.v.strides[1];
-      for (int64_t j = 0; j < L; ++j) {
-        if (j < p.len_k) {
-          const uint16_t* row = k0 + j * p.k.strides[2];
-          for (int64_t d2 = 0; d2 < dk / 2; ++d2) {
-            uint32_t pair;
-            std::memcpy(&pair, row + 2 * d2, 4);
-            kp[d2 * L + j] = pair;
-          }
-        } else {
-          for (int64_t d2 = 0; d2 < dk / 2; ++d2) kp[d2 * L + j] = 0;
+      for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        for (int64_t d2 = 0; d2 < dk / 2; d2 += 16) {
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i)
+            r[i] = j0 + i < p.len_k ? _mm512_loadu_si512(k0 + (j0 + i) * p.k.strides[2] + 2 * d2) : _mm512_setzero_si512();
+          transpose16x16(r);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d2 + i) * L + j0, r[i]);
         }
       }
       for (int64_t j = 0; j < L; j += 2) {
         const uint16_t* r0 = j < p.len_k ? v0 + j * p.v.strides[2] : nullptr;
         const uint16_t* r1 = j + 1 < p.len_k ? v0 + (j + 1) * p.v.strides[2] : nullptr;
         uint16_t* dst = vp + (j / 2) * dv * 2;
-        for (int64_t d = 0; d < dv; ++d) {
-          dst[2 * d] = r0 ? r0[d] : 0;
-          dst[2 * d + 1] = r1 ? r1[d] : 0;
+        for (int64_t d = 0; d < dv; d += 32) {
+          const __m512i x0 = r0 ? _mm512_loadu_si512(r0 + d) : _mm512_setzero_si512();
+          const __m512i x1 = r1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+          _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(x0, interleave_lo, x1));
+          _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(x0, interleave_hi, x1));
         }
       }
     });

@@ -11,6 +11,7 @@
 #endif
 
 #include <atomic>
+#include <vector>
 
 #include <cpuid.h>
 
@@ -36,29 +37,43 @@ bool bf16_matmul_available() {
 
 struct Bf16MatmulBlock::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
-  dnnl::memory::desc a, b, c;
+  dnnl::memory::desc a, b, c, bias;
+  dnnl::memory::desc b_plain;  // b as given, [k, cols] read transposed (what pack() reads)
+  bool with_bias = false;
   dnnl::matmul matmul;
 };
 
-Bf16MatmulBlock::Bf16MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t lda, int64_t ldb, int64_t ldc)
+Bf16MatmulBlock::Bf16MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                                 Bf16Output output)
     : impl_(std::make_unique<Impl>()) {
   using dt = dnnl::memory::data_type;
+  const bool rounded = output == Bf16Output::bf16_plus_bias;
   impl_->a = dnnl::memory::desc({rows, k}, dt::bf16, dnnl::memory::dims{lda, 1});
   impl_->b = dnnl::memory::desc({k, cols}, dt::bf16, dnnl::memory::dims{1, ldb});  // B^T: B's rows are its columns
-  impl_->c = dnnl::memory::desc({rows, cols}, dt::f32, dnnl::memory::dims{ldc, 1});
-  dnnl::post_ops accumulate;
-  accumulate.append_sum(1.0f);  // c += a b^T: c holds the bias already
+  impl_->c = dnnl::memory::desc({rows, cols}, rounded ? dt::bf16 : dt::f32, dnnl::memory::dims{ldc, 1});
   dnnl::primitive_attr attr;
-  attr.set_post_ops(accumulate);
+  if (rounded) {
+    impl_->bias = dnnl::memory::desc({1, cols}, dt::f32, dnnl::memory::dims{cols, 1});
+    impl_->with_bias = true;
+    impl_->b_plain = impl_->b;
+    impl_->b = dnnl::memory::desc({k, cols}, dt::bf16, dnnl::memory::format_tag::any);  // the kernel's choice
+  } else {
+    dnnl::post_ops accumulate;
+    accumulate.append_sum(1.0f);  // c += a b^T: c holds the bias already
+    attr.set_post_ops(accumulate);
+  }
   try {
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(impl_->a, impl_->b, impl_->c), attr, impl_->engine);
+    const dnnl::matmul::desc d = rounded ? dnnl::matmul::desc(impl_->a, impl_->b, impl_->bias, impl_->c)
+                                         : dnnl::matmul::desc(impl_->a, impl_->b, impl_->c);
+    const dnnl::matmul::primitive_desc pd(d, attr, impl_->engine);
+    if (rounded) impl_->b = pd.weights_desc();
     impl_->matmul = dnnl::matmul(pd);
   } catch (const dnnl::error& e) {
     throw Error(std::string("internal error: oneDNN could not create a bf16 matmul: ") + e.what());
   }
 }
 
-void Bf16MatmulBlock::run(const uint16_t* a, const uint16_t* b, float* c) const {
+void Bf16MatmulBlock::run(const uint16_t* a, const uint16_t* b, void* c, const float* bias) const {
 #if defined(MHA_HAVE_OPENMP)
   // oneDNN parallelises over OpenMP's team size; one thread, as each block is one task of ours
   // (and the caller's setting restored: this may be the caller's own thread).
@@ -69,12 +84,35 @@ void Bf16MatmulBlock::run(const uint16_t* a, const uint16_t* b, float* c) const 
   dnnl::memory ma(impl_->a, impl_->engine, const_cast<uint16_t*>(a));
   dnnl::memory mb(impl_->b, impl_->engine, const_cast<uint16_t*>(b));
   dnnl::memory mc(impl_->c, impl_->engine, c);
-  impl_->matmul.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  if (impl_->with_bias) {
+    std::vector<float> zeros;
+    if (bias == nullptr) zeros.assign(static_cast<size_t>(impl_->bias.dims()[1]), 0.0f), bias = zeros.data();  // (no bias)
+    dnnl::memory mbias(impl_->bias, impl_->engine, const_cast<float*>(bias));
+    impl_->matmul.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_BIAS, mbias}, {DNNL_ARG_DST, mc}});
+  } else {
+    impl_->matmul.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  }
   stream.wait();
 #if defined(MHA_HAVE_OPENMP)
   omp_set_num_threads(saved);
 #endif
 }
+
+size_t Bf16MatmulBlock::packed_bytes() const { return impl_->b.get_size(); }
+
+void Bf16MatmulBlock::pack(const uint16_t* b, void* packed) const {
+  dnnl::stream stream(impl_->engine);
+  dnnl::memory from(impl_->b_plain, impl_->engine, const_cast<uint16_t*>(b));
+  dnnl::memory to(impl_->b, impl_->engine, packed);
+  try {
+    dnnl::reorder(from, to).execute(stream, from, to);
+  } catch (const dnnl::error& e) {
+    throw Error(std::string("internal error: oneDNN could not repack a bf16 weight: ") + e.what());
+  }
+  stream.wait();
+}
+
+bool Bf16MatmulBlock::same_packing(const Bf16MatmulBlock& other) const { return impl_->b == other.impl_->b; }
 
 #else  // built without oneDNN
 
@@ -82,11 +120,14 @@ bool bf16_matmul_available() { return false; }
 
 struct Bf16MatmulBlock::Impl {};
 
-Bf16MatmulBlock::Bf16MatmulBlock(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
+Bf16MatmulBlock::Bf16MatmulBlock(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, Bf16Output) {
   throw Error("internal error: a bf16 matmul was asked of a library built without oneDNN");
 }
 
-void Bf16MatmulBlock::run(const uint16_t*, const uint16_t*, float*) const {}
+void Bf16MatmulBlock::run(const uint16_t*, const uint16_t*, void*, const float*) const {}
+size_t Bf16MatmulBlock::packed_bytes() const { return 0; }
+void Bf16MatmulBlock::pack(const uint16_t*, void*) const {}
+bool Bf16MatmulBlock::same_packing(const Bf16MatmulBlock&) const { return true; }
 
 #endif
 

@@ -12,6 +12,10 @@ namespace mha::detail {
 // 64 rows against a 16-bit weight, few_rows_gemm on the weight as it is; more rows against a
 // bfloat16 weight, with x all bfloat16 values, oneDNN's bf16 matmul where available (bf16_matmul.hpp).
 void linear(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
+// A bfloat16 Linear as PyTorch's: x [N, L, in] (any strides), w [out, in] and y [N, L, out] (unit
+// last strides) all bfloat16; y = x W^T + bias, summed in float32 and rounded once, through
+// oneDNN's bf16 matmul (only where bf16_matmul_available()), in blocks fixed by the shape.
+void linear_bf16(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
 // The float64 module's: x, w and y all float64 (x any strides), through dgemm.
 void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads);
 

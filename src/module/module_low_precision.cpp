@@ -1,6 +1,7 @@
 // MultiheadAttention with bfloat16 or float16 parameters: the float32 module's forward and
 // backward on widened copies of the parameters, inputs and masks; the output, the weights and
-// the gradients rounded once to the module's dtype. Every product and softmax statistic is float32,
+// the gradients rounded once to the module's dtype. (bfloat16 inference on a CPU with AMX runs
+// module_bf16_forward.cpp instead, with PyTorch's roundings.) Every product and softmax statistic is float32,
 // so the only low-precision roundings are those of the values the caller hands in and gets back
 // (PyTorch's CPU module also rounds each projection and the attention output on the way).
 //
@@ -13,6 +14,7 @@
 #include "core/thread_pool.hpp"
 #include "mha/multihead_attention.hpp"
 #include "module/forward_context.hpp"
+#include "module/module_bf16_forward.hpp"
 #include "module/module_call.hpp"
 #include "module/parameter_set.hpp"
 
@@ -42,6 +44,8 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
                                                         const TensorView& value, const ForwardOptions& options,
                                                         ForwardContext* context) const {
   detail::validate_module_call(*this, query, key, value, options);  // dtypes against the module's
+  // bfloat16 inference on AMX: PyTorch's roundings, on the tile unit throughout.
+  if (auto tiles = detail::bf16_tile_forward(*this, parameters, query, key, value, options, context)) return std::move(*tiles);
   const int threads = detail::resolve_threads(options.num_threads);
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);  // the options, as float32
   // The projection weights stay 16-bit: linear() widens each for sgemm, or reads it as it is for

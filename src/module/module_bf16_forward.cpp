@@ -1,0 +1,132 @@
+// A bfloat16 module's inference forward on the tile unit, rounded where PyTorch's bf16 module
+// rounds: each projection is a bfloat16 Linear (float32 sums with the bias, rounded once: oneDNN's
+// AMX matmul), the attention runs the AMX kernel on those bfloat16 heads, and its output, rounded
+// to bfloat16, is the out-projection's input. Against the float32 module on widened copies (what
+// the other bf16 calls run), this rounds three more times and runs several times faster; the
+// error stays within a few bfloat16 units (tests/test_module_low_precision.cpp).
+//
+// Taken only where everything runs on the tile unit and nothing is kept for a backward: no
+// context, no weights returned, no dropout, no bias_k/bias_v or zero-attention rows, head dims
+// that are multiples of 32, more than a few queries (decoding keeps the few-rows path).
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/thread_pool.hpp"
+#include "cpu/amx.hpp"
+#include "cpu/attention_kernel.hpp"
+#include "module/bf16_matmul.hpp"
+#include "module/linear.hpp"
+#include "module/module_bf16_forward.hpp"
+#include "module/module_call.hpp"
+
+namespace mha::detail {
+namespace {
+
+TensorView parameter(const std::vector<std::pair<std::string, TensorView>>& parameters, const std::string& name) {
+  for (const auto& [n, v] : parameters)
+    if (n == name) return v;
+  throw Error("internal error: the module has no parameter " + name);
+}
+
+// A weight with unit-stride rows, as the matmul reads it (a copy where the given view is not).
+TensorView with_unit_rows(const TensorView& w, std::vector<Tensor>& storage) {
+  if (w.strides[1] == 1 || w.shape[1] <= 1) return w;
+  storage.push_back(Tensor::copy_of(w));
+  return storage.back().view();
+}
+
+// A bfloat16 bias [n] (any stride), from `first` on, as float32 (exact).
+std::vector<float> widened(const TensorView& bias, int64_t first, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n));
+  const auto* bits = static_cast<const uint16_t*>(bias.data);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(bits[(first + i) * bias.strides[0]]) << 16;
+    std::memcpy(&out[static_cast<size_t>(i)], &u, 4);
+  }
+  return out;
+}
+
+}  // namespace
+
+bool bf16_tile_forward_takes(const MultiheadAttention& m, const ForwardOptions& options, int64_t len_q, int64_t len_k,
+                             bool with_context) {
+  const MultiheadAttentionOptions& o = m.options();
+  return o.dtype == DType::bf16 && !with_context && !options.need_weights && !o.add_bias_kv && !o.add_zero_attn &&
+         !(m.is_training() && o.dropout > 0) && m.head_dim() > 0 && m.head_dim() % 32 == 0 &&
+         len_q > kFewQueriesPerHeadAmx && len_k > 0 && len_q <= (int64_t{1} << 30) && len_k <= (int64_t{1} << 30) &&
+         amx_usable() && bf16_matmul_available();
+}
+
+std::optional<ForwardResult> bf16_tile_forward(const MultiheadAttention& m,
+                                               const std::vector<std::pair<std::string, TensorView>>& parameters,
+                                               const TensorView& query, const TensorView& key, const TensorView& value,
+                                               const ForwardOptions& options, ForwardContext* context) {
+  const ModuleCall c = validate_module_call(m, query, key, value, options);
+  if (!bf16_tile_forward_takes(m, options, c.len_q, c.len_k, context != nullptr)) return std::nullopt;
+  const int threads = resolve_threads(options.num_threads);
+  const int64_t E = m.embed_dim(), H = m.num_heads(), L = c.len_q, S = c.len_k;
+  const bool bias = m.options().bias;
+  std::vector<Tensor> storage;
+
+  // 1. Projections, rounded to bfloat16. Self-attention with the packed weight is one product
+  //    against [3E, E]; the heads are then strided views of its [N, L, 3E] rows.
+  RowBuffer q_buf, k_buf, v_buf;
+  TensorView q, k, v;
+  const bool packed = m.qkv_same_embed_dim() && same_view(query, key) && same_view(key, value);
+  if (packed) {
+    const TensorView w = with_unit_rows(parameter(parameters, "in_proj_weight"), storage);
+    const std::vector<float> b = bias ? widened(parameter(parameters, "in_proj_bias"), 0, 3 * E) : std::vector<float>();
+    q_buf = rows_like(c.query, L, 3 * E, DType::bf16);
+    linear_bf16(c.query, w, bias ? b.data() : nullptr, q_buf.view, threads);
+    q = q_buf.view.slice(2, 0, E), k = q_buf.view.slice(2, E, 2 * E), v = q_buf.view.slice(2, 2 * E, 3 * E);
+  } else {
+    TensorView wq, wk, wv;
+    if (m.qkv_same_embed_dim()) {
+      const TensorView w = with_unit_rows(parameter(parameters, "in_proj_weight"), storage);
+      wq = w.slice(0, 0, E), wk = w.slice(0, E, 2 * E), wv = w.slice(0, 2 * E, 3 * E);
+    } else {
+      wq = with_unit_rows(parameter(parameters, "q_proj_weight"), storage);
+      wk = with_unit_rows(parameter(parameters, "k_proj_weight"), storage);
+      wv = with_unit_rows(parameter(parameters, "v_proj_weight"), storage);
+    }
+    std::vector<float> bq, bk, bv;
+    if (bias) {
+      const TensorView b = parameter(parameters, "in_proj_bias");
+      bq = widened(b, 0, E), bk = widened(b, E, E), bv = widened(b, 2 * E, E);
+    }
+    q_buf = rows_like(c.query, L, E, DType::bf16);
+    k_buf = rows_like(c.key, S, E, DType::bf16);
+    v_buf = rows_like(c.value, S, E, DType::bf16);
+    q = q_buf.view, k = k_buf.view, v = v_buf.view;
+    linear_bf16(c.query, wq, bias ? bq.data() : nullptr, q, threads);
+    linear_bf16(c.key, wk, bias ? bk.data() : nullptr, k, threads);
+    linear_bf16(c.value, wv, bias ? bv.data() : nullptr, v, threads);
+  }
+
+  // 2. The attention on the tile unit, written into a buffer laid out like the output.
+  ForwardResult result;
+  result.output = Tensor::empty(module_output_shape(c, m, m.options().batch_first), DType::bf16);
+  auto as_nle = [&](const TensorView& t) {
+    if (!c.batched) return t.unsqueeze(0);
+    return m.options().batch_first ? t : t.transpose(0, 1);
+  };
+  const Tensor attn = Tensor::empty(result.output.sizes(), DType::bf16);
+  const MaskTerms masks = module_mask_terms(c, H);
+  const AttentionProblem p = module_attention_problem(c, masks, H, q, k, v, threads);
+  if (!amx_bf16_supports(p)) throw Error("internal error: the AMX kernel refuses a module call it was meant to take");
+  const TensorView heads_out = as_nle(attn.view()).split_dim(2, H).transpose(1, 2);
+  AmxOutputs o;
+  o.out = heads_out.data;
+  for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
+  amx_bf16_forward(p, o);
+
+  // 3. The output projection, rounded to bfloat16.
+  const TensorView wo = with_unit_rows(parameter(parameters, "out_proj.weight"), storage);
+  const std::vector<float> bo = bias ? widened(parameter(parameters, "out_proj.bias"), 0, E) : std::vector<float>();
+  linear_bf16(as_nle(attn.view()), wo, bias ? bo.data() : nullptr, as_nle(result.output.view()), threads);
+  return result;
+}
+
+}  // namespace mha::detail
