@@ -107,6 +107,20 @@ inline __m512 max_of_each(const __m512 v[16]) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
 }
 
+// tmm0-3 += the 2 x 2 block of 16 x 16 tile products of A (rows a0 and a1: tmm4-5) and B (16
+// columns at b0, 16 at b1: tmm6-7); strides in bytes.
+inline void tile_products(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
+                          int64_t b_stride) {
+  _tile_loadd(4, a0, static_cast<long>(a_stride));
+  _tile_loadd(5, a1, static_cast<long>(a_stride));
+  _tile_loadd(6, b0, static_cast<long>(b_stride));
+  _tile_loadd(7, b1, static_cast<long>(b_stride));
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 // r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows r held: pairs of words,
 // of pairs, of 128-bit blocks, interleaved in turn.
 inline void transpose16x16(__m512i r[16]) {
@@ -266,14 +280,8 @@ struct AmxForward {
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t d0 = 0; d0 < dk; d0 += 32) {
-          _tile_loadd(4, w.q_rows + d0, static_cast<long>(dk * 2));
-          _tile_loadd(5, w.q_rows + 16 * dk + d0, static_cast<long>(dk * 2));
-          _tile_loadd(6, kp + ((d0 / 2) * L + j) * 2, static_cast<long>(L * 4));
-          _tile_loadd(7, kp + ((d0 / 2) * L + j + 16) * 2, static_cast<long>(L * 4));
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          tile_products(w.q_rows + d0, w.q_rows + 16 * dk + d0, dk * 2, kp + ((d0 / 2) * L + j) * 2,
+                        kp + ((d0 / 2) * L + j + 16) * 2, L * 4);
         }
         float* at = s + 32 * half;
         _tile_stored(0, at, kK * 4);
@@ -352,14 +360,8 @@ struct AmxForward {
         _tile_loadd(3, acc + 16 * dv + d0 + 16, static_cast<long>(dv * 4));
         for (int half = 0; half < halves; ++half) {
           const int64_t j = j0 + 32 * half;
-          _tile_loadd(4, w.p_rows + 32 * half, kK * 2);
-          _tile_loadd(5, w.p_rows + 16 * kK + 32 * half, kK * 2);
-          _tile_loadd(6, vp + ((j / 2) * dv + d0) * 2, static_cast<long>(dv * 4));
-          _tile_loadd(7, vp + ((j / 2) * dv + d0 + 16) * 2, static_cast<long>(dv * 4));
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          tile_products(w.p_rows + 32 * half, w.p_rows + 16 * kK + 32 * half, kK * 2, vp + ((j / 2) * dv + d0) * 2,
+                        vp + ((j / 2) * dv + d0 + 16) * 2, dv * 4);
         }
         _tile_stored(0, acc + d0, static_cast<long>(dv * 4));
         _tile_stored(1, acc + d0 + 16, static_cast<long>(dv * 4));
