@@ -328,8 +328,9 @@ TEST(ModuleLowPrecision, Bf16ProjectionsThroughOneDnn) {
 // module reference: the projections, the probabilities and the attention output are each rounded
 // to bfloat16 on the way (as PyTorch's bf16 module rounds them), so a few units of 2^-8 reach the
 // output through the softmax: 2.5e-2 of its largest value (observed about 5e-3). The path is
-// taken (its bits differ from the float32 module's, which need_weights still runs, bit for bit)
-// and its bits do not depend on the thread count.
+// taken (its bits differ from the float32 module's, which need_weights still runs, bit for bit),
+// its bits do not depend on the thread count, and parameters given through forward_with in other
+// layouts (transposed storage, strided biases) give the same bits.
 TEST(ModuleLowPrecision, Bf16InferenceOnTheTileUnit) {
   if (!mha::detail::amx_usable() || !mha::detail::bf16_matmul_available()) GTEST_SKIP() << "no AMX or oneDNN here";
   std::mt19937_64 rng(test_seed());
@@ -382,6 +383,22 @@ TEST(ModuleLowPrecision, Bf16InferenceOnTheTileUnit) {
       EXPECT_TRUE(same_bits(m.forward(query, key, value, f).output, ours.output)) << threads << " threads";
     }
     f.num_threads = 2;
+    if (n < 2) {  // parameters given as views of other layouts (copied for the matmul): the same bits
+      std::vector<mha::Tensor> storage;
+      mha::ParameterViews given;
+      for (const auto& [name, t] : m.named_parameters()) {
+        if (t.view().ndim == 2) {
+          storage.push_back(mha::Tensor::copy_of(t.view().transpose(0, 1)));
+          given[name] = storage.back().view().transpose(0, 1);
+        } else {  // a bias, every other element of a wider buffer
+          storage.push_back(mha::Tensor::zeros({2 * t.numel()}, t.dtype()));
+          const mha::TensorView strided(storage.back().view().data, t.dtype(), {t.numel()}, {2});
+          for (int64_t i = 0; i < t.numel(); ++i) strided.data_as<uint16_t>()[2 * i] = t.data<uint16_t>()[i];
+          given[name] = strided;
+        }
+      }
+      EXPECT_TRUE(same_bits(m.forward_with(given, query, key, value, f).output, ours.output));
+    }
     mha::detail::disable_bf16_matmul(true);  // the float32 module on widened copies
     const mha::Tensor wide = m.forward(query, key, value, f).output;
     mha::detail::disable_bf16_matmul(false);
