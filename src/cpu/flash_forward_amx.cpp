@@ -22,9 +22,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <new>
 
 #include "core/dropout.hpp"
+#include "core/host_memory.hpp"
 #include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
@@ -52,10 +54,12 @@ void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
-float* aligned_floats(int64_t n) {
-  void* p = std::aligned_alloc(64, static_cast<size_t>((n * 4 + 63) / 64 * 64));
-  if (p == nullptr) throw std::bad_alloc();
-  return static_cast<float*>(p);
+// n bfloat16 values, 64-byte aligned, from the host block cache (a call of a module allocates
+// the same packed panels every time: fresh pages would cost a fault and a zeroing each).
+std::shared_ptr<std::byte> bf16_buffer(int64_t n) {
+  std::shared_ptr<std::byte> p = host_allocate(static_cast<size_t>(n) * 2);
+  if (p == nullptr && n > 0) throw std::bad_alloc();
+  return p;
 }
 
 struct Packed {
@@ -395,15 +399,10 @@ struct AmxForward {
     const int threads = resolve_threads(p.num_threads);
     packed.len = (p.len_k + kK - 1) / kK * kK;
     const int64_t kv = p.batch * p.heads_kv;
-    struct Free {
-      void* a;
-      void* b;
-      ~Free() { std::free(a), std::free(b); }
-    } free_packed{nullptr, nullptr};
-    packed.k = reinterpret_cast<uint16_t*>(aligned_floats((kv * p.dim_qk * packed.len + 1) / 2));
-    free_packed.a = packed.k;
-    packed.v = reinterpret_cast<uint16_t*>(aligned_floats((kv * packed.len * p.dim_v + 1) / 2));
-    free_packed.b = packed.v;
+    const std::shared_ptr<std::byte> k_storage = bf16_buffer(kv * p.dim_qk * packed.len);
+    const std::shared_ptr<std::byte> v_storage = bf16_buffer(kv * packed.len * p.dim_v);
+    packed.k = reinterpret_cast<uint16_t*>(k_storage.get());
+    packed.v = reinterpret_cast<uint16_t*>(v_storage.get());
     pack(threads);
     const int64_t q_blocks = (p.len_q + kQ - 1) / kQ;
     parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t t, int) {
