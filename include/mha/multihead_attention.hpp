@@ -43,8 +43,8 @@ struct MultiheadAttentionOptions {
   // (for gradient checks, as PyTorch's float64 module does). The low-precision modules compute in
   // float32 (projections, attention, softmax statistics) on widened copies and round the output,
   // the weights and the gradients once to their dtype; except a bfloat16 module's inference on a
-  // CPU with AMX (no context, no weights returned, no dropout, no bias_kv / zero_attn, head dim a
-  // multiple of 32, more than 4 queries), which rounds where PyTorch's bf16 module rounds: each
+  // CPU with AMX (no context, no weights returned, no dropout, no bias_kv / zero_attn, head dim of
+  // at least 16, more than 4 queries), which rounds where PyTorch's bf16 module rounds: each
   // projection and the attention output to bfloat16, the attention on the tile unit.
   DType dtype = DType::f32;
   // false: the module holds no parameters of its own and runs only through forward_with and

@@ -89,7 +89,7 @@ struct SdpaOptions {
 
 // q, k, v are float32, bfloat16, float16 or float64 (one dtype); the output has their dtype.
 // bfloat16 and float16 are computed in float32 (fp32 accumulation and softmax statistics) and
-// rounded once; on a CPU with AMX, bfloat16 forwards (head dims multiples of 32, more than 4
+// rounded once; on a CPU with AMX, bfloat16 forwards (head dims of at least 16, more than 4
 // queries, no weights returned) multiply on the tile unit, the probabilities rounded to bfloat16
 // for P V (as FlashAttention does) and their exponentials within 7.5e-5. float64 (host only) is computed in float64 throughout, as PyTorch does (for
 // gradient checks), by its own blocked kernel on float64 BLAS; its mask may be float64 and its

@@ -22,7 +22,8 @@ struct AmxOutputs {
 bool amx_usable();
 
 // Which problems the AMX kernel takes: bfloat16 q, k, v with unit-stride rows and head dimensions
-// that are multiples of 32 (the tile's depth). Others take the float32 path.
+// of at least 16 (padded to the tile's depth of 32), more than a few queries, no soft-capping.
+// Others take the float32 path.
 bool amx_bf16_supports(const AttentionProblem& p);
 
 void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o);

@@ -144,7 +144,9 @@ bool amx_bf16_supports(const AttentionProblem& p) {
   // kernel; the tile unit's kernel reads it once per query head, a few rows of its 32-query tiles
   // used. From 5 queries on, the tile unit (a throughput many times the FMA units') is kept.
   // Soft-capped scores are formed by the float32 kernels only (the tile unit's would need a pass of its own).
-  return p.softcap == 0 && p.dim_qk > 0 && p.dim_v > 0 && p.dim_qk % 32 == 0 && p.dim_v % 32 == 0 && p.len_q > kFewQueriesPerHeadAmx && p.len_k > 0 &&
+  // Head dims from 16 up: the kernel pads them to the tile's depth of 32 (at most half the products
+  // wasted); narrower ones take the float32 kernel.
+  return p.softcap == 0 && p.dim_qk >= 16 && p.dim_v >= 16 && p.len_q > kFewQueriesPerHeadAmx && p.len_k > 0 &&
          p.dropout_p < 1.0 &&
          p.len_q <= (int64_t{1} << 30) && p.len_k <= (int64_t{1} << 30);
 }

@@ -146,6 +146,15 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
+// A head dim rounded up to the tile's depth of 32 bfloat16 values: rows are zero past the
+// dim, which adds nothing to Q K^T, and past dv the output columns are dropped.
+inline int64_t padded(int64_t d) { return (d + 31) / 32 * 32; }
+
+// Lanes [0, n) of a 32-lane 16-bit mask (all of them from 32 on, none below 0).
+inline __mmask32 first_lanes(int64_t n) {
+  return n >= 32 ? ~__mmask32{0} : n <= 0 ? __mmask32{0} : static_cast<__mmask32>((uint32_t{1} << n) - 1);
+}
+
 // A thread's working rows, each 64-byte aligned (every size is a multiple of 16 floats).
 struct Scratch {
   uint16_t* q_rows;  // [kQ][Dk] bfloat16 bits
@@ -154,16 +163,16 @@ struct Scratch {
   float* out_acc;    // [kQ][Dv]
   float* sums;       // [kQ][16] each row's sum of P, by key modulo 16
   static int64_t floats(const AttentionProblem& p) {
-    return kQ * p.dim_qk / 2 + kQ * kK + kQ * kK / 2 + kQ * p.dim_v + kQ * 16;
+    return kQ * padded(p.dim_qk) / 2 + kQ * kK + kQ * kK / 2 + kQ * padded(p.dim_v) + kQ * 16;
   }
   static Scratch at(float* base, const AttentionProblem& p) {
     float* f = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(base) + 63) & ~uintptr_t{63});
     Scratch w;
     w.q_rows = reinterpret_cast<uint16_t*>(f);
-    w.s = f + kQ * p.dim_qk / 2;
+    w.s = f + kQ * padded(p.dim_qk) / 2;
     w.p_rows = reinterpret_cast<uint16_t*>(w.s + kQ * kK);
     w.out_acc = w.s + kQ * kK + kQ * kK / 2;
-    w.sums = w.out_acc + kQ * p.dim_v;
+    w.sums = w.out_acc + kQ * padded(p.dim_v);
     return w;
   }
 };
@@ -172,16 +181,17 @@ struct AmxForward {
   const AttentionProblem& p;
   const AmxOutputs& o;
   Packed packed{};
+  const int64_t dkp = padded(p.dim_qk), dvp = padded(p.dim_v);  // the panels' row widths
 
   int64_t kv_index(int64_t b, int64_t hk) const { return b * p.heads_kv + hk; }
-  const uint16_t* k_panel(int64_t b, int64_t hk) const { return packed.k + kv_index(b, hk) * p.dim_qk * packed.len; }
-  const uint16_t* v_panel(int64_t b, int64_t hk) const { return packed.v + kv_index(b, hk) * packed.len * p.dim_v; }
+  const uint16_t* k_panel(int64_t b, int64_t hk) const { return packed.k + kv_index(b, hk) * dkp * packed.len; }
+  const uint16_t* v_panel(int64_t b, int64_t hk) const { return packed.v + kv_index(b, hk) * packed.len * dvp; }
 
   // K as pairs of dims (one 32-bit word per key and pair) transposed, 16 keys x 16 pairs at a
   // time; V as pairs of keys interleaved per value column, 32 columns at a time. Rows have unit
   // stride (amx_bf16_supports checks it); keys past len_k are zeros.
   void pack(int threads) {
-    const int64_t L = packed.len, dk = p.dim_qk, dv = p.dim_v;
+    const int64_t L = packed.len, dk = dkp, dv = dvp;
     const __m512i interleave_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
                                                    38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i interleave_hi = _mm512_add_epi16(interleave_lo, _mm512_set1_epi16(16));
@@ -195,7 +205,8 @@ struct AmxForward {
         for (int64_t d2 = 0; d2 < dk / 2; d2 += 16) {
           __m512i r[16];
           for (int i = 0; i < 16; ++i)
-            r[i] = j0 + i < p.len_k ? _mm512_loadu_si512(k0 + (j0 + i) * p.k.strides[2] + 2 * d2) : _mm512_setzero_si512();
+            r[i] = j0 + i < p.len_k ? _mm512_maskz_loadu_epi16(first_lanes(p.dim_qk - 2 * d2), k0 + (j0 + i) * p.k.strides[2] + 2 * d2)
+                                    : _mm512_setzero_si512();
           transpose16x16(r);
           for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d2 + i) * L + j0, r[i]);
         }
@@ -205,8 +216,9 @@ struct AmxForward {
         const uint16_t* r1 = j + 1 < p.len_k ? v0 + (j + 1) * p.v.strides[2] : nullptr;
         uint16_t* dst = vp + (j / 2) * dv * 2;
         for (int64_t d = 0; d < dv; d += 32) {
-          const __m512i x0 = r0 ? _mm512_loadu_si512(r0 + d) : _mm512_setzero_si512();
-          const __m512i x1 = r1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+          const __mmask32 valid = first_lanes(p.dim_v - d);
+          const __m512i x0 = r0 ? _mm512_maskz_loadu_epi16(valid, r0 + d) : _mm512_setzero_si512();
+          const __m512i x1 = r1 ? _mm512_maskz_loadu_epi16(valid, r1 + d) : _mm512_setzero_si512();
           _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(x0, interleave_lo, x1));
           _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(x0, interleave_hi, x1));
         }
@@ -232,7 +244,7 @@ struct AmxForward {
 
   // (w by value: its pointers stay in registers, as no store through them can change them.)
   void task(int64_t b, int64_t h, int64_t i0, const Scratch w) const {
-    const int64_t dk = p.dim_qk, dv = p.dim_v, L = packed.len;
+    const int64_t dk = dkp, dv = dvp, L = packed.len;
     const int64_t hk = h / (p.heads_q / p.heads_kv);
     const int64_t rows = std::min<int64_t>(kQ, p.len_q - i0);
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
@@ -240,8 +252,9 @@ struct AmxForward {
     const uint16_t* q0 = p.q.data_as<const uint16_t>() + b * p.q.strides[0] + h * p.q.strides[1];
     for (int64_t ii = 0; ii < kQ; ++ii) {
       uint16_t* dst = w.q_rows + ii * dk;
-      if (ii < rows) std::memcpy(dst, q0 + (i0 + ii) * p.q.strides[2], static_cast<size_t>(dk) * 2);
-      else std::memset(dst, 0, static_cast<size_t>(dk) * 2);
+      const int64_t given = ii < rows ? p.dim_qk : 0;
+      if (given > 0) std::memcpy(dst, q0 + (i0 + ii) * p.q.strides[2], static_cast<size_t>(given) * 2);
+      std::memset(dst + given, 0, static_cast<size_t>(dk - given) * 2);
     }
     std::memset(w.out_acc, 0, sizeof(float) * kQ * dv);
     std::memset(w.sums, 0, sizeof(float) * kQ * 16);
@@ -381,16 +394,19 @@ struct AmxForward {
       const int64_t at = b * o.out_strides[0] + h * o.out_strides[1] + (i0 + ii) * o.out_strides[2];
       const float* acc = w.out_acc + ii * dv;
       const __m512 scale = _mm512_set1_ps(inv);
+      const int64_t width = p.dim_v;
       if (o.out_f32) {  // rows the caller scales further before it rounds them (attention sinks)
         float* dst = static_cast<float*>(o.out) + at;
-        for (int64_t d = 0; d < dv; ++d) dst[d * o.out_strides[3]] = acc[d] * inv;
+        for (int64_t d = 0; d < width; ++d) dst[d * o.out_strides[3]] = acc[d] * inv;
       } else if (o.out_strides[3] == 1) {
         uint16_t* dst = static_cast<uint16_t*>(o.out) + at;
-        for (int64_t d = 0; d < dv; d += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), scale)));
+        for (int64_t d = 0; d < width; d += 16) {
+          const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
+          _mm256_mask_storeu_epi16(dst + d, static_cast<__mmask16>(first_lanes(width - d)), y);
+        }
       } else {
         uint16_t* dst = static_cast<uint16_t*>(o.out) + at;
-        for (int64_t d = 0; d < dv; ++d) dst[d * o.out_strides[3]] = to_bf16_bits(acc[d] * inv);
+        for (int64_t d = 0; d < width; ++d) dst[d * o.out_strides[3]] = to_bf16_bits(acc[d] * inv);
       }
     }
   }
@@ -399,8 +415,8 @@ struct AmxForward {
     const int threads = resolve_threads(p.num_threads);
     packed.len = (p.len_k + kK - 1) / kK * kK;
     const int64_t kv = p.batch * p.heads_kv;
-    const std::shared_ptr<std::byte> k_storage = bf16_buffer(kv * p.dim_qk * packed.len);
-    const std::shared_ptr<std::byte> v_storage = bf16_buffer(kv * packed.len * p.dim_v);
+    const std::shared_ptr<std::byte> k_storage = bf16_buffer(kv * dkp * packed.len);
+    const std::shared_ptr<std::byte> v_storage = bf16_buffer(kv * packed.len * dvp);
     packed.k = reinterpret_cast<uint16_t*>(k_storage.get());
     packed.v = reinterpret_cast<uint16_t*>(v_storage.get());
     pack(threads);

@@ -7,7 +7,7 @@
 //
 // Taken only where everything runs on the tile unit and nothing is kept for a backward: no
 // context, no weights returned, no dropout, no bias_k/bias_v or zero-attention rows, head dims
-// that are multiples of 32, more than a few queries (decoding keeps the few-rows path).
+// of at least 16, more than a few queries (decoding keeps the few-rows path).
 #include <cstring>
 #include <optional>
 #include <string>
@@ -54,7 +54,7 @@ bool bf16_tile_forward_takes(const MultiheadAttention& m, const ForwardOptions& 
                              bool with_context) {
   const MultiheadAttentionOptions& o = m.options();
   return o.dtype == DType::bf16 && !with_context && !options.need_weights && !o.add_bias_kv && !o.add_zero_attn &&
-         !(m.is_training() && o.dropout > 0) && m.head_dim() > 0 && m.head_dim() % 32 == 0 &&
+         !(m.is_training() && o.dropout > 0) && m.head_dim() >= 16 &&
          len_q > kFewQueriesPerHeadAmx && len_k > 0 && len_q <= (int64_t{1} << 30) && len_k <= (int64_t{1} << 30) &&
          amx_usable() && bf16_matmul_available();
 }

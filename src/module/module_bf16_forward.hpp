@@ -12,7 +12,7 @@ namespace mha::detail {
 
 // Whether bf16_tile_forward takes a call of this module with these options and lengths (before
 // any work): a bfloat16 module, no context or weights, no dropout or extra key rows, head dims
-// that are multiples of 32, more than a few queries, AMX and oneDNN's bf16 matmul available.
+// of at least 16, more than a few queries, AMX and oneDNN's bf16 matmul available.
 bool bf16_tile_forward_takes(const MultiheadAttention& m, const ForwardOptions& options, int64_t len_q, int64_t len_k,
                              bool with_context);
 
