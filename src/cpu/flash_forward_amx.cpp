@@ -3,7 +3,7 @@
 // only when CPUID reports AMX-BF16 and the kernel has the tile permission.
 //
 // Layout: a task owns 32 queries (two 16-row A tiles); each step takes 64 keys, in tile products
-// of 32. K and V are
+// of 32. Head dims are padded with zeros to a multiple of 32 (the tile's depth). K and V are
 // packed once per (batch, key/value head) into the tile unit's pair-interleaved ("VNNI") B layout:
 //   Kp[d/2][key][2]   so that S = Q K^T is A = Q rows, B = Kp           (tiles 16 x 32 bf16)
 //   Vp[key/2][d][2]   so that O += P V is A = P rows (bf16), B = Vp
@@ -14,6 +14,8 @@
 // reduction (no horizontal reduction per row), row sums kept as 16 lanes until the end, the base
 // of each row's exponentials raised only when a block's maximum passes it by 2^8 (most blocks
 // rescale nothing), and 2^x by a polynomial sized for bfloat16 probabilities (exp2_bf16).
+// (Issuing the next step's tile products before this step's softmax, to overlap the two, measured
+// level: the tile unit and the vector units do not work through their queues side by side here.)
 #include <immintrin.h>
 
 #include <algorithm>
