@@ -25,6 +25,8 @@ bool amx_usable();
 // of at least 16 (padded to the tile's depth of 32), more than a few queries, no soft-capping.
 // Others take the float32 path.
 bool amx_bf16_supports(const AttentionProblem& p);
+// Its rule on lengths and head dims alone (for a caller deciding before it builds the problem).
+bool amx_bf16_takes_shape(int64_t len_q, int64_t len_k, int64_t dim_qk, int64_t dim_v);
 
 void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o);
 

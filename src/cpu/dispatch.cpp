@@ -135,20 +135,23 @@ void force_isa(std::optional<Isa> isa) {
 
 bool amx_usable() { return active_isa() == Isa::amx; }
 
+bool amx_bf16_takes_shape(int64_t len_q, int64_t len_k, int64_t dim_qk, int64_t dim_v) {
+  // Decoding (up to 4 queries per head) reads the cache once per key/value head in the decoding
+  // kernel; the tile unit's kernel reads it once per query head, a few rows of its 32-query tiles
+  // used. From 5 queries on, the tile unit (a throughput many times the FMA units') is kept.
+  // Head dims from 16 up: the kernel pads them to the tile's depth of 32 (at most half the products
+  // wasted); narrower ones take the float32 kernel.
+  return dim_qk >= 16 && dim_v >= 16 && len_q > kFewQueriesPerHeadAmx && len_k > 0 && len_q <= (int64_t{1} << 30) &&
+         len_k <= (int64_t{1} << 30);
+}
+
 bool amx_bf16_supports(const AttentionProblem& p) {
   const TensorView* views[] = {&p.q, &p.k, &p.v};
   for (const TensorView* t : views) {
     if (t->dtype != DType::bf16 || (t->strides[3] != 1 && t->shape[3] > 1)) return false;
   }
-  // Decoding (up to 4 queries per head) reads the cache once per key/value head in the decoding
-  // kernel; the tile unit's kernel reads it once per query head, a few rows of its 32-query tiles
-  // used. From 5 queries on, the tile unit (a throughput many times the FMA units') is kept.
   // Soft-capped scores are formed by the float32 kernels only (the tile unit's would need a pass of its own).
-  // Head dims from 16 up: the kernel pads them to the tile's depth of 32 (at most half the products
-  // wasted); narrower ones take the float32 kernel.
-  return p.softcap == 0 && p.dim_qk >= 16 && p.dim_v >= 16 && p.len_q > kFewQueriesPerHeadAmx && p.len_k > 0 &&
-         p.dropout_p < 1.0 &&
-         p.len_q <= (int64_t{1} << 30) && p.len_k <= (int64_t{1} << 30);
+  return p.softcap == 0 && amx_bf16_takes_shape(p.len_q, p.len_k, p.dim_qk, p.dim_v) && p.dropout_p < 1.0;
 }
 
 }  // namespace mha::detail

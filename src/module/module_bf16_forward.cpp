@@ -15,7 +15,6 @@
 
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
-#include "cpu/attention_kernel.hpp"
 #include "module/bf16_matmul.hpp"
 #include "module/linear.hpp"
 #include "module/module_bf16_forward.hpp"
@@ -54,8 +53,7 @@ bool bf16_tile_forward_takes(const MultiheadAttention& m, const ForwardOptions& 
                              bool with_context) {
   const MultiheadAttentionOptions& o = m.options();
   return o.dtype == DType::bf16 && !with_context && !options.need_weights && !o.add_bias_kv && !o.add_zero_attn &&
-         !(m.is_training() && o.dropout > 0) && m.head_dim() >= 16 &&
-         len_q > kFewQueriesPerHeadAmx && len_k > 0 && len_q <= (int64_t{1} << 30) && len_k <= (int64_t{1} << 30) &&
+         !(m.is_training() && o.dropout > 0) && amx_bf16_takes_shape(len_q, len_k, m.head_dim(), m.head_dim()) &&
          amx_usable() && bf16_matmul_available();
 }
 
