@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "core/attention_problem.hpp"
+#include "cpu/attention_kernel.hpp"
 
 namespace mha::detail {
 
@@ -29,6 +30,18 @@ bool amx_bf16_supports(const AttentionProblem& p);
 bool amx_bf16_takes_shape(int64_t len_q, int64_t len_k, int64_t dim_qk, int64_t dim_v);
 
 void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o);
+
+// Which backwards the AMX kernel takes (flash_backward_amx.cpp): amx_bf16_supports' problems with
+// a bfloat16 output gradient, bfloat16 or float32 gradients, no gradient of the scores (an
+// additive mask's), and at least
+// kAmxBackwardMinGroups (batch, key/value head) groups, its unit of work. The rule reads the
+// shape alone, so that the bits do not depend on the thread count.
+constexpr int64_t kAmxBackwardMinGroups = 4;
+bool amx_bf16_backward_supports(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
+
+// in.lse2, in.p_scale and in.delta filled (run_attention_backward); q, k, v and the output's
+// gradient with unit-stride rows.
+void amx_bf16_backward(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 
 // The kernel's 2^x (exp2_bf16) on n floats, for its tests. Needs AVX-512 (amx_usable()).
 void amx_exp2_bf16(const float* x, float* y, int64_t n);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/thread_pool.hpp"
+#include "cpu/amx.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cpu/backward_rows.hpp"
 #include "cpu/dispatch.hpp"
@@ -172,6 +173,8 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   }
   std::vector<Tensor> copies;
   AttentionProblem p = with_unit_row_strides(problem, copies);
+  // bfloat16 on the tile unit, where it takes the problem: its sliding window stays a window.
+  const AttentionProblem unmasked = p;
   // Rows of mask values alone (backward_row_normalisers) are found along whole causal rows: with
   // a sliding window, the window is a mask term there too.
   if (p.windowed && one_contiguous_term(p)) p = with_window_as_mask(p);
@@ -212,6 +215,10 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   inputs.delta = dl;
   inputs.lse2 = lse2;
   inputs.p_scale = p_scale;
+  if (amx_bf16_backward_supports(unmasked, inputs, out)) {
+    amx_bf16_backward(unmasked, inputs, out);
+    return;
+  }
   switch (active_isa()) {
     case Isa::amx:
     case Isa::avx512: flash_backward_avx512(p, inputs, out); break;

@@ -154,6 +154,12 @@ bool amx_bf16_supports(const AttentionProblem& p) {
   return p.softcap == 0 && amx_bf16_takes_shape(p.len_q, p.len_k, p.dim_qk, p.dim_v) && p.dropout_p < 1.0;
 }
 
+bool amx_bf16_backward_supports(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
+  return amx_usable() && amx_bf16_supports(p) && in.grad_out_dtype == DType::bf16 &&
+         (out.grad_dtype == DType::bf16 || out.grad_dtype == DType::f32) &&
+         out.dscores == nullptr && p.key_pages == nullptr && p.heads_kv > 0 && p.batch * p.heads_kv >= kAmxBackwardMinGroups;
+}
+
 }  // namespace mha::detail
 
 namespace mha {

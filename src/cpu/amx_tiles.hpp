@@ -1,0 +1,148 @@
+// The tile unit's (AMX) building blocks shared by the bfloat16 kernels: the tile configuration,
+// the 2 x 2 block of tile products, the packed operand layouts, and the 2^x for probabilities
+// that are rounded to bfloat16. Included only by files compiled for AMX (*_amx.cpp).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+
+#include "core/host_memory.hpp"
+#include "cpu/exp2_polynomial.hpp"
+
+namespace mha::detail::amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+// n bfloat16 values, 64-byte aligned, from the host block cache (a call of a module allocates
+// the same packed panels every time: fresh pages would cost a fault and a zeroing each).
+inline std::shared_ptr<std::byte> bf16_buffer(int64_t n) {
+  std::shared_ptr<std::byte> p = host_allocate(static_cast<size_t>(n) * 2);
+  if (p == nullptr && n > 0) throw std::bad_alloc();
+  return p;
+}
+
+// float32 to bfloat16 bits, rounding to nearest even (local: this file is compiled for AMX, and
+// its copy of a shared inline helper must not stand in for the portable one).
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// 2^x for the probabilities the tile unit multiplies in bfloat16 (and their float32 sums): with n
+// the nearest integer to x, 2^(x - n) by kExp2PolyBf16 (relative error 7.5e-5, a 26th of
+// bfloat16's half unit, 2^-9), scaled by 2^n exactly; below 2^-100 (and for -inf) zero. Two
+// multiply-adds fewer per 16 scores than the float32 kernels' exp2.
+inline __m512 exp2_bf16(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x);  // the constant first: a NaN stays NaN
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2PolyBf16[3]), f, _mm512_set1_ps(kExp2PolyBf16[2]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2PolyBf16[1]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2PolyBf16[0]));
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, n);
+}
+
+// tmm0-3 += the 2 x 2 block of 16 x 16 tile products of A (rows a0 and a1: tmm4-5) and B (16
+// columns at b0, 16 at b1: tmm6-7); strides in bytes.
+inline void tile_products(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
+                          int64_t b_stride) {
+  _tile_loadd(4, a0, static_cast<long>(a_stride));
+  _tile_loadd(5, a1, static_cast<long>(a_stride));
+  _tile_loadd(6, b0, static_cast<long>(b_stride));
+  _tile_loadd(7, b1, static_cast<long>(b_stride));
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows r held: pairs of words,
+// of pairs, of 128-bit blocks, interleaved in turn.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i)
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // u[4i + c], 128-bit block k: column 4k + c of rows 4i..4i+3.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i x = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), y = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v, x, 0x88), r[8 + c] = _mm512_shuffle_i32x4(v, x, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(w, y, 0x88), r[12 + c] = _mm512_shuffle_i32x4(w, y, 0xdd);
+  }
+}
+
+// A head dim rounded up to the tile's depth of 32 bfloat16 values: rows are zero past the
+// dim, which adds nothing to Q K^T, and past dv the output columns are dropped.
+inline int64_t padded(int64_t d) { return (d + 31) / 32 * 32; }
+
+// Lanes [0, n) of a 32-lane 16-bit mask (all of them from 32 on, none below 0).
+inline __mmask32 first_lanes(int64_t n) {
+  return n >= 32 ? ~__mmask32{0} : n <= 0 ? __mmask32{0} : static_cast<__mmask32>((uint32_t{1} << n) - 1);
+}
+
+// Rows [0, rows) of `dim` bfloat16 values (row r at src + r * row_stride) as the B operand of a
+// product over the dims: pairs of dims, one 32-bit word per row and pair, transposed 16 x 16
+// words at a time, dst[dim_padded / 2][len_padded][2]. Zeros past dim and past rows.
+// len_padded is a multiple of 16, dim_padded of 32.
+inline void pack_pairs_of_dims(const uint16_t* src, int64_t row_stride, int64_t rows, int64_t dim, int64_t len_padded,
+                               int64_t dim_padded, uint16_t* dst) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t j0 = 0; j0 < len_padded; j0 += 16) {
+    for (int64_t d2 = 0; d2 < dim_padded / 2; d2 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < rows ? _mm512_maskz_loadu_epi16(first_lanes(dim - 2 * d2), src + (j0 + i) * row_stride + 2 * d2)
+                             : _mm512_setzero_si512();
+      transpose16x16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(words + (d2 + i) * len_padded + j0, r[i]);
+    }
+  }
+}
+
+// The same rows as the B operand of a product over the rows: pairs of rows interleaved per
+// column, dst[len_padded / 2][dim_padded][2]. Zeros past dim and past rows. len_padded is even,
+// dim_padded a multiple of 32.
+inline void pack_pairs_of_rows(const uint16_t* src, int64_t row_stride, int64_t rows, int64_t dim, int64_t len_padded,
+                               int64_t dim_padded, uint16_t* dst) {
+  const __m512i interleave_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                                 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i interleave_hi = _mm512_add_epi16(interleave_lo, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < len_padded; j += 2) {
+    const uint16_t* r0 = j < rows ? src + j * row_stride : nullptr;
+    const uint16_t* r1 = j + 1 < rows ? src + (j + 1) * row_stride : nullptr;
+    uint16_t* out = dst + (j / 2) * dim_padded * 2;
+    for (int64_t d = 0; d < dim_padded; d += 32) {
+      const __mmask32 valid = first_lanes(dim - d);
+      const __m512i x0 = r0 ? _mm512_maskz_loadu_epi16(valid, r0 + d) : _mm512_setzero_si512();
+      const __m512i x1 = r1 ? _mm512_maskz_loadu_epi16(valid, r1 + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(x0, interleave_lo, x1));
+      _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(x0, interleave_hi, x1));
+    }
+  }
+}
+
+}  // namespace mha::detail::amx
