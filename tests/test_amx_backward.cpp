@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <random>
 #include <string>
@@ -188,6 +189,43 @@ TEST(AmxBackward, ZerosWhereNothingIsSeen) {
     EXPECT_LT(rel_error(g.query, r.query, floor), 2e-2);
     EXPECT_LT(rel_error(g.key, r.key, floor), 2e-2);
     EXPECT_LT(rel_error(g.value, r.value, floor), 2e-2);
+  }
+}
+
+// Key blocks in spans of 256 (where a head's packed queries outgrow the cache) or one at a time
+// give the same bits: each gradient element sums its blocks in one order either way. Lengths
+// across several spans, causality with a window (blocks skipped at both ends of a span), dropout.
+TEST(AmxBackward, KeySpansGiveTheSameBits) {
+  if (!amx_present()) GTEST_SKIP() << "this CPU has no AMX-BF16";
+  std::mt19937_64 rng(test_seed());
+  const mha::DType bf16 = mha::DType::bf16;
+  for (const bool windowed : {false, true}) {
+    mha::SdpaOptions o;
+    o.is_causal = windowed;
+    if (windowed) o.window_left = 300;
+    o.dropout_p = 0.2, o.dropout_seed = rng();
+    o.enable_gqa = true;
+    SCOPED_TRACE(windowed ? "causal, window of 301 keys, dropout" : "dropout");
+    const mha::Tensor q = randn({2, 4, 600, 48}, rng, bf16), k = randn({2, 2, 700, 48}, rng, bf16),
+                      v = randn({2, 2, 700, 40}, rng, bf16), grad = randn({2, 4, 600, 40}, rng, bf16);
+    const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    std::atomic<int64_t>& span_bytes = mha::detail::amx_backward_span_bytes();
+    const int64_t before = span_bytes.load();
+    span_bytes = 0;  // spans of 256 keys
+    const auto spans = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o);
+    span_bytes = int64_t{1} << 62;  // 32 keys at a time
+    const auto blocks = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o);
+    span_bytes = before;
+    EXPECT_TRUE(same_bits(spans.query, blocks.query));
+    EXPECT_TRUE(same_bits(spans.key, blocks.key));
+    EXPECT_TRUE(same_bits(spans.value, blocks.value));
+    mha::detail::force_isa(mha::detail::Isa::avx512);
+    const auto g32 = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o);
+    mha::detail::force_isa(std::nullopt);
+    const double floor = 0.05 * std::max({max_abs(g32.query), max_abs(g32.key), max_abs(g32.value)});
+    EXPECT_LT(rel_error(spans.query, g32.query, floor), 2e-2);
+    EXPECT_LT(rel_error(spans.key, g32.key, floor), 2e-2);
+    EXPECT_LT(rel_error(spans.value, g32.value, floor), 2e-2);
   }
 }
 

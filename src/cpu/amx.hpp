@@ -1,6 +1,7 @@
 // The AMX (tile unit) kernels: bfloat16 attention forward. Entered only when amx_usable().
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "core/attention_problem.hpp"
@@ -42,6 +43,11 @@ bool amx_bf16_backward_supports(const AttentionProblem& p, const BackwardInputs&
 // in.lse2, in.p_scale and in.delta filled (run_attention_backward); q, k, v and the output's
 // gradient with unit-stride rows.
 void amx_bf16_backward(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
+
+// A head's packed queries and dQ^T past this many bytes (1.5 MiB) make the backward take its key
+// blocks in spans of 256 (flash_backward_amx.cpp); the bits are the same either way. Settable
+// for tests.
+std::atomic<int64_t>& amx_backward_span_bytes();
 
 // The kernel's 2^x (exp2_bf16) on n floats, for its tests. Needs AVX-512 (amx_usable()).
 void amx_exp2_bf16(const float* x, float* y, int64_t n);
