@@ -34,10 +34,7 @@ void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o);
 
 // Which backwards the AMX kernel takes (flash_backward_amx.cpp): amx_bf16_supports' problems with
 // a bfloat16 output gradient, bfloat16 or float32 gradients, no gradient of the scores (an
-// additive mask's), and at least
-// kAmxBackwardMinGroups (batch, key/value head) groups, its unit of work. The rule reads the
-// shape alone, so that the bits do not depend on the thread count.
-constexpr int64_t kAmxBackwardMinGroups = 4;
+// additive mask's) and keys and values that are not paged.
 bool amx_bf16_backward_supports(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 
 // in.lse2, in.p_scale and in.delta filled (run_attention_backward); q, k, v and the output's

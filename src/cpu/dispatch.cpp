@@ -157,7 +157,7 @@ bool amx_bf16_supports(const AttentionProblem& p) {
 bool amx_bf16_backward_supports(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
   return amx_usable() && amx_bf16_supports(p) && in.grad_out_dtype == DType::bf16 &&
          (out.grad_dtype == DType::bf16 || out.grad_dtype == DType::f32) &&
-         out.dscores == nullptr && p.key_pages == nullptr && p.heads_kv > 0 && p.batch * p.heads_kv >= kAmxBackwardMinGroups;
+         out.dscores == nullptr && p.key_pages == nullptr && p.heads_kv > 0;
 }
 
 }  // namespace mha::detail

@@ -134,7 +134,7 @@ struct AmxBackward {
 
   // One block: keys [j0, j0 + 32) of the task's group, queries [i0, i0 + 32) of head (b, h);
   // `clean` where every query sees every key of the block (the mask terms aside).
-  void block(const TaskBuffers& t, int64_t b, int64_t h, int64_t i0, int64_t j0, bool clean) const {
+  void block(const TaskBuffers& t, float* dqt, int64_t b, int64_t h, int64_t i0, int64_t j0, bool clean) const {
     alignas(64) float st[kB * kB], dpt[kB * kB];
     alignas(64) uint16_t pt[kB * kB], dst[kB * kB], dsv[kB * kB];
     // S^T = K Q^T and dP^T = V dO^T, 32 keys x 32 queries each.
@@ -249,7 +249,7 @@ struct AmxBackward {
     if (out.dq) {
       const long stride = static_cast<long>(lq * 4);
       for (int64_t d0 = 0; d0 < dkp; d0 += 32) {
-        float* c = t.dqt + d0 * lq + i0;
+        float* c = dqt + d0 * lq + i0;
         _tile_loadd(0, c, stride);
         _tile_loadd(1, c + 16, stride);
         _tile_loadd(2, c + 16 * lq, stride);
@@ -264,7 +264,7 @@ struct AmxBackward {
   }
 
   // Head (b, h): its packed rows, every block it has with the group's keys, and its dQ.
-  void head(const TaskBuffers& t, int64_t b, int64_t h) const {
+  void head(const TaskBuffers& t, int64_t b, int64_t h, int64_t key_begin, int64_t key_end, float* dqt) const {
     const uint16_t* q = p.q.data_as<const uint16_t>() + b * p.q.strides[0] + h * p.q.strides[1];
     const uint16_t* g = static_cast<const uint16_t*>(in.grad_out) + b * in.grad_out_strides[0] + h * in.grad_out_strides[1];
     pack_pairs_of_dims(q, p.q.strides[2], p.len_q, p.dim_qk, lq, dkp, t.qp);
@@ -279,7 +279,7 @@ struct AmxBackward {
     std::fill(t.lse2 + p.len_q, t.lse2 + lq, std::numeric_limits<float>::infinity());
     std::fill(t.p_scale + p.len_q, t.p_scale + lq, 0.0f);
     std::fill(t.delta + p.len_q, t.delta + lq, 0.0f);
-    if (out.dq) std::memset(t.dqt, 0, sizeof(float) * dkp * lq);
+    if (out.dq) std::memset(dqt, 0, sizeof(float) * dkp * lq);
     if (p.dropout_p > 0) {
       for (int64_t i = 0; i < lq; ++i) {
         const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(row0 + std::min(i, p.len_q - 1)));
@@ -297,28 +297,31 @@ struct AmxBackward {
     // dV), and so are the bits.
     const int64_t streamed = lq * (2 * dkp + 2 * dvp) * 2 + dkp * lq * 4;
     const int64_t span_keys = streamed > amx_backward_span_bytes().load(std::memory_order_relaxed) ? 256 : kB;
-    for (int64_t span = 0; span < p.len_k; span += span_keys) {
+    for (int64_t span = key_begin; span < key_end; span += span_keys) {
       for (int64_t i0 = 0; i0 < p.len_q; i0 += kB) {
         const int64_t last = std::min(p.len_q, i0 + kB) - 1;
-        for (int64_t j0 = span; j0 < std::min(p.len_k, span + span_keys); j0 += kB) {
+        for (int64_t j0 = span; j0 < std::min(key_end, span + span_keys); j0 += kB) {
           const int64_t j1 = j0 + kB;
           // Causal and window blocks no query sees are skipped (begin and end grow with the query).
           if (p.causal_end(last) <= j0) break;
           if (p.window_begin(i0) >= j1) continue;
           const bool clean = j1 <= p.len_k && p.causal_end(i0) >= j1 && p.window_begin(last) <= j0 && last == i0 + kB - 1;
-          block(t, b, h, i0, j0, clean);
+          block(t, dqt, b, h, i0, j0, clean);
         }
       }
     }
 
-    if (!out.dq) return;
-    // dQ = scale (dQ^T)^T, 16 x 16 floats transposed at a time.
+    if (out.dq && chunks == 1) store_dq(dqt, b, h);
+  }
+
+  // dQ of head (b, h) = scale (dQ^T)^T, 16 x 16 floats transposed at a time.
+  void store_dq(const float* dqt, int64_t b, int64_t h) const {
     alignas(64) float rows[16 * 16];
     const float scale = static_cast<float>(p.scale);
     for (int64_t i0 = 0; i0 < p.len_q; i0 += 16) {
       for (int64_t d0 = 0; d0 < dkp; d0 += 16) {
         __m512i r[16];
-        for (int k = 0; k < 16; ++k) r[k] = _mm512_load_si512(t.dqt + (d0 + k) * lq + i0);
+        for (int k = 0; k < 16; ++k) r[k] = _mm512_load_si512(dqt + (d0 + k) * lq + i0);
         transpose16x16(r);
         for (int k = 0; k < 16; ++k) _mm512_store_si512(rows + 16 * k, r[k]);
         for (int k = 0; k < 16 && i0 + k < p.len_q; ++k) {
@@ -331,7 +334,9 @@ struct AmxBackward {
     }
   }
 
-  void task(int64_t b, int64_t hk) const {
+  // Keys [c * chunk_keys, (c + 1) * chunk_keys) of group (b, hk): their dK and dV whole, and
+  // each head's dQ^T from them (the whole dQ where there is one chunk).
+  void task(int64_t b, int64_t hk, int64_t c, float* partials) const {
     const TaskBuffers t = buffers();
     const uint16_t* k = p.k.data_as<const uint16_t>() + b * p.k.strides[0] + hk * p.k.strides[1];
     const uint16_t* v = p.v.data_as<const uint16_t>() + b * p.v.strides[0] + hk * p.v.strides[1];
@@ -342,9 +347,13 @@ struct AmxBackward {
     std::memset(t.dk_acc, 0, sizeof(float) * lk * dkp);
     std::memset(t.dv_acc, 0, sizeof(float) * lk * dvp);
     const int64_t group = p.heads_q / p.heads_kv;
-    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) head(t, b, h);
+    const int64_t key_begin = c * chunk_keys, key_end = std::min(p.len_k, key_begin + chunk_keys);
+    for (int64_t hh = 0; hh < group; ++hh) {
+      float* dqt = partials == nullptr ? t.dqt : partials + (((b * p.heads_kv + hk) * group + hh) * chunks + c) * dkp * lq;
+      head(t, b, hk * group + hh, key_begin, key_end, dqt);
+    }
     const float scale = static_cast<float>(p.scale);
-    for (int64_t j = 0; j < p.len_k; ++j) {
+    for (int64_t j = key_begin; j < key_end; ++j) {
       if (out.dk) {
         const int64_t at = b * out.dk_strides[0] + hk * out.dk_strides[1] + j * out.dk_strides[2];
         store_row(t.dk_acc + j * dkp, p.dim_qk, scale, out.dk, at, out.dk_strides[3]);
@@ -357,14 +366,48 @@ struct AmxBackward {
   }
 
   void run() const {
-    parallel_for(p.batch * p.heads_kv, resolve_threads(p.num_threads), [&](int64_t t, int) {
+    const int threads = resolve_threads(p.num_threads);
+    const int64_t tasks = p.batch * p.heads_kv * chunks;
+    std::shared_ptr<std::byte> partial_block;
+    float* partials = nullptr;
+    if (chunks > 1 && out.dq) {
+      partial_block = host_allocate(static_cast<size_t>(p.batch * p.heads_q * chunks * dkp * lq) * 4 + 64);
+      if (partial_block == nullptr) throw std::bad_alloc();
+      partials = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial_block.get()) + 63) & ~uintptr_t{63});
+    }
+    parallel_for(tasks, threads, [&](int64_t t, int) {
       configure_tiles();
       struct Release {
         ~Release() { _tile_release(); }
       } release;
-      task(t / p.heads_kv, t % p.heads_kv);
+      const int64_t c = t % chunks, g = t / chunks;
+      task(g / p.heads_kv, g % p.heads_kv, c, partials);
+    });
+    if (partials == nullptr) return;
+    // dQ: each head's chunks summed in order, chunk 0 first.
+    parallel_for(p.batch * p.heads_q, threads, [&](int64_t bh, int) {
+      float* sum = partials + bh * chunks * dkp * lq;  // (chunk 0's slot)
+      for (int64_t c = 1; c < chunks; ++c) {
+        const float* more = sum + c * dkp * lq;
+        for (int64_t e = 0; e < dkp * lq; e += 16) _mm512_store_ps(sum + e, _mm512_add_ps(_mm512_load_ps(sum + e), _mm512_load_ps(more + e)));
+      }
+      store_dq(sum, bh / p.heads_q, bh % p.heads_q);
     });
   }
+
+  // Few (batch, key/value head) groups split their keys into chunks, each a task with a dQ of its
+  // own summed afterwards, so that at least kTasks tasks share the threads; the count follows the
+  // shape alone (and so do the bits), at least 256 keys a chunk, and the partial dQs at most
+  // 256 MiB.
+  static constexpr int64_t kTasks = 8;
+  const int64_t chunks = [this] {
+    const int64_t groups = p.batch * p.heads_kv;
+    int64_t n = std::min((kTasks + groups - 1) / groups, (p.len_k + 255) / 256);
+    const int64_t per_chunk = p.batch * p.heads_q * dkp * lq * 4;
+    while (n > 1 && n * per_chunk > (int64_t{256} << 20)) --n;
+    return std::max<int64_t>(n, 1);
+  }();
+  const int64_t chunk_keys = round_up((p.len_k + chunks - 1) / chunks, 256);
 };
 
 }  // namespace
