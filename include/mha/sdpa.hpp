@@ -91,7 +91,9 @@ struct SdpaOptions {
 // bfloat16 and float16 are computed in float32 (fp32 accumulation and softmax statistics) and
 // rounded once; on a CPU with AMX, bfloat16 forwards (head dims of at least 16, more than 4
 // queries, no weights returned) multiply on the tile unit, the probabilities rounded to bfloat16
-// for P V (as FlashAttention does) and their exponentials within 7.5e-5. float64 (host only) is computed in float64 throughout, as PyTorch does (for
+// for P V (as FlashAttention does) and their exponentials within 7.5e-5, and so do bfloat16
+// backwards of the same shapes (not when the mask's gradient is asked for), P and dS rounded to
+// bfloat16 for their products: gradients within bfloat16 rounding of the float32 path's. float64 (host only) is computed in float64 throughout, as PyTorch does (for
 // gradient checks), by its own blocked kernel on float64 BLAS; its mask may be float64 and its
 // log-sum-exp is float64. The training functions below do the same: outputs and gradients in
 // the inputs' dtype.

@@ -1,4 +1,5 @@
-// The AMX (tile unit) kernels: bfloat16 attention forward. Entered only when amx_usable().
+// The AMX (tile unit) kernels: bfloat16 attention forward and backward. Entered only when
+// amx_usable().
 #pragma once
 
 #include <atomic>
