@@ -7,11 +7,12 @@
 // Everything is computed transposed, keys as rows and queries along the lanes, so that each
 // query's lse2, p_scale and D are a vector loaded once per block rather than a broadcast per row:
 //   S^T = K Q^T      dP^T = V dO^T      dV += P^T dO      dK += dS^T Q      dQ^T += K^T dS^T
-// One task per (batch, key/value head) runs every query head of its group, key blocks of 32 in
-// the middle loop and query blocks of 32 inside; it owns its dK, dV rows (fp32, the whole key
-// length) and a head's dQ^T (fp32, the whole query length), each summed in one fixed order, so the
-// bits do not depend on the thread count. P and dS are rounded to bfloat16 for the tile unit, as
-// FlashAttention rounds them to its inputs' dtype.
+// One task per (batch, key/value head) runs every query head of its group over blocks of 32 keys
+// x 32 queries; it owns its dK, dV rows (fp32, the whole key length) and a head's dQ^T (fp32, the
+// whole query length), each summed in one fixed order, so the bits do not depend on the thread
+// count. With fewer than 8 groups, each group's keys are split into chunks fixed by the shape, a
+// task each, whose dQ^T partial sums are added in chunk order afterwards. P and dS are rounded to
+// bfloat16 for the tile unit, as FlashAttention rounds them to its inputs' dtype.
 //
 // Operands, bf16, packed per task (K, V) and per head (Q, dO), zero past the lengths and dims:
 //   Kn[key][dk], Vn[key][dv]              natural rows: A of S^T and dP^T
@@ -40,7 +41,7 @@ namespace {
 
 using namespace amx;
 using T = Tiles<simd::Avx512>;
-constexpr int kB = 32;       // keys per block and queries per block
+constexpr int kB = 32;  // keys per block and queries per block
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
