@@ -17,7 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/amx.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
@@ -26,6 +25,8 @@
 namespace {
 
 using mha_test::expect_error;
+using mha_test::expect_near_float32_path;
+using mha_test::tile_unit_backward;
 using mha_test::max_abs;
 using mha_test::randn;
 using mha_test::rel_error;
@@ -38,22 +39,6 @@ struct SdpaCase {
   bool mask_grad = false;
   std::string describe;
 };
-
-// Whether a bfloat16 backward of this shape runs on the tile unit (cpu/amx.hpp's rule): it rounds
-// P and dS to bfloat16 for its products, so its gradients are within bfloat16 rounding of the
-// float32 path's rather than its bits (AmxBackward.* judges it against float64).
-bool tile_unit_backward(mha::detail::Isa isa, mha::DType dtype, int64_t lq, int64_t lk, int64_t dk, int64_t dv, bool mask_grad) {
-  return isa == mha::detail::Isa::amx && dtype == mha::DType::bf16 && !mask_grad && mha::detail::amx_bf16_takes_shape(lq, lk, dk, dv);
-}
-
-// Gradients of the tile unit within 2e-2 of the float32 path's (rounded to bfloat16), relative to
-// the largest of the three or 5% of it where one cancels (AmxBackward's bound).
-void expect_near_float32_path(const mha::AttentionGradients& g, const mha::AttentionGradients& g32) {
-  const double floor = 0.05 * std::max({max_abs(g32.query), max_abs(g32.key), max_abs(g32.value)});
-  EXPECT_LT(rel_error(g.query, g32.query, floor), 2e-2);
-  EXPECT_LT(rel_error(g.key, g32.key, floor), 2e-2);
-  EXPECT_LT(rel_error(g.value, g32.value, floor), 2e-2);
-}
 
 SdpaCase draw_sdpa_case(std::mt19937_64& rng) {
   auto pick = [&](int lo, int hi) { return static_cast<int64_t>(std::uniform_int_distribution<int>(lo, hi)(rng)); };
@@ -574,7 +559,7 @@ TEST(SdpaBackward, FewRowsPerKeyValueHeadMatchReference) {
         auto wide = [](const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); };
         const mha::AttentionForTraining saved32{wide(saved.output), saved.lse};
         const auto g32 = mha::scaled_dot_product_attention_backward(wide(q), wide(k), wide(v), saved32, wide(g), o);
-        if (tile_unit_backward(isa, dtype, lq, lk, dk, dv, mask_grad)) {
+        if (tile_unit_backward(dtype, lq, lk, dk, dv, mask_grad)) {
           expect_near_float32_path(grads, g32);
           continue;
         }
@@ -699,7 +684,7 @@ TEST(SdpaBackward, LowPrecisionTrainingIsTheFloat32PathRoundedOnce) {
         const mha::AttentionForTraining rounded_saved{wide(saved.output), saved.lse};
         const auto g32 = mha::scaled_dot_product_attention_backward(wide(q), wide(k), wide(v), rounded_saved, wide(grad),
                                                                     c.options, c.mask_grad);
-        if (tile_unit_backward(isa, dtype, q.size(2), k.size(2), q.size(3), v.size(3), c.mask_grad)) {
+        if (tile_unit_backward(dtype, q.size(2), k.size(2), q.size(3), v.size(3), c.mask_grad)) {
           expect_near_float32_path(g, g32);
         } else {
           EXPECT_TRUE(same_bits(g.query, mha::Tensor::copy_of(g32.query, dtype)));

@@ -177,10 +177,14 @@ TEST(BatchBroadcast, MatchesMaterialisedInputsForwardAndBackward) {
       const mha::AttentionForTraining saved32{wide(saved.output), saved.lse};
       const mha::AttentionGradients g32 = mha::scaled_dot_product_attention_backward(
           wide(q), wide(k), wide(v), saved32, wide(grad), o, mha::SdpaGradientsWanted{.attn_mask = mask.defined()});
-      EXPECT_TRUE(mha_test::same_bits(g.query, mha::Tensor::copy_of(g32.query, dtype)));
-      EXPECT_TRUE(mha_test::same_bits(g.key, mha::Tensor::copy_of(g32.key, dtype)));
-      EXPECT_TRUE(mha_test::same_bits(g.value, mha::Tensor::copy_of(g32.value, dtype)));
-      if (mask.defined()) EXPECT_TRUE(mha_test::same_bits(*g.attn_mask, *g32.attn_mask));
+      if (mha_test::tile_unit_backward(dtype, L, S, D, Dv, mask.defined())) {  // within bfloat16 rounding there
+        mha_test::expect_near_float32_path(g, g32);
+      } else {
+        EXPECT_TRUE(mha_test::same_bits(g.query, mha::Tensor::copy_of(g32.query, dtype)));
+        EXPECT_TRUE(mha_test::same_bits(g.key, mha::Tensor::copy_of(g32.key, dtype)));
+        EXPECT_TRUE(mha_test::same_bits(g.value, mha::Tensor::copy_of(g32.value, dtype)));
+        if (mask.defined()) EXPECT_TRUE(mha_test::same_bits(*g.attn_mask, *g32.attn_mask));
+      }
     }
 
     // The plain forward and the weights agree with the training forward's output.

@@ -12,6 +12,8 @@
 
 #include <string>
 
+#include "cpu/amx.hpp"
+#include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
 
 namespace mha_test {
@@ -85,6 +87,24 @@ inline ::testing::AssertionResult agree(const mha::TensorView& a, const mha::Ten
   const bool same = a.dtype == mha::DType::f64 ? rel_error(a, b, 1.0) < 1e-13 : same_bits(a, b) || rel_error(a, b) == 0;
   if (same) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "relative difference " << rel_error(a, b);
+}
+
+// Whether a bfloat16 backward of these lengths and head dims runs on the tile unit on the ISA in
+// use (cpu/amx.hpp's rule; never when the mask's gradient is asked for): it rounds P and dS to
+// bfloat16 for its products, so its gradients are within bfloat16 rounding of the float32
+// path's rather than its bits (AmxBackward.* judges them against float64).
+inline bool tile_unit_backward(mha::DType dtype, int64_t lq, int64_t lk, int64_t dk, int64_t dv, bool mask_grad = false) {
+  return mha::detail::active_isa() == mha::detail::Isa::amx && dtype == mha::DType::bf16 && !mask_grad &&
+         mha::detail::amx_bf16_takes_shape(lq, lk, dk, dv);
+}
+
+// Gradients of the tile unit within 2e-2 of the float32 path's, relative to the largest of the
+// three or 5% of it where one cancels (AmxBackward's bound).
+inline void expect_near_float32_path(const mha::AttentionGradients& g, const mha::AttentionGradients& g32) {
+  const double floor = 0.05 * std::max({max_abs(g32.query), max_abs(g32.key), max_abs(g32.value)});
+  EXPECT_LT(rel_error(g.query, g32.query, floor), 2e-2);
+  EXPECT_LT(rel_error(g.key, g32.key, floor), 2e-2);
+  EXPECT_LT(rel_error(g.value, g32.value, floor), 2e-2);
 }
 
 // Keys [0, len) of a paged cache [pages, Hkv, page_size, D] (any strides) whose pages `pages`
