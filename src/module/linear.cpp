@@ -1,6 +1,7 @@
 #include "module/linear.hpp"
 
 #include "core/parallel_copy.hpp"
+#include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/few_rows_gemm.hpp"
 #include "module/bf16_matmul.hpp"
@@ -143,28 +144,55 @@ void bf16_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, 
 }
 
 // C = A B^T + bias rounded once to bfloat16, A [m, k], B [n, k] and C bfloat16, in blocks of
-// gemm's 256 rows (fixed by the shape), each one single-threaded oneDNN matmul (AMX) on whole rows
-// of C. B is repacked for the tile kernel once, not by every block: on 2 cores each block's own
-// repacking of a 3072 x 1024 weight held the in-projection of an E = 1024 module to a third of
-// the kernel's rate.
+// gemm's 256 rows and of at most kColumnPart columns (both fixed by the shape), each one
+// single-threaded oneDNN matmul (AMX). B is repacked for the tile kernel once per column part,
+// not by every block: on 2 cores each block's own repacking of a 3072 x 1024 weight held the
+// in-projection of an E = 1024 module to a third of the kernel's rate. Column parts keep a
+// part's packed weight (2 MiB at 1024 x 1024) within L2 as the kernel streams it for every 32
+// rows of its block; a block writes a dense buffer of its own that is then copied into C, as
+// oneDNN 2.6 runs its AMX kernel only for a dense destination (on a column block of a wider C it
+// falls back to a gemm at about two thirds of the rate).
+constexpr int64_t kColumnPart = 1024;
 void bf16_gemm_rounded(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b,
                        int64_t ldb, const float* bias, uint16_t* c, int64_t ldc, int threads) {
   if (m == 0 || n == 0) return;
   const int64_t row_block = kGemmBlock, row_blocks = (m + row_block - 1) / row_block;
   const int64_t last_rows = m - (row_blocks - 1) * row_block;
-  std::vector<Bf16MatmulBlock> shapes;  // full blocks, the last
-  shapes.emplace_back(std::min(row_block, m), n, k, lda, ldb, ldc, Bf16Output::bf16_plus_bias);
-  shapes.emplace_back(last_rows, n, k, lda, ldb, ldc, Bf16Output::bf16_plus_bias);
-  std::vector<Tensor> packed;
-  const bool one_packing = shapes[0].same_packing(shapes[1]);
-  for (size_t s = 0; s < (one_packing ? 1u : 2u); ++s) {
-    packed.push_back(Tensor::empty({static_cast<int64_t>((shapes[s].packed_bytes() + 1) / 2)}, DType::bf16));
-    shapes[s].pack(b, packed.back().data<uint16_t>());
-  }
-  parallel_for(row_blocks, threads, [&](int64_t block, int) {
+  const int64_t parts = (n + kColumnPart - 1) / kColumnPart, part_cols = (n + parts - 1) / parts;
+  struct Part {
+    int64_t j0, cols;
+    std::vector<Bf16MatmulBlock> shapes;  // full blocks, the last
+    std::vector<Tensor> packed;
+    bool one_packing;
+  };
+  std::vector<Part> columns(static_cast<size_t>(parts));
+  parallel_for(parts, threads, [&](int64_t s, int) {
+    Part& part = columns[static_cast<size_t>(s)];
+    part.j0 = s * part_cols, part.cols = std::min(part_cols, n - part.j0);
+    const int64_t ld = parts == 1 ? ldc : part.cols;  // (a dense buffer of the block's own, below)
+    part.shapes.emplace_back(std::min(row_block, m), part.cols, k, lda, ldb, ld, Bf16Output::bf16_plus_bias);
+    part.shapes.emplace_back(last_rows, part.cols, k, lda, ldb, ld, Bf16Output::bf16_plus_bias);
+    part.one_packing = part.shapes[0].same_packing(part.shapes[1]);
+    for (size_t p = 0; p < (part.one_packing ? 1u : 2u); ++p) {
+      part.packed.push_back(Tensor::empty({static_cast<int64_t>((part.shapes[p].packed_bytes() + 1) / 2)}, DType::bf16));
+      part.shapes[p].pack(b + part.j0 * ldb, part.packed.back().data<uint16_t>());
+    }
+  });
+  parallel_for(row_blocks * parts, threads, [&](int64_t task, int) {
+    const int64_t block = task / parts;
+    const Part& part = columns[static_cast<size_t>(task % parts)];
     const bool last = block + 1 == row_blocks;
-    const Tensor& weights = packed[last && !one_packing ? 1 : 0];
-    shapes[last ? 1 : 0].run(a + block * row_block * lda, weights.data<uint16_t>(), c + block * row_block * ldc, bias);
+    const Tensor& weights = part.packed[last && !part.one_packing ? 1 : 0];
+    const int64_t i0 = block * row_block, rows = last ? last_rows : row_block;
+    const float* part_bias = bias ? bias + part.j0 : nullptr;
+    if (parts == 1) {
+      part.shapes[last ? 1 : 0].run(a + i0 * lda, weights.data<uint16_t>(), c + i0 * ldc, part_bias);
+      return;
+    }
+    uint16_t* dense = static_cast<uint16_t*>(thread_scratch(static_cast<size_t>(rows * part.cols) * 2));
+    part.shapes[last ? 1 : 0].run(a + i0 * lda, weights.data<uint16_t>(), dense, part_bias);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(c + (i0 + r) * ldc + part.j0, dense + r * part.cols, static_cast<size_t>(part.cols) * 2);
   });
 }
 
