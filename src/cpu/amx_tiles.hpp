@@ -22,10 +22,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Tiles 0-7 as 16 rows of 64 bytes. The configuration is built once, in static storage: built on
+// the stack at each call, GCC 12 let the stores of its column widths fall after the ldtilecfg
+// that reads them (the intrinsic does not tell it the memory is read), which loaded an invalid
+// configuration (a #GP) in one caller.
 inline void configure_tiles() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-  _tile_loadconfig(&c);
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    return c;
+  }();
+  _tile_loadconfig(&config);
 }
 
 // n bfloat16 values, 64-byte aligned, from the host block cache (a call of a module allocates
@@ -60,6 +67,15 @@ inline __m512 exp2_bf16(__m512 x) {
   return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, n);
 }
 
+// tmm0-3 += the 2 x 2 block of products of the A tiles in tmm4-5 and the B tiles in tmm6-7:
+// tmm0 = A0 B0, tmm1 = A0 B1, tmm2 = A1 B0, tmm3 = A1 B1.
+inline void products_2x2() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 // tmm0-3 += the 2 x 2 block of 16 x 16 tile products of A (rows a0 and a1: tmm4-5) and B (16
 // columns at b0, 16 at b1: tmm6-7); strides in bytes.
 inline void tile_products(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
@@ -68,10 +84,7 @@ inline void tile_products(const void* a0, const void* a1, int64_t a_stride, cons
   _tile_loadd(5, a1, static_cast<long>(a_stride));
   _tile_loadd(6, b0, static_cast<long>(b_stride));
   _tile_loadd(7, b1, static_cast<long>(b_stride));
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
+  products_2x2();
 }
 
 // r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows r held: pairs of words,
@@ -99,6 +112,11 @@ inline void transpose16x16(__m512i r[16]) {
 // dim, which adds nothing to Q K^T, and past dv the output columns are dropped.
 inline int64_t padded(int64_t d) { return (d + 31) / 32 * 32; }
 
+// The row pitch of a packed operand whose rows hold `n` 32-bit words (or floats): a cache line
+// more. A tile's 16 rows a multiple of 4 KiB apart (L = 1024 and up) would share one set of the
+// 12-way L1, and each tile load would evict the previous one's lines.
+inline int64_t pitch_of(int64_t n) { return n + 16; }
+
 // Lanes [0, n) of a 32-lane 16-bit mask (all of them from 32 on, none below 0).
 inline __mmask32 first_lanes(int64_t n) {
   return n >= 32 ? ~__mmask32{0} : n <= 0 ? __mmask32{0} : static_cast<__mmask32>((uint32_t{1} << n) - 1);
@@ -106,10 +124,12 @@ inline __mmask32 first_lanes(int64_t n) {
 
 // Rows [0, rows) of `dim` bfloat16 values (row r at src + r * row_stride) as the B operand of a
 // product over the dims: pairs of dims, one 32-bit word per row and pair, transposed 16 x 16
-// words at a time, dst[dim_padded / 2][len_padded][2]. Zeros past dim and past rows.
-// len_padded is a multiple of 16, dim_padded of 32.
+// words at a time, dst[dim_padded / 2][pitch][2] (pitch 0: len_padded), of which the first
+// len_padded words of each row are written. Zeros past dim and past rows. len_padded is a
+// multiple of 16, dim_padded of 32.
 inline void pack_pairs_of_dims(const uint16_t* src, int64_t row_stride, int64_t rows, int64_t dim, int64_t len_padded,
-                               int64_t dim_padded, uint16_t* dst) {
+                               int64_t dim_padded, uint16_t* dst, int64_t pitch = 0) {
+  if (pitch == 0) pitch = len_padded;
   uint32_t* words = reinterpret_cast<uint32_t*>(dst);
   for (int64_t j0 = 0; j0 < len_padded; j0 += 16) {
     for (int64_t d2 = 0; d2 < dim_padded / 2; d2 += 16) {
@@ -118,7 +138,7 @@ inline void pack_pairs_of_dims(const uint16_t* src, int64_t row_stride, int64_t 
         r[i] = j0 + i < rows ? _mm512_maskz_loadu_epi16(first_lanes(dim - 2 * d2), src + (j0 + i) * row_stride + 2 * d2)
                              : _mm512_setzero_si512();
       transpose16x16(r);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(words + (d2 + i) * len_padded + j0, r[i]);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(words + (d2 + i) * pitch + j0, r[i]);
     }
   }
 }

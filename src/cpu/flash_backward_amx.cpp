@@ -59,6 +59,21 @@ struct AmxBackward {
   const BackwardOutputs& out;
   const int64_t dkp = padded(p.dim_qk), dvp = padded(p.dim_v);
   const int64_t lk = round_up(p.len_k, kB), lq = round_up(p.len_q, kB);
+  // Where a head's packed queries (Qp, Qv, dOp, dOv) and its dQ^T outgrow half of a 2 MiB L2
+  // (1.5 MiB: d=64 L=2048 and up, d=128 L=1024 and up), key blocks come in spans of 256 that meet
+  // each query block in turn, so that those stream through the cache once per span rather than
+  // once per 32 keys: B=4 H=16 d=128 L=2048 went from 750-770 to 955-970 GFLOP/s, d=64 B=1
+  // L=8192 from 725-805 to 1025-1075. Below that, 32 keys a span (each key block meeting every
+  // query block in turn) measured 7-8% faster (d=64 L=1024 and 2048). The order in which each
+  // gradient element sums its blocks is the same either way (keys ascending for dQ, queries for
+  // dK and dV), and so are the bits.
+  const bool spans = lq * (2 * dkp + 2 * dvp) * 2 + dkp * lq * 4 > amx_backward_span_bytes().load(std::memory_order_relaxed);
+  // Row pitches: of Qp and dOp (words) and dQ^T (floats), qpitch; of Kt (bf16 values), kpitch. With
+  // spans, a query block's tiles are read again by the next key block, and rows a multiple of
+  // 4 KiB apart would evict each other from L1 (pitch_of): d=128 L=2048 980-1020 to 1090-1120
+  // GFLOP/s. Without spans each block reads new rows, and the padding measured 6-12% slower
+  // (d=64 L=2048).
+  const int64_t qpitch = spans ? pitch_of(lq) : lq, kpitch = spans ? 2 * pitch_of(lk / 2) : lk;
   // Whether scores are scaled before mask terms are added to them (block()).
   const bool prescale = [this] {
     bool additive = false;
@@ -68,8 +83,8 @@ struct AmxBackward {
 
   TaskBuffers buffers() const {
     // (bf16 counts first, then fp32 counts; each rounded to 64 bytes)
-    const int64_t bf16[] = {lk * dkp, dkp * lk, lk * dvp, dkp * lq, lq * dkp, dvp * lq, lq * dvp};
-    const int64_t f32[] = {lk * dkp, lk * dvp, dkp * lq, lq, lq, lq, lq, lq};
+    const int64_t bf16[] = {lk * dkp, dkp * kpitch, lk * dvp, dkp * qpitch, lq * dkp, dvp * qpitch, lq * dvp};
+    const int64_t f32[] = {lk * dkp, lk * dvp, dkp * qpitch, lq, lq, lq, lq, lq};
     int64_t bytes = 0;
     for (int64_t n : bf16) bytes += round_up(n * 2, 64);
     for (int64_t n : f32) bytes += round_up(n * 4, 64);
@@ -97,10 +112,11 @@ struct AmxBackward {
     }
   }
 
-  // K transposed, Kt[dim_padded][len_padded], from its pairs of dims (packed into `pairs`
-  // first): the even 16-bit lanes of a pair row are one dim's keys, the odd ones the next dim's.
+  // K transposed, Kt[dim_padded][pitch] (len_padded keys a row), from its pairs of dims (packed
+  // into `pairs` first): the even 16-bit lanes of a pair row are one dim's keys, the odd ones the
+  // next dim's.
   static void transpose_rows(const uint16_t* src, int64_t row_stride, int64_t rows, int64_t dim, int64_t len_padded,
-                             int64_t dim_padded, uint16_t* pairs, uint16_t* dst) {
+                             int64_t dim_padded, int64_t pitch, uint16_t* pairs, uint16_t* dst) {
     pack_pairs_of_dims(src, row_stride, rows, dim, len_padded, dim_padded, pairs);
     alignas(64) uint16_t index[32];
     for (int i = 0; i < 32; ++i) index[i] = static_cast<uint16_t>(2 * i);
@@ -109,8 +125,8 @@ struct AmxBackward {
       const uint16_t* row = pairs + d2 * len_padded * 2;
       for (int64_t j = 0; j < len_padded; j += 32) {
         const __m512i a = _mm512_loadu_si512(row + 2 * j), b = _mm512_loadu_si512(row + 2 * j + 32);
-        _mm512_storeu_si512(dst + (2 * d2) * len_padded + j, _mm512_permutex2var_epi16(a, even, b));
-        _mm512_storeu_si512(dst + (2 * d2 + 1) * len_padded + j, _mm512_permutex2var_epi16(a, odd, b));
+        _mm512_storeu_si512(dst + (2 * d2) * pitch + j, _mm512_permutex2var_epi16(a, even, b));
+        _mm512_storeu_si512(dst + (2 * d2 + 1) * pitch + j, _mm512_permutex2var_epi16(a, odd, b));
       }
     }
   }
@@ -145,8 +161,8 @@ struct AmxBackward {
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t d0 = 0; d0 < depth; d0 += 32) {
-        tile_products(a + j0 * depth + d0, a + (j0 + 16) * depth + d0, depth * 2, bp + ((d0 / 2) * lq + i0) * 2,
-                      bp + ((d0 / 2) * lq + i0 + 16) * 2, lq * 4);
+        tile_products(a + j0 * depth + d0, a + (j0 + 16) * depth + d0, depth * 2, bp + ((d0 / 2) * qpitch + i0) * 2,
+                      bp + ((d0 / 2) * qpitch + i0 + 16) * 2, qpitch * 4);
       }
       _tile_stored(0, result, kB * 4);
       _tile_stored(1, result + 16, kB * 4);
@@ -227,16 +243,20 @@ struct AmxBackward {
     }
 
     // dV += P^T dO and dK += dS^T Q: 32 keys x 32 columns at a time, depth 32 queries.
+    // (The A tiles stay loaded across the column groups.)
     auto accumulate = [&](const uint16_t* a, const uint16_t* bv, int64_t width, float* acc) {
+      _tile_loadd(4, a, kB * 2);
+      _tile_loadd(5, a + 16 * kB, kB * 2);
+      const long stride = static_cast<long>(width * 4);
       for (int64_t d0 = 0; d0 < width; d0 += 32) {
         float* c = acc + j0 * width + d0;
-        const long stride = static_cast<long>(width * 4);
         _tile_loadd(0, c, stride);
         _tile_loadd(1, c + 16, stride);
         _tile_loadd(2, c + 16 * width, stride);
         _tile_loadd(3, c + 16 * width + 16, stride);
-        tile_products(a, a + 16 * kB, kB * 2, bv + ((i0 / 2) * width + d0) * 2, bv + ((i0 / 2) * width + d0 + 16) * 2,
-                      width * 4);
+        _tile_loadd(6, bv + ((i0 / 2) * width + d0) * 2, stride);
+        _tile_loadd(7, bv + ((i0 / 2) * width + d0 + 16) * 2, stride);
+        products_2x2();
         _tile_stored(0, c, stride);
         _tile_stored(1, c + 16, stride);
         _tile_stored(2, c + 16 * width, stride);
@@ -246,20 +266,24 @@ struct AmxBackward {
     if (out.dv) accumulate(pt, t.dov, dvp, t.dv_acc);
     if (out.dk) accumulate(dst, t.qv, dkp, t.dk_acc);
 
-    // dQ^T += K^T dS^T: 32 dims x 32 queries at a time, depth 32 keys.
+    // dQ^T += K^T dS^T: 32 dims x 32 queries at a time, depth 32 keys (dS^T's tiles stay loaded).
     if (out.dq) {
-      const long stride = static_cast<long>(lq * 4);
+      _tile_loadd(6, dsv, 2 * kB * 2);
+      _tile_loadd(7, dsv + 32, 2 * kB * 2);
+      const long stride = static_cast<long>(qpitch * 4);
       for (int64_t d0 = 0; d0 < dkp; d0 += 32) {
-        float* c = dqt + d0 * lq + i0;
+        float* c = dqt + d0 * qpitch + i0;
         _tile_loadd(0, c, stride);
         _tile_loadd(1, c + 16, stride);
-        _tile_loadd(2, c + 16 * lq, stride);
-        _tile_loadd(3, c + 16 * lq + 16, stride);
-        tile_products(t.kt + d0 * lk + j0, t.kt + (d0 + 16) * lk + j0, lk * 2, dsv, dsv + 32, 2 * kB * 2);
+        _tile_loadd(2, c + 16 * qpitch, stride);
+        _tile_loadd(3, c + 16 * qpitch + 16, stride);
+        _tile_loadd(4, t.kt + d0 * kpitch + j0, kpitch * 2);
+        _tile_loadd(5, t.kt + (d0 + 16) * kpitch + j0, kpitch * 2);
+        products_2x2();
         _tile_stored(0, c, stride);
         _tile_stored(1, c + 16, stride);
-        _tile_stored(2, c + 16 * lq, stride);
-        _tile_stored(3, c + 16 * lq + 16, stride);
+        _tile_stored(2, c + 16 * qpitch, stride);
+        _tile_stored(3, c + 16 * qpitch + 16, stride);
       }
     }
   }
@@ -268,8 +292,8 @@ struct AmxBackward {
   void head(const TaskBuffers& t, int64_t b, int64_t h, int64_t key_begin, int64_t key_end, float* dqt) const {
     const uint16_t* q = p.q.data_as<const uint16_t>() + b * p.q.strides[0] + h * p.q.strides[1];
     const uint16_t* g = static_cast<const uint16_t*>(in.grad_out) + b * in.grad_out_strides[0] + h * in.grad_out_strides[1];
-    pack_pairs_of_dims(q, p.q.strides[2], p.len_q, p.dim_qk, lq, dkp, t.qp);
-    pack_pairs_of_dims(g, in.grad_out_strides[2], p.len_q, p.dim_v, lq, dvp, t.dop);
+    pack_pairs_of_dims(q, p.q.strides[2], p.len_q, p.dim_qk, lq, dkp, t.qp, qpitch);
+    pack_pairs_of_dims(g, in.grad_out_strides[2], p.len_q, p.dim_v, lq, dvp, t.dop, qpitch);
     if (out.dk) pack_pairs_of_rows(q, p.q.strides[2], p.len_q, p.dim_qk, lq, dkp, t.qv);
     if (out.dv) pack_pairs_of_rows(g, in.grad_out_strides[2], p.len_q, p.dim_v, lq, dvp, t.dov);
     // Past the last query: lse2 = +inf and p_scale = 0, so that P = 0 there.
@@ -280,7 +304,7 @@ struct AmxBackward {
     std::fill(t.lse2 + p.len_q, t.lse2 + lq, std::numeric_limits<float>::infinity());
     std::fill(t.p_scale + p.len_q, t.p_scale + lq, 0.0f);
     std::fill(t.delta + p.len_q, t.delta + lq, 0.0f);
-    if (out.dq) std::memset(dqt, 0, sizeof(float) * dkp * lq);
+    if (out.dq) std::memset(dqt, 0, sizeof(float) * dkp * qpitch);
     if (p.dropout_p > 0) {
       for (int64_t i = 0; i < lq; ++i) {
         const DropoutRowKey key = dropout_row_key(p.dropout_seed, static_cast<uint64_t>(row0 + std::min(i, p.len_q - 1)));
@@ -288,16 +312,7 @@ struct AmxBackward {
       }
     }
 
-    // Where a head's packed queries and its dQ^T outgrow half of a 2 MiB L2 and more (1.5 MiB
-    // at d=64 L=2048, 3 MiB at d=128), key blocks come in spans of 256 that meet each query
-    // block in turn, so that those stream through the cache once per span rather than once per
-    // 32 keys: B=4 H=16 d=128 L=2048 went from 750-770 to 955-970 GFLOP/s, d=64 B=1 L=8192 from
-    // 725-805 to 1025-1075. Below that, 32 keys a span (each key block meeting every query block
-    // in turn) measured 7-8% faster (d=64 L=1024 and 2048). The order in which each gradient
-    // element sums its blocks is the same either way (keys ascending for dQ, queries for dK and
-    // dV), and so are the bits.
-    const int64_t streamed = lq * (2 * dkp + 2 * dvp) * 2 + dkp * lq * 4;
-    const int64_t span_keys = streamed > amx_backward_span_bytes().load(std::memory_order_relaxed) ? 256 : kB;
+    const int64_t span_keys = spans ? 256 : kB;
     for (int64_t span = key_begin; span < key_end; span += span_keys) {
       for (int64_t i0 = 0; i0 < p.len_q; i0 += kB) {
         const int64_t last = std::min(p.len_q, i0 + kB) - 1;
@@ -322,7 +337,7 @@ struct AmxBackward {
     for (int64_t i0 = 0; i0 < p.len_q; i0 += 16) {
       for (int64_t d0 = 0; d0 < dkp; d0 += 16) {
         __m512i r[16];
-        for (int k = 0; k < 16; ++k) r[k] = _mm512_load_si512(dqt + (d0 + k) * lq + i0);
+        for (int k = 0; k < 16; ++k) r[k] = _mm512_load_si512(dqt + (d0 + k) * qpitch + i0);
         transpose16x16(r);
         for (int k = 0; k < 16; ++k) _mm512_store_si512(rows + 16 * k, r[k]);
         for (int k = 0; k < 16 && i0 + k < p.len_q; ++k) {
@@ -344,13 +359,13 @@ struct AmxBackward {
     copy_rows(k, p.k.strides[2], p.len_k, p.dim_qk, lk, dkp, t.kn);
     copy_rows(v, p.v.strides[2], p.len_k, p.dim_v, lk, dvp, t.vn);
     // (dk_acc, lk x dkp floats, holds K's pairs of dims on the way)
-    if (out.dq) transpose_rows(k, p.k.strides[2], p.len_k, p.dim_qk, lk, dkp, reinterpret_cast<uint16_t*>(t.dk_acc), t.kt);
+    if (out.dq) transpose_rows(k, p.k.strides[2], p.len_k, p.dim_qk, lk, dkp, kpitch, reinterpret_cast<uint16_t*>(t.dk_acc), t.kt);
     std::memset(t.dk_acc, 0, sizeof(float) * lk * dkp);
     std::memset(t.dv_acc, 0, sizeof(float) * lk * dvp);
     const int64_t group = p.heads_q / p.heads_kv;
     const int64_t key_begin = c * chunk_keys, key_end = std::min(p.len_k, key_begin + chunk_keys);
     for (int64_t hh = 0; hh < group; ++hh) {
-      float* dqt = partials == nullptr ? t.dqt : partials + (((b * p.heads_kv + hk) * group + hh) * chunks + c) * dkp * lq;
+      float* dqt = partials == nullptr ? t.dqt : partials + (((b * p.heads_kv + hk) * group + hh) * chunks + c) * dkp * qpitch;
       head(t, b, hk * group + hh, key_begin, key_end, dqt);
     }
     const float scale = static_cast<float>(p.scale);
@@ -372,7 +387,7 @@ struct AmxBackward {
     std::shared_ptr<std::byte> partial_block;
     float* partials = nullptr;
     if (chunks > 1 && out.dq) {
-      partial_block = host_allocate(static_cast<size_t>(p.batch * p.heads_q * chunks * dkp * lq) * 4 + 64);
+      partial_block = host_allocate(static_cast<size_t>(p.batch * p.heads_q * chunks * dkp * qpitch) * 4 + 64);
       if (partial_block == nullptr) throw std::bad_alloc();
       partials = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial_block.get()) + 63) & ~uintptr_t{63});
     }
@@ -387,10 +402,10 @@ struct AmxBackward {
     if (partials == nullptr) return;
     // dQ: each head's chunks summed in order, chunk 0 first.
     parallel_for(p.batch * p.heads_q, threads, [&](int64_t bh, int) {
-      float* sum = partials + bh * chunks * dkp * lq;  // (chunk 0's slot)
+      float* sum = partials + bh * chunks * dkp * qpitch;  // (chunk 0's slot)
       for (int64_t c = 1; c < chunks; ++c) {
-        const float* more = sum + c * dkp * lq;
-        for (int64_t e = 0; e < dkp * lq; e += 16) _mm512_store_ps(sum + e, _mm512_add_ps(_mm512_load_ps(sum + e), _mm512_load_ps(more + e)));
+        const float* more = sum + c * dkp * qpitch;
+        for (int64_t e = 0; e < dkp * qpitch; e += 16) _mm512_store_ps(sum + e, _mm512_add_ps(_mm512_load_ps(sum + e), _mm512_load_ps(more + e)));
       }
       store_dq(sum, bh / p.heads_q, bh % p.heads_q);
     });
@@ -404,7 +419,7 @@ struct AmxBackward {
   const int64_t chunks = [this] {
     const int64_t groups = p.batch * p.heads_kv;
     int64_t n = std::min((kTasks + groups - 1) / groups, (p.len_k + 255) / 256);
-    const int64_t per_chunk = p.batch * p.heads_q * dkp * lq * 4;
+    const int64_t per_chunk = p.batch * p.heads_q * dkp * qpitch * 4;
     while (n > 1 && n * per_chunk > (int64_t{256} << 20)) --n;
     return std::max<int64_t>(n, 1);
   }();

@@ -45,9 +45,10 @@ constexpr int kQ = 32;  // queries per task
 constexpr int kK = 64;  // keys per step (two halves of 32, the tiles' width)
 
 struct Packed {
-  uint16_t* k;  // [B][Hkv][Dk/2][Lk32][2]
+  uint16_t* k;  // [B][Hkv][Dk/2][pitch][2], Lk32 words of each row written
   uint16_t* v;  // [B][Hkv][Lk32/2][Dv][2]
-  int64_t len;  // Lk rounded up to 32
+  int64_t len;    // Lk rounded up to 64
+  int64_t pitch;  // pitch_of(len)
 };
 
 // Terms 2^(s - base) stay below 2^kLazyRescale (256): exact in bfloat16's and float's range.
@@ -98,20 +99,19 @@ struct AmxForward {
   const int64_t dkp = padded(p.dim_qk), dvp = padded(p.dim_v);  // the panels' row widths
 
   int64_t kv_index(int64_t b, int64_t hk) const { return b * p.heads_kv + hk; }
-  const uint16_t* k_panel(int64_t b, int64_t hk) const { return packed.k + kv_index(b, hk) * dkp * packed.len; }
+  const uint16_t* k_panel(int64_t b, int64_t hk) const { return packed.k + kv_index(b, hk) * dkp * packed.pitch; }
+  // Up to this many keys, each task packs its own head's panels (run()).
+  static constexpr int64_t kOwnPanels = 512;
   const uint16_t* v_panel(int64_t b, int64_t hk) const { return packed.v + kv_index(b, hk) * packed.len * dvp; }
 
   // K as pairs of dims (one 32-bit word per key and pair) transposed, 16 keys x 16 pairs at a
   // time; V as pairs of keys interleaved per value column, 32 columns at a time. Rows have unit
   // stride (amx_bf16_supports checks it); keys past len_k are zeros.
-  void pack(int threads) {
-    parallel_for(p.batch * p.heads_kv, threads, [&](int64_t t, int) {
-      const int64_t b = t / p.heads_kv, hk = t % p.heads_kv;
-      const uint16_t* k0 = p.k.data_as<const uint16_t>() + b * p.k.strides[0] + hk * p.k.strides[1];
-      const uint16_t* v0 = p.v.data_as<const uint16_t>() + b * p.v.strides[0] + hk * p.v.strides[1];
-      pack_pairs_of_dims(k0, p.k.strides[2], p.len_k, p.dim_qk, packed.len, dkp, packed.k + t * dkp * packed.len);
-      pack_pairs_of_rows(v0, p.v.strides[2], p.len_k, p.dim_v, packed.len, dvp, packed.v + t * packed.len * dvp);
-    });
+  void pack_head(int64_t b, int64_t hk, uint16_t* kp, uint16_t* vp) const {
+    const uint16_t* k0 = p.k.data_as<const uint16_t>() + b * p.k.strides[0] + hk * p.k.strides[1];
+    const uint16_t* v0 = p.v.data_as<const uint16_t>() + b * p.v.strides[0] + hk * p.v.strides[1];
+    pack_pairs_of_dims(k0, p.k.strides[2], p.len_k, p.dim_qk, packed.len, dkp, kp, packed.pitch);
+    pack_pairs_of_rows(v0, p.v.strides[2], p.len_k, p.dim_v, packed.len, dvp, vp);
   }
 
   // The base-2 scaled scores of 32 queries x 64 keys (s, row stride kK), with the keys outside each
@@ -131,9 +131,9 @@ struct AmxForward {
   }
 
   // (w by value: its pointers stay in registers, as no store through them can change them.)
-  void task(int64_t b, int64_t h, int64_t i0, const Scratch w) const {
-    const int64_t dk = dkp, dv = dvp, L = packed.len;
-    const int64_t hk = h / (p.heads_q / p.heads_kv);
+  // Queries [i0, i0 + 32) of head (b, h) against the packed panels kp, vp of its key/value head.
+  void task(int64_t b, int64_t h, int64_t i0, const Scratch w, const uint16_t* kp, const uint16_t* vp) const {
+    const int64_t dk = dkp, dv = dvp, K = packed.pitch;
     const int64_t rows = std::min<int64_t>(kQ, p.len_q - i0);
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -160,8 +160,6 @@ struct AmxForward {
     }
     // Causal and window blocks no query of the task sees are skipped, not masked.
     const int64_t key_begin = begin[0] / kK * kK, key_end = end[rows - 1];
-    const uint16_t* kp = k_panel(b, hk);
-    const uint16_t* vp = v_panel(b, hk);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i threshold = _mm512_set1_epi32(static_cast<int>(dropout_threshold(p.dropout_p)));
     const __m512 keep_scale = _mm512_set1_ps(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
@@ -185,8 +183,8 @@ struct AmxForward {
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t d0 = 0; d0 < dk; d0 += 32) {
-          tile_products(w.q_rows + d0, w.q_rows + 16 * dk + d0, dk * 2, kp + ((d0 / 2) * L + j) * 2,
-                        kp + ((d0 / 2) * L + j + 16) * 2, L * 4);
+          tile_products(w.q_rows + d0, w.q_rows + 16 * dk + d0, dk * 2, kp + ((d0 / 2) * K + j) * 2,
+                        kp + ((d0 / 2) * K + j + 16) * 2, K * 4);
         }
         float* at = s + 32 * half;
         _tile_stored(0, at, kK * 4);
@@ -302,21 +300,46 @@ struct AmxForward {
   void run() {
     const int threads = resolve_threads(p.num_threads);
     packed.len = (p.len_k + kK - 1) / kK * kK;
+    packed.pitch = pitch_of(packed.len);
+    const int64_t q_blocks = (p.len_q + kQ - 1) / kQ;
+    const int64_t k_panel_size = dkp * packed.pitch, v_panel_size = packed.len * dvp;  // bf16 values
+    struct Release {
+      ~Release() { _tile_release(); }
+    };
+    if (packed.len <= kOwnPanels) {
+      // Short keys: a task per head packs its own panels into its thread's scratch and runs
+      // every query block on them while they are in L1 and L2 (packed for all heads up front,
+      // they had left the cache by the time a task read them: at L=128 d=128 a fifth of the call
+      // went to the packing).
+      const size_t panel_bytes = static_cast<size_t>(k_panel_size + v_panel_size) * 2;
+      parallel_for(p.batch * p.heads_q, threads, [&](int64_t bh, int) {
+        const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
+        std::byte* base = static_cast<std::byte*>(thread_scratch(panel_bytes + sizeof(float) * static_cast<size_t>(Scratch::floats(p) + 16)));
+        uint16_t* kp = reinterpret_cast<uint16_t*>(base);
+        uint16_t* vp = kp + k_panel_size;
+        pack_head(b, hk, kp, vp);
+        configure_tiles();
+        Release release;
+        const Scratch w = Scratch::at(reinterpret_cast<float*>(base + panel_bytes), p);
+        for (int64_t qb = q_blocks - 1; qb >= 0; --qb) task(b, h, qb * kQ, w, kp, vp);
+      });
+      return;
+    }
     const int64_t kv = p.batch * p.heads_kv;
-    const std::shared_ptr<std::byte> k_storage = bf16_buffer(kv * dkp * packed.len);
-    const std::shared_ptr<std::byte> v_storage = bf16_buffer(kv * packed.len * dvp);
+    const std::shared_ptr<std::byte> k_storage = bf16_buffer(kv * k_panel_size);
+    const std::shared_ptr<std::byte> v_storage = bf16_buffer(kv * v_panel_size);
     packed.k = reinterpret_cast<uint16_t*>(k_storage.get());
     packed.v = reinterpret_cast<uint16_t*>(v_storage.get());
-    pack(threads);
-    const int64_t q_blocks = (p.len_q + kQ - 1) / kQ;
+    parallel_for(kv, threads, [&](int64_t t, int) {
+      pack_head(t / p.heads_kv, t % p.heads_kv, packed.k + t * k_panel_size, packed.v + t * v_panel_size);
+    });
     parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t t, int) {
       configure_tiles();
       const int64_t qb = q_blocks - 1 - t % q_blocks, bh = t / q_blocks;
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
       float* scratch = static_cast<float*>(thread_scratch(sizeof(float) * static_cast<size_t>(Scratch::floats(p) + 16)));
-      struct Release {
-        ~Release() { _tile_release(); }
-      } release;
-      task(bh / p.heads_q, bh % p.heads_q, qb * kQ, Scratch::at(scratch, p));
+      Release release;
+      task(b, h, qb * kQ, Scratch::at(scratch, p), k_panel(b, hk), v_panel(b, hk));
     });
   }
 };

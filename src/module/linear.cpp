@@ -165,8 +165,10 @@ void bf16_gemm_rounded(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64
     std::vector<Tensor> packed;
     bool one_packing;
   };
+  // (Made and packed on this thread: oneDNN's primitive creation from several threads at once
+  // trips ThreadSanitizer, which cannot see inside the library's own locking.)
   std::vector<Part> columns(static_cast<size_t>(parts));
-  parallel_for(parts, threads, [&](int64_t s, int) {
+  for (int64_t s = 0; s < parts; ++s) {
     Part& part = columns[static_cast<size_t>(s)];
     part.j0 = s * part_cols, part.cols = std::min(part_cols, n - part.j0);
     const int64_t ld = parts == 1 ? ldc : part.cols;  // (a dense buffer of the block's own, below)
@@ -177,7 +179,7 @@ void bf16_gemm_rounded(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64
       part.packed.push_back(Tensor::empty({static_cast<int64_t>((part.shapes[p].packed_bytes() + 1) / 2)}, DType::bf16));
       part.shapes[p].pack(b + part.j0 * ldb, part.packed.back().data<uint16_t>());
     }
-  });
+  }
   parallel_for(row_blocks * parts, threads, [&](int64_t task, int) {
     const int64_t block = task / parts;
     const Part& part = columns[static_cast<size_t>(task % parts)];
