@@ -87,6 +87,16 @@ AmxCase draw_case(std::mt19937_64& rng) {
   return c;
 }
 
+// Each gradient of g within `bound` of r's, relative to the largest element of the three or 5% of
+// it where one cancels to nearly zero.
+template <class Ours, class Theirs>
+void expect_gradients_near(const Ours& g, const Theirs& r, double bound) {
+  const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
+  EXPECT_LT(rel_error(g.query, r.query, floor), bound);
+  EXPECT_LT(rel_error(g.key, r.key, floor), bound);
+  EXPECT_LT(rel_error(g.value, r.value, floor), bound);
+}
+
 bool amx_present() {
   const auto isas = mha::detail::supported_isas();
   return std::find(isas.begin(), isas.end(), mha::detail::Isa::amx) != isas.end();
@@ -184,10 +194,7 @@ TEST(AmxBackward, ZerosWhereNothingIsSeen) {
       EXPECT_TRUE(zeros(g.key, lq, lk));
       EXPECT_TRUE(zeros(g.value, lq, lk));
     }
-    const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
-    EXPECT_LT(rel_error(g.query, r.query, floor), 2e-2);
-    EXPECT_LT(rel_error(g.key, r.key, floor), 2e-2);
-    EXPECT_LT(rel_error(g.value, r.value, floor), 2e-2);
+    expect_gradients_near(g, r, 2e-2);
   }
 }
 
@@ -221,10 +228,7 @@ TEST(AmxBackward, KeySpansGiveTheSameBits) {
     mha::detail::force_isa(mha::detail::Isa::avx512);
     const auto g32 = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o);
     mha::detail::force_isa(std::nullopt);
-    const double floor = 0.05 * std::max({max_abs(g32.query), max_abs(g32.key), max_abs(g32.value)});
-    EXPECT_LT(rel_error(spans.query, g32.query, floor), 2e-2);
-    EXPECT_LT(rel_error(spans.key, g32.key, floor), 2e-2);
-    EXPECT_LT(rel_error(spans.value, g32.value, floor), 2e-2);
+    expect_gradients_near(spans, g32, 2e-2);
   }
 }
 
@@ -255,10 +259,7 @@ TEST(AmxBackward, FewGroupsSplitTheirKeys) {
     const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
     const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o);
     const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, grad, o);
-    const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
-    EXPECT_LT(rel_error(g.query, r.query, floor), 2e-2);
-    EXPECT_LT(rel_error(g.key, r.key, floor), 2e-2);
-    EXPECT_LT(rel_error(g.value, r.value, floor), 2e-2);
+    expect_gradients_near(g, r, 2e-2);
     for (int threads : {1, 3}) {
       mha::SdpaOptions ot = o;
       ot.num_threads = threads;

@@ -87,6 +87,23 @@ inline void tile_products(const void* a0, const void* a1, int64_t a_stride, cons
   products_2x2();
 }
 
+// tmm0-3 from / to the 2 x 2 block of 16 x 16 floats at c, rows ld floats apart: tmm0 at c,
+// tmm1 16 columns right, tmm2 16 rows down, tmm3 both.
+inline void load_accumulators(const float* c, int64_t ld) {
+  const long stride = static_cast<long>(ld * 4);
+  _tile_loadd(0, c, stride);
+  _tile_loadd(1, c + 16, stride);
+  _tile_loadd(2, c + 16 * ld, stride);
+  _tile_loadd(3, c + 16 * ld + 16, stride);
+}
+inline void store_accumulators(float* c, int64_t ld) {
+  const long stride = static_cast<long>(ld * 4);
+  _tile_stored(0, c, stride);
+  _tile_stored(1, c + 16, stride);
+  _tile_stored(2, c + 16 * ld, stride);
+  _tile_stored(3, c + 16 * ld + 16, stride);
+}
+
 // r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows r held: pairs of words,
 // of pairs, of 128-bit blocks, interleaved in turn.
 inline void transpose16x16(__m512i r[16]) {

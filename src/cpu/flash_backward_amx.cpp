@@ -164,10 +164,7 @@ struct AmxBackward {
         tile_products(a + j0 * depth + d0, a + (j0 + 16) * depth + d0, depth * 2, bp + ((d0 / 2) * qpitch + i0) * 2,
                       bp + ((d0 / 2) * qpitch + i0 + 16) * 2, qpitch * 4);
       }
-      _tile_stored(0, result, kB * 4);
-      _tile_stored(1, result + 16, kB * 4);
-      _tile_stored(2, result + 16 * kB, kB * 4);
-      _tile_stored(3, result + 16 * kB + 16, kB * 4);
+      store_accumulators(result, kB);
     };
     product(t.kn, dkp, t.qp, st);
     product(t.vn, dvp, t.dop, dpt);
@@ -247,20 +244,13 @@ struct AmxBackward {
     auto accumulate = [&](const uint16_t* a, const uint16_t* bv, int64_t width, float* acc) {
       _tile_loadd(4, a, kB * 2);
       _tile_loadd(5, a + 16 * kB, kB * 2);
-      const long stride = static_cast<long>(width * 4);
       for (int64_t d0 = 0; d0 < width; d0 += 32) {
         float* c = acc + j0 * width + d0;
-        _tile_loadd(0, c, stride);
-        _tile_loadd(1, c + 16, stride);
-        _tile_loadd(2, c + 16 * width, stride);
-        _tile_loadd(3, c + 16 * width + 16, stride);
-        _tile_loadd(6, bv + ((i0 / 2) * width + d0) * 2, stride);
-        _tile_loadd(7, bv + ((i0 / 2) * width + d0 + 16) * 2, stride);
+        load_accumulators(c, width);
+        _tile_loadd(6, bv + ((i0 / 2) * width + d0) * 2, width * 4);
+        _tile_loadd(7, bv + ((i0 / 2) * width + d0 + 16) * 2, width * 4);
         products_2x2();
-        _tile_stored(0, c, stride);
-        _tile_stored(1, c + 16, stride);
-        _tile_stored(2, c + 16 * width, stride);
-        _tile_stored(3, c + 16 * width + 16, stride);
+        store_accumulators(c, width);
       }
     };
     if (out.dv) accumulate(pt, t.dov, dvp, t.dv_acc);
@@ -270,20 +260,13 @@ struct AmxBackward {
     if (out.dq) {
       _tile_loadd(6, dsv, 2 * kB * 2);
       _tile_loadd(7, dsv + 32, 2 * kB * 2);
-      const long stride = static_cast<long>(qpitch * 4);
       for (int64_t d0 = 0; d0 < dkp; d0 += 32) {
         float* c = dqt + d0 * qpitch + i0;
-        _tile_loadd(0, c, stride);
-        _tile_loadd(1, c + 16, stride);
-        _tile_loadd(2, c + 16 * qpitch, stride);
-        _tile_loadd(3, c + 16 * qpitch + 16, stride);
+        load_accumulators(c, qpitch);
         _tile_loadd(4, t.kt + d0 * kpitch + j0, kpitch * 2);
         _tile_loadd(5, t.kt + (d0 + 16) * kpitch + j0, kpitch * 2);
         products_2x2();
-        _tile_stored(0, c, stride);
-        _tile_stored(1, c + 16, stride);
-        _tile_stored(2, c + 16 * qpitch, stride);
-        _tile_stored(3, c + 16 * qpitch + 16, stride);
+        store_accumulators(c, qpitch);
       }
     }
   }

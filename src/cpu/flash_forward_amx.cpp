@@ -187,10 +187,7 @@ struct AmxForward {
                         kp + ((d0 / 2) * K + j + 16) * 2, K * 4);
         }
         float* at = s + 32 * half;
-        _tile_stored(0, at, kK * 4);
-        _tile_stored(1, at + 16, kK * 4);
-        _tile_stored(2, at + 16 * kK, kK * 4);
-        _tile_stored(3, at + 16 * kK + 16, kK * 4);
+        store_accumulators(at, kK);
       }
       if (prescale) {
         for (int64_t e = 0; e < kQ * kK; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), _mm512_set1_ps(qk_scale)));
@@ -256,20 +253,13 @@ struct AmxForward {
       // O += P V, 32 value columns at a time, the accumulators loaded and stored once per
       // 64 keys.
       for (int64_t d0 = 0; d0 < dv; d0 += 32) {
-        float* acc = w.out_acc;
-        _tile_loadd(0, acc + d0, static_cast<long>(dv * 4));
-        _tile_loadd(1, acc + d0 + 16, static_cast<long>(dv * 4));
-        _tile_loadd(2, acc + 16 * dv + d0, static_cast<long>(dv * 4));
-        _tile_loadd(3, acc + 16 * dv + d0 + 16, static_cast<long>(dv * 4));
+        load_accumulators(w.out_acc + d0, dv);
         for (int half = 0; half < halves; ++half) {
           const int64_t j = j0 + 32 * half;
           tile_products(w.p_rows + 32 * half, w.p_rows + 16 * kK + 32 * half, kK * 2, vp + ((j / 2) * dv + d0) * 2,
                         vp + ((j / 2) * dv + d0 + 16) * 2, dv * 4);
         }
-        _tile_stored(0, acc + d0, static_cast<long>(dv * 4));
-        _tile_stored(1, acc + d0 + 16, static_cast<long>(dv * 4));
-        _tile_stored(2, acc + 16 * dv + d0, static_cast<long>(dv * 4));
-        _tile_stored(3, acc + 16 * dv + d0 + 16, static_cast<long>(dv * 4));
+        store_accumulators(w.out_acc + d0, dv);
       }
     }
     float* lse = o.lse ? o.lse + (b * p.heads_q + h) * p.len_q + i0 : nullptr;
