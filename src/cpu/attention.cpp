@@ -174,7 +174,7 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   std::vector<Tensor> copies;
   AttentionProblem p = with_unit_row_strides(problem, copies);
   // bfloat16 on the tile unit, where it takes the problem: its sliding window stays a window.
-  const AttentionProblem unmasked = p;
+  const AttentionProblem window_kept = p;
   // Rows of mask values alone (backward_row_normalisers) are found along whole causal rows: with
   // a sliding window, the window is a mask term there too.
   if (p.windowed && one_contiguous_term(p)) p = with_window_as_mask(p);
@@ -215,8 +215,8 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   inputs.delta = dl;
   inputs.lse2 = lse2;
   inputs.p_scale = p_scale;
-  if (amx_bf16_backward_supports(unmasked, inputs, out)) {
-    amx_bf16_backward(unmasked, inputs, out);
+  if (amx_bf16_backward_supports(window_kept, inputs, out)) {
+    amx_bf16_backward(window_kept, inputs, out);
     return;
   }
   switch (active_isa()) {
