@@ -160,14 +160,21 @@ inline void pack_pairs_of_dims(const uint16_t* src, int64_t row_stride, int64_t 
   }
 }
 
+// Two rows of 32 bfloat16 values, x0 and x1, as pairs per column (x0[c], x1[c]): columns 0-15 to
+// dst[0..32), columns 16-31 to dst[32..64) (the tile unit's B layout over two rows).
+inline void store_interleaved(__m512i x0, __m512i x1, uint16_t* dst) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                      36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x0, lo, x1));
+  _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(x0, hi, x1));
+}
+
 // The same rows as the B operand of a product over the rows: pairs of rows interleaved per
 // column, dst[len_padded / 2][dim_padded][2]. Zeros past dim and past rows. len_padded is even,
 // dim_padded a multiple of 32.
 inline void pack_pairs_of_rows(const uint16_t* src, int64_t row_stride, int64_t rows, int64_t dim, int64_t len_padded,
                                int64_t dim_padded, uint16_t* dst) {
-  const __m512i interleave_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                                 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i interleave_hi = _mm512_add_epi16(interleave_lo, _mm512_set1_epi16(16));
   for (int64_t j = 0; j < len_padded; j += 2) {
     const uint16_t* r0 = j < rows ? src + j * row_stride : nullptr;
     const uint16_t* r1 = j + 1 < rows ? src + (j + 1) * row_stride : nullptr;
@@ -176,8 +183,7 @@ inline void pack_pairs_of_rows(const uint16_t* src, int64_t row_stride, int64_t 
       const __mmask32 valid = first_lanes(dim - d);
       const __m512i x0 = r0 ? _mm512_maskz_loadu_epi16(valid, r0 + d) : _mm512_setzero_si512();
       const __m512i x1 = r1 ? _mm512_maskz_loadu_epi16(valid, r1 + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(x0, interleave_lo, x1));
-      _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(x0, interleave_hi, x1));
+      store_interleaved(x0, x1, out + 2 * d);
     }
   }
 }

@@ -206,9 +206,6 @@ struct AmxBackward {
     }
     const __m512i threshold = _mm512_set1_epi32(static_cast<int32_t>(dropout_threshold(p.dropout_p)));
     const __m512 keep_scale = _mm512_set1_ps(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
-    const __m512i interleave_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                                   38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i interleave_hi = _mm512_add_epi16(interleave_lo, _mm512_set1_epi16(16));
     for (int r = 0; r < kB; ++r) {
       __m512 pr[2], pd[2], ds[2];
       const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(j0 + r));
@@ -234,8 +231,7 @@ struct AmxBackward {
       _mm512_store_si512(dst + r * kB, ds_row);
       if (r % 2 == 1) {  // dS^T as pairs of keys: B of dQ^T
         const __m512i prev = _mm512_load_si512(dst + (r - 1) * kB);
-        _mm512_store_si512(dsv + (r / 2) * 2 * kB, _mm512_permutex2var_epi16(prev, interleave_lo, ds_row));
-        _mm512_store_si512(dsv + (r / 2) * 2 * kB + 32, _mm512_permutex2var_epi16(prev, interleave_hi, ds_row));
+        store_interleaved(prev, ds_row, dsv + (r / 2) * 2 * kB);
       }
     }
 
