@@ -39,6 +39,8 @@ struct Bf16MatmulBlock::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::memory::desc a, b, c, bias;
   dnnl::memory::desc b_plain;  // b as given, [k, cols] read transposed (what pack() reads)
+  int64_t k = 0, cols = 0, ldb = 0;
+  bool tile_layout = false;  // b is oneDNN's BA16a64b2a (pack_slice() writes it)
   bool with_bias = false;
   dnnl::matmul matmul;
 };
@@ -66,7 +68,11 @@ Bf16MatmulBlock::Bf16MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t 
     const dnnl::matmul::desc d = rounded ? dnnl::matmul::desc(impl_->a, impl_->b, impl_->bias, impl_->c)
                                          : dnnl::matmul::desc(impl_->a, impl_->b, impl_->c);
     const dnnl::matmul::primitive_desc pd(d, attr, impl_->engine);
-    if (rounded) impl_->b = pd.weights_desc();
+    if (rounded) {
+      impl_->b = pd.weights_desc();
+      impl_->k = k, impl_->cols = cols, impl_->ldb = ldb;
+      impl_->tile_layout = impl_->b == dnnl::memory::desc({k, cols}, dt::bf16, dnnl::memory::format_tag::BA16a64b2a);
+    }
     impl_->matmul = dnnl::matmul(pd);
   } catch (const dnnl::error& e) {
     throw Error(std::string("internal error: oneDNN could not create a bf16 matmul: ") + e.what());
@@ -114,6 +120,33 @@ void Bf16MatmulBlock::pack(const uint16_t* b, void* packed) const {
 
 bool Bf16MatmulBlock::same_packing(const Bf16MatmulBlock& other) const { return impl_->b == other.impl_->b; }
 
+// BA16a64b2a over b^T [k, cols]: slices of 64 columns (rows of b), each k_blocks blocks of 32
+// values of k, each block 16 pairs of k by 64 columns with a pair's two values adjacent; zeros
+// past the ends of k and cols (the dims padded to 32 and 64).
+constexpr int64_t kSliceCols = 64, kDepthBlock = 32;
+
+int64_t Bf16MatmulBlock::pack_slices() const {
+  return impl_->tile_layout ? (impl_->cols + kSliceCols - 1) / kSliceCols : 0;
+}
+
+void Bf16MatmulBlock::pack_slice(const uint16_t* b, void* packed, int64_t slice) const {
+  if (!impl_->tile_layout) throw Error("internal error: pack_slice() on a weight layout it does not write");
+  const int64_t k = impl_->k, k_blocks = (k + kDepthBlock - 1) / kDepthBlock;
+  uint16_t* out = static_cast<uint16_t*>(packed) + slice * k_blocks * kDepthBlock * kSliceCols;
+  for (int64_t c = 0; c < kSliceCols; ++c) {  // a row of b at a time: read along it, write a column
+    const int64_t row = slice * kSliceCols + c;
+    const uint16_t* src = row < impl_->cols ? b + row * impl_->ldb : nullptr;
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      uint16_t* block = out + kb * kDepthBlock * kSliceCols + c * 2;
+      for (int64_t pair = 0; pair < kDepthBlock / 2; ++pair) {
+        const int64_t d = kb * kDepthBlock + pair * 2;
+        block[pair * kSliceCols * 2] = src != nullptr && d < k ? src[d] : 0;
+        block[pair * kSliceCols * 2 + 1] = src != nullptr && d + 1 < k ? src[d + 1] : 0;
+      }
+    }
+  }
+}
+
 #else  // built without oneDNN
 
 bool bf16_matmul_available() { return false; }
@@ -128,6 +161,8 @@ void Bf16MatmulBlock::run(const uint16_t*, const uint16_t*, void*, const float*)
 size_t Bf16MatmulBlock::packed_bytes() const { return 0; }
 void Bf16MatmulBlock::pack(const uint16_t*, void*) const {}
 bool Bf16MatmulBlock::same_packing(const Bf16MatmulBlock&) const { return true; }
+int64_t Bf16MatmulBlock::pack_slices() const { return 0; }
+void Bf16MatmulBlock::pack_slice(const uint16_t*, void*, int64_t) const {}
 
 #endif
 

@@ -38,6 +38,12 @@ class Bf16MatmulBlock {
   // (cols, k) may still differ in it: same_packing() tells.
   size_t packed_bytes() const;
   void pack(const uint16_t* b, void* packed) const;
+  // Where the kernel's layout is the tile unit's (64 columns of b^T at a time, pairs of k
+  // interleaved), it is also written here, in slices of 64 rows of b that threads may share:
+  // pack_slices() of them (0 where only pack(), oneDNN's own reorder, knows the layout), slice s
+  // by pack_slice(b, packed, s). Both write the same bytes.
+  int64_t pack_slices() const;
+  void pack_slice(const uint16_t* b, void* packed, int64_t slice) const;
   bool same_packing(const Bf16MatmulBlock& other) const;
 
  private:
