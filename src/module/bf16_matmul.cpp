@@ -1,5 +1,6 @@
 #include "module/bf16_matmul.hpp"
 
+#include "cpu/amx.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/error.hpp"
 
@@ -120,31 +121,13 @@ void Bf16MatmulBlock::pack(const uint16_t* b, void* packed) const {
 
 bool Bf16MatmulBlock::same_packing(const Bf16MatmulBlock& other) const { return impl_->b == other.impl_->b; }
 
-// BA16a64b2a over b^T [k, cols]: slices of 64 columns (rows of b), each k_blocks blocks of 32
-// values of k, each block 16 pairs of k by 64 columns with a pair's two values adjacent; zeros
-// past the ends of k and cols (the dims padded to 32 and 64).
-constexpr int64_t kSliceCols = 64, kDepthBlock = 32;
-
-int64_t Bf16MatmulBlock::pack_slices() const {
-  return impl_->tile_layout ? (impl_->cols + kSliceCols - 1) / kSliceCols : 0;
-}
+int64_t Bf16MatmulBlock::pack_slices() const { return impl_->tile_layout ? (impl_->cols + 63) / 64 : 0; }
 
 void Bf16MatmulBlock::pack_slice(const uint16_t* b, void* packed, int64_t slice) const {
   if (!impl_->tile_layout) throw Error("internal error: pack_slice() on a weight layout it does not write");
-  const int64_t k = impl_->k, k_blocks = (k + kDepthBlock - 1) / kDepthBlock;
-  uint16_t* out = static_cast<uint16_t*>(packed) + slice * k_blocks * kDepthBlock * kSliceCols;
-  for (int64_t c = 0; c < kSliceCols; ++c) {  // a row of b at a time: read along it, write a column
-    const int64_t row = slice * kSliceCols + c;
-    const uint16_t* src = row < impl_->cols ? b + row * impl_->ldb : nullptr;
-    for (int64_t kb = 0; kb < k_blocks; ++kb) {
-      uint16_t* block = out + kb * kDepthBlock * kSliceCols + c * 2;
-      for (int64_t pair = 0; pair < kDepthBlock / 2; ++pair) {
-        const int64_t d = kb * kDepthBlock + pair * 2;
-        block[pair * kSliceCols * 2] = src != nullptr && d < k ? src[d] : 0;
-        block[pair * kSliceCols * 2 + 1] = src != nullptr && d + 1 < k ? src[d + 1] : 0;
-      }
-    }
-  }
+  const int64_t slice_values = 64 * ((impl_->k + 31) / 32 * 32);
+  amx_pack_weight_slice(b, impl_->ldb, impl_->cols, impl_->k, slice,
+                        static_cast<uint16_t*>(packed) + slice * slice_values);
 }
 
 #else  // built without oneDNN
