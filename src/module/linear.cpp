@@ -143,75 +143,108 @@ void bf16_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, 
   });
 }
 
-// C = A B^T + bias rounded once to bfloat16, A [m, k], B [n, k] and C bfloat16, in blocks of
-// gemm's 256 rows and of at most kColumnPart columns (both fixed by the shape), each one
-// single-threaded oneDNN matmul (AMX). B is repacked for the tile kernel once per column part,
-// not by every block: on 2 cores each block's own repacking of a 3072 x 1024 weight held the
-// in-projection of an E = 1024 module to a third of the kernel's rate. Column parts keep a
-// part's packed weight (2 MiB at 1024 x 1024) within L2 as the kernel streams it for every 32
-// rows of its block; a block writes a dense buffer of its own that is then copied into C, as
-// oneDNN 2.6 runs its AMX kernel only for a dense destination (on a column block of a wider C it
-// falls back to a gemm at about two thirds of the rate).
+// One product C = A B^T + bias rounded once to bfloat16: A [m, k], B [n, k], C [m, n], all
+// bfloat16, rows lda, ldb and ldc apart; bias n floats or null.
+struct RoundedProduct {
+  int64_t m, n, k;
+  const uint16_t* a;
+  int64_t lda;
+  const uint16_t* b;
+  int64_t ldb;
+  const float* bias;
+  uint16_t* c;
+  int64_t ldc;
+};
+
+// The products (a call's projections), in blocks of gemm's 256 rows and of at most kColumnPart
+// columns (both fixed by the shapes), each one single-threaded oneDNN matmul (AMX), all in one
+// pass of the threads. B is repacked for the tile kernel once per column part, not by every
+// block: on 2 cores each block's own repacking of a 3072 x 1024 weight held the in-projection of
+// an E = 1024 module to a third of the kernel's rate. Column parts keep a part's packed weight
+// (2 MiB at 1024 x 1024) within L2 as the kernel streams it for every 32 rows of its block.
+//
+// Neighbouring tasks take different parts: two cores on blocks of one packed weight at once ran
+// them at 0.7-0.85 ms against 0.42 on different weights (256 x 1024 x 1024 each), so a product
+// alone in its call is cut into two parts from 512 columns. Where a product has several parts, a
+// block writes a dense buffer of its own that is then copied into C, as oneDNN 2.6 runs its AMX
+// kernel only for a dense destination (on a column block of a wider C it falls back to a gemm
+// at about two thirds of the rate).
 constexpr int64_t kColumnPart = 1024;
-void bf16_gemm_rounded(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b,
-                       int64_t ldb, const float* bias, uint16_t* c, int64_t ldc, int threads) {
-  if (m == 0 || n == 0) return;
-  const int64_t row_block = kGemmBlock, row_blocks = (m + row_block - 1) / row_block;
-  const int64_t last_rows = m - (row_blocks - 1) * row_block;
-  const int64_t parts = (n + kColumnPart - 1) / kColumnPart, part_cols = (n + parts - 1) / parts;
+void bf16_gemm_rounded(const std::vector<RoundedProduct>& products, int threads) {
   struct Part {
-    int64_t j0, cols;
+    const RoundedProduct* product;
+    int64_t j0, cols, row_blocks, last_rows;
+    bool direct;                          // C itself is the block's destination
     std::vector<Bf16MatmulBlock> shapes;  // full blocks, the last
     std::vector<Tensor> packed;
     bool one_packing;
   };
-  // (Made on this thread, and packed on it where oneDNN's reorder packs: oneDNN's primitive
-  // creation from several threads at once trips ThreadSanitizer, which cannot see inside the
-  // library's own locking.)
-  std::vector<Part> columns(static_cast<size_t>(parts));
   struct Slice {
     const Bf16MatmulBlock* shape;
     const uint16_t* b;
     uint16_t* packed;
     int64_t index;
   };
+  // (Made on this thread, and packed on it where oneDNN's reorder packs: oneDNN's primitive
+  // creation from several threads at once trips ThreadSanitizer, which cannot see inside the
+  // library's own locking.)
+  std::vector<Part> parts;
+  parts.reserve(products.size() * 4);
   std::vector<Slice> slices;  // the packings written by our own code, shared by the threads below
-  for (int64_t s = 0; s < parts; ++s) {
-    Part& part = columns[static_cast<size_t>(s)];
-    part.j0 = s * part_cols, part.cols = std::min(part_cols, n - part.j0);
-    const int64_t ld = parts == 1 ? ldc : part.cols;  // (a dense buffer of the block's own, below)
-    part.shapes.emplace_back(std::min(row_block, m), part.cols, k, lda, ldb, ld, Bf16Output::bf16_plus_bias);
-    part.shapes.emplace_back(last_rows, part.cols, k, lda, ldb, ld, Bf16Output::bf16_plus_bias);
-    part.one_packing = part.shapes[0].same_packing(part.shapes[1]);
-    for (size_t p = 0; p < (part.one_packing ? 1u : 2u); ++p) {
-      const Bf16MatmulBlock& shape = part.shapes[p];
-      part.packed.push_back(Tensor::empty({static_cast<int64_t>((shape.packed_bytes() + 1) / 2)}, DType::bf16));
-      uint16_t* packed = part.packed.back().data<uint16_t>();
-      if (shape.pack_slices() == 0) shape.pack(b + part.j0 * ldb, packed);
-      for (int64_t i = 0; i < shape.pack_slices(); ++i) slices.push_back({&shape, b + part.j0 * ldb, packed, i});
+  int64_t most_row_blocks = 0;
+  for (const RoundedProduct& product : products) {
+    const int64_t m = product.m, n = product.n, k = product.k;
+    if (m == 0 || n == 0) continue;
+    const int64_t count = std::max<int64_t>((n + kColumnPart - 1) / kColumnPart,
+                                            products.size() == 1 && n >= 512 ? 2 : 1);
+    const int64_t part_cols = (n + count - 1) / count, row_blocks = (m + kGemmBlock - 1) / kGemmBlock;
+    most_row_blocks = std::max(most_row_blocks, row_blocks);
+    for (int64_t j0 = 0; j0 < n; j0 += part_cols) {
+      Part& part = parts.emplace_back();
+      part.product = &product, part.j0 = j0, part.cols = std::min(part_cols, n - j0);
+      part.row_blocks = row_blocks, part.last_rows = m - (row_blocks - 1) * kGemmBlock;
+      part.direct = count == 1;
+      const int64_t ld = part.direct ? product.ldc : part.cols;  // (a dense buffer of the block's own, below)
+      for (const int64_t rows : {std::min(kGemmBlock, m), part.last_rows})
+        part.shapes.emplace_back(rows, part.cols, k, product.lda, product.ldb, ld, Bf16Output::bf16_plus_bias);
+      part.one_packing = part.shapes[0].same_packing(part.shapes[1]);
+      const uint16_t* b = product.b + j0 * product.ldb;
+      for (size_t p = 0; p < (part.one_packing ? 1u : 2u); ++p) {
+        const Bf16MatmulBlock& shape = part.shapes[p];
+        part.packed.push_back(Tensor::empty({static_cast<int64_t>((shape.packed_bytes() + 1) / 2)}, DType::bf16));
+        uint16_t* packed = part.packed.back().data<uint16_t>();
+        if (shape.pack_slices() == 0) shape.pack(b, packed);
+        for (int64_t i = 0; i < shape.pack_slices(); ++i) slices.push_back({&shape, b, packed, i});
+      }
     }
   }
-  // Packed by our code on all threads, a 1024 x 1024 weight took about 0.7 ms on one thread
+  // Packed by our code on all threads: a 1024 x 1024 weight took about 0.7 ms on one thread
   // through oneDNN's reorder, a sixth of an E = 1024 module's call in its four projections.
   parallel_for(static_cast<int64_t>(slices.size()), threads, [&](int64_t i, int) {
     const Slice& slice = slices[static_cast<size_t>(i)];
     slice.shape->pack_slice(slice.b, slice.packed, slice.index);
   });
-  parallel_for(row_blocks * parts, threads, [&](int64_t task, int) {
-    const int64_t block = task / parts;
-    const Part& part = columns[static_cast<size_t>(task % parts)];
-    const bool last = block + 1 == row_blocks;
+  std::vector<std::pair<const Part*, int64_t>> tasks;  // (part, row block): each block across the parts in turn
+  for (int64_t block = 0; block < most_row_blocks; ++block)
+    for (const Part& part : parts)
+      if (block < part.row_blocks) tasks.emplace_back(&part, block);
+  parallel_for(static_cast<int64_t>(tasks.size()), threads, [&](int64_t t, int) {
+    const Part& part = *tasks[static_cast<size_t>(t)].first;
+    const RoundedProduct& product = *part.product;
+    const int64_t block = tasks[static_cast<size_t>(t)].second;
+    const bool last = block + 1 == part.row_blocks;
     const Tensor& weights = part.packed[last && !part.one_packing ? 1 : 0];
-    const int64_t i0 = block * row_block, rows = last ? last_rows : row_block;
-    const float* part_bias = bias ? bias + part.j0 : nullptr;
-    if (parts == 1) {
-      part.shapes[last ? 1 : 0].run(a + i0 * lda, weights.data<uint16_t>(), c + i0 * ldc, part_bias);
+    const int64_t i0 = block * kGemmBlock, rows = last ? part.last_rows : kGemmBlock;
+    const uint16_t* a = product.a + i0 * product.lda;
+    const float* bias = product.bias ? product.bias + part.j0 : nullptr;
+    if (part.direct) {
+      part.shapes[last ? 1 : 0].run(a, weights.data<uint16_t>(), product.c + i0 * product.ldc, bias);
       return;
     }
     uint16_t* dense = static_cast<uint16_t*>(thread_scratch(static_cast<size_t>(rows * part.cols) * 2));
-    part.shapes[last ? 1 : 0].run(a + i0 * lda, weights.data<uint16_t>(), dense, part_bias);
+    part.shapes[last ? 1 : 0].run(a, weights.data<uint16_t>(), dense, bias);
     for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(c + (i0 + r) * ldc + part.j0, dense + r * part.cols, static_cast<size_t>(part.cols) * 2);
+      std::memcpy(product.c + (i0 + r) * product.ldc + part.j0, dense + r * part.cols, static_cast<size_t>(part.cols) * 2);
   });
 }
 
@@ -410,31 +443,39 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
   blas_linear<float>(x_in, w, y, threads);
 }
 
-void linear_bf16(const TensorView& x_in, const TensorView& w, const float* bias, const TensorView& y, int threads) {
-  const int64_t N = x_in.shape[0], L = x_in.shape[1], out = w.shape[0], in = w.shape[1];
-  if (N == 0 || L == 0 || out == 0) return;
-  if (x_in.dtype != DType::bf16 || w.dtype != DType::bf16 || y.dtype != DType::bf16 || (w.strides[1] != 1 && in > 1) ||
-      (y.strides[2] != 1 && out > 1)) {
-    throw Error("internal error: linear_bf16 given " + std::string(dtype_name(x_in.dtype)) + " x, " +
-                std::string(dtype_name(w.dtype)) + " w, " + std::string(dtype_name(y.dtype)) + " y");
+void linear_bf16(const std::vector<Bf16Linear>& linears, int threads) {
+  std::vector<Tensor> contiguous;
+  std::vector<RoundedProduct> products;
+  for (const Bf16Linear& l : linears) {
+    const TensorView &w = l.w, &y = l.y;
+    const int64_t N = l.x.shape[0], L = l.x.shape[1], out = w.shape[0], in = w.shape[1];
+    if (N == 0 || L == 0 || out == 0) continue;
+    if (l.x.dtype != DType::bf16 || w.dtype != DType::bf16 || y.dtype != DType::bf16 ||
+        (w.strides[1] != 1 && in > 1) || (y.strides[2] != 1 && out > 1)) {
+      throw Error("internal error: linear_bf16 given " + std::string(dtype_name(l.x.dtype)) + " x, " +
+                  std::string(dtype_name(w.dtype)) + " w, " + std::string(dtype_name(y.dtype)) + " y");
+    }
+    int64_t ldx = 0, ldy = 0;
+    TensorView x = l.x;
+    if ((x.strides[2] != 1 && in > 1) || (!one_call(x, y, &ldx, &ldy) && !per_entry(x))) {
+      contiguous.push_back(Tensor::copy_of(x));
+      x = contiguous.back().view();
+    }
+    const auto* xb = static_cast<const uint16_t*>(x.data);
+    const auto* wb = static_cast<const uint16_t*>(w.data);
+    if (one_call(x, y, &ldx, &ldy)) {
+      products.push_back({N * L, out, in, xb, ldx, wb, w.strides[0], l.bias, y.data_as<uint16_t>(), ldy});
+      continue;
+    }
+    for (int64_t n = 0; n < N; ++n)
+      products.push_back({L, out, in, xb + n * x.strides[0], x.strides[1], wb, w.strides[0], l.bias,
+                          y.data_as<uint16_t>() + n * y.strides[0], y.strides[1]});
   }
-  int64_t ldx = 0, ldy = 0;
-  Tensor contiguous;
-  TensorView x = x_in;
-  if ((x.strides[2] != 1 && in > 1) || (!one_call(x, y, &ldx, &ldy) && !per_entry(x))) {
-    contiguous = Tensor::copy_of(x);
-    x = contiguous.view();
-  }
-  const auto* wb = static_cast<const uint16_t*>(w.data);
-  if (one_call(x, y, &ldx, &ldy)) {
-    bf16_gemm_rounded(N * L, out, in, static_cast<const uint16_t*>(x.data), ldx, wb, w.strides[0], bias,
-                      y.data_as<uint16_t>(), ldy, threads);
-    return;
-  }
-  for (int64_t n = 0; n < N; ++n) {
-    bf16_gemm_rounded(L, out, in, static_cast<const uint16_t*>(x.data) + n * x.strides[0], x.strides[1], wb,
-                      w.strides[0], bias, y.data_as<uint16_t>() + n * y.strides[0], y.strides[1], threads);
-  }
+  bf16_gemm_rounded(products, threads);
+}
+
+void linear_bf16(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads) {
+  linear_bf16({Bf16Linear{x, w, bias, y}}, threads);
 }
 
 void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads) {

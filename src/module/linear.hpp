@@ -2,6 +2,8 @@
 // oneDNN's bf16 matmul.
 #pragma once
 
+#include <vector>
+
 #include "mha/tensor.hpp"
 
 namespace mha::detail {
@@ -16,6 +18,15 @@ void linear(const TensorView& x, const TensorView& w, const float* bias, const T
 // last strides) all bfloat16; y = x W^T + bias, summed in float32 and rounded once, through
 // oneDNN's bf16 matmul (only where bf16_matmul_available()), in blocks fixed by the shape.
 void linear_bf16(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
+// Several bfloat16 Linears in one pass of the threads (a module's q, k and v projections), their
+// blocks interleaved so that threads work on different weights at once; the bits are each one's
+// alone.
+struct Bf16Linear {
+  TensorView x, w;
+  const float* bias;
+  TensorView y;
+};
+void linear_bf16(const std::vector<Bf16Linear>& linears, int threads);
 // The float64 module's: x, w and y all float64 (x any strides), through dgemm.
 void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads);
 
