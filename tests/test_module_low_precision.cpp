@@ -16,7 +16,7 @@
 #include "cpu/amx.hpp"
 #include "cpu/dispatch.hpp"
 #include "cpu/few_rows_gemm.hpp"
-#include "module/bf16_matmul.hpp"
+#include "module/onednn_matmul.hpp"
 #include "module/linear.hpp"
 #include "module/parameter_set.hpp"
 #include "mha/mha.hpp"
@@ -331,24 +331,31 @@ TEST(ModuleLowPrecision, Bf16ProjectionsThroughOneDnn) {
 // taken (its bits differ from the float32 module's, which need_weights still runs, bit for bit),
 // its bits do not depend on the thread count, and parameters given through forward_with in other
 // layouts (transposed storage, strided biases) give the same bits.
-// A rounded block's weight packed in slices by our own code (on any threads) holds the bytes of
-// oneDNN's reorder, padding included: k and columns off the layout's 32 and 64, rows of b wider
-// than k.
-TEST(ModuleLowPrecision, Bf16WeightSlicesMatchOneDnnsPacking) {
-  if (!mha::detail::amx_usable() || !mha::detail::bf16_matmul_available()) GTEST_SKIP() << "no AMX or oneDNN here";
+// A weight packed in slices by our own code (cpu/weight_packing.hpp, on any threads) holds the
+// bytes of oneDNN's reorder, padding included, for the bfloat16 blocks of the tile unit and the
+// float32 blocks of AVX-512: k and columns off the layouts' blocks (32 or 16, and 64), rows of b
+// wider than k, an odd k (bfloat16 pairs split across rows).
+TEST(ModuleLowPrecision, WeightSlicesMatchOneDnnsPacking) {
   std::mt19937_64 rng(test_seed());
-  const int64_t shapes[][3] = {{256, 1024, 1024}, {37, 100, 40}, {64, 64, 32}, {300, 200, 72}, {5, 7, 3}};
-  for (const auto& shape : shapes) {
-    const int64_t rows = shape[0], cols = shape[1], k = shape[2], ldb = k + 5;
-    SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " k " + std::to_string(k));
-    const mha::Tensor b = randn({cols, ldb}, rng, mha::DType::bf16);
-    const mha::detail::Bf16MatmulBlock block(rows, cols, k, k, ldb, cols, mha::detail::Bf16Output::bf16_plus_bias);
-    ASSERT_GT(block.pack_slices(), 0) << "the tile unit's kernel chose another weight layout";
-    EXPECT_EQ(block.pack_slices(), (cols + 63) / 64);
-    std::vector<uint16_t> by_onednn(block.packed_bytes() / 2, 0xabcd), by_slices(block.packed_bytes() / 2, 0x1234);
-    block.pack(b.data<uint16_t>(), by_onednn.data());
-    for (int64_t s = block.pack_slices() - 1; s >= 0; --s) block.pack_slice(b.data<uint16_t>(), by_slices.data(), s);
-    EXPECT_EQ(by_onednn, by_slices);
+  const int64_t shapes[][3] = {{256, 1024, 1024}, {37, 100, 40}, {64, 64, 32}, {300, 200, 72}, {5, 7, 3}, {20, 130, 37}};
+  for (const auto output : {mha::detail::MatmulOutput::bf16_plus_bias, mha::detail::MatmulOutput::f32_plus_bias}) {
+    const bool bf16 = output == mha::detail::MatmulOutput::bf16_plus_bias;
+    if (bf16 ? !mha::detail::amx_usable() || !mha::detail::bf16_matmul_available()
+             : !mha::detail::f32_matmul_available())
+      continue;
+    for (const auto& shape : shapes) {
+      const int64_t rows = shape[0], cols = shape[1], k = shape[2], ldb = k + 5;
+      SCOPED_TRACE(std::string(bf16 ? "bf16" : "f32") + " rows " + std::to_string(rows) + " cols " +
+                   std::to_string(cols) + " k " + std::to_string(k));
+      const mha::Tensor b = randn({cols, ldb}, rng, bf16 ? mha::DType::bf16 : mha::DType::f32);
+      const mha::detail::MatmulBlock block(rows, cols, k, k, ldb, cols, output);
+      ASSERT_GT(block.pack_slices(), 0) << "the kernel chose another weight layout";
+      EXPECT_EQ(block.pack_slices(), (cols + 63) / 64);
+      std::vector<uint8_t> by_onednn(block.packed_bytes(), 0xab), by_slices(block.packed_bytes(), 0x12);
+      block.pack(b.view().data, by_onednn.data());
+      for (int64_t s = block.pack_slices() - 1; s >= 0; --s) block.pack_slice(b.view().data, by_slices.data(), s);
+      EXPECT_EQ(by_onednn, by_slices);
+    }
   }
 }
 

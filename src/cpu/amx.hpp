@@ -47,12 +47,6 @@ void amx_bf16_backward(const AttentionProblem& p, const BackwardInputs& in, cons
 // for tests.
 std::atomic<int64_t>& amx_backward_span_bytes();
 
-// 64 rows of b [cols][k] (rows ldb apart), from row 64 * slice, in the layout oneDNN's AMX matmul
-// reads its weights in (BA16a64b2a over b^T; weight_packing_amx.cpp): 64 * padded(k) values at
-// `out`, blocks of 32 values of k, each 16 pairs of k by 64 rows, a pair's two values adjacent;
-// zeros past k and past cols. Needs AVX-512 (amx_usable()).
-void amx_pack_weight_slice(const uint16_t* b, int64_t ldb, int64_t cols, int64_t k, int64_t slice, uint16_t* out);
-
 // The kernel's 2^x (exp2_bf16) on n floats, for its tests. Needs AVX-512 (amx_usable()).
 void amx_exp2_bf16(const float* x, float* y, int64_t n);
 

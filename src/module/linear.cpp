@@ -4,7 +4,7 @@
 #include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/few_rows_gemm.hpp"
-#include "module/bf16_matmul.hpp"
+#include "module/onednn_matmul.hpp"
 
 #include <cblas.h>
 
@@ -131,10 +131,10 @@ void bf16_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, 
                float* c, int64_t ldc, int threads) {
   if (m == 0 || n == 0) return;
   const GemmBlocks g(m, n);
-  std::vector<Bf16MatmulBlock> shapes;  // [full rows, last rows] x [full columns, last columns]
+  std::vector<MatmulBlock> shapes;  // [full rows, last rows] x [full columns, last columns]
   for (const int64_t rows : {g.row_block, m - (g.row_blocks - 1) * g.row_block})
     for (const int64_t cols : {g.col_block, n - (g.col_blocks - 1) * g.col_block})
-      shapes.emplace_back(std::min(rows, m), std::min(cols, n), k, lda, ldb, ldc);
+      shapes.emplace_back(std::min(rows, m), std::min(cols, n), k, lda, ldb, ldc, MatmulOutput::accumulate_f32);
   parallel_for(g.row_blocks * g.col_blocks, threads, [&](int64_t block, int) {
     const int64_t bi = block / g.col_blocks, bj = block % g.col_blocks;
     const int64_t i0 = bi * g.row_block, j0 = bj * g.col_block;
@@ -143,21 +143,21 @@ void bf16_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, 
   });
 }
 
-// One product C = A B^T + bias rounded once to bfloat16: A [m, k], B [n, k], C [m, n], all
-// bfloat16, rows lda, ldb and ldc apart; bias n floats or null.
-struct RoundedProduct {
+// One product C = A B^T + bias: A [m, k], B [n, k], C [m, n], all bfloat16 (the float32 sum
+// rounded once) or all float32, rows lda, ldb and ldc elements apart; bias n floats or null.
+struct BiasedProduct {
   int64_t m, n, k;
-  const uint16_t* a;
+  const void* a;
   int64_t lda;
-  const uint16_t* b;
+  const void* b;
   int64_t ldb;
   const float* bias;
-  uint16_t* c;
+  void* c;
   int64_t ldc;
 };
 
-// The products (a call's projections), in blocks of gemm's 256 rows and of at most kColumnPart
-// columns (both fixed by the shapes), each one single-threaded oneDNN matmul (AMX), all in one
+// The products (a call's projections), all of one kind (bf16_plus_bias or f32_plus_bias), in blocks of gemm's 256 rows and of at most kColumnPart
+// columns (both fixed by the shapes), each one single-threaded oneDNN matmul, all in one
 // pass of the threads. B is repacked for the tile kernel once per column part, not by every
 // block: on 2 cores each block's own repacking of a 3072 x 1024 weight held the in-projection of
 // an E = 1024 module to a third of the kernel's rate. Column parts keep a part's packed weight
@@ -170,19 +170,22 @@ struct RoundedProduct {
 // kernel only for a dense destination (on a column block of a wider C it falls back to a gemm
 // at about two thirds of the rate).
 constexpr int64_t kColumnPart = 1024;
-void bf16_gemm_rounded(const std::vector<RoundedProduct>& products, int threads) {
+void biased_gemm(const std::vector<BiasedProduct>& products, MatmulOutput kind, int threads) {
+  const int64_t size = kind == MatmulOutput::bf16_plus_bias ? 2 : 4;  // bytes per element
+  auto at = [size](const void* p, int64_t elements) { return static_cast<const char*>(p) + elements * size; };
+  auto at_out = [size](void* p, int64_t elements) { return static_cast<char*>(p) + elements * size; };
   struct Part {
-    const RoundedProduct* product;
+    const BiasedProduct* product;
     int64_t j0, cols, row_blocks, last_rows;
     bool direct;                          // C itself is the block's destination
-    std::vector<Bf16MatmulBlock> shapes;  // full blocks, the last
+    std::vector<MatmulBlock> shapes;  // full blocks, the last
     std::vector<Tensor> packed;
     bool one_packing;
   };
   struct Slice {
-    const Bf16MatmulBlock* shape;
-    const uint16_t* b;
-    uint16_t* packed;
+    const MatmulBlock* shape;
+    const void* b;
+    void* packed;
     int64_t index;
   };
   // (Made on this thread, and packed on it where oneDNN's reorder packs: oneDNN's primitive
@@ -192,7 +195,7 @@ void bf16_gemm_rounded(const std::vector<RoundedProduct>& products, int threads)
   parts.reserve(products.size() * 4);
   std::vector<Slice> slices;  // the packings written by our own code, shared by the threads below
   int64_t most_row_blocks = 0;
-  for (const RoundedProduct& product : products) {
+  for (const BiasedProduct& product : products) {
     const int64_t m = product.m, n = product.n, k = product.k;
     if (m == 0 || n == 0) continue;
     const int64_t count = std::max<int64_t>((n + kColumnPart - 1) / kColumnPart,
@@ -206,13 +209,13 @@ void bf16_gemm_rounded(const std::vector<RoundedProduct>& products, int threads)
       part.direct = count == 1;
       const int64_t ld = part.direct ? product.ldc : part.cols;  // (a dense buffer of the block's own, below)
       for (const int64_t rows : {std::min(kGemmBlock, m), part.last_rows})
-        part.shapes.emplace_back(rows, part.cols, k, product.lda, product.ldb, ld, Bf16Output::bf16_plus_bias);
+        part.shapes.emplace_back(rows, part.cols, k, product.lda, product.ldb, ld, kind);
       part.one_packing = part.shapes[0].same_packing(part.shapes[1]);
-      const uint16_t* b = product.b + j0 * product.ldb;
+      const void* b = at(product.b, j0 * product.ldb);
       for (size_t p = 0; p < (part.one_packing ? 1u : 2u); ++p) {
-        const Bf16MatmulBlock& shape = part.shapes[p];
+        const MatmulBlock& shape = part.shapes[p];
         part.packed.push_back(Tensor::empty({static_cast<int64_t>((shape.packed_bytes() + 1) / 2)}, DType::bf16));
-        uint16_t* packed = part.packed.back().data<uint16_t>();
+        void* packed = part.packed.back().view().data;
         if (shape.pack_slices() == 0) shape.pack(b, packed);
         for (int64_t i = 0; i < shape.pack_slices(); ++i) slices.push_back({&shape, b, packed, i});
       }
@@ -230,21 +233,22 @@ void bf16_gemm_rounded(const std::vector<RoundedProduct>& products, int threads)
       if (block < part.row_blocks) tasks.emplace_back(&part, block);
   parallel_for(static_cast<int64_t>(tasks.size()), threads, [&](int64_t t, int) {
     const Part& part = *tasks[static_cast<size_t>(t)].first;
-    const RoundedProduct& product = *part.product;
+    const BiasedProduct& product = *part.product;
     const int64_t block = tasks[static_cast<size_t>(t)].second;
     const bool last = block + 1 == part.row_blocks;
     const Tensor& weights = part.packed[last && !part.one_packing ? 1 : 0];
     const int64_t i0 = block * kGemmBlock, rows = last ? part.last_rows : kGemmBlock;
-    const uint16_t* a = product.a + i0 * product.lda;
+    const void* a = at(product.a, i0 * product.lda);
     const float* bias = product.bias ? product.bias + part.j0 : nullptr;
     if (part.direct) {
-      part.shapes[last ? 1 : 0].run(a, weights.data<uint16_t>(), product.c + i0 * product.ldc, bias);
+      part.shapes[last ? 1 : 0].run(a, weights.view().data, at_out(product.c, i0 * product.ldc), bias);
       return;
     }
-    uint16_t* dense = static_cast<uint16_t*>(thread_scratch(static_cast<size_t>(rows * part.cols) * 2));
-    part.shapes[last ? 1 : 0].run(a, weights.data<uint16_t>(), dense, bias);
+    void* dense = thread_scratch(static_cast<size_t>(rows * part.cols * size));
+    part.shapes[last ? 1 : 0].run(a, weights.view().data, dense, bias);
     for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(product.c + (i0 + r) * product.ldc + part.j0, dense + r * part.cols, static_cast<size_t>(part.cols) * 2);
+      std::memcpy(at_out(product.c, (i0 + r) * product.ldc + part.j0), at(dense, r * part.cols),
+                  static_cast<size_t>(part.cols * size));
   });
 }
 
@@ -351,6 +355,42 @@ bool one_call(const TensorView& x, const TensorView& y, int64_t* ldx, int64_t* l
 }
 bool per_entry(const TensorView& x) { return x.shape[1] == 1 || x.strides[1] >= x.shape[2]; }
 
+// The projections through biased_gemm, as one pass of the threads: each one product when x and
+// y order their rows alike, one per batch entry otherwise (on a contiguous copy of x where
+// neither does). x, w and y all bfloat16 (bf16_plus_bias) or all float32 (f32_plus_bias).
+void biased_linears(const std::vector<Projection>& projections, MatmulOutput kind, int threads) {
+  const DType dtype = kind == MatmulOutput::bf16_plus_bias ? DType::bf16 : DType::f32;
+  const int64_t size = dtype_size(dtype);
+  std::vector<Tensor> contiguous;
+  std::vector<BiasedProduct> products;
+  for (const Projection& l : projections) {
+    const TensorView &w = l.w, &y = l.y;
+    const int64_t N = l.x.shape[0], L = l.x.shape[1], out = w.shape[0], in = w.shape[1];
+    if (N == 0 || L == 0 || out == 0) continue;
+    if (l.x.dtype != dtype || w.dtype != dtype || y.dtype != dtype || (w.strides[1] != 1 && in > 1) ||
+        (y.strides[2] != 1 && out > 1)) {
+      throw Error("internal error: a " + std::string(dtype_name(dtype)) + " projection given " +
+                  std::string(dtype_name(l.x.dtype)) + " x, " + std::string(dtype_name(w.dtype)) + " w, " +
+                  std::string(dtype_name(y.dtype)) + " y");
+    }
+    int64_t ldx = 0, ldy = 0;
+    TensorView x = l.x;
+    if ((x.strides[2] != 1 && in > 1) || (!one_call(x, y, &ldx, &ldy) && !per_entry(x))) {
+      contiguous.push_back(Tensor::copy_of(x));
+      x = contiguous.back().view();
+    }
+    if (one_call(x, y, &ldx, &ldy)) {
+      products.push_back({N * L, out, in, x.data, ldx, w.data, w.strides[0], l.bias, y.data, ldy});
+      continue;
+    }
+    for (int64_t n = 0; n < N; ++n)
+      products.push_back({L, out, in, static_cast<const char*>(x.data) + n * x.strides[0] * size, x.strides[1], w.data,
+                          w.strides[0], l.bias, static_cast<char*>(y.data) + n * y.strides[0] * size, y.strides[1]});
+  }
+  biased_gemm(products, kind, threads);
+}
+
+
 // y += x W^T with x, w and y all of T (w contiguous rows), through gemm: one call when the rows
 // allow, one per batch entry otherwise, on a contiguous copy of x where neither does.
 template <typename T>
@@ -398,6 +438,10 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
     widened = parallel_copy_of(w, DType::f32, threads);
     w = widened.view();
   }
+  if (!few_rows && !bf16_rows && N * L > kGemvRows && in > 0 && f32_matmul_available()) {
+    biased_linears({Projection{x_in, w, bias, y}}, MatmulOutput::f32_plus_bias, threads);
+    return;
+  }
   fill_with_bias(y, bias, threads);
   if (few_rows) {
     Tensor contiguous;
@@ -443,39 +487,12 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
   blas_linear<float>(x_in, w, y, threads);
 }
 
-void linear_bf16(const std::vector<Bf16Linear>& linears, int threads) {
-  std::vector<Tensor> contiguous;
-  std::vector<RoundedProduct> products;
-  for (const Bf16Linear& l : linears) {
-    const TensorView &w = l.w, &y = l.y;
-    const int64_t N = l.x.shape[0], L = l.x.shape[1], out = w.shape[0], in = w.shape[1];
-    if (N == 0 || L == 0 || out == 0) continue;
-    if (l.x.dtype != DType::bf16 || w.dtype != DType::bf16 || y.dtype != DType::bf16 ||
-        (w.strides[1] != 1 && in > 1) || (y.strides[2] != 1 && out > 1)) {
-      throw Error("internal error: linear_bf16 given " + std::string(dtype_name(l.x.dtype)) + " x, " +
-                  std::string(dtype_name(w.dtype)) + " w, " + std::string(dtype_name(y.dtype)) + " y");
-    }
-    int64_t ldx = 0, ldy = 0;
-    TensorView x = l.x;
-    if ((x.strides[2] != 1 && in > 1) || (!one_call(x, y, &ldx, &ldy) && !per_entry(x))) {
-      contiguous.push_back(Tensor::copy_of(x));
-      x = contiguous.back().view();
-    }
-    const auto* xb = static_cast<const uint16_t*>(x.data);
-    const auto* wb = static_cast<const uint16_t*>(w.data);
-    if (one_call(x, y, &ldx, &ldy)) {
-      products.push_back({N * L, out, in, xb, ldx, wb, w.strides[0], l.bias, y.data_as<uint16_t>(), ldy});
-      continue;
-    }
-    for (int64_t n = 0; n < N; ++n)
-      products.push_back({L, out, in, xb + n * x.strides[0], x.strides[1], wb, w.strides[0], l.bias,
-                          y.data_as<uint16_t>() + n * y.strides[0], y.strides[1]});
-  }
-  bf16_gemm_rounded(products, threads);
+void linear_bf16(const std::vector<Projection>& projections, int threads) {
+  biased_linears(projections, MatmulOutput::bf16_plus_bias, threads);
 }
 
 void linear_bf16(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads) {
-  linear_bf16({Bf16Linear{x, w, bias, y}}, threads);
+  linear_bf16({Projection{x, w, bias, y}}, threads);
 }
 
 void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads) {

@@ -21,12 +21,12 @@ void linear_bf16(const TensorView& x, const TensorView& w, const float* bias, co
 // Several bfloat16 Linears in one pass of the threads (a module's q, k and v projections), their
 // blocks interleaved so that threads work on different weights at once; the bits are each one's
 // alone.
-struct Bf16Linear {
+struct Projection {
   TensorView x, w;
   const float* bias;
   TensorView y;
 };
-void linear_bf16(const std::vector<Bf16Linear>& linears, int threads);
+void linear_bf16(const std::vector<Projection>& projections, int threads);
 // The float64 module's: x, w and y all float64 (x any strides), through dgemm.
 void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads);
 

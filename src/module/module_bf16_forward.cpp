@@ -15,7 +15,7 @@
 
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
-#include "module/bf16_matmul.hpp"
+#include "module/onednn_matmul.hpp"
 #include "module/linear.hpp"
 #include "module/module_bf16_forward.hpp"
 #include "module/module_call.hpp"
