@@ -495,6 +495,18 @@ void linear_bf16(const TensorView& x, const TensorView& w, const float* bias, co
   linear_bf16({Projection{x, w, bias, y}}, threads);
 }
 
+void linear(const std::vector<Projection>& projections, int threads) {
+  bool joint = f32_matmul_available();
+  for (const Projection& l : projections)
+    joint = joint && l.x.dtype == DType::f32 && l.w.dtype == DType::f32 && l.y.dtype == DType::f32 &&
+            l.x.shape[0] * l.x.shape[1] > kGemvRows && l.w.shape[1] > 0;
+  if (joint) {
+    biased_linears(projections, MatmulOutput::f32_plus_bias, threads);
+    return;
+  }
+  for (const Projection& l : projections) linear(l.x, l.w, l.bias, l.y, threads);
+}
+
 void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads) {
   const int64_t N = x.shape[0], L = x.shape[1], out = w.shape[0];
   if (N == 0 || L == 0 || out == 0) return;  // no rows (their buffers may have no storage at all)

@@ -27,6 +27,9 @@ struct Projection {
   TensorView y;
 };
 void linear_bf16(const std::vector<Projection>& projections, int threads);
+// Several float32 Linears (a module's q, k and v projections) as linear() would compute each;
+// where all take oneDNN's matmul, in one pass of the threads, their blocks interleaved.
+void linear(const std::vector<Projection>& projections, int threads);
 // The float64 module's: x, w and y all float64 (x any strides), through dgemm.
 void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads);
 

@@ -129,30 +129,27 @@ ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& param
   const int64_t N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
   const T* in_bias = options_.bias ? parameters.data<T>("in_proj_bias") : nullptr;
 
-  // 1. Projections. Self-attention with the packed weight is one sgemm against [3E, E].
-  detail::RowBuffer q_buf, k_buf, v_buf;
-  TensorView q, k, v;  // [N, L, E], [N, St, E], [N, St, E]
-  const bool packed = qkv_same_embed_dim() && detail::same_view(query, key) && detail::same_view(key, value) && L == S;
-  if (packed) {
+  // 1. Projections, each into rows of its own (bias_k / bias_v and the zero rows follow S), in one
+  //    pass of the threads. (Self-attention's packed [3E, E] weight as one product wrote
+  //    [N, L, 3E] rows in column parts, each through a dense buffer copied into place.)
+  TensorView wq, wk, wv;
+  if (qkv_same_embed_dim()) {
     const TensorView& w = parameters.view("in_proj_weight");
-    q_buf = detail::rows_like(c.query, St, 3 * E, dtype);
-    detail::linear(c.query, w, in_bias, q_buf.view.slice(1, 0, L), threads);
-    q = q_buf.view.slice(1, 0, L).slice(2, 0, E);
-    k = q_buf.view.slice(2, E, 2 * E);
-    v = q_buf.view.slice(2, 2 * E, 3 * E);
+    wq = w.slice(0, 0, E), wk = w.slice(0, E, 2 * E), wv = w.slice(0, 2 * E, 3 * E);
   } else {
-    TensorView wq, wk, wv;
-    if (qkv_same_embed_dim()) {
-      const TensorView& w = parameters.view("in_proj_weight");
-      wq = w.slice(0, 0, E), wk = w.slice(0, E, 2 * E), wv = w.slice(0, 2 * E, 3 * E);
-    } else {
-      wq = parameters.view("q_proj_weight"), wk = parameters.view("k_proj_weight");
-      wv = parameters.view("v_proj_weight");
-    }
-    q_buf = detail::rows_like(c.query, L, E, dtype);
-    k_buf = detail::rows_like(c.key, St, E, dtype);
-    v_buf = detail::rows_like(c.value, St, E, dtype);
-    q = q_buf.view, k = k_buf.view, v = v_buf.view;
+    wq = parameters.view("q_proj_weight"), wk = parameters.view("k_proj_weight");
+    wv = parameters.view("v_proj_weight");
+  }
+  const detail::RowBuffer q_buf = detail::rows_like(c.query, L, E, dtype),
+                          k_buf = detail::rows_like(c.key, St, E, dtype),
+                          v_buf = detail::rows_like(c.value, St, E, dtype);
+  const TensorView q = q_buf.view, k = k_buf.view, v = v_buf.view;  // [N, L, E], [N, St, E], [N, St, E]
+  if constexpr (std::is_same_v<T, float>) {
+    detail::linear({{c.query, wq, in_bias, q},
+                    {c.key, wk, in_bias ? in_bias + E : nullptr, k.slice(1, 0, S)},
+                    {c.value, wv, in_bias ? in_bias + 2 * E : nullptr, v.slice(1, 0, S)}},
+                   threads);
+  } else {
     detail::linear(c.query, wq, in_bias, q, threads);
     detail::linear(c.key, wk, in_bias ? in_bias + E : nullptr, k.slice(1, 0, S), threads);
     detail::linear(c.value, wv, in_bias ? in_bias + 2 * E : nullptr, v.slice(1, 0, S), threads);
