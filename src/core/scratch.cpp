@@ -6,12 +6,14 @@
 
 namespace mha::detail {
 
-void* thread_scratch(size_t bytes) {
+void* thread_scratch(size_t bytes, ScratchSlot slot) {
   struct Free {
     void operator()(void* p) const { std::free(p); }
   };
-  thread_local std::unique_ptr<void, Free> buffer;
-  thread_local size_t capacity = 0;
+  thread_local std::unique_ptr<void, Free> buffers[2];
+  thread_local size_t capacities[2] = {};
+  std::unique_ptr<void, Free>& buffer = buffers[slot == ScratchSlot::kernel ? 0 : 1];
+  size_t& capacity = capacities[slot == ScratchSlot::kernel ? 0 : 1];
   if (bytes > capacity) {
     const size_t rounded = (bytes + 4095) / 4096 * 4096;
     buffer.reset();  // free first: the peak is one buffer, not two

@@ -6,8 +6,12 @@
 
 namespace mha::detail {
 
-// At least `bytes` bytes, 64-byte aligned, valid until the calling thread asks again. Contents are
-// whatever the previous task left: callers initialise what they read.
-void* thread_scratch(size_t bytes);
+// Which of a thread's two buffers: the kernels' own, or one for a library that runs while the
+// first is in use (oneDNN's scratchpad, as a projection block writes into the first).
+enum class ScratchSlot { kernel, library };
+
+// At least `bytes` bytes, 64-byte aligned, valid until the calling thread asks again for the same
+// slot. Contents are whatever the previous task left: callers initialise what they read.
+void* thread_scratch(size_t bytes, ScratchSlot slot = ScratchSlot::kernel);
 
 }  // namespace mha::detail

@@ -1,5 +1,6 @@
 #include "module/onednn_matmul.hpp"
 
+#include "core/scratch.hpp"
 #include "cpu/dispatch.hpp"
 #include "cpu/weight_packing.hpp"
 #include "mha/error.hpp"
@@ -12,7 +13,6 @@
 #endif
 
 #include <atomic>
-#include <cstdlib>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -55,23 +55,6 @@ struct MatmulBlock::Impl {
   dnnl::matmul matmul;
 };
 
-namespace {
-// A primitive's own scratch memory, one per thread (see the constructor).
-void* matmul_scratchpad(size_t bytes) {
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  thread_local std::unique_ptr<void, Free> buffer;
-  thread_local size_t size = 0;
-  if (bytes > size) {
-    const size_t rounded = (bytes + 63) / 64 * 64;
-    buffer.reset(std::aligned_alloc(64, rounded));
-    if (buffer == nullptr) throw Error("cannot allocate " + std::to_string(rounded) + " bytes of matmul scratch memory");
-    size = rounded;
-  }
-  return buffer.get();
-}
-}  // namespace
 
 MatmulBlock::MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
                          MatmulOutput output)
@@ -129,7 +112,8 @@ void MatmulBlock::run(const void* a, const void* b, void* c, const float* bias) 
   dnnl::memory ma(impl_->a, impl_->engine, const_cast<void*>(a));
   dnnl::memory mb(impl_->b, impl_->engine, const_cast<void*>(b));
   dnnl::memory mc(impl_->c, impl_->engine, c);
-  dnnl::memory scratch(impl_->scratchpad, impl_->engine, matmul_scratchpad(impl_->scratchpad.get_size()));
+  dnnl::memory scratch(impl_->scratchpad, impl_->engine,
+                       thread_scratch(impl_->scratchpad.get_size(), ScratchSlot::library));
   std::unordered_map<int, dnnl::memory> args{
       {DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, scratch}};
   std::vector<float> zeros;
