@@ -59,6 +59,12 @@ constexpr int64_t kGemvRows = 4;
 // and 12.4 against 11.8 at 96 (best of 30 calls on 2 threads).
 constexpr int64_t kFewRows16 = 64;
 
+// From this many rows (of x and y) a float32 projection runs oneDNN's matmul, below it sgemm:
+// oneDNN's kernel reads the weight packed once per call, about 0.35 ms per 1024 x 1024 on one
+// thread, which its 15% over sgemm repays from about 256 rows; at 16 rows the packing was half
+// of an E = 1024 module's call (2.7 ms against 1.2 on sgemm).
+constexpr int64_t kOneDnnF32Rows = 512;
+
 // few_rows_gemm's tasks take this many weight rows (columns of y) each: 16 tasks for a 1024-wide
 // projection, so that more threads than 4 share a decoding step's.
 constexpr int64_t kFewRowsColumns = 64;
@@ -438,7 +444,7 @@ void linear(const TensorView& x_in, const TensorView& w_in, const float* bias, c
     widened = parallel_copy_of(w, DType::f32, threads);
     w = widened.view();
   }
-  if (!few_rows && !bf16_rows && N * L > kGemvRows && in > 0 && f32_matmul_available()) {
+  if (!few_rows && !bf16_rows && N * L >= kOneDnnF32Rows && in > 0 && f32_matmul_available()) {
     biased_linears({Projection{x_in, w, bias, y}}, MatmulOutput::f32_plus_bias, threads);
     return;
   }
@@ -499,7 +505,7 @@ void linear(const std::vector<Projection>& projections, int threads) {
   bool joint = f32_matmul_available();
   for (const Projection& l : projections)
     joint = joint && l.x.dtype == DType::f32 && l.w.dtype == DType::f32 && l.y.dtype == DType::f32 &&
-            l.x.shape[0] * l.x.shape[1] > kGemvRows && l.w.shape[1] > 0;
+            l.x.shape[0] * l.x.shape[1] >= kOneDnnF32Rows && l.w.shape[1] > 0;
   if (joint) {
     biased_linears(projections, MatmulOutput::f32_plus_bias, threads);
     return;
