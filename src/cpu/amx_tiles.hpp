@@ -68,24 +68,49 @@ inline __m512 exp2_bf16(__m512 x) {
   return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, n);
 }
 
-// tmm0-3 += the 2 x 2 block of products of the A tiles in tmm4-5 and the B tiles in tmm6-7:
-// tmm0 = A0 B0, tmm1 = A0 B1, tmm2 = A1 B0, tmm3 = A1 B1.
-inline void products_2x2() {
+// tmm0-3 += the 2 x 2 block of 16 x 16 tile products of A (rows a0 and a1: tmm4-5) and B (16
+// columns at b0, 16 at b1: tmm6-7), strides in bytes: tmm0 = A0 B0, tmm1 = A0 B1, tmm2 = A1 B0,
+// tmm3 = A1 B1. Each operand is loaded just before its first product, so that the tile unit
+// starts while the rest load (the AMX backward 3-9% faster than loading all four first; the
+// forward level).
+inline void tile_products(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
+                          int64_t b_stride) {
+  _tile_loadd(4, a0, static_cast<long>(a_stride));
+  _tile_loadd(6, b0, static_cast<long>(b_stride));
   _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, b1, static_cast<long>(b_stride));
   _tile_dpbf16ps(1, 4, 7);
+  _tile_loadd(5, a1, static_cast<long>(a_stride));
   _tile_dpbf16ps(2, 5, 6);
   _tile_dpbf16ps(3, 5, 7);
 }
 
-// tmm0-3 += the 2 x 2 block of 16 x 16 tile products of A (rows a0 and a1: tmm4-5) and B (16
-// columns at b0, 16 at b1: tmm6-7); strides in bytes.
-inline void tile_products(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
-                          int64_t b_stride) {
-  _tile_loadd(4, a0, static_cast<long>(a_stride));
-  _tile_loadd(5, a1, static_cast<long>(a_stride));
-  _tile_loadd(6, b0, static_cast<long>(b_stride));
-  _tile_loadd(7, b1, static_cast<long>(b_stride));
-  products_2x2();
+// The 2 x 2 block of 16 x 16 floats at c (rows ld floats apart) += A B through tmm0-3, where one
+// operand stays loaded across calls and the other is loaded here (at p0 and p1, stride bytes):
+// new_b, B's 16 columns at p0 and 16 at p1 (tmm6-7) against A in tmm4-5; new_a, A's rows at p0
+// and p1 (tmm4-5) against B in tmm6-7. Each accumulator is loaded just before its product, so
+// that the tile unit starts on the first while the others load (the AMX backward's dV and dK:
+// 3-6% over loading all four first).
+enum class NewOperand { a, b };
+inline void accumulate_2x2(float* c, int64_t ld, NewOperand fresh, const void* p0, const void* p1, int64_t stride) {
+  const long c_stride = static_cast<long>(ld * 4), s = static_cast<long>(stride);
+  const bool a = fresh == NewOperand::a;
+  _tile_loadd(0, c, c_stride);
+  if (a) _tile_loadd(4, p0, s);
+  else _tile_loadd(6, p0, s);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(1, c + 16, c_stride);
+  if (!a) _tile_loadd(7, p1, s);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_loadd(2, c + 16 * ld, c_stride);
+  if (a) _tile_loadd(5, p1, s);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_loadd(3, c + 16 * ld + 16, c_stride);
+  _tile_dpbf16ps(3, 5, 7);
+  _tile_stored(0, c, c_stride);
+  _tile_stored(1, c + 16, c_stride);
+  _tile_stored(2, c + 16 * ld, c_stride);
+  _tile_stored(3, c + 16 * ld + 16, c_stride);
 }
 
 // tmm0-3 from / to the 2 x 2 block of 16 x 16 floats at c, rows ld floats apart: tmm0 at c,

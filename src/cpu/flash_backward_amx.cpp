@@ -240,14 +240,9 @@ struct AmxBackward {
     auto accumulate = [&](const uint16_t* a, const uint16_t* bv, int64_t width, float* acc) {
       _tile_loadd(4, a, kB * 2);
       _tile_loadd(5, a + 16 * kB, kB * 2);
-      for (int64_t d0 = 0; d0 < width; d0 += 32) {
-        float* c = acc + j0 * width + d0;
-        load_accumulators(c, width);
-        _tile_loadd(6, bv + ((i0 / 2) * width + d0) * 2, width * 4);
-        _tile_loadd(7, bv + ((i0 / 2) * width + d0 + 16) * 2, width * 4);
-        products_2x2();
-        store_accumulators(c, width);
-      }
+      for (int64_t d0 = 0; d0 < width; d0 += 32)
+        accumulate_2x2(acc + j0 * width + d0, width, NewOperand::b, bv + ((i0 / 2) * width + d0) * 2,
+                       bv + ((i0 / 2) * width + d0 + 16) * 2, width * 4);
     };
     if (out.dv) accumulate(pt, t.dov, dvp, t.dv_acc);
     if (out.dk) accumulate(dst, t.qv, dkp, t.dk_acc);
@@ -256,14 +251,9 @@ struct AmxBackward {
     if (out.dq) {
       _tile_loadd(6, dsv, 2 * kB * 2);
       _tile_loadd(7, dsv + 32, 2 * kB * 2);
-      for (int64_t d0 = 0; d0 < dkp; d0 += 32) {
-        float* c = dqt + d0 * qpitch + i0;
-        load_accumulators(c, qpitch);
-        _tile_loadd(4, t.kt + d0 * kpitch + j0, kpitch * 2);
-        _tile_loadd(5, t.kt + (d0 + 16) * kpitch + j0, kpitch * 2);
-        products_2x2();
-        store_accumulators(c, qpitch);
-      }
+      for (int64_t d0 = 0; d0 < dkp; d0 += 32)
+        accumulate_2x2(dqt + d0 * qpitch + i0, qpitch, NewOperand::a, t.kt + d0 * kpitch + j0,
+                       t.kt + (d0 + 16) * kpitch + j0, kpitch * 2);
     }
   }
 
