@@ -1,5 +1,5 @@
 // y = x W^T + b over [N, L, C] views, through BLAS (OpenBLAS's sgemm, dgemm for float64), or
-// oneDNN's bf16 matmul.
+// oneDNN's matmul (onednn_matmul.hpp).
 #pragma once
 
 #include <vector>
@@ -12,7 +12,8 @@ namespace mha::detail {
 // bfloat16/float16; bias: [out] or null; y: [N, L, out] with unit last stride. One sgemm when x
 // and y order their (N, L) rows alike with uniform strides, one per batch entry otherwise; up to
 // 64 rows against a 16-bit weight, few_rows_gemm on the weight as it is; more rows against a
-// bfloat16 weight, with x all bfloat16 values, oneDNN's bf16 matmul where available (bf16_matmul.hpp).
+// bfloat16 weight, with x all bfloat16 values, oneDNN's bf16 matmul where available; otherwise
+// from 512 rows, oneDNN's float32 matmul where available (f32_matmul_available()).
 void linear(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
 // A bfloat16 Linear as PyTorch's: x [N, L, in] (any strides), w [out, in] and y [N, L, out] (unit
 // last strides) all bfloat16; y = x W^T + bias, summed in float32 and rounded once, through
