@@ -334,7 +334,7 @@ TEST(ModuleLowPrecision, Bf16ProjectionsThroughOneDnn) {
 // A weight packed in slices by our own code (cpu/weight_packing.hpp, on any threads) holds the
 // bytes of oneDNN's reorder, padding included, for the bfloat16 blocks of the tile unit and the
 // float32 blocks of AVX-512: k and columns off the layouts' blocks (32 or 16, and 64), rows of b
-// wider than k, an odd k (bfloat16 pairs split across rows).
+// wider than k, an odd k or row stride (bfloat16 pairs split across rows) and even ones.
 TEST(ModuleLowPrecision, WeightSlicesMatchOneDnnsPacking) {
   if (!mha::detail::f32_matmul_available()) GTEST_SKIP() << "no oneDNN or AVX-512 here";
   std::mt19937_64 rng(test_seed());
@@ -342,8 +342,10 @@ TEST(ModuleLowPrecision, WeightSlicesMatchOneDnnsPacking) {
   for (const auto output : {mha::detail::MatmulOutput::bf16_plus_bias, mha::detail::MatmulOutput::f32_plus_bias}) {
     const bool bf16 = output == mha::detail::MatmulOutput::bf16_plus_bias;
     if (bf16 && (!mha::detail::amx_usable() || !mha::detail::bf16_matmul_available())) continue;  // (f32 still runs)
-    for (const auto& shape : shapes) {
-      const int64_t rows = shape[0], cols = shape[1], k = shape[2], ldb = k + 5;
+    for (size_t n = 0; n < std::size(shapes); ++n) {
+      const auto& shape = shapes[n];
+      // Even rows (bfloat16 pairs whole: the transposing path) and odd ones (the scalar path).
+      const int64_t rows = shape[0], cols = shape[1], k = shape[2], ldb = k + (n % 2 ? 5 : 6);
       SCOPED_TRACE(std::string(bf16 ? "bf16" : "f32") + " rows " + std::to_string(rows) + " cols " +
                    std::to_string(cols) + " k " + std::to_string(k));
       const mha::Tensor b = randn({cols, ldb}, rng, bf16 ? mha::DType::bf16 : mha::DType::f32);
