@@ -86,7 +86,8 @@ TEST(Gemm, Float32LinearThroughOneDnnAndSgemm) {
     bool seq_first, bias;
   };
   const Case cases[] = {{2, 300, 64, 700, false, true}, {3, 201, 37, 1300, true, true}, {1, 520, 130, 64, false, false},
-                        {4, 130, 96, 200, true, true}, {2, 5, 33, 48, false, true}};
+                        {4, 130, 96, 200, true, true}, {2, 5, 33, 48, false, true},
+                        {1, 1100, 40, 600, false, true}};  // (600 and 700 columns: a lone product whole, and cut in two)
   for (const Case& c : cases) {
     for (const bool onednn : {true, false}) {
       if (onednn && !mha::detail::f32_matmul_available()) continue;

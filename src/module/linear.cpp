@@ -169,9 +169,14 @@ struct BiasedProduct {
 // an E = 1024 module to a third of the kernel's rate. Column parts keep a part's packed weight
 // (2 MiB at 1024 x 1024) within L2 as the kernel streams it for every 32 rows of its block.
 //
-// Neighbouring tasks take different parts: two cores on blocks of one packed weight at once ran
-// them at 0.7-0.85 ms against 0.42 on different weights (256 x 1024 x 1024 each), so a product
-// alone in its call is cut into two parts from 512 columns. Where a product has several parts, a
+// Neighbouring tasks take different parts: two cores on blocks of one bfloat16 packed weight at
+// once ran them at 0.7-0.85 ms against 0.42 on different weights (256 x 1024 x 1024 each), so a
+// bfloat16 product alone in its call is cut into two parts from 512 columns. float32 blocks showed
+// no such loss (3.1-3.3 ms on one weight, 3.2-3.5 on three), and there the cut's copy cost more
+// than it saved (an E = 1024 out-projection, 2048 rows: about 12.8 ms whole against 12.3 in
+// halves plus 1.5 copying): a float32 product is cut only where it has fewer than 4 row blocks
+// (a rule of the shape, not of the thread count, so that the bits do not depend on it). Where a
+// product has several parts, a
 // block writes a dense buffer of its own that is then copied into C, as oneDNN 2.6 runs its AMX
 // kernel only for a dense destination (on a column block of a wider C it falls back to a gemm
 // at about two thirds of the rate).
@@ -204,9 +209,11 @@ void biased_gemm(const std::vector<BiasedProduct>& products, MatmulOutput kind, 
   for (const BiasedProduct& product : products) {
     const int64_t m = product.m, n = product.n, k = product.k;
     if (m == 0 || n == 0) continue;
-    const int64_t count = std::max<int64_t>((n + kColumnPart - 1) / kColumnPart,
-                                            products.size() == 1 && n >= 512 ? 2 : 1);
-    const int64_t part_cols = (n + count - 1) / count, row_blocks = (m + kGemmBlock - 1) / kGemmBlock;
+    const int64_t row_blocks = (m + kGemmBlock - 1) / kGemmBlock;
+    const bool split_alone = products.size() == 1 && n >= 512 &&
+                             (kind == MatmulOutput::bf16_plus_bias || row_blocks < 4);
+    const int64_t count = std::max<int64_t>((n + kColumnPart - 1) / kColumnPart, split_alone ? 2 : 1);
+    const int64_t part_cols = (n + count - 1) / count;
     most_row_blocks = std::max(most_row_blocks, row_blocks);
     for (int64_t j0 = 0; j0 < n; j0 += part_cols) {
       Part& part = parts.emplace_back();
