@@ -1,5 +1,5 @@
-// 2^f for f in [-0.5, 0.5], the reduced argument of every SIMD layer's exp2 (x
-// = n + f, n the nearest integer, 2^n from exponent bits): the degree-6
+// 2^f for f in [-0.5, 0.5], the reduced argument of the AVX2 and portable layers' exp2 (x
+// = n + f, n the nearest integer, 2^n from exponent bits; AVX-512 takes f in [0, 1), below): the degree-6
 // polynomial of least maximum relative error (Remez exchange in 40-digit
 // arithmetic), 1.86e-9 in exact arithmetic, so float rounding of the Horner
 // steps dominates (tests/test_exp2.cpp bounds the whole by 2^-23). One degree
