@@ -34,9 +34,10 @@ inline constexpr float kExp2PolyFrom0[7] = {
 inline constexpr float kExp2PolyBf16From0[4] = {0.9999252185640102f, 0.6958335405064476f, 0.22606715539312944f,
                                                 0.07802452266443294f};
 
-// kExp2Poly at f by Horner's rule, for any vector type: fmadd(a, b, c) = a * b + c, set1(x) a
-// vector of x. Evaluated the same way on every ISA, so the layers differ only in their rounding
-// of the reduced argument and the scaling by 2^n.
+// The polynomial c (kExp2Poly unless given) at f by Horner's rule, for any vector type:
+// fmadd(a, b, c) = a * b + c, set1(x) a vector of x. Evaluated the same way on every ISA, so the
+// layers differ only in their reduction of the argument (and AVX-512's coefficients, for [0, 1))
+// and the scaling by 2^n.
 template <class V, class Fmadd, class Set1>
 inline V exp2_polynomial(V f, Fmadd fmadd, Set1 set1, const float (&c)[7] = kExp2Poly) {
   V p = set1(c[6]);
