@@ -74,9 +74,9 @@ TEST(Gemm, BlocksAgainstFloat64OnEveryThreadCount) {
 }
 
 // y = x W^T + b over [N, L, in] views: oneDNN's float32 matmul where the CPU has AVX-512 and x has
-// at least 512 rows (blocks of 256 rows, a weight alone in its call cut into two column parts
-// from 512 columns, more than 1024 in parts of at most 1024, each part's weight packed once in
-// 64-column slices), else sgemm. Both within the float32 bound of the float64 sums, the same
+// at least 512 rows (blocks of 256 rows; a weight alone in its call cut into two column parts
+// from 512 columns where it has fewer than 4 row blocks, whole otherwise; more than 1024 columns
+// in parts of at most 1024; each part's weight packed once in 64-column slices), else sgemm. Both within the float32 bound of the float64 sums, the same
 // bits on 1, 2 and 3 threads; rows of x and y in either order or apart (one product per batch
 // entry), k off the packing's blocks of 16, no bias; and fewer rows, on sgemm either way.
 TEST(Gemm, Float32LinearThroughOneDnnAndSgemm) {

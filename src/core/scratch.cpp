@@ -12,8 +12,9 @@ void* thread_scratch(size_t bytes, ScratchSlot slot) {
   };
   thread_local std::unique_ptr<void, Free> buffers[2];
   thread_local size_t capacities[2] = {};
-  std::unique_ptr<void, Free>& buffer = buffers[slot == ScratchSlot::kernel ? 0 : 1];
-  size_t& capacity = capacities[slot == ScratchSlot::kernel ? 0 : 1];
+  const int which = slot == ScratchSlot::kernel ? 0 : 1;
+  std::unique_ptr<void, Free>& buffer = buffers[which];
+  size_t& capacity = capacities[which];
   if (bytes > capacity) {
     const size_t rounded = (bytes + 4095) / 4096 * 4096;
     buffer.reset();  // free first: the peak is one buffer, not two

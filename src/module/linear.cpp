@@ -175,11 +175,11 @@ struct BiasedProduct {
 // no such loss (3.1-3.3 ms on one weight, 3.2-3.5 on three), and there the cut's copy cost more
 // than it saved (an E = 1024 out-projection, 2048 rows: about 12.8 ms whole against 12.3 in
 // halves plus 1.5 copying): a float32 product is cut only where it has fewer than 4 row blocks
-// (a rule of the shape, not of the thread count, so that the bits do not depend on it). Where a
-// product has several parts, a
-// block writes a dense buffer of its own that is then copied into C, as oneDNN 2.6 runs its AMX
-// kernel only for a dense destination (on a column block of a wider C it falls back to a gemm
-// at about two thirds of the rate).
+// (a rule of the shape, not of the thread count, so that the bits do not depend on it).
+//
+// Where a product has several parts, a block writes a dense buffer of its own that is then copied
+// into C, as oneDNN 2.6 runs its AMX kernel only for a dense destination (on a column block of a
+// wider C it falls back to a gemm at about two thirds of the rate).
 constexpr int64_t kColumnPart = 1024;
 void biased_gemm(const std::vector<BiasedProduct>& products, MatmulOutput kind, int threads) {
   const int64_t size = kind == MatmulOutput::bf16_plus_bias ? 2 : 4;  // bytes per element

@@ -55,7 +55,6 @@ struct MatmulBlock::Impl {
   dnnl::matmul matmul;
 };
 
-
 MatmulBlock::MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
                          MatmulOutput output)
     : impl_(std::make_unique<Impl>()) {
