@@ -122,8 +122,13 @@ TEST(Softcap, MatchesFloat64ReferenceOnEveryKernel) {
         // float32 path (held to the reference below) on widened copies and that output, rounded once.
         auto f32 = [](const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); };
         const auto saved32 = mha::scaled_dot_product_attention_for_training(f32(c.q), f32(c.k), f32(c.v), c.options);
-        EXPECT_TRUE(agree(saved.output, mha::Tensor::copy_of(saved32.output, dtype)));
-        const mha::AttentionForTraining rounded{f32(saved.output), saved32.lse};
+        // (AVX512-BF16's bfloat16 products: the output within bfloat16 rounding of that path's.)
+        if (mha_test::pair_products_forward(dtype, c.q.size(-2), c.q.size(-1))) {
+          EXPECT_LT(rel_error(saved.output, saved32.output), 1e-2);
+        } else {
+          EXPECT_TRUE(agree(saved.output, mha::Tensor::copy_of(saved32.output, dtype)));
+        }
+        const mha::AttentionForTraining rounded{f32(saved.output), saved.lse};
         const auto g32 = mha::scaled_dot_product_attention_backward(f32(c.q), f32(c.k), f32(c.v), rounded, f32(c.grad),
                                                                     c.options, float_mask);
         EXPECT_TRUE(agree(g.query, mha::Tensor::copy_of(g32.query, dtype)));

@@ -89,6 +89,15 @@ inline ::testing::AssertionResult agree(const mha::TensorView& a, const mha::Ten
   return ::testing::AssertionFailure() << "relative difference " << rel_error(a, b);
 }
 
+// Whether a bfloat16 forward of these lengths and head dims runs with AVX512-BF16's bfloat16 pair
+// products on the ISA in use (attention.cpp's rule): it rounds P to bfloat16 for its products, so
+// its output is within bfloat16 rounding of the float32 path's rather than its bits, and its
+// log-sum-exp within a few units of float32 rounding.
+inline bool pair_products_forward(mha::DType dtype, int64_t lq, int64_t dk) {
+  return mha::detail::active_isa() == mha::detail::Isa::avx512_bf16 && dtype == mha::DType::bf16 &&
+         mha::detail::bf16_pairs_take_shape(lq, dk);
+}
+
 // Whether a bfloat16 backward of these lengths and head dims runs on the tile unit on the ISA in
 // use (cpu/amx.hpp's rule; never when the mask's gradient is asked for): it rounds P and dS to
 // bfloat16 for its products, so its gradients are within bfloat16 rounding of the float32

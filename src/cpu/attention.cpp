@@ -135,8 +135,12 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   stand_in_if_null(outputs.out, outputs.out_strides);  // Dv == 0: nothing is written there
   void (*kernel)(const AttentionProblem&, const ForwardOutputs&) = flash_forward_portable;
   switch (active_isa()) {
-    case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32
+    case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32 (and what the tile unit does not take)
     case Isa::avx512: kernel = flash_forward_avx512; break;
+    case Isa::avx512_bf16:
+      kernel = bf16_pairs_supports(p) && bf16_pairs_take_shape(p.len_q, p.dim_qk) ? flash_forward_avx512bf16
+                                                                                   : flash_forward_avx512;
+      break;
     case Isa::avx2: kernel = flash_forward_avx2; break;
     case Isa::portable: break;
   }
@@ -221,6 +225,7 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   }
   switch (active_isa()) {
     case Isa::amx:
+    case Isa::avx512_bf16:
     case Isa::avx512: flash_backward_avx512(p, inputs, out); break;
     case Isa::avx2: flash_backward_avx2(p, inputs, out); break;
     case Isa::portable: flash_backward_portable(p, inputs, out); break;

@@ -110,6 +110,15 @@ constexpr int64_t kFewQueriesPerHeadAmx = 4;
 void flash_forward_portable(const AttentionProblem& p, const ForwardOutputs& o);
 void flash_forward_avx2(const AttentionProblem& p, const ForwardOutputs& o);
 void flash_forward_avx512(const AttentionProblem& p, const ForwardOutputs& o);
+// bfloat16 products (AVX512-BF16), for the problems bf16_pairs_supports takes: q, k and v all
+// bfloat16 and an even head dim of q and k (a pair of dims per 32-bit word); others take
+// flash_forward_avx512. Its outputs are within bfloat16 rounding of the float32 kernel's (P is
+// rounded to bfloat16 for its products), not their bits.
+bool bf16_pairs_supports(const AttentionProblem& p);
+// Where the avx512_bf16 ISA runs it (attention.cpp): such problems with more queries per head than
+// the decoding kernel takes (that kernel, bound by reading the keys and values, stays float32).
+bool bf16_pairs_take_shape(int64_t len_q, int64_t dim_qk);
+void flash_forward_avx512bf16(const AttentionProblem& p, const ForwardOutputs& o);
 
 // The backward, deterministic: every gradient element is summed by one task in a fixed order, so
 // the same inputs give the same bits on any thread count.

@@ -52,13 +52,21 @@ bool cpu_has_avx2_fma() {
 #endif
 }
 
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__)
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_amx_bf16() {
 #if defined(__x86_64__)
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
-  const bool avx512_bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
-  return amx_bf16 && amx_tile && avx512_bf16;
+  return amx_bf16 && amx_tile && cpu_has_avx512_bf16();
 #else
   return false;
 #endif
@@ -96,6 +104,7 @@ std::string_view isa_name(Isa isa) {
     case Isa::portable: return "portable";
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
     case Isa::amx: return "amx";
   }
   return "?";
@@ -106,6 +115,7 @@ std::vector<Isa> supported_isas() {
     std::vector<Isa> v{Isa::portable};
     if (cpu_has_avx2_fma()) v.push_back(Isa::avx2);
     if (cpu_has_avx512()) v.push_back(Isa::avx512);
+    if (cpu_has_avx512() && cpu_has_avx512_bf16()) v.push_back(Isa::avx512_bf16);
     if (cpu_has_avx512() && cpu_has_amx_bf16() && request_amx_permission()) v.push_back(Isa::amx);
     return v;
   }();
@@ -152,6 +162,14 @@ bool amx_bf16_supports(const AttentionProblem& p) {
   }
   // Soft-capped scores are formed by the float32 kernels only (the tile unit's would need a pass of its own).
   return p.softcap == 0 && amx_bf16_takes_shape(p.len_q, p.len_k, p.dim_qk, p.dim_v) && p.dropout_p < 1.0;
+}
+
+bool bf16_pairs_supports(const AttentionProblem& p) {
+  return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.dim_qk % 2 == 0;
+}
+
+bool bf16_pairs_take_shape(int64_t len_q, int64_t dim_qk) {
+  return dim_qk % 2 == 0 && len_q > kFewQueriesPerHead;
 }
 
 bool amx_bf16_backward_supports(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {

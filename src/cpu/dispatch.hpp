@@ -9,7 +9,9 @@ namespace mha::detail {
 
 // From the lowest: portable C++ (any CPU), AVX2 + FMA, AVX-512, and AMX, which adds the bfloat16
 // kernels on the tile unit (float32 runs on AVX-512 there).
-enum class Isa { portable, avx2, avx512, amx };
+// Each level runs what the one below it runs: avx512_bf16 adds bfloat16 products (vdpbf16ps) to
+// AVX-512, amx the tile unit to both.
+enum class Isa { portable, avx2, avx512, avx512_bf16, amx };
 
 std::string_view isa_name(Isa isa);
 // Every ISA this CPU can run, lowest first (portable is always there).

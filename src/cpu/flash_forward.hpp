@@ -52,6 +52,14 @@ struct FlashForward {
   static constexpr int kKeysPerTile = T::kRowsPerTile;
   // Keys per softmax step (the S^T tile is kBlockK x 48): 64, rounded up to whole dot_rows calls.
   static constexpr int kBlockK = (64 + kKeysPerTile - 1) / kKeysPerTile * kKeysPerTile;
+  // bfloat16 products (S::kBf16Pairs, bfloat16 q, k and v; dispatch.cpp's bf16_pairs_supports):
+  // both products over pairs of bfloat16 values, vdpbf16ps, twice the FMA's products per
+  // instruction. K is read in place, a pair of dims per 32-bit word; Q^T is copied as pairs of
+  // dims per query, unscaled (the scale is applied to the sums); P^T is rounded to bfloat16 as
+  // pairs of keys per query, and V copied as pairs of keys per column, a key block at a time.
+  // The softmax, its statistics and the output accumulate in float32 as in the float32 kernel.
+  static constexpr bool kPairs = requires { S::kBf16Pairs; };
+  static_assert(kBlockK % 2 == 0 && kKeysPerTile % 2 == 0);
 
   const AttentionProblem& p;
   const ForwardOutputs& o;
@@ -97,6 +105,13 @@ struct FlashForward {
     float* wrow;      // [Lk] one row of weights, for the head average
     const float* kp[kBlockK];
     const float* vp[kBlockK];
+    // bfloat16 products (kPairs) only:
+    uint32_t* qtw;        // [Dk / 2][kBlockQ] Q^T as pairs of dims (in qt's memory)
+    uint32_t* ptw;        // [kBlockK / 2][kBlockQ] P^T as pairs of keys
+    uint32_t* vw_rows;    // [kBlockK / 2][round_up(Dv, kLanes)] V as pairs of keys per column
+    const uint32_t* kw[kBlockK];      // the key rows as pairs of dims (in place)
+    const uint32_t* vw[kBlockK / 2];  // vw_rows' rows
+    float qk_scale;       // scale * log2(e), applied to the sums
     void* memory;  // the thread's scratch buffer (core/scratch.hpp)
     bool skips_swamped = false;  // every row of the task has an ordinary key (excluded_keys.hpp)
   };
@@ -147,7 +162,7 @@ struct FlashForward {
   bool wants_weights() const { return o.weights != nullptr || o.average_weights != nullptr; }
 
   Scratch allocate() const {
-    const int64_t conv = widens() ? kBlockK * (p.dim_qk + p.dim_v) : 0;
+    const int64_t conv = kPairs ? kBlockK / 2 * (kBlockQ + round_up(p.dim_v, kLanes)) : widens() ? kBlockK * (p.dim_qk + p.dim_v) : 0;
     const int64_t keys = round_up(p.len_k, kBlockK);
     const int64_t kept = wants_weights() ? (keys + keys / kBlockK) * kBlockQ + round_up(p.len_k, kLanes) : 0;
     const int64_t floats =
@@ -163,8 +178,15 @@ struct FlashForward {
     s.m = f, f += kBlockQ;
     s.l = f, f += kBlockQ;
     s.zero_row = f, f += std::max(p.dim_qk, p.dim_v) + kLanes;
-    s.kconv = f, f += widens() ? kBlockK * p.dim_qk : 0;
-    s.vconv = f, f += widens() ? kBlockK * p.dim_v : 0;
+    if constexpr (kPairs) {
+      s.kconv = s.vconv = nullptr;
+      s.qtw = reinterpret_cast<uint32_t*>(s.qt);
+      s.ptw = reinterpret_cast<uint32_t*>(f), f += kBlockK / 2 * kBlockQ;
+      s.vw_rows = reinterpret_cast<uint32_t*>(f), f += kBlockK / 2 * round_up(p.dim_v, kLanes);
+    } else {
+      s.kconv = f, f += widens() ? kBlockK * p.dim_qk : 0;
+      s.vconv = f, f += widens() ? kBlockK * p.dim_v : 0;
+    }
     s.pt = s.block_m = s.wrow = nullptr;
     if (wants_weights()) {
       s.pt = f, f += keys * kBlockQ;
@@ -200,6 +222,11 @@ struct FlashForward {
       if (!s.pt && block_excluded(b, h, i0, j0, s.skips_swamped)) continue;
       const int64_t nb = std::min<int64_t>(kBlockK, key_end - j0);
       const int64_t nbp = round_up(nb, kKeysPerTile);
+      if constexpr (kPairs) {
+        pair_rows(s, kv, j0, nbp);
+        for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile)
+          T::dot_pairs(s.st + jj * kBlockQ, s.kw + jj, s.qtw, p.dim_qk / 2, vecs, S::set1(s.qk_scale));
+      } else {
       for (int64_t jj = 0; jj < nbp; ++jj) {
         const int64_t j = j0 + jj;
         if (j >= p.len_k) {
@@ -216,6 +243,7 @@ struct FlashForward {
         }
       }
       for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
+      }
       if (cap.on) cap.rows(s.st, nbp, kBlockQ, vecs);  // before the masks, as they add to the capped score
 
       for (int t = 0; t < p.num_masks; ++t) {
@@ -286,7 +314,37 @@ struct FlashForward {
           }
         }
       }
-      T::accumulate(s.ot, s.vp, tile, nbp, p.dim_v, vecs);
+      if constexpr (kPairs) {
+        for (int64_t jj = 0; jj < nbp; jj += 2)
+          for (int c = 0; c < vecs; ++c) {
+            const float* pr = tile + jj * kBlockQ + c * kLanes;
+            S::store_w(s.ptw + jj / 2 * kBlockQ + c * kLanes, S::pairs_of(S::load(pr), S::load(pr + kBlockQ)));
+          }
+        T::accumulate(s.ot, s.vw, s.ptw, nbp / 2, p.dim_v, vecs);
+      } else {
+        T::accumulate(s.ot, s.vp, tile, nbp, p.dim_v, vecs);
+      }
+    }
+  }
+
+  // bfloat16 products: the key rows [j0, j0 + nbp) in place as pairs of dims (keys past Lk read a
+  // zero row), and the value rows as pairs of keys per column, into s.vw_rows (zeros past Lk).
+  void pair_rows(Scratch& s, const KeyValueRows& kv, int64_t j0, int64_t nbp) const {
+    const auto* zero = reinterpret_cast<const uint32_t*>(s.zero_row);
+    const auto* keys = static_cast<const uint16_t*>(kv.k_low);
+    const auto* values = static_cast<const uint16_t*>(kv.v_low);
+    for (int64_t jj = 0; jj < nbp; ++jj) {
+      const int64_t j = j0 + jj;
+      s.kw[jj] = j < p.len_k ? reinterpret_cast<const uint32_t*>(keys + j * kv.k_stride) : zero;
+    }
+    const int64_t width = round_up(p.dim_v, kLanes);
+    for (int64_t jj = 0; jj < nbp; jj += 2) {
+      const int64_t j = j0 + jj;
+      uint32_t* out = s.vw_rows + jj / 2 * width;
+      s.vw[jj / 2] = out;
+      const uint16_t* a = j < p.len_k ? values + j * kv.v_stride : nullptr;
+      const uint16_t* b = j + 1 < p.len_k ? values + (j + 1) * kv.v_stride : nullptr;
+      for (int64_t d = 0; d < width; d += kLanes) S::store_w(out + d, S::interleave_rows(a, b, d, p.dim_v));
     }
   }
 
@@ -359,7 +417,11 @@ struct FlashForward {
     // Q^T, pre-scaled; lanes past the last query stay zero. Low-precision rows are widened first
     // (into the key block's buffer, free until the first key block).
     const int64_t q_offset = b * p.q.strides[0] + h * p.q.strides[1] + i0 * p.q.strides[2];
-    if (p.q.dtype != DType::f32) {
+    if constexpr (kPairs) {
+      s.qk_scale = qscale;
+      const auto* q = p.q.data_as<const uint16_t>() + q_offset;
+      S::transpose_pairs(q, p.q.strides[2], rows, p.dim_qk / 2, s.qtw, kBlockQ);
+    } else if (p.q.dtype != DType::f32) {
       for (int64_t ii = 0; ii < rows; ++ii) {
         T::widen(p.q.dtype, element_address(p.q.data, p.q.dtype, q_offset + ii * p.q.strides[2]), s.kconv, p.dim_qk);
         for (int64_t d = 0; d < p.dim_qk; ++d) s.qt[d * kBlockQ + ii] = s.kconv[d] * qscale;
@@ -645,11 +707,13 @@ struct FlashForward {
 
   void run() const {
     const int threads = resolve_threads(p.num_threads);
-    if (FewQueries<S>::applies(p, o)) {  // decoding; the head average from its per-head weights
-      if (o.average_weights != nullptr) return run_then_average(threads);
-      if (!p.windowed) return FewQueries<S>{p, o}.run();
-      const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)
-      return FewQueries<S>{masked, o}.run();
+    if constexpr (!kPairs) {  // (the bfloat16 products are not used for decoding: bf16_pairs_take_shape)
+      if (FewQueries<S>::applies(p, o)) {  // decoding; the head average from its per-head weights
+        if (o.average_weights != nullptr) return run_then_average(threads);
+        if (!p.windowed) return FewQueries<S>{p, o}.run();
+        const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)
+        return FewQueries<S>{masked, o}.run();
+      }
     }
     if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
     if (!mask_columns.done) {
@@ -668,7 +732,7 @@ struct FlashForward {
 
   // Groups (batch entry, key/value head) [g_begin, g_end), whole batch entries.
   void run_groups_of(int64_t g_begin, int64_t g_end, int threads) const {
-    if (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows()) {
+    if (kPairs || (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows())) {
       run_groups(g_begin, g_end, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });
       return;
     }

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "core/attention_problem.hpp"
 
@@ -48,9 +49,24 @@ struct Tiles {
   static constexpr int kBlockVecs = S::kBlockVecs;
   static_assert(kRowsPerTile % kBlockRows == 0 && kVecs % kBlockVecs == 0);
 
-  // out[r][c..] = sum_d rows[r][d] * panel[d][c..] for one register block.
-  template <int R>
-  static void dot_rows_block(float* out, const float* const* rows, const float* panel, int64_t depth, int c0) {
+  // One step of the products, over float32 (E = float: a fused multiply-add of a broadcast element)
+  // or over pairs of bfloat16 values in 32-bit words (E = uint32_t, S::kBf16Pairs: vdpbf16ps, two
+  // products per lane of a broadcast pair and a panel word).
+  static auto load_e(const float* p) { return S::load(p); }
+  static auto load_e(const uint32_t* p) { return S::load_w(p); }
+  static auto broadcast_e(const float* p) { return S::set1(*p); }
+  static auto broadcast_e(const uint32_t* p) { return S::broadcast_w(p); }
+  template <class E, class V>
+  static F multiply_add(V b, V x, F acc) {
+    if constexpr (std::is_same_v<E, float>) return S::fmadd(b, x, acc);
+    else return S::dot_pairs(b, x, acc);
+  }
+
+  // out[r][c..] = sum_d rows[r][d] * panel[d][c..] for one register block (times `scale` over
+  // bfloat16 pairs, whose operands are not pre-scaled: a scaled bfloat16 would round again).
+  template <int R, class E>
+  static void dot_rows_block(float* out, const E* const* rows, const E* panel, int64_t depth, int c0, F scale = S::zero()) {
+    constexpr bool kScaled = std::is_same_v<E, uint32_t>;
     F acc[R][kBlockVecs];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kBlockVecs; ++c) acc[r][c] = S::zero();
@@ -64,15 +80,16 @@ struct Tiles {
     // skipped path, a store and reload of all 12 around every call, 5-10% of a product of 48 rows.
     int64_t d = 0;
     do {
-      F x[kBlockVecs];
-      for (int c = 0; c < kBlockVecs; ++c) x[c] = S::load(panel + d * kWidth + (c0 + c) * kLanes);
+      decltype(load_e(panel)) x[kBlockVecs];
+      for (int c = 0; c < kBlockVecs; ++c) x[c] = load_e(panel + d * kWidth + (c0 + c) * kLanes);
       for (int r = 0; r < R; ++r) {
-        const F b = S::set1(rows[r][d]);
-        for (int c = 0; c < kBlockVecs; ++c) acc[r][c] = S::fmadd(b, x[c], acc[r][c]);
+        const auto b = broadcast_e(rows[r] + d);
+        for (int c = 0; c < kBlockVecs; ++c) acc[r][c] = multiply_add<E>(b, x[c], acc[r][c]);
       }
     } while (++d < depth);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kBlockVecs; ++c) S::store(out + r * kWidth + (c0 + c) * kLanes, acc[r][c]);
+      for (int c = 0; c < kBlockVecs; ++c)
+        S::store(out + r * kWidth + (c0 + c) * kLanes, kScaled ? S::mul(acc[r][c], scale) : acc[r][c]);
   }
 
   // out[r][:] = sum_d rows[r][d] * panel[d][:] for kRowsPerTile rows (e.g. S^T = K Q^T), over the
@@ -81,6 +98,13 @@ struct Tiles {
     for (int r0 = 0; r0 < kRowsPerTile; r0 += kBlockRows)
       for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
         dot_rows_block<kBlockRows>(out + r0 * kWidth, rows + r0, panel, depth, c0);
+  }
+  // The same over bfloat16 pairs (S::kBf16Pairs): rows and panel of 32-bit words, `words` of them
+  // deep, the sums times `scale`.
+  static void dot_pairs(float* out, const uint32_t* const* rows, const uint32_t* panel, int64_t words, int vecs, F scale) {
+    for (int r0 = 0; r0 < kRowsPerTile; r0 += kBlockRows)
+      for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
+        dot_rows_block<kBlockRows>(out + r0 * kWidth, rows + r0, panel, words, c0, scale);
   }
 
   // The two products kept out of line, for large callers (the backward's group task): inlined
@@ -101,22 +125,22 @@ struct Tiles {
   // The vectors of a panel that hold its first `n` lanes, rounded up to whole register blocks.
   static int vecs_for(int64_t n) { return static_cast<int>(round_up((n + kLanes - 1) / kLanes, kBlockVecs)); }
 
-  // acc[r][c..] += sum_j rows[j][col0 + r] * weights[j][c..] for R columns and one block of vectors.
-  template <int R>
-  static void accumulate_block(float* acc, const float* const* rows, int64_t col0, const float* weights, int64_t n,
-                               int c0) {
+  // acc[r][c..] += sum_j rows[j][col0 + r] * weights[j][c..] for R columns and one block of vectors
+  // (E: float32 elements, or words of bfloat16 pairs as in dot_rows_block).
+  template <int R, class E>
+  static void accumulate_block(float* acc, const E* const* rows, int64_t col0, const E* weights, int64_t n, int c0) {
     if (n <= 0) return;  // then a loop that runs at least once, as in dot_rows_block
     F a[R][kBlockVecs];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kBlockVecs; ++c) a[r][c] = S::load(acc + r * kWidth + (c0 + c) * kLanes);
     int64_t j = 0;
     do {
-      F w[kBlockVecs];
-      for (int c = 0; c < kBlockVecs; ++c) w[c] = S::load(weights + j * kWidth + (c0 + c) * kLanes);
-      const float* row = rows[j] + col0;
+      decltype(load_e(weights)) w[kBlockVecs];
+      for (int c = 0; c < kBlockVecs; ++c) w[c] = load_e(weights + j * kWidth + (c0 + c) * kLanes);
+      const E* row = rows[j] + col0;
       for (int r = 0; r < R; ++r) {
-        const F b = S::set1(row[r]);
-        for (int c = 0; c < kBlockVecs; ++c) a[r][c] = S::fmadd(b, w[c], a[r][c]);
+        const auto b = broadcast_e(row + r);
+        for (int c = 0; c < kBlockVecs; ++c) a[r][c] = multiply_add<E>(b, w[c], a[r][c]);
       }
     } while (++j < n);
     for (int r = 0; r < R; ++r)
@@ -124,9 +148,8 @@ struct Tiles {
   }
 
   // acc[c][:] += sum_j rows[j][c0 + c] * weights[j][:] for kCols columns (e.g. O^T += V^T P^T).
-  template <int kCols>
-  static void accumulate_cols(float* acc, const float* const* rows, int64_t c0, const float* weights, int64_t n,
-                              int vecs) {
+  template <int kCols, class E>
+  static void accumulate_cols(float* acc, const E* const* rows, int64_t c0, const E* weights, int64_t n, int vecs) {
     constexpr int kFull = kCols / kBlockRows * kBlockRows, kRest = kCols % kBlockRows;
     for (int v0 = 0; v0 < vecs; v0 += kBlockVecs) {
       for (int r0 = 0; r0 < kFull; r0 += kBlockRows)
@@ -138,21 +161,23 @@ struct Tiles {
   // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, a register block at a
   // time, over the first `vecs` vectors of the panel (as in dot_rows).
   static_assert(kBlockRows <= 8, "accumulate's remainder switch covers up to 7 columns");
-  static void accumulate(float* acc, const float* const* rows, const float* weights, int64_t n, int64_t cols,
+  // (Over bfloat16 pairs, S::kBf16Pairs: rows and weights of 32-bit words, n pairs of rows deep.)
+  template <class E>
+  static void accumulate(float* acc, const E* const* rows, const E* weights, int64_t n, int64_t cols,
                          int vecs = kVecs) {
     int64_t c0 = 0;
     for (; c0 + kBlockRows <= cols; c0 += kBlockRows) {
-      accumulate_cols<kBlockRows>(acc + c0 * kWidth, rows, c0, weights, n, vecs);
+      accumulate_cols<kBlockRows, E>(acc + c0 * kWidth, rows, c0, weights, n, vecs);
     }
     float* a = acc + c0 * kWidth;
     switch (cols - c0) {  // the columns left over, one instance per count
-      case 1: accumulate_cols<1>(a, rows, c0, weights, n, vecs); break;
-      case 2: accumulate_cols<2>(a, rows, c0, weights, n, vecs); break;
-      case 3: accumulate_cols<3>(a, rows, c0, weights, n, vecs); break;
-      case 4: accumulate_cols<4>(a, rows, c0, weights, n, vecs); break;
-      case 5: accumulate_cols<5>(a, rows, c0, weights, n, vecs); break;
-      case 6: accumulate_cols<6>(a, rows, c0, weights, n, vecs); break;
-      case 7: accumulate_cols<7>(a, rows, c0, weights, n, vecs); break;
+      case 1: accumulate_cols<1, E>(a, rows, c0, weights, n, vecs); break;
+      case 2: accumulate_cols<2, E>(a, rows, c0, weights, n, vecs); break;
+      case 3: accumulate_cols<3, E>(a, rows, c0, weights, n, vecs); break;
+      case 4: accumulate_cols<4, E>(a, rows, c0, weights, n, vecs); break;
+      case 5: accumulate_cols<5, E>(a, rows, c0, weights, n, vecs); break;
+      case 6: accumulate_cols<6, E>(a, rows, c0, weights, n, vecs); break;
+      case 7: accumulate_cols<7, E>(a, rows, c0, weights, n, vecs); break;
       default: break;
     }
   }

@@ -10,6 +10,7 @@ void vector_tanh_portable(const float* x, float* y, float* slope, int64_t n) { v
 void vector_exp2(Isa isa, const float* x, float* y, int64_t n) {
   switch (isa) {
     case Isa::amx:
+    case Isa::avx512_bf16:
     case Isa::avx512: vector_exp2_avx512(x, y, n); break;
     case Isa::avx2: vector_exp2_avx2(x, y, n); break;
     case Isa::portable: vector_exp2_portable(x, y, n); break;
@@ -19,6 +20,7 @@ void vector_exp2(Isa isa, const float* x, float* y, int64_t n) {
 void vector_tanh(Isa isa, const float* x, float* y, float* slope, int64_t n) {
   switch (isa) {
     case Isa::amx:
+    case Isa::avx512_bf16:
     case Isa::avx512: vector_tanh_avx512(x, y, slope, n); break;
     case Isa::avx2: vector_tanh_avx2(x, y, slope, n); break;
     case Isa::portable: vector_tanh_portable(x, y, slope, n); break;

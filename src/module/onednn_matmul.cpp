@@ -37,11 +37,11 @@ void disable_f32_matmul(bool disabled) { f32_disabled_for_tests.store(disabled);
 
 bool bf16_matmul_available() {
   static const bool cpu = cpu_has_avx512_bf16();
-  return cpu && !bf16_disabled_for_tests.load() && (active_isa() == Isa::avx512 || active_isa() == Isa::amx);
+  return cpu && !bf16_disabled_for_tests.load() && active_isa() >= Isa::avx512;
 }
 
 bool f32_matmul_available() {
-  return !f32_disabled_for_tests.load() && (active_isa() == Isa::avx512 || active_isa() == Isa::amx);
+  return !f32_disabled_for_tests.load() && active_isa() >= Isa::avx512;
 }
 
 struct MatmulBlock::Impl {

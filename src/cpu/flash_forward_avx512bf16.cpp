@@ -1,0 +1,12 @@
+// The fused forward with bfloat16 products (AVX512-BF16; this file gets -mavx512bf16 on top of
+// AVX-512, see CMakeLists.txt), for problems whose q, k and v are all bfloat16
+// (bf16_pairs_supports).
+#include "cpu/flash_forward.hpp"
+#include "cpu/simd_avx512_bf16.hpp"
+
+namespace mha::detail {
+void flash_forward_avx512bf16(const AttentionProblem& p, const ForwardOutputs& o) {
+  if (!bf16_pairs_supports(p)) throw Error("internal error: the bfloat16-product kernel was handed a problem it does not take");
+  FlashForward<simd::Avx512Bf16>{p, o}.run();
+}
+}  // namespace mha::detail

@@ -1,0 +1,64 @@
+// AVX-512 with AVX512-BF16: the float32 layer (simd_avx512.hpp) plus products of bfloat16 pairs,
+// vdpbf16ps (lane i of the accumulator += a[2i] b[2i] + a[2i+1] b[2i+1], each product exact in
+// float32). Twice the FMA's products per instruction at the same issue rate (Zen 4 and 5, Cooper
+// Lake, Sapphire Rapids). Included only by *_avx512bf16.cpp files.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu/simd_avx512.hpp"
+#include "cpu/transpose_avx512.hpp"
+
+namespace mha::detail::simd {
+
+struct Avx512Bf16 : Avx512 {
+  // The fused kernels take bfloat16 products (tile_kernels.hpp's pair products) where every
+  // operand is bfloat16.
+  static constexpr bool kBf16Pairs = true;
+  using W = __m512i;  // 16 words, each a pair of bfloat16 values (the first in the low half)
+  using Word = uint32_t __attribute__((may_alias));  // a pair read from bfloat16 rows
+
+  static F dot_pairs(W a, W b, F acc) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  static W load_w(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  static W broadcast_w(const uint32_t* p) { return _mm512_set1_epi32(static_cast<int>(*reinterpret_cast<const Word*>(p))); }
+  static void store_w(uint32_t* p, W v) { _mm512_storeu_si512(p, v); }
+  // Lane i of lo and of hi rounded to bfloat16 (to nearest even) as the pair of word i.
+  static W pairs_of(F lo, F hi) {
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values, then hi's
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, halves);
+  }
+  // Elements [d, d + 16) of bfloat16 rows a and b (as bits; a null row reads zeros, as do elements
+  // past n) as the pairs of 16 words: word i holds (a[d + i], b[d + i]).
+  static W interleave_rows(const uint16_t* a, const uint16_t* b, int64_t d, int64_t n) {
+    const __mmask16 valid = n - d >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - d)) - 1);
+    const __m512i x = a ? _mm512_zextsi256_si512(_mm256_maskz_loadu_epi16(valid, a + d)) : _mm512_setzero_si512();
+    const __m512i y = b ? _mm512_zextsi256_si512(_mm256_maskz_loadu_epi16(valid, b + d)) : _mm512_setzero_si512();
+    const __m512i index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    return _mm512_permutex2var_epi16(x, index, y);
+  }
+  // dst[w * dst_stride + r] = word w of row r (pairs of bfloat16 values at src + r * row_stride),
+  // for w < words and r < dst_stride (a multiple of 16), zero for rows from `rows` on: a block of
+  // rows transposed to pairs per row, 16 x 16 words at a time.
+  static void transpose_pairs(const uint16_t* src, int64_t row_stride, int64_t rows, int64_t words, uint32_t* dst,
+                              int64_t dst_stride) {
+    for (int64_t r0 = 0; r0 < dst_stride; r0 += 16) {
+      for (int64_t w0 = 0; w0 < words; w0 += 16) {
+        const int64_t n = std::min<int64_t>(16, words - w0);
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = r0 + i < rows ? _mm512_maskz_loadu_epi32(valid, src + (r0 + i) * row_stride + 2 * w0) : _mm512_setzero_si512();
+        transpose16x16(r);
+        for (int64_t i = 0; i < n; ++i) _mm512_storeu_si512(dst + (w0 + i) * dst_stride + r0, r[i]);
+      }
+    }
+  }
+};
+
+}  // namespace mha::detail::simd

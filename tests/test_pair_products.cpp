@@ -1,0 +1,153 @@
+// The bfloat16 forward with AVX512-BF16 pair products (Isa::avx512_bf16, flash_forward_avx512bf16):
+// against the float64 reference on fresh random shapes and options around its blocks (48 queries,
+// 64 keys, pairs of dims and of keys), that it really runs (its output is not the float32
+// kernel's), and that its bits do not depend on the thread count or on the weights being asked for.
+//
+// Tolerance: bfloat16 inputs are exact in its products and the softmax is float32, but P is rounded
+// to bfloat16 (2^-9 relative) for P V and the output is rounded once more: 1e-2 of the largest
+// output, as every bfloat16 path (the test_sdpa_forward tolerance). The weights are the float32
+// P's rounded once: 1e-2 too. The log-sum-exp is the float32 softmax's: 1e-4 absolute per row.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/dispatch.hpp"
+#include "mha/mha.hpp"
+#include "mha/reference.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using mha_test::randn;
+using mha_test::rel_error;
+using mha_test::same_bits;
+using mha_test::test_seed;
+
+bool has_pairs() {
+  const auto isas = mha::detail::supported_isas();
+  return std::find(isas.begin(), isas.end(), mha::detail::Isa::avx512_bf16) != isas.end();
+}
+
+struct PairCase {
+  mha::Tensor q, k, v, mask;
+  mha::SdpaOptions options;
+  std::string describe;
+};
+
+// Lq from just past the decoding kernel's 32 to past 512, Lk from 1 (a block of one key, 63 of
+// zeros) to 300, even head dims of q and k from 2 to 256 (a pair per word; the tail of a 16-word
+// transpose), any dv (a partial vector of columns), GQA, causal of both alignments, a sliding
+// window, bool and float masks with broadcast dims, dropout, a scale, soft-capping, and q, k, v
+// read through views whose rows are not contiguous (then copied with unit stride).
+PairCase draw(std::mt19937_64& rng) {
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  PairCase c;
+  const int64_t lq = coin(0.1) ? pick(513, 600) : pick(33, 200), lk = coin(0.2) ? pick(1, 70) : pick(1, 300);
+  const int64_t hkv = pick(1, 2), hq = hkv * pick(1, 3), b = pick(1, 2);
+  const int64_t dk = std::vector<int64_t>{2, 8, 24, 40, 64, 64, 128, 256}[pick(0, 7)];
+  const int64_t dv = std::vector<int64_t>{1, 7, 16, 33, 64, 72, 128}[pick(0, 6)];
+  auto make = [&](int64_t h, int64_t l, int64_t d) {
+    if (coin(0.25)) {  // [B, L, H, D] storage seen as [B, H, L, D]
+      const mha::Tensor t = randn({b, l, h, d}, rng, mha::DType::bf16);
+      return mha::Tensor::copy_of(t.view().transpose(1, 2), mha::DType::bf16);
+    }
+    return randn({b, h, l, d}, rng, mha::DType::bf16);
+  };
+  c.q = make(hq, lq, dk), c.k = make(hkv, lk, dk), c.v = make(hkv, lk, dv);
+  c.options.enable_gqa = hq != hkv;
+  c.options.is_causal = coin(0.4);
+  c.options.causal_alignment = coin(0.5) ? mha::CausalAlignment::TopLeft : mha::CausalAlignment::BottomRight;
+  if (coin(0.2)) c.options.window_left = pick(0, 100);
+  if (coin(0.2)) c.options.scale = std::uniform_real_distribution<double>(0.05, 1.5)(rng);
+  if (coin(0.15)) c.options.dropout_p = 0.3, c.options.dropout_seed = rng();
+  if (coin(0.15)) c.options.softcap = 5.0;
+  const int64_t mask_kind = pick(0, 3);
+  if (mask_kind == 1) {
+    c.mask = mha::Tensor::empty({lq, lk}, mha::DType::boolean);
+    for (int64_t i = 0; i < c.mask.numel(); ++i) c.mask.data<bool>()[i] = coin(0.8);
+  } else if (mask_kind == 2) {
+    c.mask = randn({b, 1, 1, lk}, rng);
+  }
+  if (c.mask.defined()) c.options.attn_mask = c.mask.view();
+  // (A fully masked row is zero in both; the float64 reference and the kernel agree on it.)
+  c.describe = "q " + c.q.shape_str() + " k " + c.k.shape_str() + " v " + c.v.shape_str() + " causal " +
+               std::to_string(c.options.is_causal) + " window " + std::to_string(c.options.window_left) + " mask " +
+               std::to_string(mask_kind) + " dropout " + std::to_string(c.options.dropout_p) + " softcap " +
+               std::to_string(c.options.softcap);
+  return c;
+}
+
+class PairProducts : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!has_pairs()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+    mha::detail::force_isa(mha::detail::Isa::avx512_bf16);
+  }
+  void TearDown() override { mha::detail::force_isa(std::nullopt); }
+};
+
+TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {
+  std::mt19937_64 rng(test_seed());
+  int differs_from_float32 = 0;
+  constexpr int kCases = 60;
+  for (int n = 0; n < kCases; ++n) {
+    const PairCase c = draw(rng);
+    SCOPED_TRACE(c.describe);
+    ASSERT_TRUE(mha_test::pair_products_forward(mha::DType::bf16, c.q.size(2), c.q.size(3)));
+    const auto ref = mha::reference::scaled_dot_product_attention(c.q, c.k, c.v, c.options);
+    const mha::Tensor out = mha::scaled_dot_product_attention(c.q, c.k, c.v, c.options);
+    EXPECT_LT(rel_error(out, ref.output), 1e-2);
+    const auto with_weights = mha::scaled_dot_product_attention_with_weights(c.q, c.k, c.v, c.options);
+    EXPECT_TRUE(same_bits(with_weights.output, out));  // the same products and roundings either way
+    EXPECT_LT(rel_error(with_weights.weights, ref.weights), 1e-2);
+    // The float32 kernel on the same bfloat16 inputs, and its log-sum-exp.
+    const auto saved = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
+    EXPECT_TRUE(same_bits(saved.output, out));
+    mha::detail::force_isa(mha::detail::Isa::avx512);
+    const auto saved32 = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
+    mha::detail::force_isa(mha::detail::Isa::avx512_bf16);
+    differs_from_float32 += !same_bits(saved.output, saved32.output);
+    for (int64_t r = 0; r < saved.lse.numel(); ++r) {
+      const float a = saved.lse.data<float>()[r], want = saved32.lse.data<float>()[r];
+      if (std::isinf(want)) ASSERT_EQ(a, want) << "row " << r;
+      else ASSERT_NEAR(a, want, 1e-4 * std::max(1.0f, std::abs(want))) << "row " << r;
+    }
+  }
+  // P rounded to bfloat16 changes some output bits in nearly every case: the kernel ran.
+  EXPECT_GT(differs_from_float32, kCases / 2);
+}
+
+TEST_F(PairProducts, ThreadCountsGiveIdenticalBits) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({2, 4, 300, 64}, rng, mha::DType::bf16), k = randn({2, 2, 257, 64}, rng, mha::DType::bf16),
+                    v = randn({2, 2, 257, 40}, rng, mha::DType::bf16);
+  mha::SdpaOptions o{.is_causal = true, .enable_gqa = true};
+  o.num_threads = 1;
+  const mha::Tensor one = mha::scaled_dot_product_attention(q, k, v, o);
+  o.num_threads = 3;
+  EXPECT_TRUE(same_bits(mha::scaled_dot_product_attention(q, k, v, o), one));
+}
+
+// Odd head dims of q and k (no whole pairs) and decoding (up to 32 queries) take the float32
+// kernel on the widened inputs: its bits.
+TEST_F(PairProducts, OddDimsAndDecodingTakeTheFloat32Kernel) {
+  std::mt19937_64 rng(test_seed());
+  for (const auto& [lq, dk] : {std::pair<int64_t, int64_t>{100, 33}, std::pair<int64_t, int64_t>{32, 64}}) {
+    SCOPED_TRACE("Lq " + std::to_string(lq) + " dk " + std::to_string(dk));
+    EXPECT_FALSE(mha_test::pair_products_forward(mha::DType::bf16, lq, dk));
+    const mha::Tensor q = randn({1, 2, lq, dk}, rng, mha::DType::bf16), k = randn({1, 2, 90, dk}, rng, mha::DType::bf16),
+                      v = randn({1, 2, 90, 16}, rng, mha::DType::bf16);
+    const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, {});
+    mha::detail::force_isa(mha::detail::Isa::avx512);
+    const mha::Tensor out32 = mha::scaled_dot_product_attention(q, k, v, {});
+    mha::detail::force_isa(mha::detail::Isa::avx512_bf16);
+    EXPECT_TRUE(same_bits(out, out32));
+  }
+}
+
+}  // namespace
