@@ -322,7 +322,8 @@ TEST(ModuleLowPrecision, Bf16ProjectionsThroughOneDnn) {
   }
 }
 
-// bfloat16 inference on the tile unit (module_bf16_forward.cpp, CPUs with AMX and oneDNN): head
+// bfloat16 inference in bfloat16 products (module_bf16_forward.cpp, CPUs with AMX or AVX512-BF16
+// and oneDNN; the attention on the tile unit or in the fused kernel's pair products): head
 // dims of 32, 64 and 96, self-attention (one packed product) and cross-attention with other kdim/vdim,
 // both layouts and unbatched, bool and float masks, key padding, causality. Against the float64
 // module reference: the projections, the probabilities and the attention output are each rounded
@@ -341,7 +342,7 @@ TEST(ModuleLowPrecision, WeightSlicesMatchOneDnnsPacking) {
   const int64_t shapes[][3] = {{256, 1024, 1024}, {37, 100, 40}, {64, 64, 32}, {300, 200, 72}, {5, 7, 3}, {20, 130, 37}};
   for (const auto output : {mha::detail::MatmulOutput::bf16_plus_bias, mha::detail::MatmulOutput::f32_plus_bias}) {
     const bool bf16 = output == mha::detail::MatmulOutput::bf16_plus_bias;
-    if (bf16 && (!mha::detail::amx_usable() || !mha::detail::bf16_matmul_available())) continue;  // (f32 still runs)
+    if (bf16 && !mha::detail::bf16_matmul_available()) continue;  // (f32 still runs)
     for (size_t n = 0; n < std::size(shapes); ++n) {
       const auto& shape = shapes[n];
       // Even rows (bfloat16 pairs whole: the transposing path) and odd ones (the scalar path).
@@ -360,8 +361,9 @@ TEST(ModuleLowPrecision, WeightSlicesMatchOneDnnsPacking) {
   }
 }
 
-TEST(ModuleLowPrecision, Bf16InferenceOnTheTileUnit) {
-  if (!mha::detail::amx_usable() || !mha::detail::bf16_matmul_available()) GTEST_SKIP() << "no AMX or oneDNN here";
+TEST(ModuleLowPrecision, Bf16InferenceInBfloat16Products) {
+  const bool products = mha::detail::amx_usable() || mha::detail::active_isa() == mha::detail::Isa::avx512_bf16;
+  if (!products || !mha::detail::bf16_matmul_available()) GTEST_SKIP() << "no AMX or AVX512-BF16, or no oneDNN here";
   std::mt19937_64 rng(test_seed());
   auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
   double worst = 0;

@@ -1,13 +1,15 @@
-// A bfloat16 module's inference forward on the tile unit, rounded where PyTorch's bf16 module
+// A bfloat16 module's inference forward in bfloat16 products, rounded where PyTorch's bf16 module
 // rounds: each projection is a bfloat16 Linear (float32 sums with the bias, rounded once: oneDNN's
-// AMX matmul), the attention runs the AMX kernel on those bfloat16 heads, and its output, rounded
-// to bfloat16, is the out-projection's input. Against the float32 module on widened copies (what
+// AMX or AVX512-BF16 matmul), the attention runs the AMX kernel (or, on the avx512_bf16 ISA, the
+// fused kernel's bfloat16 pair products) on those bfloat16 heads, and its output, rounded to
+// bfloat16, is the out-projection's input. Against the float32 module on widened copies (what
 // the other bf16 calls run), this rounds three more times and runs several times faster; the
 // error stays within a few bfloat16 units (tests/test_module_low_precision.cpp).
 //
-// Taken only where everything runs on the tile unit and nothing is kept for a backward: no
+// Taken only where everything runs in bfloat16 products and nothing is kept for a backward: no
 // context, no weights returned, no dropout, no bias_k/bias_v or zero-attention rows, head dims
-// of at least 16, more than a few queries (decoding keeps the few-rows path).
+// the kernel takes (AMX: at least 16; pairs: even), more than a few queries (decoding keeps the
+// few-rows path).
 #include <cstring>
 #include <optional>
 #include <string>
@@ -15,6 +17,7 @@
 
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
+#include "cpu/dispatch.hpp"
 #include "module/onednn_matmul.hpp"
 #include "module/linear.hpp"
 #include "module/module_bf16_forward.hpp"
@@ -49,20 +52,30 @@ std::vector<float> widened(const TensorView& bias, int64_t first, int64_t n) {
 
 }  // namespace
 
-bool bf16_tile_forward_takes(const MultiheadAttention& m, const ForwardOptions& options, int64_t len_q, int64_t len_k,
-                             bool with_context) {
+namespace {
+// Where the attention of such a call runs: the tile unit, or the fused kernel's pair products.
+bool on_tiles(int64_t len_q, int64_t len_k, int64_t head_dim) {
+  return amx_usable() && amx_bf16_takes_shape(len_q, len_k, head_dim, head_dim);
+}
+bool on_pairs(int64_t len_q, int64_t head_dim) {
+  return active_isa() == Isa::avx512_bf16 && bf16_pairs_take_shape(len_q, head_dim);
+}
+}  // namespace
+
+bool bf16_inference_forward_takes(const MultiheadAttention& m, const ForwardOptions& options, int64_t len_q,
+                                  int64_t len_k, bool with_context) {
   const MultiheadAttentionOptions& o = m.options();
   return o.dtype == DType::bf16 && !with_context && !options.need_weights && !o.add_bias_kv && !o.add_zero_attn &&
-         !(m.is_training() && o.dropout > 0) && amx_bf16_takes_shape(len_q, len_k, m.head_dim(), m.head_dim()) &&
-         amx_usable() && bf16_matmul_available();
+         !(m.is_training() && o.dropout > 0) &&
+         (on_tiles(len_q, len_k, m.head_dim()) || on_pairs(len_q, m.head_dim())) && bf16_matmul_available();
 }
 
-std::optional<ForwardResult> bf16_tile_forward(const MultiheadAttention& m,
+std::optional<ForwardResult> bf16_inference_forward(const MultiheadAttention& m,
                                                const std::vector<std::pair<std::string, TensorView>>& parameters,
                                                const TensorView& query, const TensorView& key, const TensorView& value,
                                                const ForwardOptions& options, ForwardContext* context) {
   const ModuleCall c = validate_module_call(m, query, key, value, options);
-  if (!bf16_tile_forward_takes(m, options, c.len_q, c.len_k, context != nullptr)) return std::nullopt;
+  if (!bf16_inference_forward_takes(m, options, c.len_q, c.len_k, context != nullptr)) return std::nullopt;
   const int threads = resolve_threads(options.num_threads);
   const int64_t E = m.embed_dim(), H = m.num_heads(), L = c.len_q, S = c.len_k;
   const bool bias = m.options().bias;
@@ -92,7 +105,7 @@ std::optional<ForwardResult> bf16_tile_forward(const MultiheadAttention& m,
                {c.value, wv, bias ? bv.data() : nullptr, v}},
               threads);
 
-  // 2. The attention on the tile unit, written into a buffer laid out like the output.
+  // 2. The attention in bfloat16 products, written into a buffer laid out like the output.
   ForwardResult result;
   result.output = Tensor::empty(module_output_shape(c, m, m.options().batch_first), DType::bf16);
   auto as_nle = [&](const TensorView& t) {
@@ -102,12 +115,21 @@ std::optional<ForwardResult> bf16_tile_forward(const MultiheadAttention& m,
   const Tensor attn = Tensor::empty(result.output.sizes(), DType::bf16);
   const MaskTerms masks = module_mask_terms(c, H);
   const AttentionProblem p = module_attention_problem(c, masks, H, q, k, v, threads);
-  if (!amx_bf16_supports(p)) throw Error("internal error: the AMX kernel refuses a module call it was meant to take");
   const TensorView heads_out = as_nle(attn.view()).split_dim(2, H).transpose(1, 2);
-  AmxOutputs o;
-  o.out = heads_out.data;
-  for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
-  amx_bf16_forward(p, o);
+  if (on_tiles(L, S, m.head_dim())) {
+    if (!amx_bf16_supports(p)) throw Error("internal error: the AMX kernel refuses a module call it was meant to take");
+    AmxOutputs o;
+    o.out = heads_out.data;
+    for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
+    amx_bf16_forward(p, o);
+  } else {
+    if (!bf16_pairs_supports(p)) throw Error("internal error: the pair kernel refuses a module call it was meant to take");
+    ForwardOutputs o;
+    o.out = heads_out.data;
+    o.out_dtype = DType::bf16;
+    for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
+    run_attention(p, o);
+  }
 
   // 3. The output projection, rounded to bfloat16.
   const TensorView wo = with_unit_rows(parameter(parameters, "out_proj.weight"), storage);

@@ -45,7 +45,7 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
                                                         ForwardContext* context) const {
   detail::validate_module_call(*this, query, key, value, options);  // dtypes against the module's
   // bfloat16 inference on AMX: PyTorch's roundings, on the tile unit throughout.
-  if (auto tiles = detail::bf16_tile_forward(*this, parameters, query, key, value, options, context)) return std::move(*tiles);
+  if (auto tiles = detail::bf16_inference_forward(*this, parameters, query, key, value, options, context)) return std::move(*tiles);
   const int threads = detail::resolve_threads(options.num_threads);
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);  // the options, as float32
   // The projection weights stay 16-bit: linear() widens each for sgemm, or reads it as it is for
