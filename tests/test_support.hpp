@@ -98,6 +98,17 @@ inline bool pair_products_forward(mha::DType dtype, int64_t lq, int64_t dk) {
          mha::detail::bf16_pairs_take_shape(lq, dk);
 }
 
+// Whether a bfloat16 backward of this shape runs with AVX512-BF16's pair products on the ISA in
+// use (bf16_pairs_backward_takes: even head dims, the one-pass schedule of 16 and more (batch,
+// key/value head) groups, more query rows per key/value head than the decoding backward takes,
+// no mask gradient): within bfloat16 rounding of the float32 path's gradients, not their bits.
+inline bool pair_products_backward(mha::DType dtype, int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t lq,
+                                   int64_t dk, int64_t dv, bool mask_grad = false) {
+  return mha::detail::active_isa() == mha::detail::Isa::avx512_bf16 && dtype == mha::DType::bf16 && !mask_grad &&
+         dk % 2 == 0 && dv % 2 == 0 && batch * heads_kv >= mha::detail::kMinGroupsForOnePassBackward &&
+         heads_q / heads_kv * lq > mha::detail::kFewQueryRowsBackward;
+}
+
 // Whether a bfloat16 backward of these lengths and head dims runs on the tile unit on the ISA in
 // use (cpu/amx.hpp's rule; never when the mask's gradient is asked for): it rounds P and dS to
 // bfloat16 for its products, so its gradients are within bfloat16 rounding of the float32

@@ -224,8 +224,13 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
     return;
   }
   switch (active_isa()) {
-    case Isa::amx:
     case Isa::avx512_bf16:
+      if (bf16_pairs_backward_takes(p, inputs, out)) {
+        flash_backward_avx512bf16(p, inputs, out);
+        break;
+      }
+      [[fallthrough]];
+    case Isa::amx:
     case Isa::avx512: flash_backward_avx512(p, inputs, out); break;
     case Isa::avx2: flash_backward_avx2(p, inputs, out); break;
     case Isa::portable: flash_backward_portable(p, inputs, out); break;

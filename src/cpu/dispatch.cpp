@@ -172,6 +172,11 @@ bool bf16_pairs_take_shape(int64_t len_q, int64_t dim_qk) {
   return dim_qk % 2 == 0 && len_q > kFewQueriesPerHead;
 }
 
+bool bf16_pairs_backward_takes(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
+  return bf16_pairs_supports(p) && in.grad_out_dtype == DType::bf16 && p.dim_v % 2 == 0 && out.dscores == nullptr &&
+         p.batch * p.heads_kv >= kMinGroupsForOnePassBackward && p.heads_q / p.heads_kv * p.len_q > kFewQueryRowsBackward;
+}
+
 bool amx_bf16_backward_supports(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
   return amx_usable() && amx_bf16_supports(p) && in.grad_out_dtype == DType::bf16 &&
          (out.grad_dtype == DType::bf16 || out.grad_dtype == DType::f32) &&

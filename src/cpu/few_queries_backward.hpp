@@ -42,7 +42,7 @@ struct FewQueriesBackward {
   // writes of each key's rows; the tile backward's panels pay for their transposes with more rows
   // (one thread, B=4 H=16 Lk=512 d=64: 0.48x the tile backward's time at 2 rows, 0.72x at 8, 0.97x
   // at 16, 1.28x at 32; Lk=2048 d=128 at 16 rows 0.9x).
-  static constexpr int64_t kMaxRows = 16;
+  static constexpr int64_t kMaxRows = kFewQueryRowsBackward;
   static constexpr int64_t kKeysPerChunk = 64 * kLanes;  // 1024: a task's keys, whatever the thread count
 
   const AttentionProblem& p;

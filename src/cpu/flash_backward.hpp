@@ -14,7 +14,8 @@
 // bfloat16 / float16 q, k, v and output gradient are widened to float32 as rows are read: a
 // block of rows at a time into the task's slots in the two passes, once per group (keys) and per
 // head (queries) in the group task; float32 rows that are not packed are copied the same way.
-// The arithmetic is then the float32 kernel's, and so are the bits.
+// The arithmetic is then the float32 kernel's, and so are the bits. (On AVX512-BF16, bfloat16
+// problems of the one-pass schedule take bfloat16 products instead: kPairs below.)
 #pragma once
 
 #include <algorithm>
@@ -54,6 +55,14 @@ struct FlashBackward {
   // Rows (queries in A, keys in B) per step: 64, rounded up to whole dot_rows calls.
   static constexpr int kBlock = (64 + kRows - 1) / kRows * kRows;
   static_assert(kPanel % kRows == 0, "the group task runs dot_rows over whole 48-row panels");
+  // bfloat16 products (S::kBf16Pairs; bf16_pairs_backward_takes): the one-pass group task's five
+  // products over pairs of bfloat16 values (vdpbf16ps). Q, K, V and dO are exact in them: Q and dO
+  // rows are read in place as pairs of dims, K^T and V^T panels hold pairs of dims per key, and
+  // Q, dO and K are copied as pairs of rows (queries, keys) per column for the accumulations,
+  // once per head (Q, dO) or group (K). Pd, dS and dS^T are rounded to bfloat16 as pairs of rows
+  // per lane for them: the gradients are within bfloat16 rounding of the float32 path's (as the
+  // AMX backward's). Scores, probabilities and dS are float32 as in the float32 kernel.
+  static constexpr bool kPairs = requires { S::kBf16Pairs; };
 
   const AttentionProblem& p;
   const BackwardInputs& in;
@@ -246,6 +255,40 @@ struct FlashBackward {
       const float* x = row(t, b, h, l0 + r, slot);
       for (int64_t d = 0; d < t.width; ++d) panel[d * kPanel + r] = x[d] * scale;
     }
+  }
+
+  // bfloat16 products (kPairs): row l of head (b, h) of t (bfloat16, unit stride, an even width) in
+  // place, as pairs of dims.
+  const uint32_t* in_place_pairs(const Operand& t, int64_t b, int64_t h, int64_t l) const {
+    return reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(t.data) + b * t.strides[0] + h * t.strides[1] +
+                                             l * t.strides[2]);
+  }
+  // Rows [0, count) of head (b, h) of t as `pairs` pairs of rows: dst[r][d] = (row 2r, row 2r + 1)
+  // at column d, rows `stride` words apart (t.width rounded up to whole vectors; zeros past the
+  // width and past count).
+  void pair_rows_of(const Operand& t, int64_t b, int64_t h, int64_t count, int64_t pairs, uint32_t* dst,
+                    int64_t stride) const {
+    const auto* base = static_cast<const uint16_t*>(t.data) + b * t.strides[0] + h * t.strides[1];
+    for (int64_t r = 0; r < pairs; ++r) {
+      const uint16_t* x = 2 * r < count ? base + 2 * r * t.strides[2] : nullptr;
+      const uint16_t* y = 2 * r + 1 < count ? base + (2 * r + 1) * t.strides[2] : nullptr;
+      for (int64_t d = 0; d < stride; d += kLanes) S::store_w(dst + r * stride + d, S::interleave_rows(x, y, d, t.width));
+    }
+  }
+  // Rows [l0, l0 + n) of head (b, h) of t as a [width / 2][48] panel of pairs of dims (row l0 + r
+  // in column r; zero columns from n).
+  void pairs_panel(const Operand& t, int64_t b, int64_t h, int64_t l0, int64_t n, uint32_t* panel) const {
+    const auto* rows = static_cast<const uint16_t*>(t.data) + b * t.strides[0] + h * t.strides[1] + l0 * t.strides[2];
+    S::transpose_pairs(rows, t.strides[2], n, t.width / 2, panel, kPanel);
+  }
+  // Rows [0, rows) (an even count) of a [rows][48] tile, over `vecs` vectors, rounded to bfloat16
+  // as pairs of rows: dst[r / 2][lane] = (tile[r][lane], tile[r + 1][lane]).
+  static void round_row_pairs(const float* tile, int64_t rows, int vecs, uint32_t* dst) {
+    for (int64_t r = 0; r < rows; r += 2)
+      for (int c = 0; c < vecs; ++c) {
+        const float* x = tile + r * kPanel + c * kLanes;
+        S::store_w(dst + r / 2 * kPanel + c * kLanes, S::pairs_of(S::load(x), S::load(x + kPanel)));
+      }
   }
 
   // The first n columns (rounded up to whole vectors) of `rows` rows of a [rows][48] panel, times scale.
@@ -527,8 +570,12 @@ struct FlashBackward {
     const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const int64_t panel_k = dk * kPanel, panel_v = dv * kPanel;
-    // Widened rows: K of the group, Q and dO of one head.
-    const int64_t widened = copies_any() ? p.len_k * dk + p.len_q * (dk + dv) : 0;
+    // Widened rows: K of the group, Q and dO of one head. With bfloat16 products, in their place:
+    // K of the group, Q and dO of one head as pairs of rows (round_up(L, 48) / 2 rows of whole
+    // vectors), and the three tiles rounded as pairs of rows.
+    const int64_t dk16 = T::round_up(dk, kLanes), dv16 = T::round_up(dv, kLanes);
+    const int64_t widened = kPairs ? nkb * kPanel / 2 * dk16 + nqb * kPanel / 2 * (dk16 + dv16) + 3 * kPanel * kPanel / 2
+                            : copies_any() ? p.len_k * dk + p.len_q * (dk + dv) : 0;
     const Softcap<S> cap(p);
     Buffer buf(nkb * 2 * (panel_k + panel_v) + nqb * panel_k + 3 * kPanel * kPanel + std::max(dk, dv) + kLanes +
                widened + (cap.on ? kPanel * kPanel : 0));
@@ -545,11 +592,34 @@ struct FlashBackward {
     float* q_widened = k_widened + p.len_k * dk;                         // [Lq][Dk]
     float* g_widened = q_widened + p.len_q * dk;                         // [Lq][Dv]
     float* slopes = k_widened + widened;  // [48 queries][48 keys] the soft-cap's derivatives
+    // bfloat16 products: pairs of rows in k_widened's place (see `widened`), rows per pair a vector multiple wide.
+    auto* k_pairs = reinterpret_cast<uint32_t*>(k_widened);  // [nkb * 24][dk16] K, pairs of keys
+    uint32_t* q_pairs = k_pairs + nkb * kPanel / 2 * dk16;   // [nqb * 24][dk16] Q of one head, pairs of queries
+    uint32_t* g_pairs = q_pairs + nqb * kPanel / 2 * dk16;   // [nqb * 24][dv16] dO of one head, likewise
+    uint32_t* pd_w = g_pairs + nqb * kPanel / 2 * dv16;      // [24 query pairs][48 keys] Pd
+    uint32_t* ds_w = pd_w + kPanel * kPanel / 2;             // [24 query pairs][48 keys] dS
+    uint32_t* dst_w = ds_w + kPanel * kPanel / 2;            // [24 key pairs][48 queries] dS^T
+    const uint32_t* qw[kPanel];      // Q and dO rows in place, as pairs of dims
+    const uint32_t* gw[kPanel];
+    const uint32_t* q_pair_rows[kPanel / 2];
+    const uint32_t* g_pair_rows[kPanel / 2];
+    const uint32_t* k_pair_rows[kPanel / 2];
     // K^T (scaled) and V^T, a 48-key panel at a time, transposed 8 x 8 in registers where the rows
     // are in place (V's copied rows one at a time through g_widened, free until the first head).
-    const Rows keys = all_rows(k_rows(), b, hk, p.len_k, k_widened);
+    // bfloat16 products: K^T and V^T as pairs of dims (unscaled), and K as pairs of keys.
+    Rows keys{};
+    if constexpr (kPairs) {
+      pair_rows_of(k_rows(), b, hk, p.len_k, nkb * kPanel / 2, k_pairs, dk16);
+    } else {
+      keys = all_rows(k_rows(), b, hk, p.len_k, k_widened);
+    }
     for (int64_t kb = 0; kb < nkb; ++kb) {
       const int64_t j0 = kb * kPanel, nk = std::min<int64_t>(kPanel, p.len_k - j0);
+      if constexpr (kPairs) {
+        pairs_panel(k_rows(), b, hk, j0, nk, reinterpret_cast<uint32_t*>(kt_all + kb * panel_k));
+        pairs_panel(v_rows(), b, hk, j0, nk, reinterpret_cast<uint32_t*>(vt_all + kb * panel_v));
+        continue;
+      }
       T::transpose_rect(keys.at(j0), keys.stride, kt_all + kb * panel_k, kPanel, nk, dk);
       scale_panel(kt_all + kb * panel_k, dk, nk, qk_scale);
       transposed_panel(v_rows(), b, hk, j0, nk, vt_all + kb * panel_v, 1.0f, g_widened);
@@ -560,11 +630,21 @@ struct FlashBackward {
     const int64_t group = p.heads_q / p.heads_kv;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       std::memset(dqt_all, 0, sizeof(float) * nqb * panel_k);
-      const Rows queries = all_rows(q_rows(), b, h, p.len_q, q_widened);
-      const Rows grads = all_rows(grad_out_rows(), b, h, p.len_q, g_widened);
+      Rows queries{}, grads{};
+      if constexpr (kPairs) {
+        pair_rows_of(q_rows(), b, h, p.len_q, nqb * kPanel / 2, q_pairs, dk16);
+        pair_rows_of(grad_out_rows(), b, h, p.len_q, nqb * kPanel / 2, g_pairs, dv16);
+      } else {
+        queries = all_rows(q_rows(), b, h, p.len_q, q_widened);
+        grads = all_rows(grad_out_rows(), b, h, p.len_q, g_widened);
+      }
       for (int64_t kb = 0; kb < nkb; ++kb) {
         const int64_t j0 = kb * kPanel, nk = std::min<int64_t>(kPanel, p.len_k - j0);
-        for (int64_t jj = 0; jj < kPanel; ++jj) krows[jj] = jj < nk ? keys.at(j0 + jj) : zero_row;
+        if constexpr (kPairs) {
+          for (int64_t jj = 0; jj < kPanel / 2; ++jj) k_pair_rows[jj] = k_pairs + (j0 / 2 + jj) * dk16;
+        } else {
+          for (int64_t jj = 0; jj < kPanel; ++jj) krows[jj] = jj < nk ? keys.at(j0 + jj) : zero_row;
+        }
         U jv[kVecs];
         key_lanes(j0, jv);
         const int key_vecs = T::vecs_for(nk);  // a partly filled block (the last) skips its empty
@@ -585,13 +665,31 @@ struct FlashBackward {
           }
           const int64_t nip = T::round_up(ni, kRows);
           const int query_vecs = T::vecs_for(ni);
-          for (int64_t ii = 0; ii < nip; ++ii) {
-            qrows[ii] = ii < ni ? queries.at(i0 + ii) : zero_row;
-            grows[ii] = ii < ni ? grads.at(i0 + ii) : zero_row;
-          }
-          for (int64_t ii = 0; ii < nip; ii += kRows) {
-            T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk, key_vecs);
-            T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv, key_vecs);
+          if constexpr (kPairs) {
+            const auto* zero = reinterpret_cast<const uint32_t*>(zero_row);
+            for (int64_t ii = 0; ii < nip; ++ii) {
+              qw[ii] = ii < ni ? in_place_pairs(q_rows(), b, h, i0 + ii) : zero;
+              gw[ii] = ii < ni ? in_place_pairs(grad_out_rows(), b, h, i0 + ii) : zero;
+            }
+            for (int64_t ii = 0; ii < kPanel / 2; ++ii) {
+              q_pair_rows[ii] = q_pairs + (i0 / 2 + ii) * dk16;
+              g_pair_rows[ii] = g_pairs + (i0 / 2 + ii) * dv16;
+            }
+            for (int64_t ii = 0; ii < nip; ii += kRows) {
+              T::dot_pairs(pt + ii * kPanel, qw + ii, reinterpret_cast<const uint32_t*>(kt_all + kb * panel_k), dk / 2,
+                           key_vecs, S::set1(qk_scale));
+              T::dot_pairs(gt + ii * kPanel, gw + ii, reinterpret_cast<const uint32_t*>(vt_all + kb * panel_v), dv / 2,
+                           key_vecs, S::set1(1.0f));
+            }
+          } else {
+            for (int64_t ii = 0; ii < nip; ++ii) {
+              qrows[ii] = ii < ni ? queries.at(i0 + ii) : zero_row;
+              grows[ii] = ii < ni ? grads.at(i0 + ii) : zero_row;
+            }
+            for (int64_t ii = 0; ii < nip; ii += kRows) {
+              T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk, key_vecs);
+              T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv, key_vecs);
+            }
           }
           if (cap.on) cap.rows(pt, ni, kPanel, key_vecs, slopes);
           for (int t = 0; t < p.num_masks; ++t) {
@@ -610,6 +708,25 @@ struct FlashBackward {
           probabilities_and_score_gradients(pt, gt, kPanel, ni, b, h, i0, j0, jv, key_vecs);
           if (out.dscores) store_dscores(b, h, i0, ni, j0, nk, gt);
           if (cap.on) Softcap<S>::chain(gt, slopes, ni, kPanel, key_vecs);  // q.k's share of dS, through the cap
+          if constexpr (kPairs) {
+            // Rows past ni are zero (above), so are the pairs they complete.
+            if (out.dv) {
+              round_row_pairs(pt, nip, key_vecs, pd_w);
+              T::accumulate(dvt_all + kb * panel_v, g_pair_rows, pd_w, nip / 2, dv, key_vecs);  // dV^T += dO^T Pd
+            }
+            if (out.dk) {
+              round_row_pairs(gt, nip, key_vecs, ds_w);
+              T::accumulate(dkt_all + kb * panel_k, q_pair_rows, ds_w, nip / 2, dk, key_vecs);  // dK^T += Q^T dS
+            }
+            if (out.dq) {
+              // dS^T's rows past nk are keys past Lk, zero in dS (a key block is short only at the end).
+              T::transpose_panel(gt, st);
+              const int64_t nkp = T::round_up(nk, 2);
+              round_row_pairs(st, nkp, query_vecs, dst_w);
+              T::accumulate(dqt_all + (i0 / kPanel) * panel_k, k_pair_rows, dst_w, nkp / 2, dk, query_vecs);
+            }
+            continue;
+          }
           if (out.dv) T::accumulate_call(dvt_all + kb * panel_v, grows, pt, ni, dv, key_vecs);  // dV^T += dO^T Pd
           if (out.dk) T::accumulate_call(dkt_all + kb * panel_k, qrows, gt, ni, dk, key_vecs);  // dK^T += Q^T dS
           if (out.dq) {
@@ -689,19 +806,25 @@ struct FlashBackward {
 
   void run() const {
     if (!out.dq && !out.dk && !out.dv && !out.dscores) return;  // nothing wanted
+    const int threads = resolve_threads(p.num_threads);
+    if constexpr (kPairs) {  // the one-pass schedule only (bf16_pairs_backward_takes)
+      std::vector<Tensor> storage;
+      FlashBackward with_tiles{p, in, out, tile_masks(threads, storage)};
+      parallel_for(p.batch * p.heads_kv, threads,
+                   [&](int64_t t, int) { with_tiles.group_task(t / p.heads_kv, t % p.heads_kv); });
+      return;
+    }
     if (FewQueriesBackward<S>::applies(p)) {
       if (!p.windowed) return FewQueriesBackward<S>{p, in, out}.run();
       const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)
       return FewQueriesBackward<S>{masked, in, out}.run();
     }
-    const int threads = resolve_threads(p.num_threads);
     // Many head groups: one pass per group, which writes dS (a mask's gradient) from its tiles as
     // it goes. Otherwise two passes, over key blocks then query blocks, which split the sequence
     // too. The choice depends on the shape only (never on the thread count), which keeps the
     // results bit-identical across thread counts; 16 groups keep up to 4 threads busy with room to
     // balance.
-    constexpr int64_t kMinGroupsForOnePass = 16;
-    if (p.batch * p.heads_kv >= kMinGroupsForOnePass) {
+    if (p.batch * p.heads_kv >= kMinGroupsForOnePassBackward) {
       std::vector<Tensor> storage;
       FlashBackward with_tiles{p, in, out, tile_masks(threads, storage)};
       parallel_for(p.batch * p.heads_kv, threads,

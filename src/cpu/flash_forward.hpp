@@ -13,7 +13,8 @@
 // bfloat16 / float16 inputs (and float8 keys and values) are widened inside the kernel, exactly: Q
 // when it is transposed; K and V one key block at a time into the task's scratch while a head has few query tasks, and for long
 // sequences once per head, a chunk of heads at a time, into a buffer the chunk's tasks share. The
-// arithmetic is then the float32 kernel's, and so are the bits.
+// arithmetic is then the float32 kernel's, and so are the bits. (On AVX512-BF16, bfloat16 problems
+// take bfloat16 products instead: kPairs below.)
 #pragma once
 
 #include <algorithm>

@@ -1,0 +1,13 @@
+// The fused backward with bfloat16 products (AVX512-BF16; this file gets -mavx512bf16 on top of
+// AVX-512, see CMakeLists.txt), for the problems bf16_pairs_backward_takes takes.
+#include "cpu/flash_backward.hpp"
+#include "cpu/simd_avx512_bf16.hpp"
+
+namespace mha::detail {
+void flash_backward_avx512bf16(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
+  if (!bf16_pairs_backward_takes(p, in, out)) {
+    throw Error("internal error: the bfloat16-product backward was handed a problem it does not take");
+  }
+  FlashBackward<simd::Avx512Bf16>{p, in, out}.run();
+}
+}  // namespace mha::detail
