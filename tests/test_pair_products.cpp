@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <random>
 #include <string>
@@ -131,6 +132,24 @@ TEST_F(PairProducts, ThreadCountsGiveIdenticalBits) {
   const mha::Tensor one = mha::scaled_dot_product_attention(q, k, v, o);
   o.num_threads = 3;
   EXPECT_TRUE(same_bits(mha::scaled_dot_product_attention(q, k, v, o), one));
+}
+
+// Long heads share one copy of their values as pairs of keys (per chunk of heads); short ones copy
+// each key block in each task. Either way the same values: the first 40 queries of a call of 300
+// (the shared copy, in chunks of one head or of all) are the bits of a call of those 40 alone.
+TEST_F(PairProducts, SharedValuePairsGiveTheBitsOfPerBlockCopies) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({2, 2, 300, 32}, rng, mha::DType::bf16), k = randn({2, 2, 150, 32}, rng, mha::DType::bf16),
+                    v = randn({2, 2, 150, 24}, rng, mha::DType::bf16);
+  const mha::Tensor q40 = mha::Tensor::copy_of(q.view().slice(2, 0, 40), mha::DType::bf16);
+  const mha::Tensor first = mha::scaled_dot_product_attention(q40, k, v, {});
+  std::atomic<int64_t>& chunk = mha::detail::widened_chunk_floats();
+  const int64_t saved = chunk.exchange(1);
+  const mha::Tensor one_head_chunks = mha::scaled_dot_product_attention(q, k, v, {});
+  chunk = saved;
+  const mha::Tensor all = mha::scaled_dot_product_attention(q, k, v, {});
+  EXPECT_TRUE(same_bits(all, one_head_chunks));
+  EXPECT_TRUE(same_bits(mha::Tensor::copy_of(all.view().slice(2, 0, 40), mha::DType::bf16), first));
 }
 
 // Odd head dims of q and k (no whole pairs) and decoding (up to 32 queries) take the float32

@@ -127,6 +127,8 @@ struct FlashForward {
     const void* k_low = nullptr;
     const void* v_low = nullptr;
     int64_t k_stride = 0, v_stride = 0;  // between rows, in elements
+    // bfloat16 products: the head's values already as pairs of keys (value_pairs), or null.
+    const uint32_t* v_pairs = nullptr;
   };
 
   // The inputs' own rows of key/value head hk of batch b. Offsets are in elements: each base is
@@ -294,15 +296,28 @@ struct FlashForward {
           key_lo = S::load_u(s.key_lo + c * kLanes);
           key_hi = S::load_u(s.key_hi + c * kLanes);
         }
-        for (int64_t jj = 0; jj < nbp; ++jj) {
+        auto probability = [&](int64_t jj, F& total) {
           F pr = S::exp2(S::sub(S::load(s.st + jj * kBlockQ + c * kLanes), m_use));
-          sum = S::add(sum, pr);
+          total = S::add(total, pr);
           if (dropout) {
             const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
             const U bits = T::dropout_bits(jv, key_lo, key_hi);
             pr = S::select(S::ge_u(bits, threshold), S::mul(pr, keep_scale), S::zero());
           }
-          S::store(tile + jj * kBlockQ + c * kLanes, pr);
+          return pr;
+        };
+        if constexpr (kPairs) {
+          // Two keys at a time, rounded straight into P^T's pairs (float32 P kept only for the
+          // weights); two sums, so that no add waits on the one before.
+          F other = S::zero();
+          for (int64_t jj = 0; jj < nbp; jj += 2) {
+            const F p0 = probability(jj, sum), p1 = probability(jj + 1, other);
+            if (s.pt) S::store(tile + jj * kBlockQ + c * kLanes, p0), S::store(tile + (jj + 1) * kBlockQ + c * kLanes, p1);
+            S::store_w(s.ptw + jj / 2 * kBlockQ + c * kLanes, S::pairs_of(p0, p1));
+          }
+          sum = S::add(sum, other);
+        } else {
+          for (int64_t jj = 0; jj < nbp; ++jj) S::store(tile + jj * kBlockQ + c * kLanes, probability(jj, sum));
         }
         const F alpha = S::exp2(S::sub(m_old, m_use));
         S::store(s.l + c * kLanes, S::fmadd(S::load(s.l + c * kLanes), alpha, sum));
@@ -316,11 +331,6 @@ struct FlashForward {
         }
       }
       if constexpr (kPairs) {
-        for (int64_t jj = 0; jj < nbp; jj += 2)
-          for (int c = 0; c < vecs; ++c) {
-            const float* pr = tile + jj * kBlockQ + c * kLanes;
-            S::store_w(s.ptw + jj / 2 * kBlockQ + c * kLanes, S::pairs_of(S::load(pr), S::load(pr + kBlockQ)));
-          }
         T::accumulate(s.ot, s.vw, s.ptw, nbp / 2, p.dim_v, vecs);
       } else {
         T::accumulate(s.ot, s.vp, tile, nbp, p.dim_v, vecs);
@@ -339,6 +349,10 @@ struct FlashForward {
       s.kw[jj] = j < p.len_k ? reinterpret_cast<const uint32_t*>(keys + j * kv.k_stride) : zero;
     }
     const int64_t width = round_up(p.dim_v, kLanes);
+    if (kv.v_pairs) {
+      for (int64_t jj = 0; jj < nbp; jj += 2) s.vw[jj / 2] = kv.v_pairs + (j0 + jj) / 2 * width;
+      return;
+    }
     for (int64_t jj = 0; jj < nbp; jj += 2) {
       const int64_t j = j0 + jj;
       uint32_t* out = s.vw_rows + jj / 2 * width;
@@ -731,8 +745,47 @@ struct FlashForward {
     run_groups_of(0, p.batch * p.heads_kv, threads);
   }
 
+  // bfloat16 products: a task copies each key block's values as pairs of keys, which every query
+  // task of the head repeats. With more queries than this per key/value head, the values of a
+  // chunk of groups are copied once, into a buffer the chunk's tasks share.
+  static constexpr int64_t kMinQueriesToPairValues = 256;
+
+  void run_groups_with_value_pairs(int64_t g_begin, int64_t g_end, int threads) const {
+    const int64_t width = round_up(p.dim_v, kLanes), pairs = round_up(p.len_k, kBlockK) / 2;
+    const int64_t per_group = pairs * width;  // words
+    int64_t chunk = std::clamp<int64_t>(widened_chunk_floats().load() / per_group, 1, g_end - g_begin);
+    if (o.average_weights != nullptr) chunk = std::max<int64_t>(chunk / p.heads_kv, 1) * p.heads_kv;  // whole batch entries
+    const Tensor buffer = Tensor::empty({chunk * per_group});
+    auto* packed = reinterpret_cast<uint32_t*>(buffer.data<float>());
+    constexpr int64_t kPairsPerCopyTask = 128;
+    const int64_t row_tasks = (pairs + kPairsPerCopyTask - 1) / kPairsPerCopyTask;
+    for (int64_t g0 = g_begin; g0 < g_end; g0 += chunk) {
+      const int64_t g1 = std::min(g_end, g0 + chunk);
+      parallel_for((g1 - g0) * row_tasks, threads, [&](int64_t t, int) {
+        const int64_t g = g0 + t / row_tasks, r0 = t % row_tasks * kPairsPerCopyTask;
+        const int64_t r1 = std::min(pairs, r0 + kPairsPerCopyTask);
+        const KeyValueRows in = input_rows(g / p.heads_kv, g % p.heads_kv);
+        const auto* values = static_cast<const uint16_t*>(in.v_low);
+        uint32_t* out = packed + (g - g0) * per_group;
+        for (int64_t r = r0; r < r1; ++r) {
+          const uint16_t* a = 2 * r < p.len_k ? values + 2 * r * in.v_stride : nullptr;
+          const uint16_t* b = 2 * r + 1 < p.len_k ? values + (2 * r + 1) * in.v_stride : nullptr;
+          for (int64_t d = 0; d < width; d += kLanes) S::store_w(out + r * width + d, S::interleave_rows(a, b, d, p.dim_v));
+        }
+      });
+      run_groups(g0, g1, threads, [&](int64_t g) {
+        KeyValueRows kv = input_rows(g / p.heads_kv, g % p.heads_kv);
+        kv.v_pairs = packed + (g - g0) * per_group;
+        return kv;
+      });
+    }
+  }
+
   // Groups (batch entry, key/value head) [g_begin, g_end), whole batch entries.
   void run_groups_of(int64_t g_begin, int64_t g_end, int threads) const {
+    if constexpr (kPairs) {
+      if (p.len_q * (p.heads_q / p.heads_kv) > kMinQueriesToPairValues) return run_groups_with_value_pairs(g_begin, g_end, threads);
+    }
     if (kPairs || (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows())) {
       run_groups(g_begin, g_end, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });
       return;
