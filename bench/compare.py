@@ -524,14 +524,16 @@ def bench_module_training(E, H, B, L, reps, rows, frozen=False):
 FMA_PEAK_DEFAULT = Path(__file__).resolve().parent.parent / "build" / "bench" / "fma_peak"
 
 
-def fma_ceiling(binary, threads):
-    """The float32 FMA ceiling of `threads` cores in GFLOP/s, measured by bench/fma_peak.cpp; None
-    where it is not built."""
+def fma_ceiling(binary, threads, bf16_dot=False):
+    """The float32 FMA ceiling of `threads` cores in GFLOP/s, measured by bench/fma_peak.cpp (with
+    bf16_dot, the ceiling of AVX512-BF16's bfloat16 pair products); None where it is not built."""
     if not Path(binary).exists():
         return None
-    out = subprocess.run([binary, "--threads", str(threads)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([binary, "--threads", str(threads)] + (["--bf16-dot"] if bf16_dot else []),
+                         capture_output=True, text=True, check=True).stdout
     fields = out.split()
-    return float(fields[fields.index("fma_peak_gflops") + 1])
+    key = "bf16_dot_peak_gflops" if bf16_dot else "fma_peak_gflops"
+    return float(fields[fields.index(key) + 1])
 
 
 def peak_memory_mib(impl, L):
@@ -670,18 +672,27 @@ def main():
         bench_module_training(1024, 16, 4, 512, args.reps, rows)
         bench_module_training(1024, 16, 4, 512, args.reps, rows, frozen=True)
     ceiling = fma_ceiling(args.fma_peak, args.threads)
-    # bf16 runs on AMX where the CPU has it; elsewhere it is float32 arithmetic on widened copies.
+    # bf16 runs on AMX where the CPU has it (its rows left blank), in AVX512-BF16's pair products
+    # on the avx512_bf16 ISA (its rows against their own ceiling), else in float32 arithmetic on
+    # widened copies (against the FMA's).
     amx = "amx" in mha.cpu_isa()
+    pairs = mha.cpu_isa() == "avx512_bf16"
+    dot_ceiling = fma_ceiling(args.fma_peak, args.threads, bf16_dot=True) if pairs else None
 
     def of_ceiling(op, gflops):
         if ceiling is None or (amx and "bf16" in op):
             return f" {'':>6}"
+        if pairs and "bf16" in op:
+            return f" {100 * gflops / dot_ceiling:5.0f}%" if dot_ceiling else f" {'':>6}"
         return f" {100 * gflops / ceiling:5.0f}%"
 
     with_onednn = any(t is not None for t in onednn.values())
     if ceiling is not None:
         print(f"fp32 FMA ceiling of {args.threads} threads: {ceiling:.0f} GFLOP/s (bench/fma_peak.cpp); "
               "'of FMA' is mha's GFLOP/s as a fraction of it" + (" (bf16 rows run on AMX: left blank)" if amx else ""))
+    if dot_ceiling:
+        print(f"bf16 pair-product (vdpbf16ps) ceiling of {args.threads} threads: {dot_ceiling:.0f} GFLOP/s; "
+              "bf16 rows' 'of FMA' is the fraction of this ceiling instead")
     print(f"{'op':<28} {'shape':<28} {'mha ms':>9} {'GFLOP/s':>8} {'of FMA':>6} {'torch ms':>9} {'GFLOP/s':>8} "
           f"{'speedup':>8}" + (f" {'oneDNN ms':>10} {'GFLOP/s':>8} {'speedup':>8}" if with_onednn else ""))
     for op, shape, ours, theirs, flops in rows:
@@ -703,7 +714,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump([dict(op=op, shape=shape, mha_ms=o * 1e3, torch_ms=t * 1e3, flops=fl,
                             mha_gflops=fl / o / 1e9, torch_gflops=fl / t / 1e9, speedup=t / o,
-                            fma_ceiling_gflops=ceiling,
+                            fma_ceiling_gflops=ceiling, bf16_dot_ceiling_gflops=dot_ceiling,
                             onednn_ms=None if onednn.get((op, shape)) is None else onednn[(op, shape)] * 1e3)
                        for op, shape, o, t, fl in rows], f, indent=1)
     if args.plot:

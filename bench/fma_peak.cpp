@@ -1,8 +1,11 @@
 // The machine's float32 FMA ceiling: every thread runs independent chains of vector FMAs (enough
 // of them to cover the FMA latency on every port), nothing else, and the best of several runs is
-// reported in GFLOP/s (2 flops per lane per FMA). bench/compare.py divides by it.
+// reported in GFLOP/s (2 flops per lane per FMA). bench/compare.py divides by it. With --bf16-dot,
+// the same for AVX512-BF16's bfloat16 pair products (vdpbf16ps: 4 flops per lane), the ceiling
+// of the bfloat16 kernels on CPUs that have them but no AMX.
 //
-//   fma_peak [--threads N]     prints: fma_peak_gflops <value> isa <avx512|avx2|scalar> threads <N>
+//   fma_peak [--threads N]              prints: fma_peak_gflops <value> isa <avx512|avx2|scalar> threads <N>
+//   fma_peak --bf16-dot [--threads N]   prints: bf16_dot_peak_gflops <value> threads <N> (0 without AVX512-BF16)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -26,6 +29,18 @@ __attribute__((target("avx512f"))) float chains_avx512(float seed) {
   const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
   for (long it = 0; it < kIterations; ++it)
     for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  __m512 s = acc[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
+// The same chains of bfloat16 pair products: 16 lanes x 2 products x 2 flops per instruction.
+__attribute__((target("avx512f,avx512bf16"))) float chains_bf16_dot(float seed) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(seed + static_cast<float>(i));
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.999f), _mm512_set1_ps(1e-3f));
+  for (long it = 0; it < kIterations; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, a);
   __m512 s = acc[0];
   for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
   return _mm512_reduce_add_ps(s);
@@ -60,8 +75,31 @@ float chains_scalar(float seed) {
 
 int main(int argc, char** argv) {
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], "--threads") == 0) threads = std::max(1, std::atoi(argv[i + 1]));
+  bool bf16_dot = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc) threads = std::max(1, std::atoi(argv[i + 1]));
+    if (std::strcmp(argv[i], "--bf16-dot") == 0) bf16_dot = true;
+  }
+  if (bf16_dot) {
+    if (!__builtin_cpu_supports("avx512bf16")) {
+      std::printf("bf16_dot_peak_gflops 0 threads %d\n", threads);
+      return 0;
+    }
+    double best = 0;
+    volatile float sink = 0;
+    for (int rep = 0; rep < 5; ++rep) {
+      std::vector<float> results(threads);
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { results[t] = chains_bf16_dot(static_cast<float>(t + rep)); });
+      for (auto& th : pool) th.join();
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      for (float r : results) sink = sink + r;
+      best = std::max(best, 4.0 * 12 * 16 * static_cast<double>(kIterations) * threads / seconds / 1e9);
+    }
+    std::printf("bf16_dot_peak_gflops %.1f threads %d\n", best, threads);
+    return 0;
+  }
   const bool avx512 = __builtin_cpu_supports("avx512f");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const int lanes = avx512 ? 16 : avx2 ? 8 : 1;
