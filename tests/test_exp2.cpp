@@ -2,6 +2,7 @@
 // every ISA this CPU runs: its maximum relative error, and the edge cases the kernels rely on.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -144,12 +145,13 @@ TEST(VectorTanh, EdgeCases) {
   }
 }
 
-// The AMX kernel's exponential (its probabilities are rounded to bfloat16, 2^-9 relative, before
-// the tile unit multiplies them): the degree-3 minimax polynomial, 7.48e-5 in exact arithmetic,
+// The bfloat16 kernels' exponential (AMX and AVX512-BF16 pairs: their probabilities are rounded to
+// bfloat16, 2^-9 relative, before they are multiplied): the degree-3 minimax polynomial, 7.48e-5 in exact arithmetic,
 // plus float rounding; arguments from -100 to the 8 its lazy rescaling allows, and what it must
 // give for -inf (a masked score), below -100 and NaN.
-TEST(AmxExp2, MaximumRelativeErrorAndEdgeCases) {
-  if (!mha::detail::amx_usable()) GTEST_SKIP() << "this CPU has no AMX";
+TEST(Bf16Exp2, MaximumRelativeErrorAndEdgeCases) {
+  const auto isas = mha::detail::supported_isas();
+  if (std::find(isas.begin(), isas.end(), mha::detail::Isa::avx512_bf16) == isas.end()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
   std::mt19937_64 rng(mha_test::test_seed());
   std::vector<float> x;
   for (int i = -(1 << 17); i <= (1 << 17); ++i) x.push_back(static_cast<float>(i) / (1 << 17));
@@ -157,14 +159,14 @@ TEST(AmxExp2, MaximumRelativeErrorAndEdgeCases) {
   std::uniform_real_distribution<float> anywhere(-100.0f, 8.0f);
   for (int i = 0; i < 100000; ++i) x.push_back(anywhere(rng));
   std::vector<float> y(x.size());
-  mha::detail::amx_exp2_bf16(x.data(), y.data(), static_cast<int64_t>(x.size()));
+  mha::detail::exp2_bf16_of(x.data(), y.data(), static_cast<int64_t>(x.size()));
   const WorstError w = worst_error(x, y);
   std::printf("exp2_bf16: maximum relative error %.3g (at x = %.9g) over %zu inputs\n", w.relative, w.at, x.size());
   EXPECT_LT(w.relative, 7.6e-5) << "at x = " << w.at;
   EXPECT_GT(w.relative, 7.0e-5);  // it is the degree-3 polynomial, not a more accurate one
   const float edge[] = {-std::numeric_limits<float>::infinity(), -100.5f, -1e30f, std::numeric_limits<float>::quiet_NaN(), 0.0f};
   float out[5];
-  mha::detail::amx_exp2_bf16(edge, out, 5);  // (5 lanes: the masked tail of a vector too)
+  mha::detail::exp2_bf16_of(edge, out, 5);  // (5 lanes: the masked tail of a vector too)
   EXPECT_EQ(out[0], 0.0f);
   EXPECT_EQ(out[1], 0.0f);
   EXPECT_EQ(out[2], 0.0f);

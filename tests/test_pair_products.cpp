@@ -1,12 +1,13 @@
 // The bfloat16 forward with AVX512-BF16 pair products (Isa::avx512_bf16, flash_forward_avx512bf16):
 // against the float64 reference on fresh random shapes and options around its blocks (48 queries,
 // 64 keys, pairs of dims and of keys), that it really runs (its output is not the float32
-// kernel's), and that its bits do not depend on the thread count or on the weights being asked for.
+// kernel's), and that its bits do not depend on the thread count.
 //
 // Tolerance: bfloat16 inputs are exact in its products and the softmax is float32, but P is rounded
 // to bfloat16 (2^-9 relative) for P V and the output is rounded once more: 1e-2 of the largest
 // output, as every bfloat16 path (the test_sdpa_forward tolerance). The weights are the float32
-// P's rounded once: 1e-2 too. The log-sum-exp is the float32 softmax's: 1e-4 absolute per row.
+// P's rounded once: 1e-2 too. The log-sum-exp is the float32 softmax's with 2^x sized for
+// bfloat16 probabilities (7.5e-5 relative per term): 2e-4 absolute per row, as the AMX kernel's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -104,7 +105,9 @@ TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {
     const mha::Tensor out = mha::scaled_dot_product_attention(c.q, c.k, c.v, c.options);
     EXPECT_LT(rel_error(out, ref.output), 1e-2);
     const auto with_weights = mha::scaled_dot_product_attention_with_weights(c.q, c.k, c.v, c.options);
-    EXPECT_TRUE(same_bits(with_weights.output, out));  // the same products and roundings either way
+    // With the weights wanted, P from the float32 exponential rather than the one sized for
+    // bfloat16 (7.5e-5): the output within bfloat16 rounding of the plain call's.
+    EXPECT_LT(rel_error(with_weights.output, out), 1e-2);
     EXPECT_LT(rel_error(with_weights.weights, ref.weights), 1e-2);
     // The float32 kernel on the same bfloat16 inputs, and its log-sum-exp.
     const auto saved = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
@@ -116,7 +119,7 @@ TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {
     for (int64_t r = 0; r < saved.lse.numel(); ++r) {
       const float a = saved.lse.data<float>()[r], want = saved32.lse.data<float>()[r];
       if (std::isinf(want)) ASSERT_EQ(a, want) << "row " << r;
-      else ASSERT_NEAR(a, want, 1e-4 * std::max(1.0f, std::abs(want))) << "row " << r;
+      else ASSERT_NEAR(a, want, 2e-4 * std::max(1.0f, std::abs(want))) << "row " << r;
     }
   }
   // P rounded to bfloat16 changes some output bits in nearly every case: the kernel ran.

@@ -47,7 +47,5 @@ void amx_bf16_backward(const AttentionProblem& p, const BackwardInputs& in, cons
 // for tests.
 std::atomic<int64_t>& amx_backward_span_bytes();
 
-// The kernel's 2^x (exp2_bf16) on n floats, for its tests. Needs AVX-512 (amx_usable()).
-void amx_exp2_bf16(const float* x, float* y, int64_t n);
 
 }  // namespace mha::detail

@@ -1,6 +1,6 @@
 // The tile unit's (AMX) building blocks shared by the bfloat16 kernels: the tile configuration,
-// the 2 x 2 block of tile products, the packed operand layouts, and the 2^x for probabilities
-// that are rounded to bfloat16. Included only by files compiled for AMX (*_amx.cpp).
+// the 2 x 2 block of tile products and the packed operand layouts (the 2^x for probabilities
+// rounded to bfloat16, exp2_bf16, is simd_avx512_bf16.hpp's). Included only by files compiled for AMX (*_amx.cpp).
 #pragma once
 
 #include <immintrin.h>
@@ -11,7 +11,7 @@
 #include <new>
 
 #include "core/host_memory.hpp"
-#include "cpu/exp2_polynomial.hpp"
+#include "cpu/simd_avx512_bf16.hpp"
 #include "cpu/transpose_avx512.hpp"
 
 namespace mha::detail::amx {
@@ -51,22 +51,6 @@ inline uint16_t to_bf16_bits(float f) {
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// 2^x for the probabilities the tile unit multiplies in bfloat16 (and their float32 sums):
-// 2^(x - floor(x)) by kExp2PolyBf16From0 (relative error 7.5e-5, a 26th of bfloat16's half unit,
-// 2^-9), scaled by 2^floor(x) exactly; below 2^-100 (and for -inf) zero. Six instructions per 16
-// scores: the fraction in one (vreduceps) and the scaling taking x itself (vscalefps floors it),
-// against nine with a rounding, a subtraction and a clamp (the bf16 forward 1170-1215 to
-// 1300-1385 GFLOP/s). Arguments below -100 are not clamped: the mask zeroes their lanes, whatever
-// the fraction and the scaling made of them (no subnormal is computed in a masked lane).
-inline __m512 exp2_bf16(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.0f), _CMP_LT_OQ);  // true for -inf, not NaN
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // x - floor(x), in [0, 1)
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2PolyBf16From0[3]), f, _mm512_set1_ps(kExp2PolyBf16From0[2]));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2PolyBf16From0[1]));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2PolyBf16From0[0]));
-  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, x);  // y 2^floor(x)
 }
 
 // tmm0-3 += the 2 x 2 block of 16 x 16 tile products of A (rows a0 and a1: tmm4-5) and B (16

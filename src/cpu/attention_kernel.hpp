@@ -118,6 +118,9 @@ bool bf16_pairs_supports(const AttentionProblem& p);
 // Where the avx512_bf16 ISA runs it (attention.cpp): such problems with more queries per head than
 // the decoding kernel takes (that kernel, bound by reading the keys and values, stays float32).
 bool bf16_pairs_take_shape(int64_t len_q, int64_t dim_qk);
+// The 2^x of the bfloat16 kernels (AMX and pairs; simd_avx512_bf16.hpp's exp2_bf16) on n floats,
+// for its tests. Needs the avx512_bf16 level.
+void exp2_bf16_of(const float* x, float* y, int64_t n);
 void flash_forward_avx512bf16(const AttentionProblem& p, const ForwardOutputs& o);
 
 // The backward, deterministic: every gradient element is summed by one task in a fixed order, so

@@ -297,7 +297,12 @@ struct FlashForward {
           key_hi = S::load_u(s.key_hi + c * kLanes);
         }
         auto probability = [&](int64_t jj, F& total) {
-          F pr = S::exp2(S::sub(S::load(s.st + jj * kBlockQ + c * kLanes), m_use));
+          // (With bfloat16 products, P is rounded to bfloat16: 2^x sized for it, exp2_bf16, unless
+          // the weights are wanted, which are float32 values.)
+          const F x = S::sub(S::load(s.st + jj * kBlockQ + c * kLanes), m_use);
+          F pr;
+          if constexpr (kPairs) pr = s.pt ? S::exp2(x) : S::exp2_for_bf16(x);
+          else pr = S::exp2(x);
           total = S::add(total, pr);
           if (dropout) {
             const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));

@@ -338,11 +338,4 @@ struct AmxForward {
 
 void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o) { AmxForward{p, o}.run(); }
 
-void amx_exp2_bf16(const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(y + i, k, exp2_bf16(_mm512_maskz_loadu_ps(k, x + i)));
-  }
-}
-
 }  // namespace mha::detail

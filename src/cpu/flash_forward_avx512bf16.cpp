@@ -9,4 +9,11 @@ void flash_forward_avx512bf16(const AttentionProblem& p, const ForwardOutputs& o
   if (!bf16_pairs_supports(p)) throw Error("internal error: the bfloat16-product kernel was handed a problem it does not take");
   FlashForward<simd::Avx512Bf16>{p, o}.run();
 }
+
+void exp2_bf16_of(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, k, exp2_bf16(_mm512_maskz_loadu_ps(k, x + i)));
+  }
+}
 }  // namespace mha::detail
