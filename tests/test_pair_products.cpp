@@ -182,15 +182,17 @@ struct BackwardCase {
   std::string describe;
 };
 
-// Shapes the pair backward takes (16 and more (batch, key/value head) groups: its one-pass
-// schedule; even head dims): lengths around its 48-row panels and pairs of rows (odd ones leave
+// Shapes the pair backward takes (even head dims, more than 16 query rows per key/value head), in
+// its one-pass schedule (16 and more (batch, key/value head) groups: every third case) and its two
+// passes (fewer): lengths around its 48-row panels, 64-row blocks and pairs of rows (odd ones leave
 // a pair half empty), grouped heads, causality in both alignments, sliding windows, scales, masks
 // (additive with -inf entries, bool, key padding), dropout, soft-capping.
-BackwardCase draw_backward(std::mt19937_64& rng) {
+BackwardCase draw_backward(std::mt19937_64& rng, bool one_pass) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
   auto any = [&](const std::vector<int64_t>& values) { return values[pick(0, static_cast<int64_t>(values.size()) - 1)]; };
-  const int64_t B = any({4, 8}), Hkv = 16 / B * pick(1, 2), Hq = Hkv * pick(1, 2);
+  const int64_t B = one_pass ? any({4, 8}) : any({1, 2, 3}), Hkv = one_pass ? 16 / B * pick(1, 2) : pick(1, 4);
+  const int64_t Hq = Hkv * pick(1, 2);
   const int64_t Lq = any({17, 31, 47, 48, 49, 70, 97, 130}), Lk = coin(0.4) ? Lq : any({5, 33, 48, 71, 100});
   const int64_t Dk = any({2, 16, 24, 40, 64, 128}), Dv = coin(0.5) ? Dk : any({2, 8, 32, 48, 64});
   const mha::DType bf16 = mha::DType::bf16;
@@ -239,12 +241,12 @@ TEST_F(PairProducts, BackwardAgainstFloat64ReferenceAndDeterministic) {
   std::mt19937_64 rng(test_seed());
   double worst = 0, worst32 = 0;
   int differs_from_float32 = 0;
-  constexpr int kCases = 16;
+  constexpr int kCases = 18;
   for (int n = 0; n < kCases; ++n) {
-    const BackwardCase c = draw_backward(rng);
+    const BackwardCase c = draw_backward(rng, n % 3 == 0);
     SCOPED_TRACE(c.describe);
-    ASSERT_TRUE(mha_test::pair_products_backward(mha::DType::bf16, c.q.size(0), c.q.size(1), c.k.size(1), c.q.size(2),
-                                                 c.q.size(3), c.v.size(3)));
+    ASSERT_TRUE(mha_test::pair_products_backward(mha::DType::bf16, c.q.size(1), c.k.size(1), c.q.size(2), c.q.size(3),
+                                                 c.v.size(3)));
     const auto saved = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
     const auto g = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, c.options);
     const auto r = mha::reference::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.grad, c.options);

@@ -131,6 +131,10 @@ TEST(Softcap, MatchesFloat64ReferenceOnEveryKernel) {
         const mha::AttentionForTraining rounded{f32(saved.output), saved.lse};
         const auto g32 = mha::scaled_dot_product_attention_backward(f32(c.q), f32(c.k), f32(c.v), rounded, f32(c.grad),
                                                                     c.options, float_mask);
+        if (mha_test::tile_unit_backward(dtype, c.q.size(-2), c.k.size(-2), c.q.size(-1), c.v.size(-1), float_mask)) {
+          mha_test::expect_near_float32_path(g, g32);  // bfloat16 products (AVX512-BF16's pairs)
+          continue;
+        }
         EXPECT_TRUE(agree(g.query, mha::Tensor::copy_of(g32.query, dtype)));
         EXPECT_TRUE(agree(g.key, mha::Tensor::copy_of(g32.key, dtype)));
         EXPECT_TRUE(agree(g.value, mha::Tensor::copy_of(g32.value, dtype)));

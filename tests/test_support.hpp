@@ -99,23 +99,26 @@ inline bool pair_products_forward(mha::DType dtype, int64_t lq, int64_t dk) {
 }
 
 // Whether a bfloat16 backward of this shape runs with AVX512-BF16's pair products on the ISA in
-// use (bf16_pairs_backward_takes: even head dims, the one-pass schedule of 16 and more (batch,
-// key/value head) groups, more query rows per key/value head than the decoding backward takes,
-// no mask gradient): within bfloat16 rounding of the float32 path's gradients, not their bits.
-inline bool pair_products_backward(mha::DType dtype, int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t lq,
-                                   int64_t dk, int64_t dv, bool mask_grad = false) {
+// use (bf16_pairs_backward_takes: even head dims, more query rows per key/value head than the
+// decoding backward takes, no mask gradient): within bfloat16 rounding of the float32 path's
+// gradients, not their bits.
+inline bool pair_products_backward(mha::DType dtype, int64_t heads_q, int64_t heads_kv, int64_t lq, int64_t dk,
+                                   int64_t dv, bool mask_grad = false) {
   return mha::detail::active_isa() == mha::detail::Isa::avx512_bf16 && dtype == mha::DType::bf16 && !mask_grad &&
-         dk % 2 == 0 && dv % 2 == 0 && batch * heads_kv >= mha::detail::kMinGroupsForOnePassBackward &&
-         heads_q / heads_kv * lq > mha::detail::kFewQueryRowsBackward;
+         dk % 2 == 0 && dv % 2 == 0 && heads_q / heads_kv * lq > mha::detail::kFewQueryRowsBackward;
 }
 
-// Whether a bfloat16 backward of these lengths and head dims runs on the tile unit on the ISA in
-// use (cpu/amx.hpp's rule; never when the mask's gradient is asked for): it rounds P and dS to
-// bfloat16 for its products, so its gradients are within bfloat16 rounding of the float32
-// path's rather than its bits (AmxBackward.* judges them against float64).
+// Whether a bfloat16 backward of these lengths and head dims may run in bfloat16 products on the
+// ISA in use: on the tile unit (cpu/amx.hpp's rule; never when the mask's gradient is asked for),
+// or in AVX512-BF16's pairs (even head dims; decoding shapes, which depend on the heads too, keep
+// the float32 path, whose bits are also within this bound). Either rounds P and dS to bfloat16
+// for its products, so its gradients are within bfloat16 rounding of the float32 path's rather
+// than its bits (AmxBackward.* and PairProducts.* judge them against float64).
 inline bool tile_unit_backward(mha::DType dtype, int64_t lq, int64_t lk, int64_t dk, int64_t dv, bool mask_grad = false) {
-  return mha::detail::active_isa() == mha::detail::Isa::amx && dtype == mha::DType::bf16 && !mask_grad &&
-         mha::detail::amx_bf16_takes_shape(lq, lk, dk, dv);
+  const mha::detail::Isa isa = mha::detail::active_isa();
+  if (dtype != mha::DType::bf16 || mask_grad) return false;
+  if (isa == mha::detail::Isa::avx512_bf16) return dk % 2 == 0 && dv % 2 == 0;
+  return isa == mha::detail::Isa::amx && mha::detail::amx_bf16_takes_shape(lq, lk, dk, dv);
 }
 
 // Gradients of the tile unit within 2e-2 of the float32 path's, relative to the largest of the

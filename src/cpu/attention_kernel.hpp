@@ -133,10 +133,10 @@ constexpr int64_t kFewQueryRowsBackward = 16;
 // The backward's one-pass schedule (a task per batch entry and key/value head) from this many
 // such groups on; two passes below (flash_backward.hpp).
 constexpr int64_t kMinGroupsForOnePassBackward = 16;
-// bfloat16 products (AVX512-BF16) in the backward's one-pass schedule, for the problems
-// bf16_pairs_backward_takes takes: bfloat16 q, k, v and output gradient, even head dims, the
-// one-pass schedule, more than 16 query rows per key/value head (fewer take the decoding
-// backward), no gradient of the scores. Its gradients are within bfloat16 rounding of the
+// bfloat16 products (AVX512-BF16) in the backward's tile schedules, for the problems
+// bf16_pairs_backward_takes takes: bfloat16 q, k, v and output gradient, even head dims, more
+// than 16 query rows per key/value head (fewer take the decoding backward), no gradient of the
+// scores. Its gradients are within bfloat16 rounding of the
 // float32 path's (Pd and dS are rounded to bfloat16 for its products).
 bool bf16_pairs_backward_takes(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);
 void flash_backward_avx512bf16(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);

@@ -263,12 +263,12 @@ struct FlashBackward {
     return reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(t.data) + b * t.strides[0] + h * t.strides[1] +
                                              l * t.strides[2]);
   }
-  // Rows [0, count) of head (b, h) of t as `pairs` pairs of rows: dst[r][d] = (row 2r, row 2r + 1)
-  // at column d, rows `stride` words apart (t.width rounded up to whole vectors; zeros past the
-  // width and past count).
-  void pair_rows_of(const Operand& t, int64_t b, int64_t h, int64_t count, int64_t pairs, uint32_t* dst,
+  // Rows [l0, l0 + count) of head (b, h) of t as `pairs` pairs of rows: dst[r][d] = (row l0 + 2r,
+  // row l0 + 2r + 1) at column d, rows `stride` words apart (t.width rounded up to whole vectors;
+  // zeros past the width and past count).
+  void pair_rows_of(const Operand& t, int64_t b, int64_t h, int64_t l0, int64_t count, int64_t pairs, uint32_t* dst,
                     int64_t stride) const {
-    const auto* base = static_cast<const uint16_t*>(t.data) + b * t.strides[0] + h * t.strides[1];
+    const auto* base = static_cast<const uint16_t*>(t.data) + b * t.strides[0] + h * t.strides[1] + l0 * t.strides[2];
     for (int64_t r = 0; r < pairs; ++r) {
       const uint16_t* x = 2 * r < count ? base + 2 * r * t.strides[2] : nullptr;
       const uint16_t* y = 2 * r + 1 < count ? base + (2 * r + 1) * t.strides[2] : nullptr;
@@ -373,7 +373,11 @@ struct FlashBackward {
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const int64_t slots = copies_any() ? kBlock * (dk + dv) : 0;
     const Softcap<S> cap(p);
-    Buffer buf((2 * dk + 2 * dv + 2 * kBlock) * kPanel + std::max(dk, dv) + kLanes + slots + (cap.on ? kBlock * kPanel : 0));
+    // bfloat16 products: Q and dO of a query block as pairs of rows, Pd and dS as pairs of rows.
+    const int64_t dk16 = T::round_up(dk, kLanes), dv16 = T::round_up(dv, kLanes);
+    const int64_t pair_words = kPairs ? kBlock / 2 * (dk16 + dv16 + 2 * kPanel) : 0;
+    Buffer buf((2 * dk + 2 * dv + 2 * kBlock) * kPanel + std::max(dk, dv) + kLanes + slots + (cap.on ? kBlock * kPanel : 0) +
+               pair_words);
     float* kt = buf.data;           // [Dk][48] K^T, scaled by scale * log2(e)
     float* vt = kt + dk * kPanel;   // [Dv][48] V^T
     float* dkt = vt + dv * kPanel;  // [Dk][48] dK^T accumulator
@@ -384,8 +388,22 @@ struct FlashBackward {
     float* q_slots = gt + kBlock * kPanel + std::max(dk, dv) + kLanes;  // [kBlock][Dk] widened rows
     float* g_slots = q_slots + kBlock * dk;                             // [kBlock][Dv]
     float* slopes = q_slots + slots;  // [kBlock][48] the soft-cap's derivatives
-    transposed_panel(k_rows(), b, hk, j0, nk, kt, qk_scale, q_slots);  // (the slots are free until the query loop)
-    transposed_panel(v_rows(), b, hk, j0, nk, vt, 1.0f, g_slots);
+    auto* q_pairs = reinterpret_cast<uint32_t*>(slopes + (cap.on ? kBlock * kPanel : 0));  // [32][dk16]
+    uint32_t* g_pairs = q_pairs + kBlock / 2 * dk16;  // [32][dv16]
+    uint32_t* pd_w = g_pairs + kBlock / 2 * dv16;     // [32][48]
+    uint32_t* ds_w = pd_w + kBlock / 2 * kPanel;      // [32][48]
+    const uint32_t* qw[kBlock];
+    const uint32_t* gw[kBlock];
+    const uint32_t* q_pair_rows[kBlock / 2];
+    const uint32_t* g_pair_rows[kBlock / 2];
+    if constexpr (kPairs) {  // K^T and V^T as pairs of dims, unscaled
+      pairs_panel(k_rows(), b, hk, j0, nk, reinterpret_cast<uint32_t*>(kt));
+      pairs_panel(v_rows(), b, hk, j0, nk, reinterpret_cast<uint32_t*>(vt));
+      for (int64_t r = 0; r < kBlock / 2; ++r) q_pair_rows[r] = q_pairs + r * dk16, g_pair_rows[r] = g_pairs + r * dv16;
+    } else {
+      transposed_panel(k_rows(), b, hk, j0, nk, kt, qk_scale, q_slots);  // (the slots are free until the query loop)
+      transposed_panel(v_rows(), b, hk, j0, nk, vt, 1.0f, g_slots);
+    }
     U jv[kVecs];
     key_lanes(j0, jv);
     const int vecs = T::vecs_for(nk);  // the last block of a short sequence skips its empty vectors
@@ -404,18 +422,43 @@ struct FlashBackward {
         const int64_t ni = std::min<int64_t>(kBlock, i_end - i0);
         if (query_rows_excluded(b, h, i0, ni, j0)) continue;  // P = 0, dS = 0: it adds nothing
         const int64_t nip = T::round_up(ni, kRows);
-        for (int64_t ii = 0; ii < nip; ++ii) {
-          qrows[ii] = ii < ni ? row(q_rows(), b, h, i0 + ii, q_slots + ii * dk) : zero_row;
-          grows[ii] = ii < ni ? row(grad_out_rows(), b, h, i0 + ii, g_slots + ii * dv) : zero_row;
-        }
-        for (int64_t ii = 0; ii < nip; ii += kRows) {
-          T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt, dk, vecs);  // scores, base 2
-          T::dot_rows_call(gt + ii * kPanel, grows + ii, vt, dv, vecs);  // dPd = dO V^T
+        if constexpr (kPairs) {
+          const auto* zero = reinterpret_cast<const uint32_t*>(zero_row);
+          for (int64_t ii = 0; ii < nip; ++ii) {
+            qw[ii] = ii < ni ? in_place_pairs(q_rows(), b, h, i0 + ii) : zero;
+            gw[ii] = ii < ni ? in_place_pairs(grad_out_rows(), b, h, i0 + ii) : zero;
+          }
+          for (int64_t ii = 0; ii < nip; ii += kRows) {
+            T::dot_pairs(pt + ii * kPanel, qw + ii, reinterpret_cast<const uint32_t*>(kt), dk / 2, vecs, S::set1(qk_scale));
+            T::dot_pairs(gt + ii * kPanel, gw + ii, reinterpret_cast<const uint32_t*>(vt), dv / 2, vecs, S::set1(1.0f));
+          }
+        } else {
+          for (int64_t ii = 0; ii < nip; ++ii) {
+            qrows[ii] = ii < ni ? row(q_rows(), b, h, i0 + ii, q_slots + ii * dk) : zero_row;
+            grows[ii] = ii < ni ? row(grad_out_rows(), b, h, i0 + ii, g_slots + ii * dv) : zero_row;
+          }
+          for (int64_t ii = 0; ii < nip; ii += kRows) {
+            T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt, dk, vecs);  // scores, base 2
+            T::dot_rows_call(gt + ii * kPanel, grows + ii, vt, dv, vecs);  // dPd = dO V^T
+          }
         }
         if (cap.on) cap.rows(pt, ni, kPanel, vecs, slopes);
         for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], pt, kPanel, 1, b, h, i0, ni, j0, nk);
         probabilities_and_score_gradients(pt, gt, nip, ni, b, h, i0, j0, jv, vecs);
         if (cap.on) Softcap<S>::chain(gt, slopes, ni, kPanel, vecs);
+        if constexpr (kPairs) {  // the block's rows as pairs; rows past ni are zero in Pd and dS
+          if (out.dv) {
+            pair_rows_of(grad_out_rows(), b, h, i0, ni, nip / 2, g_pairs, dv16);
+            round_row_pairs(pt, nip, vecs, pd_w);
+            T::accumulate(dvt, g_pair_rows, pd_w, nip / 2, dv, vecs);  // dV^T += dO^T Pd
+          }
+          if (out.dk) {
+            pair_rows_of(q_rows(), b, h, i0, ni, nip / 2, q_pairs, dk16);
+            round_row_pairs(gt, nip, vecs, ds_w);
+            T::accumulate(dkt, q_pair_rows, ds_w, nip / 2, dk, vecs);  // dK^T += Q^T dS
+          }
+          continue;
+        }
         if (out.dv) T::accumulate_call(dvt, grows, pt, ni, dv, vecs);  // dV^T += dO^T Pd
         if (out.dk) T::accumulate_call(dkt, qrows, gt, ni, dk, vecs);  // dK^T += Q^T dS
       }
@@ -432,7 +475,11 @@ struct FlashBackward {
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
     const int64_t slots = copies_any() ? kBlock * (dk + dv) : 0;
     const Softcap<S> cap(p);
-    Buffer buf((2 * dk + dv + 2 * kBlock + 7) * kPanel + std::max(dk, dv) + kLanes + slots + (cap.on ? kBlock * kPanel : 0));
+    // bfloat16 products: K of a key block as pairs of rows, dS^T as pairs of rows.
+    const int64_t dk16 = T::round_up(dk, kLanes);
+    const int64_t pair_words = kPairs ? kBlock / 2 * (dk16 + kPanel) : 0;
+    Buffer buf((2 * dk + dv + 2 * kBlock + 7) * kPanel + std::max(dk, dv) + kLanes + slots + (cap.on ? kBlock * kPanel : 0) +
+               pair_words);
     float* qt = buf.data;            // [Dk][48] Q^T, scaled
     float* got = qt + dk * kPanel;   // [Dv][48] dO^T
     float* dqt = got + dv * kPanel;  // [Dk][48] dQ^T accumulator
@@ -449,8 +496,19 @@ struct FlashBackward {
     float* k_slots = reinterpret_cast<float*>(begin + kPanel) + std::max(dk, dv) + kLanes;  // [kBlock][Dk]
     float* v_slots = k_slots + kBlock * dk;                                                  // [kBlock][Dv]
     float* slopes = k_slots + slots;  // [kBlock][48] the soft-cap's derivatives
-    transposed_panel(q_rows(), b, h, i0, ni, qt, qk_scale, k_slots);  // (the slots are free until the key loop)
-    transposed_panel(grad_out_rows(), b, h, i0, ni, got, 1.0f, v_slots);
+    auto* k_pairs = reinterpret_cast<uint32_t*>(slopes + (cap.on ? kBlock * kPanel : 0));  // [32][dk16]
+    uint32_t* dst_w = k_pairs + kBlock / 2 * dk16;  // [32][48]
+    const uint32_t* kw[kBlock];
+    const uint32_t* vw[kBlock];
+    const uint32_t* k_pair_rows[kBlock / 2];
+    if constexpr (kPairs) {  // Q^T and dO^T as pairs of dims, unscaled
+      pairs_panel(q_rows(), b, h, i0, ni, reinterpret_cast<uint32_t*>(qt));
+      pairs_panel(grad_out_rows(), b, h, i0, ni, reinterpret_cast<uint32_t*>(got));
+      for (int64_t r = 0; r < kBlock / 2; ++r) k_pair_rows[r] = k_pairs + r * dk16;
+    } else {
+      transposed_panel(q_rows(), b, h, i0, ni, qt, qk_scale, k_slots);  // (the slots are free until the key loop)
+      transposed_panel(grad_out_rows(), b, h, i0, ni, got, 1.0f, v_slots);
+    }
     bool rescaled = false;  // a row of mask values alone (backward_rows.hpp)
     for (int64_t ii = 0; ii < kPanel; ++ii) {
       const int64_t i = i0 + ii;
@@ -499,14 +557,27 @@ struct FlashBackward {
         continue;
       }
       const int64_t njp = T::round_up(nj, kRows);
-      for (int64_t jj = 0; jj < njp; ++jj) {
-        const bool real = j0 + jj < p.len_k;
-        krows[jj] = real ? row(k_rows(), b, hk, j0 + jj, k_slots + jj * dk) : zero_row;
-        vrows[jj] = real ? row(v_rows(), b, hk, j0 + jj, v_slots + jj * dv) : zero_row;
-      }
-      for (int64_t jj = 0; jj < njp; jj += kRows) {
-        T::dot_rows_call(st + jj * kPanel, krows + jj, qt, dk, vecs);
-        T::dot_rows_call(gt + jj * kPanel, vrows + jj, got, dv, vecs);
+      if constexpr (kPairs) {
+        const auto* zero = reinterpret_cast<const uint32_t*>(zero_row);
+        for (int64_t jj = 0; jj < njp; ++jj) {
+          const bool real = j0 + jj < p.len_k;
+          kw[jj] = real ? in_place_pairs(k_rows(), b, hk, j0 + jj) : zero;
+          vw[jj] = real ? in_place_pairs(v_rows(), b, hk, j0 + jj) : zero;
+        }
+        for (int64_t jj = 0; jj < njp; jj += kRows) {
+          T::dot_pairs(st + jj * kPanel, kw + jj, reinterpret_cast<const uint32_t*>(qt), dk / 2, vecs, S::set1(qk_scale));
+          T::dot_pairs(gt + jj * kPanel, vw + jj, reinterpret_cast<const uint32_t*>(got), dv / 2, vecs, S::set1(1.0f));
+        }
+      } else {
+        for (int64_t jj = 0; jj < njp; ++jj) {
+          const bool real = j0 + jj < p.len_k;
+          krows[jj] = real ? row(k_rows(), b, hk, j0 + jj, k_slots + jj * dk) : zero_row;
+          vrows[jj] = real ? row(v_rows(), b, hk, j0 + jj, v_slots + jj * dv) : zero_row;
+        }
+        for (int64_t jj = 0; jj < njp; jj += kRows) {
+          T::dot_rows_call(st + jj * kPanel, krows + jj, qt, dk, vecs);
+          T::dot_rows_call(gt + jj * kPanel, vrows + jj, got, dv, vecs);
+        }
       }
       if (cap.on) cap.rows(st, nj, kPanel, vecs, slopes);
       for (int t = 0; t < p.num_masks; ++t) T::add_mask(p.masks[t], st, 1, kPanel, b, h, i0, ni, j0, nj);
@@ -536,6 +607,14 @@ struct FlashBackward {
         }
       }
       if (cap.on) Softcap<S>::chain(st, slopes, nj, kPanel, vecs);  // q.k's share of dS, through the cap
+      if constexpr (kPairs) {  // keys past the block's end (or Lk) have dS = 0: not visible
+        if (out.dq) {
+          pair_rows_of(k_rows(), b, hk, j0, std::min<int64_t>(njp, p.len_k - j0), njp / 2, k_pairs, dk16);
+          round_row_pairs(st, njp, vecs, dst_w);
+          T::accumulate(dqt, k_pair_rows, dst_w, njp / 2, dk, vecs);  // dQ^T += K^T dS^T
+        }
+        continue;
+      }
       if (out.dq) T::accumulate_call(dqt, krows, st, nj, dk, vecs);  // dQ^T += K^T dS^T
     }
     if (out.dscores) {  // keys no query of the task sees
@@ -609,7 +688,7 @@ struct FlashBackward {
     // bfloat16 products: K^T and V^T as pairs of dims (unscaled), and K as pairs of keys.
     Rows keys{};
     if constexpr (kPairs) {
-      pair_rows_of(k_rows(), b, hk, p.len_k, nkb * kPanel / 2, k_pairs, dk16);
+      pair_rows_of(k_rows(), b, hk, 0, p.len_k, nkb * kPanel / 2, k_pairs, dk16);
     } else {
       keys = all_rows(k_rows(), b, hk, p.len_k, k_widened);
     }
@@ -632,8 +711,8 @@ struct FlashBackward {
       std::memset(dqt_all, 0, sizeof(float) * nqb * panel_k);
       Rows queries{}, grads{};
       if constexpr (kPairs) {
-        pair_rows_of(q_rows(), b, h, p.len_q, nqb * kPanel / 2, q_pairs, dk16);
-        pair_rows_of(grad_out_rows(), b, h, p.len_q, nqb * kPanel / 2, g_pairs, dv16);
+        pair_rows_of(q_rows(), b, h, 0, p.len_q, nqb * kPanel / 2, q_pairs, dk16);
+        pair_rows_of(grad_out_rows(), b, h, 0, p.len_q, nqb * kPanel / 2, g_pairs, dv16);
       } else {
         queries = all_rows(q_rows(), b, h, p.len_q, q_widened);
         grads = all_rows(grad_out_rows(), b, h, p.len_q, g_widened);
@@ -807,17 +886,12 @@ struct FlashBackward {
   void run() const {
     if (!out.dq && !out.dk && !out.dv && !out.dscores) return;  // nothing wanted
     const int threads = resolve_threads(p.num_threads);
-    if constexpr (kPairs) {  // the one-pass schedule only (bf16_pairs_backward_takes)
-      std::vector<Tensor> storage;
-      FlashBackward with_tiles{p, in, out, tile_masks(threads, storage)};
-      parallel_for(p.batch * p.heads_kv, threads,
-                   [&](int64_t t, int) { with_tiles.group_task(t / p.heads_kv, t % p.heads_kv); });
-      return;
-    }
+    if constexpr (!kPairs) {  // (decoding does not take the pair products: bf16_pairs_backward_takes)
     if (FewQueriesBackward<S>::applies(p)) {
       if (!p.windowed) return FewQueriesBackward<S>{p, in, out}.run();
       const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)
       return FewQueriesBackward<S>{masked, in, out}.run();
+    }
     }
     // Many head groups: one pass per group, which writes dS (a mask's gradient) from its tiles as
     // it goes. Otherwise two passes, over key blocks then query blocks, which split the sequence
