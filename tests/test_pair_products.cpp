@@ -155,6 +155,21 @@ TEST_F(PairProducts, SharedValuePairsGiveTheBitsOfPerBlockCopies) {
   EXPECT_TRUE(same_bits(mha::Tensor::copy_of(all.view().slice(2, 0, 40), mha::DType::bf16), first));
 }
 
+// Empty head dims on the pair path: no values (an empty output, the shared value copy of a long
+// head empty too), and no dims of q and k (every score 0: each row the mean of its visible values).
+TEST_F(PairProducts, EmptyHeadDims) {
+  std::mt19937_64 rng(test_seed());
+  const mha::Tensor q = randn({1, 2, 300, 8}, rng, mha::DType::bf16), k = randn({1, 2, 40, 8}, rng, mha::DType::bf16);
+  const mha::Tensor none = mha::Tensor::empty({1, 2, 40, 0}, mha::DType::bf16);
+  EXPECT_EQ(mha::scaled_dot_product_attention(q, k, none, {}).sizes(), (mha::Shape{1, 2, 300, 0}));
+  const mha::Tensor q0 = mha::Tensor::empty({1, 2, 300, 0}, mha::DType::bf16), k0 = mha::Tensor::empty({1, 2, 40, 0}, mha::DType::bf16);
+  const mha::Tensor v = randn({1, 2, 40, 16}, rng, mha::DType::bf16);
+  mha::SdpaOptions o{.is_causal = true};
+  o.scale = 1.0;  // (the default 1/sqrt(0) is not finite)
+  const mha::Tensor out = mha::scaled_dot_product_attention(q0, k0, v, o);
+  EXPECT_LT(rel_error(out, mha::reference::scaled_dot_product_attention(q0, k0, v, o).output), 1e-2);
+}
+
 // Odd head dims of q and k (no whole pairs) and decoding (up to 32 queries) take the float32
 // kernel on the widened inputs: its bits.
 TEST_F(PairProducts, OddDimsAndDecodingTakeTheFloat32Kernel) {

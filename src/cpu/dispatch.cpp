@@ -174,7 +174,7 @@ bool bf16_pairs_take_shape(int64_t len_q, int64_t dim_qk) {
 
 bool bf16_pairs_backward_takes(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
   return bf16_pairs_supports(p) && in.grad_out_dtype == DType::bf16 && p.dim_v % 2 == 0 && out.dscores == nullptr &&
-         p.heads_q / p.heads_kv * p.len_q > kFewQueryRowsBackward;
+         p.heads_kv > 0 && p.heads_q / p.heads_kv * p.len_q > kFewQueryRowsBackward;
 }
 
 bool amx_bf16_backward_supports(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {

@@ -757,7 +757,7 @@ struct FlashForward {
 
   void run_groups_with_value_pairs(int64_t g_begin, int64_t g_end, int threads) const {
     const int64_t width = round_up(p.dim_v, kLanes), pairs = round_up(p.len_k, kBlockK) / 2;
-    const int64_t per_group = pairs * width;  // words
+    const int64_t per_group = std::max<int64_t>(pairs * width, 1);  // words (at least one: Dv may be 0)
     int64_t chunk = std::clamp<int64_t>(widened_chunk_floats().load() / per_group, 1, g_end - g_begin);
     if (o.average_weights != nullptr) chunk = std::max<int64_t>(chunk / p.heads_kv, 1) * p.heads_kv;  // whole batch entries
     const Tensor buffer = Tensor::empty({chunk * per_group});
