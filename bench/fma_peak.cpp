@@ -71,6 +71,25 @@ float chains_scalar(float seed) {
   return total;
 }
 
+// The best of 5 runs of `chains` on every thread at once, in GFLOP/s, where one call performs
+// `flops` floating-point operations.
+template <class Chains>
+double best_rate(int threads, Chains chains, double flops) {
+  double best = 0;
+  volatile float sink = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    std::vector<float> results(threads);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { results[t] = chains(static_cast<float>(t + rep)); });
+    for (auto& th : pool) th.join();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (float r : results) sink = sink + r;
+    best = std::max(best, flops * threads / seconds / 1e9);
+  }
+  return best;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,18 +104,7 @@ int main(int argc, char** argv) {
       std::printf("bf16_dot_peak_gflops 0 threads %d\n", threads);
       return 0;
     }
-    double best = 0;
-    volatile float sink = 0;
-    for (int rep = 0; rep < 5; ++rep) {
-      std::vector<float> results(threads);
-      const auto t0 = std::chrono::steady_clock::now();
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { results[t] = chains_bf16_dot(static_cast<float>(t + rep)); });
-      for (auto& th : pool) th.join();
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      for (float r : results) sink = sink + r;
-      best = std::max(best, 4.0 * 12 * 16 * static_cast<double>(kIterations) * threads / seconds / 1e9);
-    }
+    const double best = best_rate(threads, chains_bf16_dot, 4.0 * 12 * 16 * static_cast<double>(kIterations));
     std::printf("bf16_dot_peak_gflops %.1f threads %d\n", best, threads);
     return 0;
   }
@@ -107,18 +115,7 @@ int main(int argc, char** argv) {
   auto run = [&](float seed) {
     return avx512 ? chains_avx512(seed) : avx2 ? chains_avx2(seed) : chains_scalar(seed);
   };
-  double best = 0;
-  volatile float sink = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    std::vector<float> results(threads);
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { results[t] = run(static_cast<float>(t + rep)); });
-    for (auto& th : pool) th.join();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    for (float r : results) sink = sink + r;
-    best = std::max(best, 2.0 * 12 * lanes * static_cast<double>(iterations) * threads / seconds / 1e9);
-  }
+  const double best = best_rate(threads, run, 2.0 * 12 * lanes * static_cast<double>(iterations));
   std::printf("fma_peak_gflops %.1f isa %s threads %d\n", best, avx512 ? "avx512" : avx2 ? "avx2" : "scalar", threads);
   return 0;
 }

@@ -262,38 +262,7 @@ TEST_F(PairProducts, BackwardAgainstFloat64ReferenceAndDeterministic) {
     SCOPED_TRACE(c.describe);
     ASSERT_TRUE(mha_test::pair_products_backward(mha::DType::bf16, c.q.size(1), c.k.size(1), c.q.size(2), c.q.size(3),
                                                  c.v.size(3)));
-    const auto saved = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
-    const auto g = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, c.options);
-    const auto r = mha::reference::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.grad, c.options);
-    const double floor = 0.05 * std::max({mha_test::max_abs(r.query), mha_test::max_abs(r.key), mha_test::max_abs(r.value)});
-    mha::detail::force_isa(mha::detail::Isa::avx512);
-    const auto g32 = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, c.options);
-    mha::detail::force_isa(mha::detail::Isa::avx512_bf16);
-    differs_from_float32 += !same_bits(g.query, g32.query) || !same_bits(g.key, g32.key) || !same_bits(g.value, g32.value);
-    const mha::TensorView ours[] = {g.query, g.key, g.value}, theirs[] = {g32.query, g32.key, g32.value},
-                          exact[] = {r.query, r.key, r.value};
-    for (int t = 0; t < 3; ++t) {
-      const double e = rel_error(ours[t], exact[t], floor), e32 = rel_error(theirs[t], exact[t], floor);
-      EXPECT_LT(e, std::max(2e-2, 2 * e32)) << "gradient " << t << "; the float32 path's error " << e32;
-      EXPECT_LT(rel_error(ours[t], theirs[t], floor), 2e-2) << "gradient " << t;
-      worst = std::max(worst, e), worst32 = std::max(worst32, e32);
-    }
-    for (int threads : {1, 3}) {
-      mha::SdpaOptions o = c.options;
-      o.num_threads = threads;
-      const auto gt = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, o);
-      EXPECT_TRUE(same_bits(gt.query, g.query) && same_bits(gt.key, g.key) && same_bits(gt.value, g.value))
-          << threads << " threads";
-    }
-    const mha::SdpaGradientsWanted subsets[] = {{.query = true, .key = false, .value = false},
-                                                {.query = false, .key = true, .value = false},
-                                                {.query = false, .key = false, .value = true}};
-    for (const auto& wanted : subsets) {
-      const auto gs = mha::scaled_dot_product_attention_backward(c.q, c.k, c.v, saved, c.grad, c.options, wanted);
-      if (wanted.query) EXPECT_TRUE(same_bits(gs.query, g.query));
-      if (wanted.key) EXPECT_TRUE(same_bits(gs.key, g.key));
-      if (wanted.value) EXPECT_TRUE(same_bits(gs.value, g.value));
-    }
+    differs_from_float32 += mha_test::check_bf16_products_backward(c.q, c.k, c.v, c.grad, c.options, worst, worst32);
   }
   std::printf("largest relative error against float64: %.3g (the float32 path's on the same cases: %.3g)\n", worst, worst32);
   EXPECT_GT(differs_from_float32, kCases / 2);

@@ -15,6 +15,7 @@
 #include "cpu/amx.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
+#include "mha/reference.hpp"
 
 namespace mha_test {
 
@@ -128,6 +129,51 @@ inline void expect_near_float32_path(const mha::AttentionGradients& g, const mha
   EXPECT_LT(rel_error(g.query, g32.query, floor), 2e-2);
   EXPECT_LT(rel_error(g.key, g32.key, floor), 2e-2);
   EXPECT_LT(rel_error(g.value, g32.value, floor), 2e-2);
+}
+
+// One case of a backward in bfloat16 products (the tile unit's, AVX512-BF16's pairs) on the ISA in
+// use, against the float64 reference on the same bfloat16 inputs: each gradient within 2e-2 of
+// the largest of the three (5% of it where one cancels), or within twice the float32 path's
+// error where that path is itself further off; within 2e-2 of the float32 path's (AVX-512)
+// gradients; the same bits on 1 and 3 threads and for each gradient alone. worst and worst32
+// gather the largest errors of the two paths; returns whether the gradients differ from the
+// float32 path's bits (the kernel ran).
+inline bool check_bf16_products_backward(const mha::TensorView& q, const mha::TensorView& k, const mha::TensorView& v,
+                                         const mha::TensorView& grad, const mha::SdpaOptions& options, double& worst,
+                                         double& worst32) {
+  const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, options);
+  const auto g = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, options);
+  const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, grad, options);
+  const double floor = 0.05 * std::max({max_abs(r.query), max_abs(r.key), max_abs(r.value)});
+  const mha::detail::Isa isa = mha::detail::active_isa();
+  mha::detail::force_isa(mha::detail::Isa::avx512);
+  const auto g32 = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, options);
+  mha::detail::force_isa(isa);
+  const mha::TensorView ours[] = {g.query, g.key, g.value}, theirs[] = {g32.query, g32.key, g32.value},
+                        exact[] = {r.query, r.key, r.value};
+  for (int t = 0; t < 3; ++t) {
+    const double e = rel_error(ours[t], exact[t], floor), e32 = rel_error(theirs[t], exact[t], floor);
+    EXPECT_LT(e, std::max(2e-2, 2 * e32)) << "gradient " << t << "; the float32 path's error " << e32;
+    EXPECT_LT(rel_error(ours[t], theirs[t], floor), 2e-2) << "gradient " << t;
+    worst = std::max(worst, e), worst32 = std::max(worst32, e32);
+  }
+  for (int threads : {1, 3}) {
+    mha::SdpaOptions o = options;
+    o.num_threads = threads;
+    const auto gt = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, o);
+    EXPECT_TRUE(same_bits(gt.query, g.query) && same_bits(gt.key, g.key) && same_bits(gt.value, g.value))
+        << threads << " threads";
+  }
+  const mha::SdpaGradientsWanted subsets[] = {{.query = true, .key = false, .value = false},
+                                              {.query = false, .key = true, .value = false},
+                                              {.query = false, .key = false, .value = true}};
+  for (const auto& wanted : subsets) {
+    const auto gs = mha::scaled_dot_product_attention_backward(q, k, v, saved, grad, options, wanted);
+    if (wanted.query) EXPECT_TRUE(same_bits(gs.query, g.query));
+    if (wanted.key) EXPECT_TRUE(same_bits(gs.key, g.key));
+    if (wanted.value) EXPECT_TRUE(same_bits(gs.value, g.value));
+  }
+  return !same_bits(g.query, g32.query) || !same_bits(g.key, g32.key) || !same_bits(g.value, g32.value);
 }
 
 // Keys [0, len) of a paged cache [pages, Hkv, page_size, D] (any strides) whose pages `pages`
