@@ -15,7 +15,7 @@
 // block of rows at a time into the task's slots in the two passes, once per group (keys) and per
 // head (queries) in the group task; float32 rows that are not packed are copied the same way.
 // The arithmetic is then the float32 kernel's, and so are the bits. (On AVX512-BF16, bfloat16
-// problems of the one-pass schedule take bfloat16 products instead: kPairs below.)
+// problems take bfloat16 products instead, in both schedules: kPairs below.)
 #pragma once
 
 #include <algorithm>
@@ -55,13 +55,14 @@ struct FlashBackward {
   // Rows (queries in A, keys in B) per step: 64, rounded up to whole dot_rows calls.
   static constexpr int kBlock = (64 + kRows - 1) / kRows * kRows;
   static_assert(kPanel % kRows == 0, "the group task runs dot_rows over whole 48-row panels");
-  // bfloat16 products (S::kBf16Pairs; bf16_pairs_backward_takes): the one-pass group task's five
-  // products over pairs of bfloat16 values (vdpbf16ps). Q, K, V and dO are exact in them: Q and dO
-  // rows are read in place as pairs of dims, K^T and V^T panels hold pairs of dims per key, and
-  // Q, dO and K are copied as pairs of rows (queries, keys) per column for the accumulations,
-  // once per head (Q, dO) or group (K). Pd, dS and dS^T are rounded to bfloat16 as pairs of rows
-  // per lane for them: the gradients are within bfloat16 rounding of the float32 path's (as the
-  // AMX backward's). Scores, probabilities and dS are float32 as in the float32 kernel.
+  // bfloat16 products (S::kBf16Pairs; bf16_pairs_backward_takes): the five products over pairs of
+  // bfloat16 values (vdpbf16ps), in both schedules. Q, K, V and dO are exact in them: the rows a
+  // product broadcasts are read in place as pairs of dims, the panels it multiplies them by hold
+  // pairs of dims per row, and for the accumulations Q, dO and K are copied as pairs of rows
+  // (queries, keys) per column: in the group task once per head (Q, dO) or group (K), in the two
+  // passes per block. Pd, dS and dS^T are rounded to bfloat16 as pairs of rows per lane for them:
+  // the gradients are within bfloat16 rounding of the float32 path's (as the AMX backward's).
+  // Scores, probabilities and dS are float32 as in the float32 kernel.
   static constexpr bool kPairs = requires { S::kBf16Pairs; };
 
   const AttentionProblem& p;

@@ -230,22 +230,22 @@ struct FlashForward {
         for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile)
           T::dot_pairs(s.st + jj * kBlockQ, s.kw + jj, s.qtw, p.dim_qk / 2, vecs, S::set1(s.qk_scale));
       } else {
-      for (int64_t jj = 0; jj < nbp; ++jj) {
-        const int64_t j = j0 + jj;
-        if (j >= p.len_k) {
-          s.kp[jj] = s.vp[jj] = s.zero_row;
-        } else if (widen) {
-          float* kc = s.kconv + jj * p.dim_qk;
-          float* vc = s.vconv + jj * p.dim_v;
-          widen_key(kv, j, kc);
-          widen_value(kv, j, vc);
-          s.kp[jj] = kc, s.vp[jj] = vc;
-        } else {
-          s.kp[jj] = kv.k + j * kv.k_stride;
-          s.vp[jj] = kv.v + j * kv.v_stride;
+        for (int64_t jj = 0; jj < nbp; ++jj) {
+          const int64_t j = j0 + jj;
+          if (j >= p.len_k) {
+            s.kp[jj] = s.vp[jj] = s.zero_row;
+          } else if (widen) {
+            float* kc = s.kconv + jj * p.dim_qk;
+            float* vc = s.vconv + jj * p.dim_v;
+            widen_key(kv, j, kc);
+            widen_value(kv, j, vc);
+            s.kp[jj] = kc, s.vp[jj] = vc;
+          } else {
+            s.kp[jj] = kv.k + j * kv.k_stride;
+            s.vp[jj] = kv.v + j * kv.v_stride;
+          }
         }
-      }
-      for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
+        for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
       }
       if (cap.on) cap.rows(s.st, nbp, kBlockQ, vecs);  // before the masks, as they add to the capped score
 
@@ -354,17 +354,19 @@ struct FlashForward {
       s.kw[jj] = j < p.len_k ? reinterpret_cast<const uint32_t*>(keys + j * kv.k_stride) : zero;
     }
     const int64_t width = round_up(p.dim_v, kLanes);
-    if (kv.v_pairs) {
-      for (int64_t jj = 0; jj < nbp; jj += 2) s.vw[jj / 2] = kv.v_pairs + (j0 + jj) / 2 * width;
-      return;
-    }
-    for (int64_t jj = 0; jj < nbp; jj += 2) {
-      const int64_t j = j0 + jj;
-      uint32_t* out = s.vw_rows + jj / 2 * width;
-      s.vw[jj / 2] = out;
-      const uint16_t* a = j < p.len_k ? values + j * kv.v_stride : nullptr;
-      const uint16_t* b = j + 1 < p.len_k ? values + (j + 1) * kv.v_stride : nullptr;
-      for (int64_t d = 0; d < width; d += kLanes) S::store_w(out + d, S::interleave_rows(a, b, d, p.dim_v));
+    const uint32_t* rows = kv.v_pairs ? kv.v_pairs + j0 / 2 * width : s.vw_rows;
+    if (!kv.v_pairs) copy_value_pairs(values, kv.v_stride, j0 / 2, (j0 + nbp) / 2, s.vw_rows);
+    for (int64_t jj = 0; jj < nbp; jj += 2) s.vw[jj / 2] = rows + jj / 2 * width;
+  }
+
+  // Pairs of value rows [r0, r1) (pair r: keys 2r and 2r + 1, zeros past Lk) as pairs of keys per
+  // column, pair r0 at dst, rows round_up(Dv, kLanes) words apart (zeros past Dv).
+  void copy_value_pairs(const uint16_t* values, int64_t stride, int64_t r0, int64_t r1, uint32_t* dst) const {
+    const int64_t width = round_up(p.dim_v, kLanes);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* a = 2 * r < p.len_k ? values + 2 * r * stride : nullptr;
+      const uint16_t* b = 2 * r + 1 < p.len_k ? values + (2 * r + 1) * stride : nullptr;
+      for (int64_t d = 0; d < width; d += kLanes) S::store_w(dst + (r - r0) * width + d, S::interleave_rows(a, b, d, p.dim_v));
     }
   }
 
@@ -770,13 +772,7 @@ struct FlashForward {
         const int64_t g = g0 + t / row_tasks, r0 = t % row_tasks * kPairsPerCopyTask;
         const int64_t r1 = std::min(pairs, r0 + kPairsPerCopyTask);
         const KeyValueRows in = input_rows(g / p.heads_kv, g % p.heads_kv);
-        const auto* values = static_cast<const uint16_t*>(in.v_low);
-        uint32_t* out = packed + (g - g0) * per_group;
-        for (int64_t r = r0; r < r1; ++r) {
-          const uint16_t* a = 2 * r < p.len_k ? values + 2 * r * in.v_stride : nullptr;
-          const uint16_t* b = 2 * r + 1 < p.len_k ? values + (2 * r + 1) * in.v_stride : nullptr;
-          for (int64_t d = 0; d < width; d += kLanes) S::store_w(out + r * width + d, S::interleave_rows(a, b, d, p.dim_v));
-        }
+        copy_value_pairs(static_cast<const uint16_t*>(in.v_low), in.v_stride, r0, r1, packed + (g - g0) * per_group + r0 * width);
       });
       run_groups(g0, g1, threads, [&](int64_t g) {
         KeyValueRows kv = input_rows(g / p.heads_kv, g % p.heads_kv);
