@@ -24,7 +24,7 @@ void set_threading(Threading threading);
 Threading get_threading();
 bool openmp_available();
 
-// The instruction set the CPU kernels run with: "amx", "avx512", "avx2" or "portable". Chosen once
+// The instruction set the CPU kernels run with: "amx", "avx512_bf16", "avx512", "avx2" or "portable". Chosen once
 // by CPUID; the environment variable MHA_ISA names a lower one to force it (MHA_ISA=avx2); a name
 // this CPU cannot run is an mha::Error.
 std::string cpu_isa();
