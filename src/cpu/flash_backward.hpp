@@ -416,6 +416,9 @@ struct FlashBackward {
     int64_t i_start = 0, i_end = p.len_q;
     if (p.causal) i_start = std::clamp<int64_t>(j0 - p.causal_offset, 0, p.len_q);
     if (p.windowed) i_end = std::clamp<int64_t>(j0 + nk - p.window_offset, 0, p.len_q);
+    // bfloat16 products sum the queries in pairs (2r, 2r + 1) whatever the first one seen: a
+    // window's right edge (a moved diagonal) and the same band as a mask give the same bits.
+    if constexpr (kPairs) i_start -= i_start % 2;
     const int64_t group = p.heads_q / p.heads_kv;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       if (tile_excluded(b, h, j0 / kPanel, 0, 0, p.len_q)) continue;  // a padding mask excludes every key of the panel
