@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace mha::detail {
@@ -302,11 +303,27 @@ void gemm_blocks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64
   lda = leading_dim(lda, transpose_a ? k : m, transpose_a ? m : k);
   ldb = leading_dim(ldb, transpose_b ? n : k, transpose_b ? k : n);
   ldc = leading_dim(ldc, m, n);
+  // float32 blocks of more rows than a gemv's run oneDNN's matmul where it is available
+  // (onednn_matmul.hpp): [full rows, last rows] x [full columns, last columns], made here, on one
+  // thread (see biased_gemm).
+  std::vector<MatmulBlock> shapes;
+  if constexpr (std::is_same_v<T, float>) {
+    if (m > kGemvRows && k > 0 && f32_matmul_available()) {
+      for (const int64_t rows : {row_block, m - (row_blocks - 1) * row_block})
+        for (const int64_t cols : {col_block, n - (col_blocks - 1) * col_block})
+          shapes.emplace_back(std::min(rows, m), std::min(cols, n), k, transpose_a, lda, transpose_b, ldb, ldc, beta);
+    }
+  }
   parallel_for(row_blocks * col_blocks, threads, [&](int64_t block, int) {
-    const int64_t i0 = block / col_blocks * row_block, j0 = block % col_blocks * col_block;
+    const int64_t bi = block / col_blocks, bj = block % col_blocks;
+    const int64_t i0 = bi * row_block, j0 = bj * col_block;
     const int64_t rows = std::min(row_block, m - i0), cols = std::min(col_block, n - j0);
     const T* a_block = transpose_a ? a + i0 : a + i0 * lda;
     const T* b_block = transpose_b ? b + j0 * ldb : b + j0;
+    if (!shapes.empty()) {
+      shapes[(bi + 1 == row_blocks ? 2 : 0) + (bj + 1 == col_blocks ? 1 : 0)].run(a_block, b_block, c + i0 * ldc + j0);
+      return;
+    }
     if (m <= kGemvRows && k > 0) {  // (k = 0 goes to gemm, which scales C by beta where gemv returns)
       gemv_rows(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, beta, c + i0 * ldc + j0, ldc);
       return;

@@ -34,7 +34,8 @@ void linear(const std::vector<Projection>& projections, int threads);
 // The float64 module's: x, w and y all float64 (x any strides), through dgemm.
 void linear(const TensorView& x, const TensorView& w, const double* bias, const TensorView& y, int threads);
 
-// C = op(A) op(B) + beta C on row-major matrices (op: transpose or not), through sgemm / dgemm.
+// C = op(A) op(B) + beta C on row-major matrices (op: transpose or not), in blocks fixed by the
+// shape: float32 through oneDNN's matmul where f32_matmul_available() (else sgemm), float64 through dgemm.
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads);
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,

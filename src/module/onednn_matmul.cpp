@@ -100,6 +100,30 @@ MatmulBlock::MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t lda, int
   }
 }
 
+MatmulBlock::MatmulBlock(int64_t rows, int64_t cols, int64_t k, bool transpose_a, int64_t lda, bool transpose_b,
+                         int64_t ldb, int64_t ldc, float beta)
+    : impl_(std::make_unique<Impl>()) {
+  using dt = dnnl::memory::data_type;
+  using dims = dnnl::memory::dims;
+  impl_->a = dnnl::memory::desc({rows, k}, dt::f32, transpose_a ? dims{1, lda} : dims{lda, 1});
+  impl_->b = dnnl::memory::desc({k, cols}, dt::f32, transpose_b ? dims{1, ldb} : dims{ldb, 1});
+  impl_->c = dnnl::memory::desc({rows, cols}, dt::f32, dims{ldc, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // (per thread, as above)
+  if (beta != 0.0f) {
+    dnnl::post_ops accumulate;
+    accumulate.append_sum(beta);
+    attr.set_post_ops(accumulate);
+  }
+  try {
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(impl_->a, impl_->b, impl_->c), attr, impl_->engine);
+    impl_->scratchpad = pd.scratchpad_desc();
+    impl_->matmul = dnnl::matmul(pd);
+  } catch (const dnnl::error& e) {
+    throw Error(std::string("internal error: oneDNN could not create a matmul: ") + e.what());
+  }
+}
+
 void MatmulBlock::run(const void* a, const void* b, void* c, const float* bias) const {
 #if defined(MHA_HAVE_OPENMP)
   // oneDNN parallelises over OpenMP's team size; one thread, as each block is one task of ours
@@ -172,6 +196,9 @@ bool f32_matmul_available() { return false; }
 struct MatmulBlock::Impl {};
 
 MatmulBlock::MatmulBlock(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, MatmulOutput) {
+  throw Error("internal error: a oneDNN matmul was asked of a library built without oneDNN");
+}
+MatmulBlock::MatmulBlock(int64_t, int64_t, int64_t, bool, int64_t, bool, int64_t, int64_t, float) {
   throw Error("internal error: a oneDNN matmul was asked of a library built without oneDNN");
 }
 
