@@ -60,10 +60,10 @@ constexpr int64_t kGemvRows = 4;
 // and 12.4 against 11.8 at 96 (best of 30 calls on 2 threads).
 constexpr int64_t kFewRows16 = 64;
 
-// From this many rows (of x and y) a float32 projection runs oneDNN's matmul, below it sgemm:
-// oneDNN's kernel reads the weight packed once per call, about 0.35 ms per 1024 x 1024 on one
-// thread, which its 15% over sgemm repays from about 256 rows; at 16 rows the packing was half
-// of an E = 1024 module's call (2.7 ms against 1.2 on sgemm).
+// From this many rows (of x and y) a float32 projection runs oneDNN's matmul on the weight packed
+// once per call, about 0.35 ms per 1024 x 1024 on one thread, which its 15% over sgemm repaid from
+// about 256 rows on Sapphire Rapids; at 16 rows the packing was half of an E = 1024 module's call
+// (2.7 ms against 1.2 on sgemm). Below it, gemm()'s blocks, each reading the weight as it is.
 constexpr int64_t kOneDnnF32Rows = 512;
 
 // few_rows_gemm's tasks take this many weight rows (columns of y) each: 16 tasks for a 1024-wide

@@ -13,7 +13,8 @@ namespace mha::detail {
 // and y order their (N, L) rows alike with uniform strides, one per batch entry otherwise; up to
 // 64 rows against a 16-bit weight, few_rows_gemm on the weight as it is; more rows against a
 // bfloat16 weight, with x all bfloat16 values, oneDNN's bf16 matmul where available; otherwise
-// from 512 rows, oneDNN's float32 matmul where available (f32_matmul_available()).
+// from 512 rows, oneDNN's float32 matmul on a weight packed once where available
+// (f32_matmul_available()); below that, gemm() (oneDNN on the weight as it is, or sgemm).
 void linear(const TensorView& x, const TensorView& w, const float* bias, const TensorView& y, int threads);
 // A bfloat16 Linear as PyTorch's: x [N, L, in] (any strides), w [out, in] and y [N, L, out] (unit
 // last strides) all bfloat16; y = x W^T + bias, summed in float32 and rounded once, through
