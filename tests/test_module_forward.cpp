@@ -385,7 +385,9 @@ TEST(Module, ForwardWithGivenParametersIsTheirModule) {
       bare.eval();
       EXPECT_TRUE(bare.named_parameters().empty());
       EXPECT_EQ(bare.parameter_shapes().size(), owner.named_parameters().size());
-      EXPECT_TRUE(mha_test::same_bits(bare.forward_with(views, x, k, v).output, expected.output));
+      // (Against the owner's inference call: a bfloat16 module's training forward may run in
+      // bfloat16 products where its inference of few rows does not.)
+      EXPECT_TRUE(mha_test::same_bits(bare.forward_with(views, x, k, v).output, owner.forward(x, k, v).output));
       mha_test::expect_error([&] { bare.forward(x, k, v); }, "holds no parameters");
       mha_test::expect_error([&] { bare.backward(ctx_runner, grad); }, "holds no parameters");
       mha_test::expect_error([&] { bare.load_state_dict(views); }, "holds no parameters");

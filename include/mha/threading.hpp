@@ -29,4 +29,10 @@ bool openmp_available();
 // this CPU cannot run is an mha::Error.
 std::string cpu_isa();
 
+// Whether this CPU runs bfloat16 work in bfloat16 products (AVX512-BF16 or AMX, with oneDNN, at
+// an ISA of at least avx512): a bfloat16 module then rounds where PyTorch's bf16 module rounds
+// (its projections, attention output and each product of its backward). Otherwise it computes in
+// float32 on widened copies and rounds its results once.
+bool bfloat16_products();
+
 }  // namespace mha

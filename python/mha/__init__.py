@@ -38,6 +38,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "cpu_isa",
+    "bfloat16_products",
     "set_threading",
     "get_threading",
     "release_host_cache",
@@ -48,6 +49,7 @@ __all__ = [
 set_num_threads = _mha.set_num_threads
 get_num_threads = _mha.get_num_threads
 cpu_isa = _mha.cpu_isa
+bfloat16_products = _mha.bfloat16_products  # bfloat16 modules round as PyTorch's (else: float32, rounded once)
 get_threading = _mha.get_threading
 release_host_cache = _mha.release_host_cache  # frees the large blocks kept for reuse (MHA_HOST_CACHE_MB)
 

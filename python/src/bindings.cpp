@@ -572,6 +572,7 @@ NB_MODULE(_mha, m) {
   m.def("set_num_threads", &mha::set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &mha::get_num_threads);
   m.def("cpu_isa", &mha::cpu_isa);
+  m.def("bfloat16_products", &mha::bfloat16_products);
   m.def("openmp_available", &mha::openmp_available);
   m.def("host_cache_bytes", &mha::host_cache_bytes);
   m.def("release_host_cache", &mha::release_host_cache);

@@ -295,24 +295,27 @@ namespace {
 
 template <typename T>
 void gemm_blocks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda,
-                 const T* b, int64_t ldb, T beta, T* c, int64_t ldc, int threads) {
+                 const T* b, int64_t ldb, float beta, T* c, int64_t ldc, int threads) {
+  constexpr bool bf16 = std::is_same_v<T, bfloat16>;
   if (m == 0 || n == 0) return;
-  openblas_set_num_threads(1);  // the blocks below are the parallelism
+  if constexpr (!bf16) openblas_set_num_threads(1);  // the blocks below are the parallelism
   const GemmBlocks g(m, n);
   const int64_t row_block = g.row_block, row_blocks = g.row_blocks, col_block = g.col_block, col_blocks = g.col_blocks;
   lda = leading_dim(lda, transpose_a ? k : m, transpose_a ? m : k);
   ldb = leading_dim(ldb, transpose_b ? n : k, transpose_b ? k : n);
   ldc = leading_dim(ldc, m, n);
-  // float32 blocks of more rows than a gemv's run oneDNN's matmul where it is available
-  // (onednn_matmul.hpp): [full rows, last rows] x [full columns, last columns], made here, on one
-  // thread (see biased_gemm).
+  // bfloat16 blocks, and float32 blocks of more rows than a gemv's where it is available, run
+  // oneDNN's matmul (onednn_matmul.hpp): [full rows, last rows] x [full columns, last columns],
+  // made here, on one thread (see biased_gemm).
   std::vector<MatmulBlock> shapes;
-  if constexpr (std::is_same_v<T, float>) {
-    if (m > kGemvRows && k > 0 && f32_matmul_available()) {
-      for (const int64_t rows : {row_block, m - (row_blocks - 1) * row_block})
-        for (const int64_t cols : {col_block, n - (col_blocks - 1) * col_block})
-          shapes.emplace_back(std::min(rows, m), std::min(cols, n), k, transpose_a, lda, transpose_b, ldb, ldc, beta);
-    }
+  if constexpr (bf16) {
+    if (!bf16_matmul_available()) throw Error("internal error: a bfloat16 gemm where the CPU has no bf16 matmul");
+    if (beta != 0.0f) throw Error("internal error: a bfloat16 gemm accumulates into nothing");
+  }
+  if (k > 0 && (bf16 || (std::is_same_v<T, float> && m > kGemvRows && f32_matmul_available()))) {
+    for (const int64_t rows : {row_block, m - (row_blocks - 1) * row_block})
+      for (const int64_t cols : {col_block, n - (col_blocks - 1) * col_block})
+        shapes.emplace_back(std::min(rows, m), std::min(cols, n), k, transpose_a, lda, transpose_b, ldb, ldc, beta, bf16);
   }
   parallel_for(row_blocks * col_blocks, threads, [&](int64_t block, int) {
     const int64_t bi = block / col_blocks, bj = block % col_blocks;
@@ -324,11 +327,15 @@ void gemm_blocks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64
       shapes[(bi + 1 == row_blocks ? 2 : 0) + (bj + 1 == col_blocks ? 1 : 0)].run(a_block, b_block, c + i0 * ldc + j0);
       return;
     }
-    if (m <= kGemvRows && k > 0) {  // (k = 0 goes to gemm, which scales C by beta where gemv returns)
-      gemv_rows(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, beta, c + i0 * ldc + j0, ldc);
-      return;
+    if constexpr (bf16) {  // k = 0: C = 0 (beta is 0)
+      for (int64_t r = 0; r < rows; ++r) std::memset(c + (i0 + r) * ldc + j0, 0, sizeof(T) * cols);
+    } else {
+      if (m <= kGemvRows && k > 0) {  // (k = 0 goes to gemm, which scales C by beta where gemv returns)
+        gemv_rows(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, T(beta), c + i0 * ldc + j0, ldc);
+        return;
+      }
+      blas_gemm(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, T(beta), c + i0 * ldc + j0, ldc);
     }
-    blas_gemm(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, beta, c + i0 * ldc + j0, ldc);
   });
 }
 
@@ -341,6 +348,12 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, c
 
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
           const double* b, int64_t ldb, double beta, double* c, int64_t ldc, int threads) {
+  if (beta != 0.0 && beta != 1.0) throw Error("internal error: dgemm's blocks take beta 0 or 1");
+  gemm_blocks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, static_cast<float>(beta), c, ldc, threads);
+}
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const bfloat16* a, int64_t lda,
+          const bfloat16* b, int64_t ldb, float beta, bfloat16* c, int64_t ldc, int threads) {
   gemm_blocks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc, threads);
 }
 

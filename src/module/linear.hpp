@@ -41,6 +41,10 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, c
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads);
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
           const double* b, int64_t ldb, double beta, double* c, int64_t ldc, int threads);
+// bfloat16 A, B and C: C = op(A) op(B) (beta must be 0), the float32 sums rounded once, through
+// oneDNN's bf16 matmul (only where bf16_matmul_available()).
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const bfloat16* a, int64_t lda,
+          const bfloat16* b, int64_t ldb, float beta, bfloat16* c, int64_t ldc, int threads);
 
 // A [N, rows, cols] buffer (float32 unless told) whose (N, rows) memory order matches `like`
 // ([N, L, C]): a sequence-first input gets a sequence-first buffer, so projecting it is a single sgemm.

@@ -2,8 +2,9 @@
 //   out = A W_o^T + b_o        ->  dA = dY W_o,  dW_o = dY^T A,  db_o = sum dY
 //   A = attention(Q, K, V)     ->  dQ, dK, dV by the fused backward (bias_k/bias_v rows included)
 //   Q = X_q W_q^T + b_q, ...   ->  dX_q = dQ W_q,  dW_q = dQ^T X_q,  db_q = sum dQ, ...
-// Every matrix is taken batch-major and contiguous ([N * L, C]) so each step is one sgemm (dgemm
-// for a float64 module).
+// Every matrix is taken batch-major and contiguous ([N * L, C]) so each step is one gemm: float32,
+// float64, or for a bfloat16 module in bfloat16 products (module_low_precision.cpp says when), each
+// product rounded once to bfloat16 as PyTorch's bf16 module rounds its gradients' products.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -35,11 +36,17 @@ Rows<T> batch_major_rows(const TensorView& t, int threads) {
   return r;
 }
 
-// Column sums of a [rows, cols] matrix added into `out`.
+// What sums of T are carried in: float64 for float64, float32 otherwise (bfloat16 rounded once).
 template <typename T>
-void add_column_sums(const T* m, int64_t rows, int64_t cols, T* out) {
+using Sum = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Column sums of a [rows, cols] matrix into `out`.
+template <typename T>
+void column_sums(const T* m, int64_t rows, int64_t cols, T* out) {
+  std::vector<Sum<T>> sums(static_cast<size_t>(cols), Sum<T>(0));
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[c] += m[r * cols + c];
+    for (int64_t c = 0; c < cols; ++c) sums[static_cast<size_t>(c)] += static_cast<Sum<T>>(m[r * cols + c]);
+  for (int64_t c = 0; c < cols; ++c) out[c] = T(sums[static_cast<size_t>(c)]);
 }
 
 // Gradients through y = x W^T + b, for x [rows, in] and dy [rows, out] contiguous:
@@ -48,12 +55,9 @@ void add_column_sums(const T* m, int64_t rows, int64_t cols, T* out) {
 template <typename T>
 void linear_backward(const T* x, const T* dy, const T* w, int64_t rows, int64_t in, int64_t out, T* dx, T* dw, T* db,
                      int threads) {
-  if (dx) detail::gemm(false, false, rows, in, out, dy, out, w, in, T(0), dx, in, threads);
-  if (dw) detail::gemm(true, false, out, in, rows, dy, out, x, in, T(0), dw, in, threads);
-  if (db) {
-    std::memset(db, 0, sizeof(T) * out);
-    add_column_sums(dy, rows, out, db);
-  }
+  if (dx) detail::gemm(false, false, rows, in, out, dy, out, w, in, 0.0f, dx, in, threads);
+  if (dw) detail::gemm(true, false, out, in, rows, dy, out, x, in, 0.0f, dw, in, threads);
+  if (db) column_sums(dy, rows, out, db);
 }
 
 // The attention's backward by the float64 kernel (cpu/attention_f64.hpp), which forms each head's
@@ -66,7 +70,7 @@ void explicit_attention_backward(const detail::AttentionProblem& p, const Tensor
                                  const TensorView& heads_grad, const std::optional<TensorView>& grad_weights,
                                  bool weights_averaged, bool batched, const TensorView* dq, const TensorView* dk,
                                  const TensorView* dv, const TensorView* dscores) {
-  constexpr bool widen = std::is_same_v<T, float>;
+  constexpr bool widen = !std::is_same_v<T, double>;
   const int threads = p.num_threads;
   std::vector<Tensor> copies;
   auto as_f64 = [&](const TensorView& t) {
@@ -262,7 +266,9 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
   const bool padding_grad = wanted.key_padding_mask && float_mask(c.key_padding_mask);
   const bool attention_runs = projections[0].needs_dy() || projections[1].needs_dy() || projections[2].needs_dy() ||
                               d_bias_k || d_bias_v || attn_mask_grad || padding_grad;
-  const Tensor dscores = attn_mask_grad || padding_grad ? Tensor::empty({N, H, L, St}, dtype) : Tensor();
+  // (float32 for a bfloat16 module too: the fused kernels' dS, and the mask gradients' dtype)
+  constexpr DType score_dtype = std::is_same_v<T, double> ? DType::f64 : DType::f32;
+  const Tensor dscores = attn_mask_grad || padding_grad ? Tensor::empty({N, H, L, St}, score_dtype) : Tensor();
 
   // 1. Output projection (dA only when the attention's backward runs).
   const Rows<T> dy = batch_major_rows<T>(as_nle(grad_output), threads);  // [N, L, E]
@@ -291,6 +297,7 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
     } else {  // float32: the fused kernels
       detail::BackwardInputs in;
       in.out = heads_out.data;
+      in.out_dtype = in.grad_out_dtype = dtype;
       in.grad_out = heads_grad.data;
       in.lse = st.lse.data_as<const float>();
       for (int d = 0; d < 4; ++d) {
@@ -298,6 +305,7 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
         in.grad_out_strides[d] = heads_grad.strides[d];
       }
       detail::BackwardOutputs out;
+      out.grad_dtype = dtype;
       out.dq = dq_heads.data, out.dk = dk_heads.data, out.dv = dv_heads.data;
       for (int d = 0; d < 4; ++d) {
         out.dq_strides[d] = dq_heads.strides[d];
@@ -313,23 +321,27 @@ ModuleGradients MultiheadAttention::backward_full(const detail::ParameterSet& pa
   }
   if (dscores.defined()) {
     const TensorView ds = dscores.view().slice(3, 0, S);  // [N, H, L, S]
+    constexpr DType sd = score_dtype;
     if (attn_mask_grad && c.attn_mask->ndim == 3) {  // [N * H, L, S]: one slice per (batch entry, head)
-      g.attn_mask = Tensor::copy_of(TensorView(ds.data, dtype, {N * H, L, S}, {ds.strides[1], ds.strides[2], 1}));
+      g.attn_mask = Tensor::copy_of(TensorView(ds.data, sd, {N * H, L, S}, {ds.strides[1], ds.strides[2], 1}));
     } else if (attn_mask_grad) {  // [L, S]: summed over the batch and the heads
-      g.attn_mask = detail::sum_to_shape(ds, c.attn_mask->sizes(), dtype, threads);
+      g.attn_mask = detail::sum_to_shape(ds, c.attn_mask->sizes(), sd, threads);
     }
     if (padding_grad) {  // [N, S] (or [S] unbatched): summed over the heads and the queries
-      const Tensor summed = detail::sum_to_shape(TensorView(ds.data, dtype, {N, H * L, S}, {ds.strides[0], ds.strides[2], 1}),
-                                                 {N, 1, S}, dtype, threads);
-      g.key_padding_mask = Tensor::copy_of(TensorView(summed.view().data, dtype, c.key_padding_mask->sizes()));
+      const Tensor summed = detail::sum_to_shape(TensorView(ds.data, sd, {N, H * L, S}, {ds.strides[0], ds.strides[2], 1}),
+                                                 {N, 1, S}, sd, threads);
+      g.key_padding_mask = Tensor::copy_of(TensorView(summed.view().data, sd, c.key_padding_mask->sizes()));
     }
   }
 
   // 3. bias_k and bias_v receive the gradient of their appended row, summed over the batch.
   for (const auto& [grad, d] : {std::pair{d_bias_k, &dk}, std::pair{d_bias_v, &dv}}) {
     if (grad == nullptr) continue;  // frozen, or no such parameter
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t e = 0; e < E; ++e) grad[e] += d->template data<T>()[(n * St + S) * E + e];
+    for (int64_t e = 0; e < E; ++e) {
+      Sum<T> sum = 0;
+      for (int64_t n = 0; n < N; ++n) sum += static_cast<Sum<T>>(d->template data<T>()[(n * St + S) * E + e]);
+      grad[e] = T(sum);
+    }
   }
 
   // 4. Input projections. The inputs X, the forward's own copies viewed [N, L, C], are made
@@ -371,5 +383,8 @@ template ModuleGradients MultiheadAttention::backward_full<float>(const detail::
 template ModuleGradients MultiheadAttention::backward_full<double>(const detail::ParameterSet&, const ForwardContext&,
                                                                    const TensorView&, const WantedGradients&,
                                                                    const std::optional<TensorView>&) const;
+template ModuleGradients MultiheadAttention::backward_full<bfloat16>(const detail::ParameterSet&, const ForwardContext&,
+                                                                     const TensorView&, const WantedGradients&,
+                                                                     const std::optional<TensorView>&) const;
 
 }  // namespace mha

@@ -1,4 +1,5 @@
-// A bfloat16 module's inference forward in bfloat16 products (module_bf16_forward.cpp).
+// A bfloat16 module in bfloat16 products: its inference forward (module_bf16_forward.cpp), and
+// when its training runs in them (module_low_precision.cpp).
 #pragma once
 
 #include <optional>
@@ -23,5 +24,12 @@ std::optional<ForwardResult> bf16_inference_forward(const MultiheadAttention& m,
                                                const std::vector<std::pair<std::string, TensorView>>& parameters,
                                                const TensorView& query, const TensorView& key, const TensorView& value,
                                                const ForwardOptions& options, ForwardContext* context);
+
+// Whether a training forward (one that keeps a context) of this module runs in bfloat16 products,
+// rounded as PyTorch's bf16 module rounds, and so its backward: a bfloat16 module on a CPU with
+// oneDNN's bf16 matmul. Otherwise the float32 module runs on widened copies. restore_context asks
+// the same, to know what the activations were, so the rule reads nothing a backward may not know
+// of its forward (whether the weights were returned, for one).
+bool bf16_products_training(const MultiheadAttention& m);
 
 }  // namespace mha::detail

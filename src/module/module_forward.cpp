@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "core/dropout.hpp"
+#include "core/parallel_copy.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_f64.hpp"
 #include "cpu/attention_kernel.hpp"
@@ -27,6 +28,14 @@ void set_row(const TensorView& t, int64_t row, const T* values) {
     if (values) std::memcpy(dst, values, sizeof(T) * E);
     else std::memset(dst, 0, sizeof(T) * E);
   }
+}
+
+// n bfloat16 biases (null: none) as float32, which is exact: what a bfloat16 Linear adds to its
+// float32 sums.
+std::vector<float> widened(const bfloat16* bias, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = static_cast<float>(bias[i]);
+  return out;
 }
 
 // The float64 attention (cpu/attention_f64.hpp) with the float32 kernel's outputs: the weights
@@ -128,6 +137,7 @@ ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& param
   const int64_t E = embed_dim_, H = num_heads_;
   const int64_t N = c.batch, L = c.len_q, S = c.len_k, St = c.total_keys();
   const T* in_bias = options_.bias ? parameters.data<T>("in_proj_bias") : nullptr;
+  constexpr bool bf16 = std::is_same_v<T, bfloat16>;
 
   // 1. Projections, each into rows of its own (bias_k / bias_v and the zero rows follow S), in one
   //    pass of the threads. (Self-attention's packed [3E, E] weight as one product wrote
@@ -149,6 +159,13 @@ ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& param
                     {c.key, wk, in_bias ? in_bias + E : nullptr, k.slice(1, 0, S)},
                     {c.value, wv, in_bias ? in_bias + 2 * E : nullptr, v.slice(1, 0, S)}},
                    threads);
+  } else if constexpr (bf16) {  // bfloat16 Linears, their float32 sums with the bias rounded once
+    const std::vector<float> b = widened(in_bias, in_bias ? 3 * E : 0);
+    auto bias_at = [&](int64_t i) { return in_bias ? b.data() + i * E : nullptr; };
+    detail::linear_bf16({{c.query, wq, bias_at(0), q},
+                         {c.key, wk, bias_at(1), k.slice(1, 0, S)},
+                         {c.value, wv, bias_at(2), v.slice(1, 0, S)}},
+                        threads);
   } else {
     detail::linear(c.query, wq, in_bias, q, threads);
     detail::linear(c.key, wk, in_bias ? in_bias + E : nullptr, k.slice(1, 0, S), threads);
@@ -184,29 +201,32 @@ ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& param
   }
 
   const TensorView heads_out = as_nle(attn.view()).split_dim(2, H).transpose(1, 2);
-  // The weights per head, or only their mean over the heads, which the kernel sums as it goes.
+  // The weights per head, or only their mean over the heads, which the kernel sums as it goes
+  // (float32 for a bfloat16 module, rounded once below).
+  using W = std::conditional_t<std::is_same_v<T, double>, double, float>;
   Tensor weights;
-  T* weights_data = nullptr;
-  T* average_data = nullptr;
+  W* weights_data = nullptr;
+  W* average_data = nullptr;
   int64_t weights_strides[4] = {};
   if (options.need_weights && options.average_attn_weights) {
-    weights = Tensor::empty(detail::module_weights_shape(c, H, true), dtype);
-    average_data = weights.data<T>();
+    weights = Tensor::empty(detail::module_weights_shape(c, H, true), dtype_of<W>());
+    average_data = weights.data<W>();
   } else if (options.need_weights) {
-    weights = Tensor::empty(detail::module_weights_shape(c, H, false), dtype);  // [N,] H, L, S
-    weights_data = weights.data<T>();
+    weights = Tensor::empty(detail::module_weights_shape(c, H, false), dtype_of<W>());  // [N,] H, L, S
+    weights_data = weights.data<W>();
     // The tensor's own strides (sizes whose product overflows, with an empty batch, are its business).
     const TensorView& w = weights.view();
     for (int d = 0; d < 3; ++d) weights_strides[d + 1] = w.strides[w.ndim - 3 + d];
     weights_strides[0] = c.batched ? w.strides[0] : 0;
   }
   Tensor lse;
-  if (st) lse = Tensor::empty({N, H, L}, dtype);
+  if (st) lse = Tensor::empty({N, H, L}, std::is_same_v<T, double> ? DType::f64 : DType::f32);
   if constexpr (std::is_same_v<T, double>) {
     run_attention_f64(p, heads_out, weights_data, weights_strides, average_data, st ? lse.data<double>() : nullptr);
   } else {
     detail::ForwardOutputs o;
-    o.out = heads_out.data_as<float>();
+    o.out = heads_out.data;
+    o.out_dtype = dtype;
     for (int d = 0; d < 4; ++d) o.out_strides[d] = heads_out.strides[d];
     o.average_weights = average_data;
     o.weights = weights_data;
@@ -214,11 +234,18 @@ ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& param
     if (st) o.lse = lse.data<float>();
     detail::run_attention(p, o);
   }
+  if (bf16 && weights.defined()) weights = detail::parallel_copy_of(weights.view(), dtype, threads);
 
   // 4. Output projection.
   const T* out_bias = options_.bias ? parameters.data<T>("out_proj.bias") : nullptr;
-  detail::linear(as_nle(attn.view()), parameters.view("out_proj.weight"), out_bias, as_nle(result.output.view()),
-                 threads);
+  if constexpr (bf16) {
+    const std::vector<float> b = widened(out_bias, out_bias ? E : 0);
+    detail::linear_bf16(as_nle(attn.view()), parameters.view("out_proj.weight"), out_bias ? b.data() : nullptr,
+                        as_nle(result.output.view()), threads);
+  } else {
+    detail::linear(as_nle(attn.view()), parameters.view("out_proj.weight"), out_bias, as_nle(result.output.view()),
+                   threads);
+  }
 
   if (options.need_weights) result.weights = weights;
   if (st) {
@@ -242,5 +269,8 @@ template ForwardResult MultiheadAttention::forward_full<float>(const detail::Par
 template ForwardResult MultiheadAttention::forward_full<double>(const detail::ParameterSet&, const TensorView&,
                                                                  const TensorView&, const TensorView&,
                                                                  const ForwardOptions&, ForwardContext*) const;
+template ForwardResult MultiheadAttention::forward_full<bfloat16>(const detail::ParameterSet&, const TensorView&,
+                                                                   const TensorView&, const TensorView&,
+                                                                   const ForwardOptions&, ForwardContext*) const;
 
 }  // namespace mha

@@ -1,9 +1,14 @@
 // MultiheadAttention with bfloat16 or float16 parameters: the float32 module's forward and
 // backward on widened copies of the parameters, inputs and masks; the output, the weights and
-// the gradients rounded once to the module's dtype. (bfloat16 inference on a CPU with AMX runs
-// module_bf16_forward.cpp instead, with PyTorch's roundings.) Every product and softmax statistic is float32,
-// so the only low-precision roundings are those of the values the caller hands in and gets back
-// (PyTorch's CPU module also rounds each projection and the attention output on the way).
+// the gradients rounded once to the module's dtype. Every product and softmax statistic is
+// float32, so the only low-precision roundings are those of the values the caller hands in and
+// gets back (PyTorch's CPU module also rounds each projection and the attention output on the way).
+//
+// On a CPU with bfloat16 products (oneDNN's bf16 matmul: AVX512-BF16 or AMX), a bfloat16 module
+// rounds where PyTorch's does instead, and runs in those products: inference in
+// module_bf16_forward.cpp, training (a forward that keeps a context, and its backward) as the
+// forward_full / backward_full of T = bfloat16, where every projection and each of its gradient's
+// products is a bfloat16 product rounded once, and the attention kernels read and write bfloat16.
 //
 // On a CPU without bfloat16/float16 arithmetic this is also the fast way: a float32 GEMM on
 // widened operands is what a bf16 GEMM would do there, and the widening is a memory-bound copy
@@ -13,12 +18,20 @@
 #include "core/parallel_copy.hpp"
 #include "core/thread_pool.hpp"
 #include "mha/multihead_attention.hpp"
+#include "mha/threading.hpp"
 #include "module/forward_context.hpp"
 #include "module/module_bf16_forward.hpp"
 #include "module/module_call.hpp"
+#include "module/onednn_matmul.hpp"
 #include "module/parameter_set.hpp"
 
 namespace mha {
+
+bool bfloat16_products() { return detail::bf16_matmul_available(); }
+
+bool detail::bf16_products_training(const MultiheadAttention& m) {
+  return m.options().dtype == DType::bf16 && bf16_matmul_available();
+}
 
 detail::WidenedCall detail::widened_call(const TensorView& query, const TensorView& key, const TensorView& value,
                                          const ForwardOptions& options, DType module_dtype, int threads) {
@@ -47,6 +60,9 @@ ForwardResult MultiheadAttention::forward_low_precision(const std::vector<std::p
   // bfloat16 inference on AMX: PyTorch's roundings, on the tile unit throughout.
   if (auto tiles = detail::bf16_inference_forward(*this, parameters, query, key, value, options, context)) return std::move(*tiles);
   const int threads = detail::resolve_threads(options.num_threads);
+  if (context != nullptr && detail::bf16_products_training(*this)) {
+    return forward_full<bfloat16>(detail::bfloat16_parameters(parameters, threads), query, key, value, options, context);
+  }
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);  // the options, as float32
   // The projection weights stay 16-bit: linear() widens each for sgemm, or reads it as it is for
   // a few rows (a decoding step), which is one pass over half the bytes.
@@ -74,6 +90,10 @@ ModuleGradients MultiheadAttention::backward_low_precision(
   }
   if (grad_output.numel() > 0 && grad_output.data == nullptr) throw Error("grad_output: data pointer is null");
   const int threads = context.state_->problem.num_threads;
+  if (context.state_->q.dtype == DType::bf16) {  // a forward in bfloat16 products
+    return backward_full<bfloat16>(detail::bfloat16_parameters(parameters, threads), context, grad_output, wanted,
+                                   grad_weights);
+  }
   const MultiheadAttention wide(*this, DType::f32, /*parameters=*/false);
   const detail::ParameterSet wide_parameters = detail::float32_parameters(parameters, threads);
   const Tensor grad = detail::parallel_copy_of(grad_output, DType::f32, threads);

@@ -101,13 +101,15 @@ MatmulBlock::MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t lda, int
 }
 
 MatmulBlock::MatmulBlock(int64_t rows, int64_t cols, int64_t k, bool transpose_a, int64_t lda, bool transpose_b,
-                         int64_t ldb, int64_t ldc, float beta)
+                         int64_t ldb, int64_t ldc, float beta, bool bf16)
     : impl_(std::make_unique<Impl>()) {
   using dt = dnnl::memory::data_type;
   using dims = dnnl::memory::dims;
-  impl_->a = dnnl::memory::desc({rows, k}, dt::f32, transpose_a ? dims{1, lda} : dims{lda, 1});
-  impl_->b = dnnl::memory::desc({k, cols}, dt::f32, transpose_b ? dims{1, ldb} : dims{ldb, 1});
-  impl_->c = dnnl::memory::desc({rows, cols}, dt::f32, dims{ldc, 1});
+  if (bf16 && beta != 0.0f) throw Error("internal error: a bfloat16 matmul block accumulates into nothing");
+  const dt type = bf16 ? dt::bf16 : dt::f32;
+  impl_->a = dnnl::memory::desc({rows, k}, type, transpose_a ? dims{1, lda} : dims{lda, 1});
+  impl_->b = dnnl::memory::desc({k, cols}, type, transpose_b ? dims{1, ldb} : dims{ldb, 1});
+  impl_->c = dnnl::memory::desc({rows, cols}, type, dims{ldc, 1});
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // (per thread, as above)
   if (beta != 0.0f) {
@@ -198,7 +200,7 @@ struct MatmulBlock::Impl {};
 MatmulBlock::MatmulBlock(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, MatmulOutput) {
   throw Error("internal error: a oneDNN matmul was asked of a library built without oneDNN");
 }
-MatmulBlock::MatmulBlock(int64_t, int64_t, int64_t, bool, int64_t, bool, int64_t, int64_t, float) {
+MatmulBlock::MatmulBlock(int64_t, int64_t, int64_t, bool, int64_t, bool, int64_t, int64_t, float, bool) {
   throw Error("internal error: a oneDNN matmul was asked of a library built without oneDNN");
 }
 

@@ -39,11 +39,12 @@ enum class MatmulOutput { accumulate_f32, bf16_plus_bias, f32_plus_bias };
 class MatmulBlock {
  public:
   MatmulBlock(int64_t rows, int64_t cols, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, MatmulOutput output);
-  // A float32 block of a general product (a gradient's): c[rows][cols] = op(a) op(b) + beta c, op
-  // the transpose where asked: a is [rows][k] or, transposed, [k][rows]; b is [k][cols] or,
-  // transposed, [cols][k]. beta = 0 never reads c.
+  // A block of a general product (a gradient's): c[rows][cols] = op(a) op(b) + beta c, op the
+  // transpose where asked: a is [rows][k] or, transposed, [k][rows]; b is [k][cols] or,
+  // transposed, [cols][k]. All float32, or with `bf16` all bfloat16 (the float32 sum rounded once;
+  // beta must then be 0). beta = 0 never reads c.
   MatmulBlock(int64_t rows, int64_t cols, int64_t k, bool transpose_a, int64_t lda, bool transpose_b, int64_t ldb,
-              int64_t ldc, float beta);
+              int64_t ldc, float beta, bool bf16 = false);
   ~MatmulBlock();
   MatmulBlock(MatmulBlock&&) noexcept;
   // a, b: bfloat16 bits or floats (as the output kind says); c: float* or bfloat16 bits; bias:

@@ -30,17 +30,27 @@ ParameterSet float32_parameters(const NamedViews& views, int threads, bool weigh
   return set;
 }
 
-ParameterSet float64_parameters(const NamedViews& views, int threads) {
+namespace {
+ParameterSet contiguous_parameters(const NamedViews& views, DType dtype, int threads) {
   ParameterSet set;
   for (const auto& [name, v] : views) {
-    if (v.dtype == DType::f64 && v.is_contiguous()) {
+    if (v.dtype == dtype && v.is_contiguous()) {
       set.views.emplace_back(name, v);
     } else {
-      set.copies.push_back(parallel_copy_of(v, DType::f64, threads));
+      set.copies.push_back(parallel_copy_of(v, dtype, threads));
       set.views.emplace_back(name, set.copies.back().view());
     }
   }
   return set;
+}
+}  // namespace
+
+ParameterSet float64_parameters(const NamedViews& views, int threads) {
+  return contiguous_parameters(views, DType::f64, threads);
+}
+
+ParameterSet bfloat16_parameters(const NamedViews& views, int threads) {
+  return contiguous_parameters(views, DType::bf16, threads);
 }
 
 }  // namespace mha::detail

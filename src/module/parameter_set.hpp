@@ -1,6 +1,6 @@
 // The parameters one call of MultiheadAttention reads: the module's own, or views the caller
 // passes instead (forward_with / backward_with), as contiguous float32 (float64 for a float64
-// module).
+// module, bfloat16 for a bfloat16 one in bfloat16 products).
 #pragma once
 
 #include <string>
@@ -31,5 +31,7 @@ struct ParameterSet {
 ParameterSet float32_parameters(const NamedViews& views, int threads, bool weights_as_they_are = false);
 // The same for a float64 module: contiguous float64 views, in place where they already are.
 ParameterSet float64_parameters(const NamedViews& views, int threads);
+// The same for a bfloat16 module that runs in bfloat16 products (module_low_precision.cpp).
+ParameterSet bfloat16_parameters(const NamedViews& views, int threads);
 
 }  // namespace mha::detail
