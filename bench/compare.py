@@ -498,18 +498,18 @@ def bench_module(E, H, B, L, dtype, reps, rows, need_weights=False):
     rows.append((f"module fwd {name}", f"E={E} H={H} B={B} L={L}", ours_t, torch_t, flops))
 
 
-def bench_module_training(E, H, B, L, reps, rows, frozen=False):
-    """One training step of the module in fp32: forward, then backward into the input and every
+def bench_module_training(E, H, B, L, reps, rows, frozen=False, dtype=torch.float32):
+    """One training step of the module in `dtype`: forward, then backward into the input and every
     parameter. FLOPs: the forward's, plus 2.5x its attention and 2x its projections. `frozen`: the
     module's parameters need no gradient (fine-tuning around a fixed attention), so the backward
     has only the input's; FLOPs then count the projections' dX products alone."""
     import mha.nn
     torch.manual_seed(0)
-    ref = torch.nn.MultiheadAttention(E, H, batch_first=True).requires_grad_(not frozen)
-    ours = mha.nn.MultiheadAttention(E, H, batch_first=True).requires_grad_(not frozen)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=dtype).requires_grad_(not frozen)
+    ours = mha.nn.MultiheadAttention(E, H, batch_first=True, dtype=dtype).requires_grad_(not frozen)
     ours.load_state_dict(ref.state_dict())
-    x = torch.randn(B, L, E, requires_grad=True)
-    g = torch.randn(B, L, E)
+    x = torch.randn(B, L, E).to(dtype).requires_grad_()
+    g = torch.randn(B, L, E).to(dtype)
 
     def step(module):
         out, _ = module(x, x, x, need_weights=False)
@@ -517,7 +517,8 @@ def bench_module_training(E, H, B, L, reps, rows, frozen=False):
 
     flops = 3.5 * attention_flops(B, H, L, E // H, False) + (2 if frozen else 3) * 4 * 2.0 * B * L * E * E
     ours_t, torch_t = paired_medians(lambda: step(ours), lambda: step(ref), reps)
-    rows.append(("module train fp32" + (", frozen weights" if frozen else ""), f"E={E} H={H} B={B} L={L}", ours_t,
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    rows.append((f"module train {name}" + (", frozen weights" if frozen else ""), f"E={E} H={H} B={B} L={L}", ours_t,
                  torch_t, flops))
 
 
@@ -671,6 +672,7 @@ def main():
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows, need_weights=True)
         bench_module_training(1024, 16, 4, 512, args.reps, rows)
         bench_module_training(1024, 16, 4, 512, args.reps, rows, frozen=True)
+        bench_module_training(1024, 16, 4, 512, args.reps, rows, dtype=torch.bfloat16)
     ceiling = fma_ceiling(args.fma_peak, args.threads)
     # bf16 runs on AMX where the CPU has it (its rows left blank), in AVX512-BF16's pair products
     # on the avx512_bf16 ISA (its rows against their own ceiling), else in float32 arithmetic on

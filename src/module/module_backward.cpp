@@ -11,6 +11,7 @@
 
 #include "core/batch_dims.hpp"
 #include "core/parallel_copy.hpp"
+#include "core/thread_pool.hpp"
 #include "cpu/attention_f64.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "mha/multihead_attention.hpp"
@@ -40,13 +41,18 @@ Rows<T> batch_major_rows(const TensorView& t, int threads) {
 template <typename T>
 using Sum = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// Column sums of a [rows, cols] matrix into `out`.
+// Column sums of a [rows, cols] matrix into `out`, over the threads in parts of 64 columns, each
+// column summed in row order (the same bits on any thread count).
 template <typename T>
-void column_sums(const T* m, int64_t rows, int64_t cols, T* out) {
-  std::vector<Sum<T>> sums(static_cast<size_t>(cols), Sum<T>(0));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) sums[static_cast<size_t>(c)] += static_cast<Sum<T>>(m[r * cols + c]);
-  for (int64_t c = 0; c < cols; ++c) out[c] = T(sums[static_cast<size_t>(c)]);
+void column_sums(const T* m, int64_t rows, int64_t cols, T* out, int threads) {
+  constexpr int64_t kPart = 64;
+  detail::parallel_for((cols + kPart - 1) / kPart, threads, [&](int64_t part, int) {
+    const int64_t c0 = part * kPart, n = std::min(kPart, cols - c0);
+    Sum<T> sums[kPart] = {};
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < n; ++c) sums[c] += static_cast<Sum<T>>(m[r * cols + c0 + c]);
+    for (int64_t c = 0; c < n; ++c) out[c0 + c] = T(sums[c]);
+  });
 }
 
 // Gradients through y = x W^T + b, for x [rows, in] and dy [rows, out] contiguous:
@@ -57,7 +63,7 @@ void linear_backward(const T* x, const T* dy, const T* w, int64_t rows, int64_t 
                      int threads) {
   if (dx) detail::gemm(false, false, rows, in, out, dy, out, w, in, 0.0f, dx, in, threads);
   if (dw) detail::gemm(true, false, out, in, rows, dy, out, x, in, 0.0f, dw, in, threads);
-  if (db) column_sums(dy, rows, out, db);
+  if (db) column_sums(dy, rows, out, db, threads);
 }
 
 // The attention's backward by the float64 kernel (cpu/attention_f64.hpp), which forms each head's

@@ -21,9 +21,10 @@ Parameters may be float32, float64, bfloat16 or float16 (`dtype=` or `.to(dtype)
 PyTorch); the inputs must then be of that dtype. float64 computes in float64 throughout, so that
 torch.autograd.gradcheck works on models that hold the module. bfloat16 on a CPU with bfloat16
 products (mha.bfloat16_products(): AVX512-BF16 or AMX) runs in them and rounds where PyTorch's
-bf16 module rounds (each projection, the attention output, each product of the backward);
-elsewhere bfloat16, and float16 everywhere, compute in float32 and round the output, the weights
-and the gradients once to the module's dtype.
+bf16 module rounds (each projection, the attention output, each product of the backward) in
+training, and in inference of more than 32 queries without the weights; other calls, bfloat16
+elsewhere and float16 everywhere compute in float32 and round the output, the weights and the
+gradients once to the module's dtype.
 """
 
 from __future__ import annotations
