@@ -364,11 +364,47 @@ TEST(ModuleLowPrecision, WeightSlicesMatchOneDnnsPacking) {
   }
 }
 
+// Case n of the bfloat16-products tests: query, key and value of module m (self-attention, or
+// cross-attention; [N,] len, width in the module's layout, or unbatched), and the case's masks:
+// a bool attn_mask (n % 3 == 2) or a bfloat16 one (n % 4 == 1), padded key tails (batched, even
+// n), causal (self-attention, n % 3 == 0). Weights not returned.
+struct Bf16Case {
+  mha::Tensor query, key, value, attn_mask, key_padding_mask;
+  mha::ForwardOptions options{.need_weights = false};
+};
+Bf16Case bf16_case(const mha::MultiheadAttention& m, int n, int64_t N, int64_t L, int64_t S, bool cross, bool batched,
+                   std::mt19937_64& rng) {
+  auto shape = [&](int64_t len, int64_t width) -> mha::Shape {
+    if (!batched) return {len, width};
+    return m.options().batch_first ? mha::Shape{N, len, width} : mha::Shape{len, N, width};
+  };
+  Bf16Case c;
+  c.query = randn(shape(L, m.embed_dim()), rng, mha::DType::bf16);
+  c.key = cross ? randn(shape(S, m.kdim()), rng, mha::DType::bf16) : c.query;
+  c.value = cross ? randn(shape(S, m.vdim()), rng, mha::DType::bf16) : c.query;
+  c.options.is_causal = !cross && n % 3 == 0;
+  if (n % 3 == 2) {
+    c.attn_mask = mha::Tensor::empty({L, S}, mha::DType::boolean);
+    for (int64_t i = 0; i < c.attn_mask.numel(); ++i)
+      c.attn_mask.data<bool>()[i] = std::bernoulli_distribution(0.2)(rng) && i % S != 0;
+    c.options.attn_mask = c.attn_mask.view();
+  } else if (n % 4 == 1) {
+    c.attn_mask = randn({L, S}, rng, mha::DType::bf16);
+    c.options.attn_mask = c.attn_mask.view();
+  }
+  if (batched && n % 2 == 0) {
+    c.key_padding_mask = mha::Tensor::zeros({N, S}, mha::DType::boolean);
+    for (int64_t b = 0; b < N; ++b)
+      for (int64_t j = S - b * 5; j < S; ++j) c.key_padding_mask.data<bool>()[b * S + j] = true;  // padded tails
+    c.options.key_padding_mask = c.key_padding_mask.view();
+  }
+  return c;
+}
+
 TEST(ModuleLowPrecision, Bf16InferenceInBfloat16Products) {
   const bool products = mha::detail::amx_usable() || mha::detail::active_isa() == mha::detail::Isa::avx512_bf16;
   if (!products || !mha::detail::bf16_matmul_available()) GTEST_SKIP() << "no AMX or AVX512-BF16, or no oneDNN here";
   std::mt19937_64 rng(test_seed());
-  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
   double worst = 0;
   for (int n = 0; n < 12; ++n) {
     // E = 640 in one case: the out-projection, alone in its call, in two parts of 320 columns
@@ -381,30 +417,9 @@ TEST(ModuleLowPrecision, Bf16InferenceInBfloat16Products) {
     mha::MultiheadAttention m(E, H, o);
     m.eval();
     const int64_t N = 3, L = n == 6 ? 100 : 37 + 11 * (n % 4), S = cross ? 29 + 23 * (n % 3) : L;
-    auto shape = [&](int64_t len, int64_t width) -> mha::Shape {
-      if (!batched) return {len, width};
-      return o.batch_first ? mha::Shape{N, len, width} : mha::Shape{len, N, width};
-    };
-    const mha::Tensor query = randn(shape(L, E), rng, mha::DType::bf16);
-    const mha::Tensor key = cross ? randn(shape(S, m.kdim()), rng, mha::DType::bf16) : query;
-    const mha::Tensor value = cross ? randn(shape(S, m.vdim()), rng, mha::DType::bf16) : query;
-    mha::ForwardOptions f{.need_weights = false};
-    f.is_causal = !cross && n % 3 == 0;
-    mha::Tensor attn_mask, kpm;
-    if (n % 3 == 2) {
-      attn_mask = mha::Tensor::empty({L, S}, mha::DType::boolean);
-      for (int64_t i = 0; i < attn_mask.numel(); ++i) attn_mask.data<bool>()[i] = coin(0.2) && i % S != 0;
-      f.attn_mask = attn_mask.view();
-    } else if (n % 4 == 1) {
-      attn_mask = randn({L, S}, rng, mha::DType::bf16);
-      f.attn_mask = attn_mask.view();
-    }
-    if (batched && n % 2 == 0) {
-      kpm = mha::Tensor::zeros({N, S}, mha::DType::boolean);
-      for (int64_t b = 0; b < N; ++b)
-        for (int64_t j = S - b * 5; j < S; ++j) kpm.data<bool>()[b * S + j] = true;  // padded tails
-      f.key_padding_mask = kpm.view();
-    }
+    Bf16Case in = bf16_case(m, n, N, L, S, cross, batched, rng);
+    const mha::Tensor &query = in.query, &key = in.key, &value = in.value;
+    mha::ForwardOptions& f = in.options;
     SCOPED_TRACE("case " + std::to_string(n) + ": H=" + std::to_string(H) + " L=" + std::to_string(L) + " S=" +
                  std::to_string(S) + " cross=" + std::to_string(cross) + " batched=" + std::to_string(batched) +
                  " batch_first=" + std::to_string(o.batch_first) + " causal=" + std::to_string(f.is_causal));
@@ -449,7 +464,7 @@ TEST(ModuleLowPrecision, Bf16InferenceInBfloat16Products) {
     EXPECT_LT(rel_error(with_weights.output, ref.output), unit_roundoff(mha::DType::bf16) + 1e-5);
     EXPECT_LT(rel_error(with_weights.output, with_weights_wide.output), 2 * unit_roundoff(mha::DType::bf16));
   }
-  std::printf("bf16 module on the tile unit: largest error %.3g of the largest output\n", worst);
+  std::printf("bf16 module inference in bfloat16 products: largest error %.3g of the largest output\n", worst);
 }
 
 // A bfloat16 module's training (a forward that keeps a context, and its backward) on a CPU with
@@ -469,7 +484,6 @@ TEST(ModuleLowPrecision, Bf16InferenceInBfloat16Products) {
 TEST(ModuleLowPrecision, Bf16TrainingInBfloat16Products) {
   if (!mha::detail::bf16_matmul_available()) GTEST_SKIP() << "no AVX512-BF16 or AMX, or no oneDNN here";
   std::mt19937_64 rng(test_seed());
-  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
   const double tolerance = 0x1p-4;
   double worst = 0;
   for (int n = 0; n < 10; ++n) {
@@ -485,32 +499,11 @@ TEST(ModuleLowPrecision, Bf16TrainingInBfloat16Products) {
       std::memcpy(t.view().data, values.view().data, static_cast<size_t>(2 * t.numel()));
     }
     const int64_t N = 2, L = 40 + 9 * (n % 4), S = cross ? 29 + 23 * (n % 3) : L;
-    auto shape = [&](int64_t len, int64_t width) -> mha::Shape {
-      if (!batched) return {len, width};
-      return o.batch_first ? mha::Shape{N, len, width} : mha::Shape{len, N, width};
-    };
-    const mha::Tensor query = randn(shape(L, E), rng, mha::DType::bf16);
-    const mha::Tensor key = cross ? randn(shape(S, m.kdim()), rng, mha::DType::bf16) : query;
-    const mha::Tensor value = cross ? randn(shape(S, m.vdim()), rng, mha::DType::bf16) : query;
-    mha::ForwardOptions f{.need_weights = false};
-    f.is_causal = !cross && n % 3 == 0;
+    Bf16Case in = bf16_case(m, n, N, L, S, cross, batched, rng);
+    const mha::Tensor &query = in.query, &key = in.key, &value = in.value, &attn_mask = in.attn_mask;
+    mha::ForwardOptions& f = in.options;
     mha::WantedGradients wanted;
-    mha::Tensor attn_mask, kpm;
-    if (n % 3 == 2) {
-      attn_mask = mha::Tensor::empty({L, S}, mha::DType::boolean);
-      for (int64_t i = 0; i < attn_mask.numel(); ++i) attn_mask.data<bool>()[i] = coin(0.2) && i % S != 0;
-      f.attn_mask = attn_mask.view();
-    } else if (n % 4 == 1) {
-      attn_mask = randn({L, S}, rng, mha::DType::bf16);
-      f.attn_mask = attn_mask.view();
-      wanted.attn_mask = true;
-    }
-    if (batched && n % 2 == 0) {
-      kpm = mha::Tensor::zeros({N, S}, mha::DType::boolean);
-      for (int64_t b = 0; b < N; ++b)
-        for (int64_t j = S - b * 5; j < S; ++j) kpm.data<bool>()[b * S + j] = true;  // padded tails
-      f.key_padding_mask = kpm.view();
-    }
+    wanted.attn_mask = attn_mask.defined() && attn_mask.dtype() != mha::DType::boolean;  // (a float mask's gradient)
     if (n % 4 == 2) wanted.frozen_parameters = {"out_proj.weight", o.bias ? "in_proj_bias" : "out_proj.weight"};
     if (n == 7) wanted.query = false;
     if (n % 5 == 3) f.need_weights = true, f.average_attn_weights = n % 2 == 0;  // (their gradient too)
