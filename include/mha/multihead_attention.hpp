@@ -225,8 +225,8 @@ class MultiheadAttention {
   ModuleGradients backward_any(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                const ForwardContext& context, const TensorView& grad_output,
                                const WantedGradients& wanted, const std::optional<TensorView>& grad_weights) const;
-  // The forward and backward of a float32 (T = float) or float64 (T = double) module, on
-  // parameters of T.
+  // The forward and backward of a float32 (T = float) or float64 (T = double) module, or of a
+  // bfloat16 one in bfloat16 products (T = bfloat16), on parameters of T.
   template <typename T>
   ForwardResult forward_full(const detail::ParameterSet& parameters, const TensorView& query, const TensorView& key,
                              const TensorView& value, const ForwardOptions& options, ForwardContext* context) const;
@@ -234,7 +234,8 @@ class MultiheadAttention {
   ModuleGradients backward_full(const detail::ParameterSet& parameters, const ForwardContext& context,
                                 const TensorView& grad_output, const WantedGradients& wanted,
                                 const std::optional<TensorView>& grad_weights) const;
-  // bfloat16/float16 modules: the float32 forward and backward on widened copies.
+  // bfloat16/float16 modules: the float32 forward and backward on widened copies, or for
+  // bfloat16 the paths in bfloat16 products where the CPU has them (module_low_precision.cpp).
   ForwardResult forward_low_precision(const std::vector<std::pair<std::string, TensorView>>& parameters,
                                       const TensorView& query, const TensorView& key, const TensorView& value,
                                       const ForwardOptions& options, ForwardContext* context) const;
