@@ -26,7 +26,7 @@ void set_row(const TensorView& t, int64_t row, const T* values) {
   for (int64_t n = 0; n < t.shape[0]; ++n) {
     T* dst = t.data_as<T>() + n * t.strides[0] + row * t.strides[1];
     if (values) std::memcpy(dst, values, sizeof(T) * E);
-    else std::memset(dst, 0, sizeof(T) * E);
+    else std::fill_n(dst, E, T());
   }
 }
 
