@@ -39,8 +39,9 @@ TensorView with_unit_rows(const TensorView& w, std::vector<Tensor>& storage) {
   return storage.back().view();
 }
 
-// A bfloat16 bias [n] (any stride), from `first` on, as float32 (exact).
-std::vector<float> widened(const TensorView& bias, int64_t first, int64_t n) {
+}  // namespace
+
+std::vector<float> widened_bias(const TensorView& bias, int64_t first, int64_t n) {
   std::vector<float> out(static_cast<size_t>(n));
   const auto* bits = static_cast<const uint16_t*>(bias.data);
   for (int64_t i = 0; i < n; ++i) {
@@ -49,8 +50,6 @@ std::vector<float> widened(const TensorView& bias, int64_t first, int64_t n) {
   }
   return out;
 }
-
-}  // namespace
 
 namespace {
 // Where the attention of such a call runs: the tile unit, or the fused kernel's pair products.
@@ -96,7 +95,7 @@ std::optional<ForwardResult> bf16_inference_forward(const MultiheadAttention& m,
   std::vector<float> bq, bk, bv;
   if (bias) {
     const TensorView b = parameter(parameters, "in_proj_bias");
-    bq = widened(b, 0, E), bk = widened(b, E, E), bv = widened(b, 2 * E, E);
+    bq = widened_bias(b, 0, E), bk = widened_bias(b, E, E), bv = widened_bias(b, 2 * E, E);
   }
   const RowBuffer q_buf = rows_like(c.query, L, E, DType::bf16), k_buf = rows_like(c.key, S, E, DType::bf16),
                   v_buf = rows_like(c.value, S, E, DType::bf16);
@@ -133,7 +132,7 @@ std::optional<ForwardResult> bf16_inference_forward(const MultiheadAttention& m,
 
   // 3. The output projection, rounded to bfloat16.
   const TensorView wo = with_unit_rows(parameter(parameters, "out_proj.weight"), storage);
-  const std::vector<float> bo = bias ? widened(parameter(parameters, "out_proj.bias"), 0, E) : std::vector<float>();
+  const std::vector<float> bo = bias ? widened_bias(parameter(parameters, "out_proj.bias"), 0, E) : std::vector<float>();
   linear_bf16(as_nle(attn.view()), wo, bias ? bo.data() : nullptr, as_nle(result.output.view()), threads);
   return result;
 }

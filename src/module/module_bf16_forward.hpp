@@ -25,6 +25,10 @@ std::optional<ForwardResult> bf16_inference_forward(const MultiheadAttention& m,
                                                const TensorView& query, const TensorView& key, const TensorView& value,
                                                const ForwardOptions& options, ForwardContext* context);
 
+// A bfloat16 bias [n] (any stride), from `first` on, as float32 (exact): what a bfloat16 Linear
+// adds to its float32 sums.
+std::vector<float> widened_bias(const TensorView& bias, int64_t first, int64_t n);
+
 // Whether a training forward (one that keeps a context) of this module runs in bfloat16 products,
 // rounded as PyTorch's bf16 module rounds, and so its backward: a bfloat16 module on a CPU with
 // oneDNN's bf16 matmul. Otherwise the float32 module runs on widened copies. restore_context asks

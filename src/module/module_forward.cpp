@@ -12,6 +12,7 @@
 #include "cpu/attention_kernel.hpp"
 #include "mha/multihead_attention.hpp"
 #include "module/linear.hpp"
+#include "module/module_bf16_forward.hpp"
 #include "module/forward_context.hpp"
 #include "module/module_call.hpp"
 #include "module/parameter_set.hpp"
@@ -28,14 +29,6 @@ void set_row(const TensorView& t, int64_t row, const T* values) {
     if (values) std::memcpy(dst, values, sizeof(T) * E);
     else std::fill_n(dst, E, T());
   }
-}
-
-// n bfloat16 biases (null: none) as float32, which is exact: what a bfloat16 Linear adds to its
-// float32 sums.
-std::vector<float> widened(const bfloat16* bias, int64_t n) {
-  std::vector<float> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = static_cast<float>(bias[i]);
-  return out;
 }
 
 // The float64 attention (cpu/attention_f64.hpp) with the float32 kernel's outputs: the weights
@@ -160,7 +153,8 @@ ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& param
                     {c.value, wv, in_bias ? in_bias + 2 * E : nullptr, v.slice(1, 0, S)}},
                    threads);
   } else if constexpr (bf16) {  // bfloat16 Linears, their float32 sums with the bias rounded once
-    const std::vector<float> b = widened(in_bias, in_bias ? 3 * E : 0);
+    const std::vector<float> b = in_bias ? detail::widened_bias(parameters.view("in_proj_bias"), 0, 3 * E)
+                                         : std::vector<float>();
     auto bias_at = [&](int64_t i) { return in_bias ? b.data() + i * E : nullptr; };
     detail::linear_bf16({{c.query, wq, bias_at(0), q},
                          {c.key, wk, bias_at(1), k.slice(1, 0, S)},
@@ -239,7 +233,8 @@ ForwardResult MultiheadAttention::forward_full(const detail::ParameterSet& param
   // 4. Output projection.
   const T* out_bias = options_.bias ? parameters.data<T>("out_proj.bias") : nullptr;
   if constexpr (bf16) {
-    const std::vector<float> b = widened(out_bias, out_bias ? E : 0);
+    const std::vector<float> b = out_bias ? detail::widened_bias(parameters.view("out_proj.bias"), 0, E)
+                                          : std::vector<float>();
     detail::linear_bf16(as_nle(attn.view()), parameters.view("out_proj.weight"), out_bias ? b.data() : nullptr,
                         as_nle(result.output.view()), threads);
   } else {
