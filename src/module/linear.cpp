@@ -293,9 +293,13 @@ bool narrow_exactly(const TensorView& x, const TensorView& dst, int threads) {
 
 namespace {
 
+// beta's type: T's, float for bfloat16.
+template <typename T>
+using Scalar = std::conditional_t<std::is_same_v<T, bfloat16>, float, T>;
+
 template <typename T>
 void gemm_blocks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda,
-                 const T* b, int64_t ldb, float beta, T* c, int64_t ldc, int threads) {
+                 const T* b, int64_t ldb, Scalar<T> beta, T* c, int64_t ldc, int threads) {
   constexpr bool bf16 = std::is_same_v<T, bfloat16>;
   if (m == 0 || n == 0) return;
   if constexpr (!bf16) openblas_set_num_threads(1);  // the blocks below are the parallelism
@@ -315,7 +319,8 @@ void gemm_blocks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64
   if (k > 0 && (bf16 || (std::is_same_v<T, float> && m > kGemvRows && f32_matmul_available()))) {
     for (const int64_t rows : {row_block, m - (row_blocks - 1) * row_block})
       for (const int64_t cols : {col_block, n - (col_blocks - 1) * col_block})
-        shapes.emplace_back(std::min(rows, m), std::min(cols, n), k, transpose_a, lda, transpose_b, ldb, ldc, beta, bf16);
+        shapes.emplace_back(std::min(rows, m), std::min(cols, n), k, transpose_a, lda, transpose_b, ldb, ldc,
+                            static_cast<float>(beta), bf16);
   }
   parallel_for(row_blocks * col_blocks, threads, [&](int64_t block, int) {
     const int64_t bi = block / col_blocks, bj = block % col_blocks;
@@ -328,13 +333,13 @@ void gemm_blocks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64
       return;
     }
     if constexpr (bf16) {  // k = 0: C = 0 (beta is 0)
-      for (int64_t r = 0; r < rows; ++r) std::memset(c + (i0 + r) * ldc + j0, 0, sizeof(T) * cols);
+      for (int64_t r = 0; r < rows; ++r) std::fill_n(c + (i0 + r) * ldc + j0, cols, T());
     } else {
       if (m <= kGemvRows && k > 0) {  // (k = 0 goes to gemm, which scales C by beta where gemv returns)
-        gemv_rows(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, T(beta), c + i0 * ldc + j0, ldc);
+        gemv_rows(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, beta, c + i0 * ldc + j0, ldc);
         return;
       }
-      blas_gemm(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, T(beta), c + i0 * ldc + j0, ldc);
+      blas_gemm(transpose_a, transpose_b, rows, cols, k, a_block, lda, b_block, ldb, beta, c + i0 * ldc + j0, ldc);
     }
   });
 }
@@ -348,8 +353,7 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, c
 
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
           const double* b, int64_t ldb, double beta, double* c, int64_t ldc, int threads) {
-  if (beta != 0.0 && beta != 1.0) throw Error("internal error: dgemm's blocks take beta 0 or 1");
-  gemm_blocks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, static_cast<float>(beta), c, ldc, threads);
+  gemm_blocks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc, threads);
 }
 
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const bfloat16* a, int64_t lda,
