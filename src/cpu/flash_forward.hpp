@@ -34,6 +34,7 @@
 #include "cpu/attention_kernel.hpp"
 #include "cpu/excluded_keys.hpp"
 #include "cpu/few_queries.hpp"
+#include "cpu/row_prefetch.hpp"
 #include "cpu/softcap.hpp"
 #include "cpu/tile_kernels.hpp"
 
@@ -114,6 +115,7 @@ struct FlashForward {
     const uint32_t* vw[kBlockK / 2];  // vw_rows' rows
     float qk_scale;       // scale * log2(e), applied to the sums
     void* memory;  // the thread's scratch buffer (core/scratch.hpp)
+    RowPrefetch ahead;  // the rows of the thread's likely next task, issued during the key pass
     bool skips_swamped = false;  // every row of the task has an ordinary key (excluded_keys.hpp)
   };
 
@@ -225,10 +227,15 @@ struct FlashForward {
       if (!s.pt && block_excluded(b, h, i0, j0, s.skips_swamped)) continue;
       const int64_t nb = std::min<int64_t>(kBlockK, key_end - j0);
       const int64_t nbp = round_up(nb, kKeysPerTile);
+      // This block's share of the next task's prefetches, spread over its tiles.
+      const int64_t tiles = nbp / kKeysPerTile;
+      const int64_t ahead_lines = (s.ahead.share((key_end - j0 + kBlockK - 1) / kBlockK) + tiles - 1) / tiles;
       if constexpr (kPairs) {
         pair_rows(s, kv, j0, nbp);
-        for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile)
+        for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) {
           T::dot_pairs(s.st + jj * kBlockQ, s.kw + jj, s.qtw, p.dim_qk / 2, vecs, S::set1(s.qk_scale));
+          s.ahead.issue(ahead_lines);
+        }
       } else {
         for (int64_t jj = 0; jj < nbp; ++jj) {
           const int64_t j = j0 + jj;
@@ -245,7 +252,10 @@ struct FlashForward {
             s.vp[jj] = kv.v + j * kv.v_stride;
           }
         }
-        for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
+        for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) {
+          T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
+          s.ahead.issue(ahead_lines);
+        }
       }
       if (cap.on) cap.rows(s.st, nbp, kBlockQ, vecs);  // before the masks, as they add to the capped score
 
@@ -490,6 +500,7 @@ struct FlashForward {
 
     s.skips_swamped = mask_columns.ordinary.all(b, h, i0, i0 + rows);
     key_pass(s, kv, b, h, i0, rows, key_begin, key_end, clean_begin, clean_end);
+    s.ahead.issue(s.ahead.lines_left());  // (what skipped blocks left)
     write_lse(s, b, h, i0, rows);
     for (int64_t ii = 0; ii < kBlockQ; ++ii) s.l[ii] = s.l[ii] > 0 ? 1.0f / s.l[ii] : 0.0f;
     if (s.pt) finish_weights(s, b, h, i0, rows, key_end);
@@ -527,14 +538,57 @@ struct FlashForward {
       });
       return;
     }
-    parallel_for((g1 - g0) * group * q_blocks, threads, [&](int64_t t, int) {
-      // Last query blocks first: under a top-left causal mask they are the longest.
-      const int64_t qb = q_blocks - 1 - t % q_blocks;
-      const int64_t g = g0 + t / q_blocks / group;
-      const int64_t b = g / p.heads_kv, hk = g % p.heads_kv, h = hk * group + t / q_blocks % group;
+    const int64_t tasks = (g1 - g0) * group * q_blocks;
+    parallel_for(tasks, threads, [&](int64_t t, int) {
+      const QueryTask now = query_task(t, g0);
       Scratch s = allocate();
-      task(s, rows_of(g), b, h, qb * kBlockQ);
+      // With every thread taking the next index in turn, this thread's next task is likely t + threads.
+      if (t + threads < tasks) queue_rows(s.ahead, query_task(t + threads, g0), now.g, rows_of);
+      task(s, rows_of(now.g), now.b, now.h, now.i0);
     });
+  }
+
+  // Task t of run_groups from group g0: last query blocks first (under a top-left causal mask they
+  // are the longest), then the group's query heads, then the groups.
+  struct QueryTask {
+    int64_t g, b, h, i0;
+  };
+  QueryTask query_task(int64_t t, int64_t g0) const {
+    const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ, group = p.heads_q / p.heads_kv;
+    const int64_t g = g0 + t / q_blocks / group;
+    return {g, g / p.heads_kv, g % p.heads_kv * group + t / q_blocks % group, (q_blocks - 1 - t % q_blocks) * kBlockQ};
+  }
+
+  // Keys and values of a new group prefetched for a task: its first rows, as many as fit the L2
+  // with room to spare (a task of a long head reads its keys in blocks, which the hardware
+  // prefetchers follow).
+  static constexpr int64_t kMaxPrefetchedKeyValueBytes = 256 << 10;
+
+  // Queues the rows task `next` reads and writes: its query rows, its output rows and, when its
+  // group is not `current_group` (whose rows this thread is reading now), its keys and values.
+  template <class RowsOf>
+  void queue_rows(RowPrefetch& ahead, const QueryTask& next, int64_t current_group, const RowsOf& rows_of) const {
+    const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - next.i0);
+    const int64_t q_size = dtype_size(p.q.dtype), out_size = dtype_size(o.out_dtype);
+    // (Rows whose elements are not adjacent, a transposed view's, are left to the hardware.)
+    if (p.q.strides[3] == 1)
+      ahead.add(element_address(p.q.data, p.q.dtype, next.b * p.q.strides[0] + next.h * p.q.strides[1] + next.i0 * p.q.strides[2]),
+                rows, p.dim_qk * q_size, p.q.strides[2] * q_size, false);
+    if (o.out_strides[3] == 1)
+      ahead.add(element_address(o.out, o.out_dtype, next.b * o.out_strides[0] + next.h * o.out_strides[1] + next.i0 * o.out_strides[2]),
+                rows, p.dim_v * out_size, o.out_strides[2] * out_size, true);
+    if (next.g == current_group) return;
+    const KeyValueRows kv = rows_of(next.g);
+    const int64_t k_size = kv.k ? 4 : dtype_size(p.k.dtype), v_size = kv.v ? 4 : dtype_size(p.v.dtype);
+    const int64_t keys =
+        std::min<int64_t>(p.len_k, kMaxPrefetchedKeyValueBytes / std::max<int64_t>(1, p.dim_qk * k_size + p.dim_v * v_size));
+    ahead.add(kv.k ? static_cast<const void*>(kv.k) : kv.k_low, keys, p.dim_qk * k_size, kv.k_stride * k_size, false);
+    if (kv.v_pairs) {  // (pairs of keys, round_up(Dv, kLanes) words a pair)
+      const int64_t bytes = round_up(p.dim_v, kLanes) * 4;
+      ahead.add(kv.v_pairs, (keys + 1) / 2, bytes, bytes, false);
+    } else {
+      ahead.add(kv.v ? static_cast<const void*>(kv.v) : kv.v_low, keys, p.dim_v * v_size, kv.v_stride * v_size, false);
+    }
   }
 
   // The head average of the weights (the module's default, PyTorch's average_attn_weights) is
