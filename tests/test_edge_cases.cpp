@@ -212,6 +212,23 @@ TEST_P(EdgeIsa, HugeFiniteMaskValuesAreNotInfinite) {
   }
 }
 
+// 16-bit outputs are stored through a row buffer a few rows at a time, a row at a time for long
+// value rows, and element by element for rows longer than the buffer (3072 floats): each path's
+// output against the float64 reference (bf16 within 2^-7 relative, its rounding plus the
+// pair products' rounding of P; fp16 within 2^-9).
+TEST_P(EdgeIsa, LowPrecisionOutputsOfLongValueRows) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  for (const mha::DType dtype : {mha::DType::bf16, mha::DType::f16})
+    for (const int64_t dv : {40, 1000, 3080}) {
+      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " Dv " + std::to_string(dv));
+      const mha::Tensor q = mha_test::randn({1, 2, 50, 16}, rng, dtype), k = mha_test::randn({1, 2, 20, 16}, rng, dtype),
+                        v = mha_test::randn({1, 2, 20, dv}, rng, dtype);
+      const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v);
+      const auto ref = mha::reference::scaled_dot_product_attention(q, k, v);
+      EXPECT_LT(mha_test::rel_error(out, ref.output), dtype == mha::DType::bf16 ? 0x1p-7 : 0x1p-9);
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Edges, EdgeIsa, ::testing::ValuesIn(mha::detail::supported_isas()),
                          [](const auto& info) { return std::string(mha::detail::isa_name(info.param)); });
 

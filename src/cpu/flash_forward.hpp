@@ -463,10 +463,16 @@ struct FlashForward {
     } else {
       // Row by row: rows a multiple of 4 KiB apart share their L1 sets, and a column-wise read
       // of 48 of them missed L1 on every element.
+      // Transposed in 8 x 8 blocks (a scalar store per element was 3% of a BERT-sized call),
+      // then scaled in place (the same one rounding), the lanes past the last query zeroed.
       const float* qb = p.q.data_as<float>() + q_offset;
-      for (int64_t ii = 0; ii < kBlockQ; ++ii)
-        for (int64_t d = 0; d < p.dim_qk; ++d)
-          s.qt[d * kBlockQ + ii] = ii < rows ? qb[ii * p.q.strides[2] + d] * qscale : 0.0f;
+      T::transpose_rect(qb, p.q.strides[2], s.qt, kBlockQ, rows, p.dim_qk);
+      const F scale = S::set1(qscale);
+      for (int64_t d = 0; d < p.dim_qk; ++d) {
+        float* col = s.qt + d * kBlockQ;
+        for (int c = 0; c < kVecs; ++c) S::store(col + c * kLanes, S::mul(S::load(col + c * kLanes), scale));
+        std::fill(col + rows, col + kBlockQ, 0.0f);
+      }
       // The next two query blocks of this head, into L2: the tasks that follow, last blocks first.
       // The module's query rows are [N, L, E], a row per 4 KiB page at E = 1024, which the
       // hardware prefetchers do not follow; read cold, their loads were 4% of its call.
@@ -508,15 +514,40 @@ struct FlashForward {
   }
 
   // O = O^T / l for the task's rows, in the output's dtype: bfloat16 and float16 are rounded here,
-  // once, as a float32 output copied into them afterwards would be.
-  void store_output(const Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows) const {
+  // once, as a float32 output copied into them afterwards would be. O^T is scaled in place (each
+  // query's 1/l times descale, one vector of queries at a time), then transposed in 8 x 8 blocks:
+  // straight into a float32 output with unit stride, else through s.st (free once the key pass is
+  // over) a few rows at a time. (A scalar store per element was 4% of a BERT-sized call.)
+  void store_output(Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows) const {
     const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i0 * o.out_strides[2];
-    const float descale = p.value_descale(b, h / p.group());  // (1 but for float8 values with v_descale)
-    with_output_elements(o.out, o.out_dtype, offset, [&](auto* out, auto round) {
-      for (int64_t ii = 0; ii < rows; ++ii)
-        for (int64_t d = 0; d < p.dim_v; ++d)
-          out[ii * o.out_strides[2] + d * o.out_strides[3]] = round(s.ot[d * kBlockQ + ii] * (s.l[ii] * descale));
-    });
+    const F descale = S::set1(p.value_descale(b, h / p.group()));  // (1 but for float8 values with v_descale)
+    for (int c = 0; c < kVecs; ++c) {
+      const F factor = S::mul(S::load(s.l + c * kLanes), descale);
+      for (int64_t d = 0; d < p.dim_v; ++d) {
+        float* at = s.ot + d * kBlockQ + c * kLanes;
+        S::store(at, S::mul(S::load(at), factor));
+      }
+    }
+    if (o.out_dtype == DType::f32 && o.out_strides[3] == 1) {
+      T::transpose_rect(s.ot, kBlockQ, static_cast<float*>(o.out) + offset, o.out_strides[2], p.dim_v, rows);
+      return;
+    }
+    if (p.dim_v > kBlockK * kBlockQ) {  // (a row longer than s.st: element by element)
+      with_output_elements(o.out, o.out_dtype, offset, [&](auto* out, auto round) {
+        for (int64_t ii = 0; ii < rows; ++ii)
+          for (int64_t d = 0; d < p.dim_v; ++d) out[ii * o.out_strides[2] + d * o.out_strides[3]] = round(s.ot[d * kBlockQ + ii]);
+      });
+      return;
+    }
+    const int64_t chunk = std::min<int64_t>(kBlockK * kBlockQ / std::max<int64_t>(p.dim_v, 1), 8);
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t n = std::min(chunk, rows - r0);
+      T::transpose_rect(s.ot + r0, kBlockQ, s.st, p.dim_v, p.dim_v, n);
+      with_output_elements(o.out, o.out_dtype, offset + r0 * o.out_strides[2], [&](auto* out, auto round) {
+        for (int64_t ii = 0; ii < n; ++ii)
+          for (int64_t d = 0; d < p.dim_v; ++d) out[ii * o.out_strides[2] + d * o.out_strides[3]] = round(s.st[ii * p.dim_v + d]);
+      });
+    }
   }
 
   // The query tasks of key/value head groups [g0, g1) (a group: one batch, one key/value head, the
