@@ -473,11 +473,6 @@ struct FlashForward {
         for (int c = 0; c < kVecs; ++c) S::store(col + c * kLanes, S::mul(S::load(col + c * kLanes), scale));
         std::fill(col + rows, col + kBlockQ, 0.0f);
       }
-      // The next two query blocks of this head, into L2: the tasks that follow, last blocks first.
-      // The module's query rows are [N, L, E], a row per 4 KiB page at E = 1024, which the
-      // hardware prefetchers do not follow; read cold, their loads were 4% of its call.
-      for (int64_t ii = std::max<int64_t>(0, i0 - 2 * kBlockQ); ii < i0; ++ii)
-        for (int64_t d = 0; d < p.dim_qk; d += 16) __builtin_prefetch(qb + (ii - i0) * p.q.strides[2] + d, 0, 2);
     }
     std::memset(s.ot, 0, sizeof(float) * p.dim_v * kBlockQ);
     for (int64_t ii = 0; ii < kBlockQ; ++ii) {
