@@ -42,7 +42,7 @@ TEST(RowPrefetch, IssuesEveryLineOfEveryRowOnceInOrder) {
     RowPrefetch queue;
     std::vector<Line> expected;
     int queued = 0;
-    const int ranges = std::uniform_int_distribution<int>(0, 6)(rng);
+    const int ranges = std::uniform_int_distribution<int>(0, RowPrefetch::kMaxRanges + 2)(rng);
     for (int k = 0; k < ranges; ++k) {
       Rows r;
       r.base = 0x100000 + std::uniform_int_distribution<uintptr_t>(0, 1 << 20)(rng);

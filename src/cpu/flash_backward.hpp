@@ -36,6 +36,7 @@
 #include "cpu/attention_kernel.hpp"
 #include "cpu/excluded_keys.hpp"
 #include "cpu/few_queries_backward.hpp"
+#include "cpu/row_prefetch.hpp"
 #include "cpu/softcap.hpp"
 #include "cpu/tile_kernels.hpp"
 
@@ -648,7 +649,7 @@ struct FlashBackward {
   // thread busy): each (query block, key block) pair is visited once, 5 matrix products instead of
   // the two passes' 7. dQ accumulates per 48-query block, transposed, from dS^T; dK and dV per
   // 48-key block. Extra memory is O(L d) per task.
-  void group_task(int64_t b, int64_t hk) const {
+  void group_task(int64_t b, int64_t hk, RowPrefetch& ahead) const {
     const int64_t dk = p.dim_qk, dv = p.dim_v;
     const int64_t nkb = (p.len_k + kPanel - 1) / kPanel, nqb = (p.len_q + kPanel - 1) / kPanel;
     const float qk_scale = static_cast<float>(p.scale) * kLog2e;
@@ -711,6 +712,7 @@ struct FlashBackward {
     const float* grows[kPanel];
     const float* krows[kPanel];
     const int64_t group = p.heads_q / p.heads_kv;
+    int64_t tiles_left = group * nkb * nqb;  // (at most: the next group's prefetches are spread over them)
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       std::memset(dqt_all, 0, sizeof(float) * nqb * panel_k);
       Rows queries{}, grads{};
@@ -774,6 +776,7 @@ struct FlashBackward {
               T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv, key_vecs);
             }
           }
+          ahead.issue(ahead.share(tiles_left--));
           if (cap.on) cap.rows(pt, ni, kPanel, key_vecs, slopes);
           for (int t = 0; t < p.num_masks; ++t) {
             if (const float* tile = mask_tiles.data[t]) {  // the tile's own copy, in consecutive memory
@@ -823,11 +826,36 @@ struct FlashBackward {
                         dqt_all + (i0 / kPanel) * panel_k, dk, static_cast<float>(p.scale));
       }
     }
+    ahead.issue(ahead.lines_left());  // (what skipped tiles left)
     for (int64_t kb = 0; kb < nkb; ++kb) {
       const int64_t j0 = kb * kPanel, nk = std::min<int64_t>(kPanel, p.len_k - j0);
       if (out.dk) store_grad_rows(out.dk, out.dk_strides, b, hk, j0, nk, dkt_all + kb * panel_k, dk, static_cast<float>(p.scale));
       if (out.dv) store_grad_rows(out.dv, out.dv_strides, b, hk, j0, nk, dvt_all + kb * panel_v, dv, 1.0f);
     }
+  }
+
+  // The rows a group task reads first, prefetched for the thread's next one while it runs (see
+  // row_prefetch.hpp; a BERT-sized backward, B=32 H=12 L=128, streams 75 MB a call): the group's
+  // keys and values, its first head's queries and output gradient, then, as room allows, the
+  // gradients it writes. Up to kMaxPrefetchedBytes, beyond which they would not stay in L2 until
+  // the task reads them (long heads stream their rows in order, which the hardware follows).
+  static constexpr int64_t kMaxPrefetchedBytes = 384 << 10;
+  void queue_rows(RowPrefetch& ahead, int64_t b, int64_t hk) const {
+    const int64_t h = hk * (p.heads_q / p.heads_kv);
+    int64_t room = kMaxPrefetchedBytes;
+    auto add = [&](const void* data, DType dtype, const int64_t* strides, int64_t hh, int64_t rows, int64_t width, bool write) {
+      const int64_t size = dtype_size(dtype), bytes = rows * width * size;
+      if (data == nullptr || strides[3] != 1 || bytes > room) return;
+      room -= bytes;
+      ahead.add(element_address(data, dtype, b * strides[0] + hh * strides[1]), rows, width * size, strides[2] * size, write);
+    };
+    add(p.k.data, p.k.dtype, p.k.strides.data(), hk, p.len_k, p.dim_qk, false);
+    add(p.v.data, p.v.dtype, p.v.strides.data(), hk, p.len_k, p.dim_v, false);
+    add(p.q.data, p.q.dtype, p.q.strides.data(), h, p.len_q, p.dim_qk, false);
+    add(in.grad_out, in.grad_out_dtype, in.grad_out_strides, h, p.len_q, p.dim_v, false);
+    add(out.dq, out.grad_dtype, out.dq_strides, h, p.len_q, p.dim_qk, true);
+    add(out.dk, out.grad_dtype, out.dk_strides, hk, p.len_k, p.dim_qk, true);
+    add(out.dv, out.grad_dtype, out.dv_strides, hk, p.len_k, p.dim_v, true);
   }
 
   // The one-pass schedule walks, per head, the key panels and within each the query panels: a
@@ -905,8 +933,13 @@ struct FlashBackward {
     if (p.batch * p.heads_kv >= kMinGroupsForOnePassBackward) {
       std::vector<Tensor> storage;
       FlashBackward with_tiles{p, in, out, tile_masks(threads, storage)};
-      parallel_for(p.batch * p.heads_kv, threads,
-                   [&](int64_t t, int) { with_tiles.group_task(t / p.heads_kv, t % p.heads_kv); });
+      const int64_t groups = p.batch * p.heads_kv;
+      parallel_for(groups, threads, [&](int64_t t, int) {
+        // With every thread taking the next index in turn, this thread's next group is likely t + threads.
+        RowPrefetch ahead;
+        if (t + threads < groups) with_tiles.queue_rows(ahead, (t + threads) / p.heads_kv, (t + threads) % p.heads_kv);
+        with_tiles.group_task(t / p.heads_kv, t % p.heads_kv, ahead);
+      });
       return;
     }
     // Each pass runs only for the gradients it writes. Masks (read in place) get maps of the

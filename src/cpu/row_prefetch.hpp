@@ -18,7 +18,7 @@ namespace {  // (per ISA, as the kernels that use it)
 
 class RowPrefetch {
  public:
-  static constexpr int kMaxRanges = 4;
+  static constexpr int kMaxRanges = 8;
   static constexpr int64_t kLine = 64;
 
   // Forget what was queued and not issued.
