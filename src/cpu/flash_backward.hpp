@@ -934,10 +934,12 @@ struct FlashBackward {
       std::vector<Tensor> storage;
       FlashBackward with_tiles{p, in, out, tile_masks(threads, storage)};
       const int64_t groups = p.batch * p.heads_kv;
+      const int64_t queries = p.batch * p.heads_q * p.len_q, keys = p.batch * p.heads_kv * p.len_k;
+      const int64_t bytes = 2 * (queries + keys) * (p.dim_qk + p.dim_v) * dtype_size(p.q.dtype);  // read and written
       parallel_for(groups, threads, [&](int64_t t, int) {
         // With every thread taking the next index in turn, this thread's next group is likely t + threads.
         RowPrefetch ahead;
-        if (t + threads < groups) with_tiles.queue_rows(ahead, (t + threads) / p.heads_kv, (t + threads) % p.heads_kv);
+        if (bytes >= kMinBytesToPrefetch && t + threads < groups) with_tiles.queue_rows(ahead, (t + threads) / p.heads_kv, (t + threads) % p.heads_kv);
         with_tiles.group_task(t / p.heads_kv, t % p.heads_kv, ahead);
       });
       return;

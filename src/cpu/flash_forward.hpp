@@ -565,11 +565,12 @@ struct FlashForward {
       return;
     }
     const int64_t tasks = (g1 - g0) * group * q_blocks;
+    const bool prefetch = call_bytes() >= kMinBytesToPrefetch;
     parallel_for(tasks, threads, [&](int64_t t, int) {
       const QueryTask now = query_task(t, g0);
       Scratch s = allocate();
       // With every thread taking the next index in turn, this thread's next task is likely t + threads.
-      if (t + threads < tasks) queue_rows(s.ahead, query_task(t + threads, g0), now.g, rows_of);
+      if (prefetch && t + threads < tasks) queue_rows(s.ahead, query_task(t + threads, g0), now.g, rows_of);
       task(s, rows_of(now.g), now.b, now.h, now.i0);
     });
   }
@@ -583,6 +584,13 @@ struct FlashForward {
     const int64_t q_blocks = (p.len_q + kBlockQ - 1) / kBlockQ, group = p.heads_q / p.heads_kv;
     const int64_t g = g0 + t / q_blocks / group;
     return {g, g / p.heads_kv, g % p.heads_kv * group + t / q_blocks % group, (q_blocks - 1 - t % q_blocks) * kBlockQ};
+  }
+
+  // The bytes of the call's rows: q, k, v and the output.
+  int64_t call_bytes() const {
+    const int64_t queries = p.batch * p.heads_q * p.len_q, keys = p.batch * p.heads_kv * p.len_k;
+    return queries * (p.dim_qk * dtype_size(p.q.dtype) + p.dim_v * dtype_size(o.out_dtype)) +
+           keys * (p.dim_qk * dtype_size(p.k.dtype) + p.dim_v * dtype_size(p.v.dtype));
   }
 
   // Keys and values of a new group prefetched for a task: its first rows, as many as fit the L2
