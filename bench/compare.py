@@ -656,6 +656,9 @@ def main():
             if d == args.dims[0] and "fp32" in args.dtypes:
                 bench_sdpa_masked(args.batch, args.heads, L, d, args.reps, rows)
     if not args.no_sdpa:
+        # A BERT-base-sized batch of short sequences (its 50 MB of fp32 rows stream from memory).
+        for name in args.dtypes:
+            bench_sdpa(32, 12, 128, 64, False, {"fp32": torch.float32, "bf16": torch.bfloat16}[name], args.reps, rows)
         bench_decode(args.reps, rows, args.dtypes)
         if "fp32" in args.dtypes:
             bench_paged(args.reps, rows)
@@ -670,6 +673,8 @@ def main():
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.bfloat16, args.reps, rows)
         bench_module(1024, 16, 4, 512, torch.float32, args.reps, rows, need_weights=True)
+        bench_module(768, 12, 32, 128, torch.float32, args.reps, rows)  # BERT-base sized
+        bench_module(768, 12, 32, 128, torch.bfloat16, args.reps, rows)
         bench_module_training(1024, 16, 4, 512, args.reps, rows)
         bench_module_training(1024, 16, 4, 512, args.reps, rows, frozen=True)
         bench_module_training(1024, 16, 4, 512, args.reps, rows, dtype=torch.bfloat16)
