@@ -939,7 +939,8 @@ struct FlashBackward {
       parallel_for(groups, threads, [&](int64_t t, int) {
         // With every thread taking the next index in turn, this thread's next group is likely t + threads.
         RowPrefetch ahead;
-        if (bytes >= kMinBytesToPrefetch && t + threads < groups) with_tiles.queue_rows(ahead, (t + threads) / p.heads_kv, (t + threads) % p.heads_kv);
+        const int64_t next = t + threads;
+        if (bytes >= kMinBytesToPrefetch && next < groups) with_tiles.queue_rows(ahead, next / p.heads_kv, next % p.heads_kv);
         with_tiles.group_task(t / p.heads_kv, t % p.heads_kv, ahead);
       });
       return;
