@@ -527,7 +527,7 @@ struct FewQueries {
       }
       transpose_keys(s, b, hk, j0, nc);
       for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
-      const int vecs = T::vecs_for(nc);
+      const int vecs = T::round_up(T::vecs_for(nc), kBlockVecs);  // (whole register blocks: s.scores is kKeys wide)
       for_row_blocks(n, [&](auto r, int64_t r0) {
         for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
           T::template dot_rows_block<r()>(s.scores + r0 * kKeys, s.qrow + r0, s.kt, p.dim_qk, c0);

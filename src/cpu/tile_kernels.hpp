@@ -62,17 +62,35 @@ struct Tiles {
     else return S::dot_pairs(b, x, acc);
   }
 
-  // out[r][c..] = sum_d rows[r][d] * panel[d][c..] for one register block (times `scale` over
-  // bfloat16 pairs, whose operands are not pre-scaled: a scaled bfloat16 would round again).
-  template <int R, class E>
+  // Calls block(std::integral_constant<int, V>, c0) over the first `vecs` vectors of a panel:
+  // whole register blocks of kBlockVecs vectors from c0 = 0, then one block of the V < kBlockVecs
+  // vectors left. A partly filled panel (the last 32 queries of L=128, say) computes only the
+  // vectors that hold its lanes; each lane's sums are the same operations in the same order
+  // whatever the block's width, so the bits do not depend on it.
+  template <class Block>
+  static void over_vectors(int vecs, const Block& block) {
+    static_assert(kBlockVecs <= 3, "the rest is one block of 1 or 2 vectors");
+    int c0 = 0;
+    for (; c0 + kBlockVecs <= vecs; c0 += kBlockVecs) block(std::integral_constant<int, kBlockVecs>{}, c0);
+    if constexpr (kBlockVecs > 1) {
+      if (vecs - c0 == 1) block(std::integral_constant<int, 1>{}, c0);
+      if constexpr (kBlockVecs > 2)
+        if (vecs - c0 == 2) block(std::integral_constant<int, 2>{}, c0);
+    }
+  }
+
+  // out[r][c..] = sum_d rows[r][d] * panel[d][c..] for one register block of R rows and V vectors
+  // from vector c0 (times `scale` over bfloat16 pairs, whose operands are not pre-scaled: a scaled
+  // bfloat16 would round again).
+  template <int R, int V = kBlockVecs, class E>
   static void dot_rows_block(float* out, const E* const* rows, const E* panel, int64_t depth, int c0, F scale = S::zero()) {
     constexpr bool kScaled = std::is_same_v<E, uint32_t>;
-    F acc[R][kBlockVecs];
+    F acc[R][V];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kBlockVecs; ++c) acc[r][c] = S::zero();
+      for (int c = 0; c < V; ++c) acc[r][c] = S::zero();
     if (depth <= 0) {  // an empty head dimension: zero scores
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < kBlockVecs; ++c) S::store(out + r * kWidth + (c0 + c) * kLanes, acc[r][c]);
+        for (int c = 0; c < V; ++c) S::store(out + r * kWidth + (c0 + c) * kLanes, acc[r][c]);
       return;
     }
     // A loop that runs at least once (do-while, the empty case returned above): with a loop that
@@ -80,31 +98,33 @@ struct Tiles {
     // skipped path, a store and reload of all 12 around every call, 5-10% of a product of 48 rows.
     int64_t d = 0;
     do {
-      decltype(load_e(panel)) x[kBlockVecs];
-      for (int c = 0; c < kBlockVecs; ++c) x[c] = load_e(panel + d * kWidth + (c0 + c) * kLanes);
+      decltype(load_e(panel)) x[V];
+      for (int c = 0; c < V; ++c) x[c] = load_e(panel + d * kWidth + (c0 + c) * kLanes);
       for (int r = 0; r < R; ++r) {
         const auto b = broadcast_e(rows[r] + d);
-        for (int c = 0; c < kBlockVecs; ++c) acc[r][c] = multiply_add<E>(b, x[c], acc[r][c]);
+        for (int c = 0; c < V; ++c) acc[r][c] = multiply_add<E>(b, x[c], acc[r][c]);
       }
     } while (++d < depth);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kBlockVecs; ++c)
+      for (int c = 0; c < V; ++c)
         S::store(out + r * kWidth + (c0 + c) * kLanes, kScaled ? S::mul(acc[r][c], scale) : acc[r][c]);
   }
 
   // out[r][:] = sum_d rows[r][d] * panel[d][:] for kRowsPerTile rows (e.g. S^T = K Q^T), over the
-  // first `vecs` vectors of the panel (a multiple of kBlockVecs): a partly filled panel skips the rest.
+  // first `vecs` vectors of the panel: a partly filled panel skips the rest.
   static void dot_rows(float* out, const float* const* rows, const float* panel, int64_t depth, int vecs = kVecs) {
     for (int r0 = 0; r0 < kRowsPerTile; r0 += kBlockRows)
-      for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
-        dot_rows_block<kBlockRows>(out + r0 * kWidth, rows + r0, panel, depth, c0);
+      over_vectors(vecs, [&](auto v, int c0) {
+        dot_rows_block<kBlockRows, decltype(v)::value>(out + r0 * kWidth, rows + r0, panel, depth, c0);
+      });
   }
   // The same over bfloat16 pairs (S::kBf16Pairs): rows and panel of 32-bit words, `words` of them
   // deep, the sums times `scale`.
   static void dot_pairs(float* out, const uint32_t* const* rows, const uint32_t* panel, int64_t words, int vecs, F scale) {
     for (int r0 = 0; r0 < kRowsPerTile; r0 += kBlockRows)
-      for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
-        dot_rows_block<kBlockRows>(out + r0 * kWidth, rows + r0, panel, words, c0, scale);
+      over_vectors(vecs, [&](auto v, int c0) {
+        dot_rows_block<kBlockRows, decltype(v)::value>(out + r0 * kWidth, rows + r0, panel, words, c0, scale);
+      });
   }
 
   // The two products kept out of line, for large callers (the backward's group task): inlined
@@ -122,40 +142,42 @@ struct Tiles {
     else accumulate(acc, rows, weights, n, cols, vecs);
   }
 
-  // The vectors of a panel that hold its first `n` lanes, rounded up to whole register blocks.
-  static int vecs_for(int64_t n) { return static_cast<int>(round_up((n + kLanes - 1) / kLanes, kBlockVecs)); }
+  // The vectors of a panel that hold its first `n` lanes (the products run a narrower register
+  // block for those past the last whole one: over_vectors).
+  static int vecs_for(int64_t n) { return static_cast<int>((n + kLanes - 1) / kLanes); }
 
   // acc[r][c..] += sum_j rows[j][col0 + r] * weights[j][c..] for R columns and one block of vectors
   // (E: float32 elements, or words of bfloat16 pairs as in dot_rows_block).
-  template <int R, class E>
+  template <int R, int V, class E>
   static void accumulate_block(float* acc, const E* const* rows, int64_t col0, const E* weights, int64_t n, int c0) {
     if (n <= 0) return;  // then a loop that runs at least once, as in dot_rows_block
-    F a[R][kBlockVecs];
+    F a[R][V];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kBlockVecs; ++c) a[r][c] = S::load(acc + r * kWidth + (c0 + c) * kLanes);
+      for (int c = 0; c < V; ++c) a[r][c] = S::load(acc + r * kWidth + (c0 + c) * kLanes);
     int64_t j = 0;
     do {
-      decltype(load_e(weights)) w[kBlockVecs];
-      for (int c = 0; c < kBlockVecs; ++c) w[c] = load_e(weights + j * kWidth + (c0 + c) * kLanes);
+      decltype(load_e(weights)) w[V];
+      for (int c = 0; c < V; ++c) w[c] = load_e(weights + j * kWidth + (c0 + c) * kLanes);
       const E* row = rows[j] + col0;
       for (int r = 0; r < R; ++r) {
         const auto b = broadcast_e(row + r);
-        for (int c = 0; c < kBlockVecs; ++c) a[r][c] = multiply_add<E>(b, w[c], a[r][c]);
+        for (int c = 0; c < V; ++c) a[r][c] = multiply_add<E>(b, w[c], a[r][c]);
       }
     } while (++j < n);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kBlockVecs; ++c) S::store(acc + r * kWidth + (c0 + c) * kLanes, a[r][c]);
+      for (int c = 0; c < V; ++c) S::store(acc + r * kWidth + (c0 + c) * kLanes, a[r][c]);
   }
 
   // acc[c][:] += sum_j rows[j][c0 + c] * weights[j][:] for kCols columns (e.g. O^T += V^T P^T).
   template <int kCols, class E>
   static void accumulate_cols(float* acc, const E* const* rows, int64_t c0, const E* weights, int64_t n, int vecs) {
     constexpr int kFull = kCols / kBlockRows * kBlockRows, kRest = kCols % kBlockRows;
-    for (int v0 = 0; v0 < vecs; v0 += kBlockVecs) {
+    over_vectors(vecs, [&](auto v, int v0) {
+      constexpr int kV = decltype(v)::value;
       for (int r0 = 0; r0 < kFull; r0 += kBlockRows)
-        accumulate_block<kBlockRows>(acc + r0 * kWidth, rows, c0 + r0, weights, n, v0);
-      if constexpr (kRest > 0) accumulate_block<kRest>(acc + kFull * kWidth, rows, c0 + kFull, weights, n, v0);
-    }
+        accumulate_block<kBlockRows, kV>(acc + r0 * kWidth, rows, c0 + r0, weights, n, v0);
+      if constexpr (kRest > 0) accumulate_block<kRest, kV>(acc + kFull * kWidth, rows, c0 + kFull, weights, n, v0);
+    });
   }
 
   // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, a register block at a
