@@ -70,6 +70,10 @@ struct Tiles {
   template <class Block>
   static void over_vectors(int vecs, const Block& block) {
     static_assert(kBlockVecs <= 3, "the rest is one block of 1 or 2 vectors");
+    if (vecs == kVecs) {  // a whole panel (the usual case), its loop unrolled
+      for (int c0 = 0; c0 < kVecs; c0 += kBlockVecs) block(std::integral_constant<int, kBlockVecs>{}, c0);
+      return;
+    }
     int c0 = 0;
     for (; c0 + kBlockVecs <= vecs; c0 += kBlockVecs) block(std::integral_constant<int, kBlockVecs>{}, c0);
     if constexpr (kBlockVecs > 1) {
