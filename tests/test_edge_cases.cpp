@@ -212,9 +212,9 @@ TEST_P(EdgeIsa, HugeFiniteMaskValuesAreNotInfinite) {
   }
 }
 
-// 16-bit outputs are stored through a row buffer a few rows at a time, a row at a time for long
-// value rows, and element by element for rows longer than the buffer (3072 floats): each path's
-// output against the float64 reference (bf16 within 2^-7 relative, its rounding plus the
+// 16-bit outputs are stored through a row buffer as many rows at a time as it holds (all of a
+// task's at Dv = 40, 3 at Dv = 1000 on AVX-512), and element by element for rows longer than the
+// buffer (3072 floats there): each path's output against the float64 reference (bf16 within 2^-7 relative, its rounding plus the
 // pair products' rounding of P; fp16 within 2^-9).
 TEST_P(EdgeIsa, LowPrecisionOutputsOfLongValueRows) {
   std::mt19937_64 rng(mha_test::test_seed());

@@ -1,4 +1,4 @@
-// The forward's prefetch queue (cpu/row_prefetch.hpp): every cache line of every queued row,
+// The kernels' prefetch queue (cpu/row_prefetch.hpp): every cache line of every queued row,
 // each once, in order, with its write flag, whatever the rows' alignment, length and stride and
 // however the issues are split; and the count of lines left, which the kernel spreads over its
 // tiles.
