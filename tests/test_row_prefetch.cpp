@@ -78,12 +78,6 @@ TEST(RowPrefetch, IssuesEveryLineOfEveryRowOnceInOrder) {
     }
     ASSERT_EQ(issued, expected) << "trial " << trial;
     queue.issue(10, [&](uintptr_t, bool) { ADD_FAILURE() << "a line issued past the queue's end"; });
-
-    // clear() forgets the rest.
-    queue.add(reinterpret_cast<const void*>(uintptr_t{4096}), 3, 200, 256, false);
-    queue.clear();
-    EXPECT_EQ(queue.lines_left(), 0);
-    queue.issue(10, [&](uintptr_t, bool) { ADD_FAILURE() << "a cleared line issued"; });
   }
 }
 

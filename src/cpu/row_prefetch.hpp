@@ -29,9 +29,6 @@ class RowPrefetch {
   static constexpr int kMaxRanges = 8;
   static constexpr int64_t kLine = 64;
 
-  // Forget what was queued and not issued.
-  void clear() { count_ = at_ = 0, row_ = offset_ = left_ = 0; }
-
   // `rows` rows of `row_bytes` bytes, `stride` bytes apart from `base`; `write`: the lines will be
   // written (prefetched for ownership). Ranges past kMaxRanges, and empty ones, are ignored.
   void add(const void* base, int64_t rows, int64_t row_bytes, int64_t stride, bool write) {
