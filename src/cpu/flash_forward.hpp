@@ -94,6 +94,7 @@ struct FlashForward {
     float* st;      // [kBlockK][kBlockQ] S^T tile, then P^T
     float* m;       // [kBlockQ] running max (base 2)
     float* l;       // [kBlockQ] running sum
+    float* alpha;   // [kBlockQ] the key block's rescaling of O^T, 2^(m_old - m_new)
     float* zero_row;  // stands in for keys past Lk in a partial tile
     uint32_t* lim;    // [kBlockQ] keys [lo, lim) visible to each query (causality, Lk; a sliding window)
     uint32_t* lo;     // [kBlockQ] (0 without a sliding window)
@@ -171,7 +172,7 @@ struct FlashForward {
     const int64_t keys = round_up(p.len_k, kBlockK);
     const int64_t kept = wants_weights() ? (keys + keys / kBlockK) * kBlockQ + round_up(p.len_k, kLanes) : 0;
     const int64_t floats =
-        (p.dim_qk + p.dim_v + kBlockK + 2) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes + conv + kept;
+        (p.dim_qk + p.dim_v + kBlockK + 3) * kBlockQ + std::max(p.dim_qk, p.dim_v) + kLanes + conv + kept;
     const int64_t words = 4 * kBlockQ;
     void* mem = thread_scratch(static_cast<size_t>(round_up((floats + words) * 4, 64)));
     Scratch s;
@@ -182,6 +183,7 @@ struct FlashForward {
     s.st = f, f += kBlockK * kBlockQ;
     s.m = f, f += kBlockQ;
     s.l = f, f += kBlockQ;
+    s.alpha = f, f += kBlockQ;
     s.zero_row = f, f += std::max(p.dim_qk, p.dim_v) + kLanes;
     if constexpr (kPairs) {
       s.kconv = s.vconv = nullptr;
@@ -288,6 +290,7 @@ struct FlashForward {
       }
 
       float* const tile = s.pt ? s.pt + j0 * kBlockQ : s.st;  // where P goes: kept, or in place
+      bool rescale = false;  // some query's max grew: O^T is scaled by alpha = 2^(m_old - m_new)
       for (int c = 0; c < vecs; ++c) {
         const F m_old = S::load(s.m + c * kLanes);
         // Four chains of maxima, not one: a chain of 64 waits on the maximum's latency at every
@@ -338,17 +341,15 @@ struct FlashForward {
         S::store(s.l + c * kLanes, S::fmadd(S::load(s.l + c * kLanes), alpha, sum));
         S::store(s.m + c * kLanes, m_new);
         if (s.pt) S::store(s.block_m + j0 / kBlockK * kBlockQ + c * kLanes, m_new);
-        if (!S::all(S::eq(alpha, S::set1(1.0f)))) {
-          for (int64_t d = 0; d < p.dim_v; ++d) {
-            float* col = s.ot + d * kBlockQ + c * kLanes;
-            S::store(col, S::mul(S::load(col), alpha));
-          }
-        }
+        S::store(s.alpha + c * kLanes, alpha);
+        rescale = rescale || !S::all(S::eq(alpha, S::set1(1.0f)));
       }
+      // O^T = O^T diag(alpha) + V^T P^T, the rescaling as the accumulators are loaded.
+      const float* const alpha = rescale ? s.alpha : nullptr;
       if constexpr (kPairs) {
-        T::accumulate(s.ot, s.vw, s.ptw, nbp / 2, p.dim_v, vecs);
+        T::accumulate(s.ot, s.vw, s.ptw, nbp / 2, p.dim_v, vecs, alpha);
       } else {
-        T::accumulate(s.ot, s.vp, tile, nbp, p.dim_v, vecs);
+        T::accumulate(s.ot, s.vp, tile, nbp, p.dim_v, vecs, alpha);
       }
     }
   }

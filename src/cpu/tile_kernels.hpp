@@ -150,14 +150,27 @@ struct Tiles {
   // block for those past the last whole one: over_vectors).
   static int vecs_for(int64_t n) { return static_cast<int>((n + kLanes - 1) / kLanes); }
 
-  // acc[r][c..] += sum_j rows[j][col0 + r] * weights[j][c..] for R columns and one block of vectors
-  // (E: float32 elements, or words of bfloat16 pairs as in dot_rows_block).
+  // acc[r][c..] = acc[r][c..] * scale[c..] + sum_j rows[j][col0 + r] * weights[j][c..] for R
+  // columns and one block of vectors (E: float32 elements, or words of bfloat16 pairs as in
+  // dot_rows_block); a null scale multiplies by none.
   template <int R, int V, class E>
-  static void accumulate_block(float* acc, const E* const* rows, int64_t col0, const E* weights, int64_t n, int c0) {
-    if (n <= 0) return;  // then a loop that runs at least once, as in dot_rows_block
+  static void accumulate_block(float* acc, const E* const* rows, int64_t col0, const E* weights, int64_t n, int c0,
+                               const float* scale) {
     F a[R][V];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < V; ++c) a[r][c] = S::load(acc + r * kWidth + (c0 + c) * kLanes);
+    if (scale) {
+      for (int c = 0; c < V; ++c) {
+        const F f = S::load(scale + (c0 + c) * kLanes);
+        for (int r = 0; r < R; ++r) a[r][c] = S::mul(a[r][c], f);
+      }
+    }
+    if (n <= 0) {  // nothing to add; else a loop that runs at least once, as in dot_rows_block
+      if (scale)
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < V; ++c) S::store(acc + r * kWidth + (c0 + c) * kLanes, a[r][c]);
+      return;
+    }
     int64_t j = 0;
     do {
       decltype(load_e(weights)) w[V];
@@ -172,38 +185,43 @@ struct Tiles {
       for (int c = 0; c < V; ++c) S::store(acc + r * kWidth + (c0 + c) * kLanes, a[r][c]);
   }
 
-  // acc[c][:] += sum_j rows[j][c0 + c] * weights[j][:] for kCols columns (e.g. O^T += V^T P^T).
+  // acc[c][:] = acc[c][:] * scale[:] + sum_j rows[j][c0 + c] * weights[j][:] for kCols columns
+  // (e.g. O^T = O^T diag(alpha) + V^T P^T).
   template <int kCols, class E>
-  static void accumulate_cols(float* acc, const E* const* rows, int64_t c0, const E* weights, int64_t n, int vecs) {
+  static void accumulate_cols(float* acc, const E* const* rows, int64_t c0, const E* weights, int64_t n, int vecs,
+                              const float* scale) {
     constexpr int kFull = kCols / kBlockRows * kBlockRows, kRest = kCols % kBlockRows;
     over_vectors(vecs, [&](auto v, int v0) {
       constexpr int kV = decltype(v)::value;
       for (int r0 = 0; r0 < kFull; r0 += kBlockRows)
-        accumulate_block<kBlockRows, kV>(acc + r0 * kWidth, rows, c0 + r0, weights, n, v0);
-      if constexpr (kRest > 0) accumulate_block<kRest, kV>(acc + kFull * kWidth, rows, c0 + kFull, weights, n, v0);
+        accumulate_block<kBlockRows, kV>(acc + r0 * kWidth, rows, c0 + r0, weights, n, v0, scale);
+      if constexpr (kRest > 0) accumulate_block<kRest, kV>(acc + kFull * kWidth, rows, c0 + kFull, weights, n, v0, scale);
     });
   }
 
   // acc[c][:] += sum_j rows[j][c] * weights[j][:] for all `cols` columns, a register block at a
-  // time, over the first `vecs` vectors of the panel (as in dot_rows).
+  // time, over the first `vecs` vectors of the panel (as in dot_rows). With `scale` (a panel row,
+  // kWidth floats), each column is first multiplied by it, lane by lane: the forward's rescaling of
+  // O^T as the running max grows, done on the accumulators as they are loaded (the same multiply,
+  // so the same bits, as a pass of its own over O^T, which took 7% of the bf16 key pass).
   static_assert(kBlockRows <= 8, "accumulate's remainder switch covers up to 7 columns");
   // (Over bfloat16 pairs, S::kBf16Pairs: rows and weights of 32-bit words, n pairs of rows deep.)
   template <class E>
   static void accumulate(float* acc, const E* const* rows, const E* weights, int64_t n, int64_t cols,
-                         int vecs = kVecs) {
+                         int vecs = kVecs, const float* scale = nullptr) {
     int64_t c0 = 0;
     for (; c0 + kBlockRows <= cols; c0 += kBlockRows) {
-      accumulate_cols<kBlockRows, E>(acc + c0 * kWidth, rows, c0, weights, n, vecs);
+      accumulate_cols<kBlockRows, E>(acc + c0 * kWidth, rows, c0, weights, n, vecs, scale);
     }
     float* a = acc + c0 * kWidth;
     switch (cols - c0) {  // the columns left over, one instance per count
-      case 1: accumulate_cols<1, E>(a, rows, c0, weights, n, vecs); break;
-      case 2: accumulate_cols<2, E>(a, rows, c0, weights, n, vecs); break;
-      case 3: accumulate_cols<3, E>(a, rows, c0, weights, n, vecs); break;
-      case 4: accumulate_cols<4, E>(a, rows, c0, weights, n, vecs); break;
-      case 5: accumulate_cols<5, E>(a, rows, c0, weights, n, vecs); break;
-      case 6: accumulate_cols<6, E>(a, rows, c0, weights, n, vecs); break;
-      case 7: accumulate_cols<7, E>(a, rows, c0, weights, n, vecs); break;
+      case 1: accumulate_cols<1, E>(a, rows, c0, weights, n, vecs, scale); break;
+      case 2: accumulate_cols<2, E>(a, rows, c0, weights, n, vecs, scale); break;
+      case 3: accumulate_cols<3, E>(a, rows, c0, weights, n, vecs, scale); break;
+      case 4: accumulate_cols<4, E>(a, rows, c0, weights, n, vecs, scale); break;
+      case 5: accumulate_cols<5, E>(a, rows, c0, weights, n, vecs, scale); break;
+      case 6: accumulate_cols<6, E>(a, rows, c0, weights, n, vecs, scale); break;
+      case 7: accumulate_cols<7, E>(a, rows, c0, weights, n, vecs, scale); break;
       default: break;
     }
   }
