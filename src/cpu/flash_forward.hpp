@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "core/attention_problem.hpp"
@@ -303,40 +304,54 @@ struct FlashForward {
         const F m_new = S::max(S::max(m_part[0], m_part[1]), S::max(m_part[2], m_part[3]));
         // A query that has seen only -inf keeps m = -inf; subtracting 0 instead makes its p 0, not NaN.
         const F m_use = S::select(S::eq(m_new, S::set1(neg_inf)), S::zero(), m_new);
-        F sum = S::zero();
         U key_lo = S::set1_u(0), key_hi = S::set1_u(0);
         if (dropout) {
           key_lo = S::load_u(s.key_lo + c * kLanes);
           key_hi = S::load_u(s.key_hi + c * kLanes);
         }
-        auto probability = [&](int64_t jj, F& total) {
-          // (With bfloat16 products, P is rounded to bfloat16: 2^x sized for it, exp2_bf16, unless
-          // the weights are wanted, which are float32 values.)
-          const F x = S::sub(S::load(s.st + jj * kBlockQ + c * kLanes), m_use);
-          F pr;
-          if constexpr (kPairs) pr = s.pt ? S::exp2(x) : S::exp2_for_bf16(x);
-          else pr = S::exp2(x);
-          total = S::add(total, pr);
-          if (dropout) {
-            const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
-            const U bits = T::dropout_bits(jv, key_lo, key_hi);
-            pr = S::select(S::ge_u(bits, threshold), S::mul(pr, keep_scale), S::zero());
+        // The loop below in one copy per (weights kept, dropout), its pointers in locals: with
+        // both tested per key and the scratch's pointers reloaded after every store (which may
+        // alias them), the bf16 pass spent a fifth of its time on them.
+        const float* const scores = s.st + c * kLanes;  // rows kBlockQ apart
+        float* const p_out = tile + c * kLanes;
+        uint32_t* const p_pairs = s.ptw + c * kLanes;
+        auto probabilities = [&](auto keep, auto drop) {
+          constexpr bool kKeep = decltype(keep)::value, kDrop = decltype(drop)::value;
+          auto probability = [&](int64_t jj, F& total) {
+            // (With bfloat16 products, P is rounded to bfloat16: 2^x sized for it, exp2_bf16, unless
+            // the weights are wanted, which are float32 values.)
+            const F x = S::sub(S::load(scores + jj * kBlockQ), m_use);
+            F pr;
+            if constexpr (kPairs && !kKeep) pr = S::exp2_for_bf16(x);
+            else pr = S::exp2(x);
+            total = S::add(total, pr);
+            if constexpr (kDrop) {
+              const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
+              const U bits = T::dropout_bits(jv, key_lo, key_hi);
+              pr = S::select(S::ge_u(bits, threshold), S::mul(pr, keep_scale), S::zero());
+            }
+            return pr;
+          };
+          F sum = S::zero();
+          if constexpr (kPairs) {
+            // Two keys at a time, rounded straight into P^T's pairs (float32 P kept only for the
+            // weights); two sums, so that no add waits on the one before.
+            F other = S::zero();
+            for (int64_t jj = 0; jj < nbp; jj += 2) {
+              const F p0 = probability(jj, sum), p1 = probability(jj + 1, other);
+              if constexpr (kKeep) S::store(p_out + jj * kBlockQ, p0), S::store(p_out + (jj + 1) * kBlockQ, p1);
+              S::store_w(p_pairs + jj / 2 * kBlockQ, S::pairs_of(p0, p1));
+            }
+            sum = S::add(sum, other);
+          } else {
+            for (int64_t jj = 0; jj < nbp; ++jj) S::store(p_out + jj * kBlockQ, probability(jj, sum));
           }
-          return pr;
+          return sum;
         };
-        if constexpr (kPairs) {
-          // Two keys at a time, rounded straight into P^T's pairs (float32 P kept only for the
-          // weights); two sums, so that no add waits on the one before.
-          F other = S::zero();
-          for (int64_t jj = 0; jj < nbp; jj += 2) {
-            const F p0 = probability(jj, sum), p1 = probability(jj + 1, other);
-            if (s.pt) S::store(tile + jj * kBlockQ + c * kLanes, p0), S::store(tile + (jj + 1) * kBlockQ + c * kLanes, p1);
-            S::store_w(s.ptw + jj / 2 * kBlockQ + c * kLanes, S::pairs_of(p0, p1));
-          }
-          sum = S::add(sum, other);
-        } else {
-          for (int64_t jj = 0; jj < nbp; ++jj) S::store(tile + jj * kBlockQ + c * kLanes, probability(jj, sum));
-        }
+        using Yes = std::true_type;
+        using No = std::false_type;
+        const F sum = s.pt ? (dropout ? probabilities(Yes{}, Yes{}) : probabilities(Yes{}, No{}))
+                           : (dropout ? probabilities(No{}, Yes{}) : probabilities(No{}, No{}));
         const F alpha = S::exp2(S::sub(m_old, m_use));
         S::store(s.l + c * kLanes, S::fmadd(S::load(s.l + c * kLanes), alpha, sum));
         S::store(s.m + c * kLanes, m_new);
