@@ -1,5 +1,5 @@
 // The kernels' prefetch queue (cpu/row_prefetch.hpp): every cache line of every queued row,
-// each once, in order, with its write flag, whatever the rows' alignment, length and stride and
+// each once per row (once where rows are adjacent), in order, with its write flag, whatever the rows' alignment, length and stride and
 // however the issues are split; and the count of lines left, which the kernel spreads over its
 // tiles.
 #include <gtest/gtest.h>
@@ -25,9 +25,15 @@ struct Rows {
 };
 
 // The lines a range covers, written from the definition: every line holding a byte of a row, row
-// by row, in address order within a row.
+// by row, in address order within a row; adjacent rows (stride == row_bytes) as one span, each
+// line once.
 std::vector<Line> lines_of(const Rows& r) {
   std::vector<Line> lines;
+  if (r.stride == r.row_bytes) {
+    for (uintptr_t line = r.base / 64 * 64; line < r.base + static_cast<uintptr_t>(r.rows * r.row_bytes); line += 64)
+      lines.emplace_back(line, r.write);
+    return lines;
+  }
   for (int64_t i = 0; i < r.rows; ++i) {
     const uintptr_t first = r.base + static_cast<uintptr_t>(i * r.stride);
     for (uintptr_t line = first / 64 * 64; line < first + static_cast<uintptr_t>(r.row_bytes); line += 64)
@@ -48,11 +54,13 @@ TEST(RowPrefetch, IssuesEveryLineOfEveryRowOnceInOrder) {
       r.base = 0x100000 + std::uniform_int_distribution<uintptr_t>(0, 1 << 20)(rng);
       r.rows = std::uniform_int_distribution<int64_t>(0, 70)(rng);
       r.row_bytes = std::uniform_int_distribution<int64_t>(0, 1100)(rng);
-      // Line-multiple strides (the kernels' layouts), others, and one row read again (stride 0).
-      const int kind = std::uniform_int_distribution<int>(0, 2)(rng);
+      // Line-multiple strides (the kernels' layouts), others, one row read again (stride 0), and
+      // adjacent rows (stride == row_bytes, one span).
+      const int kind = std::uniform_int_distribution<int>(0, 3)(rng);
       r.stride = kind == 0   ? 64 * std::uniform_int_distribution<int64_t>(1, 40)(rng)
                  : kind == 1 ? std::uniform_int_distribution<int64_t>(1, 3000)(rng)
-                             : 0;
+                 : kind == 2 ? 0
+                             : r.row_bytes;
       r.write = (rng() & 1) != 0;
       queue.add(reinterpret_cast<const void*>(r.base), r.rows, r.row_bytes, r.stride, r.write);
       // Empty ranges, and ranges past kMaxRanges, are not queued.

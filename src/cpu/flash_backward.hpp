@@ -712,7 +712,10 @@ struct FlashBackward {
     const float* grows[kPanel];
     const float* krows[kPanel];
     const int64_t group = p.heads_q / p.heads_kv;
-    int64_t tiles_left = group * nkb * nqb;  // (at most: the next group's prefetches are spread over them)
+    // The next group's prefetches are spread over the tiles' dot steps (at most this many), a
+    // share after each: issued once per tile, a BERT-sized group's shares came in bursts of
+    // hundreds of lines that stalled the core (10% of an fp32 backward).
+    int64_t steps_left = group * nkb * nqb * (kPanel / kRows) * 2;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       std::memset(dqt_all, 0, sizeof(float) * nqb * panel_k);
       Rows queries{}, grads{};
@@ -763,8 +766,10 @@ struct FlashBackward {
             for (int64_t ii = 0; ii < nip; ii += kRows) {
               T::dot_pairs(pt + ii * kPanel, qw + ii, reinterpret_cast<const uint32_t*>(kt_all + kb * panel_k), dk / 2,
                            key_vecs, S::set1(qk_scale));
+              ahead.issue(ahead.share(steps_left--));
               T::dot_pairs(gt + ii * kPanel, gw + ii, reinterpret_cast<const uint32_t*>(vt_all + kb * panel_v), dv / 2,
                            key_vecs, S::set1(1.0f));
+              ahead.issue(ahead.share(steps_left--));
             }
           } else {
             for (int64_t ii = 0; ii < nip; ++ii) {
@@ -773,10 +778,11 @@ struct FlashBackward {
             }
             for (int64_t ii = 0; ii < nip; ii += kRows) {
               T::dot_rows_call(pt + ii * kPanel, qrows + ii, kt_all + kb * panel_k, dk, key_vecs);
+              ahead.issue(ahead.share(steps_left--));
               T::dot_rows_call(gt + ii * kPanel, grows + ii, vt_all + kb * panel_v, dv, key_vecs);
+              ahead.issue(ahead.share(steps_left--));
             }
           }
-          ahead.issue(ahead.share(tiles_left--));
           if (cap.on) cap.rows(pt, ni, kPanel, key_vecs, slopes);
           for (int t = 0; t < p.num_masks; ++t) {
             if (const float* tile = mask_tiles.data[t]) {  // the tile's own copy, in consecutive memory

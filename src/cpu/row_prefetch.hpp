@@ -30,9 +30,13 @@ class RowPrefetch {
   static constexpr int64_t kLine = 64;
 
   // `rows` rows of `row_bytes` bytes, `stride` bytes apart from `base`; `write`: the lines will be
-  // written (prefetched for ownership). Ranges past kMaxRanges, and empty ones, are ignored.
+  // written (prefetched for ownership). Ranges past kMaxRanges, and empty ones, are ignored. A line
+  // that two rows share is issued for each, but where the rows are adjacent (stride == row_bytes).
   void add(const void* base, int64_t rows, int64_t row_bytes, int64_t stride, bool write) {
     if (base == nullptr || rows <= 0 || row_bytes <= 0 || count_ == kMaxRanges) return;
+    // Rows that follow each other with no gap (a [B, H, L, D] tensor's) are one span: issued
+    // row by row, the loop's work per row was about a fifth of a BERT-sized bf16 key pass.
+    if (stride == row_bytes) row_bytes *= rows, rows = 1;
     const auto address = reinterpret_cast<uintptr_t>(base);
     ranges_[count_++] = Range{address, rows, row_bytes, stride, write};
     // Lines per row depend on the row's alignment; rows a multiple of a line apart (every layout
