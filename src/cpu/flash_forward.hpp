@@ -534,10 +534,12 @@ struct FlashForward {
   void store_output(Scratch& s, int64_t b, int64_t h, int64_t i0, int64_t rows) const {
     const int64_t offset = b * o.out_strides[0] + h * o.out_strides[1] + i0 * o.out_strides[2];
     const F descale = S::set1(p.value_descale(b, h / p.group()));  // (1 but for float8 values with v_descale)
+    float* const ot = s.ot;  // (in locals: the stores below may alias the scratch's fields, and p's)
+    const int64_t dim_v = p.dim_v;
     for (int c = 0; c < kVecs; ++c) {
       const F factor = S::mul(S::load(s.l + c * kLanes), descale);
-      for (int64_t d = 0; d < p.dim_v; ++d) {
-        float* at = s.ot + d * kBlockQ + c * kLanes;
+      for (int64_t d = 0; d < dim_v; ++d) {
+        float* at = ot + d * kBlockQ + c * kLanes;
         S::store(at, S::mul(S::load(at), factor));
       }
     }
