@@ -890,12 +890,14 @@ struct FlashForward {
     }
   }
 
-  // bfloat16 products, many groups: a task is a whole group, all its query tasks in turn on one
-  // thread, which copies the group's values as pairs of keys once, into a buffer of its own that
-  // stays in its L2 (as do the keys, read by that thread alone). Copied for a chunk of groups at
-  // a time instead, into a buffer too large for L2, the copy was a phase of its own, 5% of a
-  // B=4 H=16 L=512 forward. Groups are equal work (the same rows and mask shape), so they balance
-  // where every thread gets as many, or many each; the buffers are bounded as the chunk's.
+  // Where the groups balance over the threads, a task is a whole group: its query tasks in turn
+  // on one thread, whose L2 then holds the group's keys and values (read by that thread alone),
+  // and with bfloat16 products its values copied as pairs of keys once, into the thread's own
+  // buffer. (Copied for a chunk of groups at a time into a buffer too large for L2, the copy was
+  // a phase of its own, 5% of a B=4 H=16 L=512 forward.) Against query tasks handed out one by
+  // one: fp32 BERT-sized (B=32 H=12 L=128) +8%, L=512 +4%, L=2048 +3%; bf16 +8%, +4.5%, +2%.
+  // Groups are equal work (the same rows and mask shape): they balance where every thread gets
+  // as many, or many each. The pair buffers are bounded as the chunk's.
   static constexpr int64_t kMinGroupsPerThread = 16;
 
   int64_t value_pair_words() const { return std::max<int64_t>(round_up(p.len_k, kBlockK) / 2 * round_up(p.dim_v, kLanes), 1); }
@@ -903,11 +905,11 @@ struct FlashForward {
   bool runs_whole_groups(int64_t groups, int threads) const {
     if (o.average_weights != nullptr) return false;  // (its tasks take every head of their rows)
     const bool balanced = groups % threads == 0 || groups >= kMinGroupsPerThread * threads;
-    return balanced && threads * value_pair_words() <= widened_chunk_floats().load();
+    return balanced && (!kPairs || threads * value_pair_words() <= widened_chunk_floats().load());
   }
 
   void run_whole_groups(int64_t g_begin, int64_t g_end, int threads) const {
-    const int64_t per_group = value_pair_words(), pairs = round_up(p.len_k, kBlockK) / 2;
+    const int64_t per_group = kPairs ? value_pair_words() : 0, pairs = round_up(p.len_k, kBlockK) / 2;
     const Tensor buffers = Tensor::empty({threads * per_group});
     const int64_t tasks = (p.len_q + kBlockQ - 1) / kBlockQ * (p.heads_q / p.heads_kv);
     const bool prefetch = call_bytes() >= kMinBytesToPrefetch;
@@ -915,9 +917,11 @@ struct FlashForward {
     parallel_for(g_end - g_begin, threads, [&](int64_t i, int worker) {
       const int64_t g = g_begin + i;
       KeyValueRows kv = input(g);
-      auto* pairs_of_group = reinterpret_cast<uint32_t*>(buffers.data<float>()) + worker * per_group;
-      copy_value_pairs(static_cast<const uint16_t*>(kv.v_low), kv.v_stride, 0, pairs, pairs_of_group);
-      kv.v_pairs = pairs_of_group;
+      if constexpr (kPairs) {
+        auto* pairs_of_group = reinterpret_cast<uint32_t*>(buffers.data<float>()) + worker * per_group;
+        copy_value_pairs(static_cast<const uint16_t*>(kv.v_low), kv.v_stride, 0, pairs, pairs_of_group);
+        kv.v_pairs = pairs_of_group;
+      }
       for (int64_t t = 0; t < tasks; ++t) {
         const QueryTask now = query_task(t, g);
         Scratch s = allocate();
@@ -932,11 +936,11 @@ struct FlashForward {
 
   // Groups (batch entry, key/value head) [g_begin, g_end), whole batch entries.
   void run_groups_of(int64_t g_begin, int64_t g_end, int threads) const {
-    if constexpr (kPairs) {
+    if (kPairs || (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows())) {  // rows read in place
       if (runs_whole_groups(g_end - g_begin, threads)) return run_whole_groups(g_begin, g_end, threads);
-      if (p.len_q * (p.heads_q / p.heads_kv) > kMinQueriesToPairValues) return run_groups_with_value_pairs(g_begin, g_end, threads);
-    }
-    if (kPairs || (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows())) {
+      if constexpr (kPairs) {
+        if (p.len_q * (p.heads_q / p.heads_kv) > kMinQueriesToPairValues) return run_groups_with_value_pairs(g_begin, g_end, threads);
+      }
       run_groups(g_begin, g_end, threads, [&](int64_t g) { return input_rows(g / p.heads_kv, g % p.heads_kv); });
       return;
     }
