@@ -137,22 +137,26 @@ TEST_F(PairProducts, ThreadCountsGiveIdenticalBits) {
   EXPECT_TRUE(same_bits(mha::scaled_dot_product_attention(q, k, v, o), one));
 }
 
-// Long heads share one copy of their values as pairs of keys (per chunk of heads); short ones copy
-// each key block in each task. Either way the same values: the first 40 queries of a call of 300
-// (the shared copy, in chunks of one head or of all) are the bits of a call of those 40 alone.
+// The values as pairs of keys, copied three ways: per group by the thread that runs the whole
+// group (groups that divide over the threads: 4 on 2), per chunk of groups for long heads whose
+// groups do not (4 on 3 threads, 300 queries), in each task per key block for short ones (40
+// queries). All give the same values: the first 40 queries of a call of 300 (each of the first
+// two ways, the chunks of one head or of all) are the bits of a call of those 40 alone.
 TEST_F(PairProducts, SharedValuePairsGiveTheBitsOfPerBlockCopies) {
   std::mt19937_64 rng(test_seed());
   const mha::Tensor q = randn({2, 2, 300, 32}, rng, mha::DType::bf16), k = randn({2, 2, 150, 32}, rng, mha::DType::bf16),
                     v = randn({2, 2, 150, 24}, rng, mha::DType::bf16);
   const mha::Tensor q40 = mha::Tensor::copy_of(q.view().slice(2, 0, 40), mha::DType::bf16);
-  const mha::Tensor first = mha::scaled_dot_product_attention(q40, k, v, {});
+  const mha::Tensor first = mha::scaled_dot_product_attention(q40, k, v, {.num_threads = 3});
   std::atomic<int64_t>& chunk = mha::detail::widened_chunk_floats();
   const int64_t saved = chunk.exchange(1);
-  const mha::Tensor one_head_chunks = mha::scaled_dot_product_attention(q, k, v, {});
+  const mha::Tensor one_head_chunks = mha::scaled_dot_product_attention(q, k, v, {.num_threads = 3});
   chunk = saved;
-  const mha::Tensor all = mha::scaled_dot_product_attention(q, k, v, {});
-  EXPECT_TRUE(same_bits(all, one_head_chunks));
-  EXPECT_TRUE(same_bits(mha::Tensor::copy_of(all.view().slice(2, 0, 40), mha::DType::bf16), first));
+  const mha::Tensor all_chunk = mha::scaled_dot_product_attention(q, k, v, {.num_threads = 3});
+  const mha::Tensor whole_groups = mha::scaled_dot_product_attention(q, k, v, {.num_threads = 2});
+  EXPECT_TRUE(same_bits(all_chunk, one_head_chunks));
+  EXPECT_TRUE(same_bits(all_chunk, whole_groups));
+  EXPECT_TRUE(same_bits(mha::Tensor::copy_of(whole_groups.view().slice(2, 0, 40), mha::DType::bf16), first));
 }
 
 // Empty head dims on the pair path: no values (an empty output, the shared value copy of a long
