@@ -9,7 +9,8 @@
 //   - the softmax statistics of 16 queries live in one vector, so row max and row sum are
 //     vertical operations, with no horizontal reductions;
 //   - the output accumulates transposed too, O^T += V^T P^T, and is transposed once at the end.
-// Work is split into tasks of (batch, head, 48 queries), handed out dynamically.
+// Work is split into tasks of (batch, head, 48 queries), handed out dynamically, or where the
+// (batch, key/value head) groups balance over the threads, into whole groups (run_whole_groups).
 // bfloat16 / float16 inputs (and float8 keys and values) are widened inside the kernel, exactly: Q
 // when it is transposed; K and V one key block at a time into the task's scratch while a head has few query tasks, and for long
 // sequences once per head, a chunk of heads at a time, into a buffer the chunk's tasks share. The
@@ -860,9 +861,10 @@ struct FlashForward {
     run_groups_of(0, p.batch * p.heads_kv, threads);
   }
 
-  // bfloat16 products: a task copies each key block's values as pairs of keys, which every query
-  // task of the head repeats. With more queries than this per key/value head, the values of a
-  // chunk of groups are copied once, into a buffer the chunk's tasks share.
+  // bfloat16 products in query tasks (groups that do not balance as whole-group tasks): a task
+  // copies each key block's values as pairs of keys, which every query task of the head repeats.
+  // With more queries than this per key/value head, the values of a chunk of groups are copied
+  // once, into a buffer the chunk's tasks share.
   static constexpr int64_t kMinQueriesToPairValues = 256;
 
   void run_groups_with_value_pairs(int64_t g_begin, int64_t g_end, int threads) const {
