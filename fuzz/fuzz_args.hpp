@@ -119,6 +119,34 @@ inline void check_finite_any(const mha::Tensor& t) {
   check_finite(t.dtype() == mha::DType::f32 ? t : mha::Tensor::copy_of(t, mha::DType::f32));
 }
 
+// A float32 copy of a 16-bit float view (other dtypes copied as they are).
+inline mha::Tensor widened(const mha::TensorView& t) {
+  const bool low = t.dtype == mha::DType::f16 || t.dtype == mha::DType::bf16;
+  return mha::Tensor::copy_of(t, low ? mha::DType::f32 : t.dtype);
+}
+
+// A gradient in a 16-bit dtype may be +-inf where the exact gradient lies past the dtype's range:
+// float16's largest finite value is 65504, and a dropout of p near 1 scales by 1 / (1 - p), up
+// to 4096 here. `wide()` gives the same gradient computed on float32 copies of the inputs (in
+// float32's range, inputs within +-8): an infinite element must be one whose float32 value is
+// past half the dtype's largest finite value (the two computations round differently), and no
+// element may be NaN. Other dtypes must be finite.
+template <class Wide>
+inline void check_finite_or_overflow(const mha::Tensor& t, const Wide& wide) {
+  if (!t.defined() || t.numel() == 0) return;
+  if (t.dtype() != mha::DType::f16 && t.dtype() != mha::DType::bf16) return check_finite_any(t);
+  const mha::Tensor f = mha::Tensor::copy_of(t.view(), mha::DType::f32);
+  const float* x = f.data<float>();
+  if (std::all_of(x, x + f.numel(), [](float e) { return std::isfinite(e); })) return;
+  const mha::Tensor w = mha::Tensor::copy_of(wide().view(), mha::DType::f32);
+  if (w.numel() != f.numel()) __builtin_trap();
+  const double largest = t.dtype() == mha::DType::f16 ? 65504.0 : 3.3895313892515355e38;
+  for (int64_t i = 0; i < f.numel(); ++i) {
+    if (std::isnan(x[i]) || (std::isinf(x[i]) && !(std::abs(static_cast<double>(w.data<float>()[i])) > 0.5 * largest)))
+      __builtin_trap();
+  }
+}
+
 // `call` must throw mha::Error.
 template <class F> inline void must_refuse(F&& call) {
   try {

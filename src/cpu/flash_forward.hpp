@@ -323,8 +323,12 @@ struct FlashForward {
             // the weights are wanted, which are float32 values.)
             const F x = S::sub(S::load(scores + jj * kBlockQ), m_use);
             F pr;
-            if constexpr (kPairs && !kKeep) pr = S::exp2_for_bf16(x);
-            else pr = S::exp2(x);
+            if constexpr (kPairs) {  // (nested: S has exp2_for_bf16 only where kPairs, and kKeep is the lambda's)
+              if constexpr (!kKeep) pr = S::exp2_for_bf16(x);
+              else pr = S::exp2(x);
+            } else {
+              pr = S::exp2(x);
+            }
             total = S::add(total, pr);
             if constexpr (kDrop) {
               const U jv = S::set1_u(static_cast<uint32_t>(j0 + jj));
