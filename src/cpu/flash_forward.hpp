@@ -315,7 +315,7 @@ struct FlashForward {
         // alias them), the bf16 pass spent a fifth of its time on them.
         const float* const scores = s.st + c * kLanes;  // rows kBlockQ apart
         float* const p_out = tile + c * kLanes;
-        uint32_t* const p_pairs = s.ptw + c * kLanes;
+        uint32_t* const p_pairs = kPairs ? s.ptw + c * kLanes : nullptr;  // (ptw is set only with pair products)
         auto probabilities = [&](auto keep, auto drop) {
           constexpr bool kKeep = decltype(keep)::value, kDrop = decltype(drop)::value;
           auto probability = [&](int64_t jj, F& total) {
