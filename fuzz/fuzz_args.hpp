@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "fuzz_input.hpp"
@@ -145,6 +146,20 @@ inline void check_finite_or_overflow(const mha::Tensor& t, const Wide& wide) {
     if (std::isnan(x[i]) || (std::isinf(x[i]) && !(std::abs(static_cast<double>(w.data<float>()[i])) > 0.5 * largest)))
       __builtin_trap();
   }
+}
+
+// check_finite_or_overflow on the three gradients of an attention backward; wide() computes the
+// same backward on float32 copies, at most once (only where a 16-bit gradient is not finite).
+template <class Wide>
+inline void check_gradients(const mha::AttentionGradients& grads, const Wide& wide) {
+  std::optional<mha::AttentionGradients> widened_grads;
+  auto get = [&]() -> const mha::AttentionGradients& {
+    if (!widened_grads) widened_grads = wide();
+    return *widened_grads;
+  };
+  check_finite_or_overflow(grads.query, [&] { return get().query; });
+  check_finite_or_overflow(grads.key, [&] { return get().key; });
+  check_finite_or_overflow(grads.value, [&] { return get().value; });
 }
 
 // `call` must throw mha::Error.

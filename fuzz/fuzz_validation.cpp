@@ -90,21 +90,14 @@ void fuzz_sdpa(FuzzInput& in) {
       if (in.flag()) wanted.query = in.flag(), wanted.key = in.flag(), wanted.value = in.flag();  // some left out
       const auto grads = mha::scaled_dot_product_attention_backward(q.view, k.view, v.view, saved, gv, o, wanted);
       // (16-bit gradients may overflow where the exact ones do: the same calls on float32 copies.)
-      std::optional<mha::AttentionGradients> wide;
-      auto wide_grads = [&]() -> const mha::AttentionGradients& {
-        if (!wide) {
-          const mha::Tensor wq = widened(q.view), wk = widened(k.view), wv = widened(v.view), wg = widened(gv);
-          mha::Tensor wmask;
-          mha::SdpaOptions wo = o;
-          if (o.attn_mask) wmask = widened(*o.attn_mask), wo.attn_mask = wmask.view();
-          const auto wsaved = mha::scaled_dot_product_attention_for_training(wq.view(), wk.view(), wv.view(), wo);
-          wide = mha::scaled_dot_product_attention_backward(wq.view(), wk.view(), wv.view(), wsaved, wg.view(), wo, wanted);
-        }
-        return *wide;
-      };
-      check_finite_or_overflow(grads.query, [&] { return wide_grads().query; });
-      check_finite_or_overflow(grads.key, [&] { return wide_grads().key; });
-      check_finite_or_overflow(grads.value, [&] { return wide_grads().value; });
+      check_gradients(grads, [&] {
+        const mha::Tensor wq = widened(q.view), wk = widened(k.view), wv = widened(v.view), wg = widened(gv);
+        mha::Tensor wmask;
+        mha::SdpaOptions wo = o;
+        if (o.attn_mask) wmask = widened(*o.attn_mask), wo.attn_mask = wmask.view();
+        const auto wsaved = mha::scaled_dot_product_attention_for_training(wq.view(), wk.view(), wv.view(), wo);
+        return mha::scaled_dot_product_attention_backward(wq.view(), wk.view(), wv.view(), wsaved, wg.view(), wo, wanted);
+      });
       break;
     }
   }
@@ -148,20 +141,13 @@ void fuzz_varlen(FuzzInput& in) {
   if (in.flag()) wanted.query = in.flag(), wanted.key = in.flag(), wanted.value = in.flag();
   const auto grads =
       mha::scaled_dot_product_attention_varlen_backward(q.view, k.view, v.view, cu_q, cu_k, saved, gv, o, wanted);
-  std::optional<mha::AttentionGradients> wide;  // (as in fuzz_sdpa)
-  auto wide_grads = [&]() -> const mha::AttentionGradients& {
-    if (!wide) {
-      const mha::Tensor wq = widened(q.view), wk = widened(k.view), wv = widened(v.view), wg = widened(gv);
-      const auto wsaved =
-          mha::scaled_dot_product_attention_varlen_for_training(wq.view(), wk.view(), wv.view(), cu_q, cu_k, o);
-      wide = mha::scaled_dot_product_attention_varlen_backward(wq.view(), wk.view(), wv.view(), cu_q, cu_k, wsaved,
-                                                               wg.view(), o, wanted);
-    }
-    return *wide;
-  };
-  check_finite_or_overflow(grads.query, [&] { return wide_grads().query; });
-  check_finite_or_overflow(grads.key, [&] { return wide_grads().key; });
-  check_finite_or_overflow(grads.value, [&] { return wide_grads().value; });
+  check_gradients(grads, [&] {  // (as in fuzz_sdpa)
+    const mha::Tensor wq = widened(q.view), wk = widened(k.view), wv = widened(v.view), wg = widened(gv);
+    const auto wsaved =
+        mha::scaled_dot_product_attention_varlen_for_training(wq.view(), wk.view(), wv.view(), cu_q, cu_k, o);
+    return mha::scaled_dot_product_attention_varlen_backward(wq.view(), wk.view(), wv.view(), cu_q, cu_k, wsaved,
+                                                             wg.view(), o, wanted);
+  });
 }
 
 void fuzz_module(FuzzInput& in) {
