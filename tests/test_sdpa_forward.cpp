@@ -528,6 +528,54 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
   }
 }
 
+// A bfloat16 output is the float32 output of the same call rounded once, bfloat16(x), bit for bit
+// (the kernels that round O^T as pairs of dims, and those that round element by element): every
+// Dv parity and tail of a 16-word block, rows of unit stride and strided views, partial query
+// panels, outputs in bfloat16's subnormal range (values scaled by 2^-124, outputs below 2^-126:
+// the conversion must keep them, not flush them) and NaN rows (a NaN value, seen by the causal rows after it).
+TEST_P(EveryIsa, BfloatOutputIsTheFloat32OutputRounded) {
+  std::mt19937_64 rng(test_seed());
+  for (int variant = 0; variant < 6; ++variant) {
+    const int64_t b = 2, hkv = 2, hq = variant % 2 ? 4 : 2, lq = std::vector<int64_t>{100, 48, 130, 37, 200, 64}[variant];
+    const int64_t lk = variant < 3 ? 70 : 150, dk = variant % 3 ? 64 : 40;
+    const int64_t dv = std::vector<int64_t>{1, 7, 33, 64, 72, 40}[variant];
+    const mha::Tensor q = randn({b, hq, lq, dk}, rng, mha::DType::bf16), k = randn({b, hkv, lk, dk}, rng, mha::DType::bf16);
+    mha::Tensor v64 = randn({b, hkv, lk, dv}, rng, mha::DType::f64);
+    double* vd = v64.data<double>();
+    for (int64_t i = 0; i < lk * dv; ++i) vd[i] = std::ldexp(vd[i], -124);  // batch 0, head 0: subnormal outputs
+    if (variant >= 2) vd[(hkv * lk + 20) * dv] = NAN;  // batch 1, head 0, key 20
+    const mha::Tensor v = mha::Tensor::copy_of(v64, mha::DType::bf16);
+    const mha::SdpaOptions o{.is_causal = variant >= 2, .enable_gqa = hq != hkv};
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    const mha::detail::AttentionProblem p = mha::detail::make_sdpa_problem(q, k, v, o, mha::detail::InputDtypes::fused);
+    auto run = [&](const mha::TensorView& out) {
+      mha::detail::ForwardOutputs fo;
+      fo.out = out.data;
+      fo.out_dtype = out.dtype;
+      for (int d = 0; d < 4; ++d) fo.out_strides[d] = out.strides[d];
+      mha::detail::run_attention(p, fo);
+    };
+    const mha::Tensor out32 = mha::Tensor::empty({b, hq, lq, dv});
+    run(out32.view());
+    const mha::Tensor want = mha::Tensor::copy_of(out32, mha::DType::bf16);
+    const mha::Tensor packed = mha::Tensor::empty({b, hq, lq, dv}, mha::DType::bf16);
+    run(packed.view());
+    EXPECT_TRUE(mha_test::same_bits(packed, want));
+    const mha::Tensor rows = mha::Tensor::empty({b, lq, hq, dv + 3}, mha::DType::bf16);  // [B, L, H, Dv] rows with a gap
+    run(rows.view().slice(-1, 0, dv).transpose(1, 2));
+    EXPECT_TRUE(mha_test::same_bits(mha::Tensor::copy_of(rows.view().slice(-1, 0, dv).transpose(1, 2)), want));
+    const mha::Tensor columns = mha::Tensor::empty({b, hq, dv, lq}, mha::DType::bf16);  // element stride Lq
+    run(columns.view().transpose(2, 3));
+    EXPECT_TRUE(mha_test::same_bits(mha::Tensor::copy_of(columns.view().transpose(2, 3)), want));
+    // The cases are what they say: subnormal outputs, and NaN rows where a NaN value is seen.
+    const auto* w = static_cast<const uint16_t*>(want.view().data);
+    int64_t subnormal = 0, nan = 0;
+    for (int64_t i = 0; i < want.numel(); ++i) subnormal += (w[i] & 0x7f80) == 0 && (w[i] & 0x7f) != 0, nan += (w[i] & 0x7fff) > 0x7f80;
+    EXPECT_GT(subnormal, 0);
+    if (variant >= 2) EXPECT_GT(nan, 0);
+  }
+}
+
 // A mask that varies along the queries is copied transposed once per call, where the copy fits
 // (mha::detail::transposed_mask_floats), a chunk of batch entries at a time where one entry's
 // does, and read in place otherwise: all give the same bits,

@@ -96,7 +96,7 @@ struct FlashForward {
     float* st;      // [kBlockK][kBlockQ] S^T tile, then P^T
     float* m;       // [kBlockQ] running max (base 2)
     float* l;       // [kBlockQ] running sum
-    float* alpha;   // [kBlockQ] the key block's rescaling of O^T, 2^(m_old - m_new)
+    float* alpha;   // [kBlockQ] the key block's rescaling of O^T, 2^(m_old - m_new); then the output rows' factors
     float* zero_row;  // stands in for keys past Lk in a partial tile
     uint32_t* lim;    // [kBlockQ] keys [lo, lim) visible to each query (causality, Lk; a sliding window)
     uint32_t* lo;     // [kBlockQ] (0 without a sliding window)
@@ -541,6 +541,15 @@ struct FlashForward {
     const F descale = S::set1(p.value_descale(b, h / p.group()));  // (1 but for float8 values with v_descale)
     float* const ot = s.ot;  // (in locals: the stores below may alias the scratch's fields, and p's)
     const int64_t dim_v = p.dim_v;
+    if constexpr (requires { S::store_bf16_rows; }) {
+      // bfloat16 rows with unit stride: rounded from O^T as pairs of dims, the words transposed
+      // (the same product and rounding as below, without the float32 row buffer).
+      if (o.out_dtype == DType::bf16 && o.out_strides[3] == 1) {
+        for (int c = 0; c < kVecs; ++c) S::store(s.alpha + c * kLanes, S::mul(S::load(s.l + c * kLanes), descale));
+        S::store_bf16_rows(ot, kBlockQ, s.alpha, dim_v, rows, static_cast<uint16_t*>(o.out) + offset, o.out_strides[2]);
+        return;
+      }
+    }
     for (int c = 0; c < kVecs; ++c) {
       const F factor = S::mul(S::load(s.l + c * kLanes), descale);
       for (int64_t d = 0; d < dim_v; ++d) {

@@ -3,11 +3,13 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
 #include "cpu/exp2_polynomial.hpp"
 #include "cpu/transpose_avx.hpp"
+#include "cpu/transpose_avx512.hpp"
 #include "mha/dtype.hpp"
 
 namespace mha::detail::simd {
@@ -127,6 +129,50 @@ struct Avx512 {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
     for (; i < n; ++i) dst[i] = static_cast<float>(float16::from_bits(src[i]));
+  }
+
+  // x rounded to bfloat16 as bfloat16(x) rounds (to nearest even, subnormals kept, NaN quieted),
+  // the 16 bits in the high half of each lane. (vcvtne2ps2bf16 flushes subnormals to zero: fine
+  // for probabilities, not for an output that must equal the rounded float32 one.)
+  static __m512i bf16_high_bits(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
+  }
+
+  // Rows [0, rows) of a bfloat16 output from its transpose: element d of row r is
+  // bfloat16(ot[d * ot_stride + r] * scale[r]), d < dims, the row at dst + r * dst_stride. Pairs
+  // of dims are rounded into the 32-bit words they are in the row, then transposed 16 x 16 words
+  // at a time: no float32 row buffer and no element-wise rounding. ot holds whole vectors of
+  // rows (r < round_up(rows, 16)).
+  static void store_bf16_rows(const float* ot, int64_t ot_stride, const float* scale, int64_t dims, int64_t rows,
+                              uint16_t* dst, int64_t dst_stride) {
+    const int64_t words = (dims + 1) / 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const __m512 factor = _mm512_loadu_ps(scale + r0);
+      const int64_t nr = std::min<int64_t>(16, rows - r0);
+      for (int64_t w0 = 0; w0 < words; w0 += 16) {
+        const int64_t n = std::min<int64_t>(16, words - w0);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          if (i >= n) {
+            r[i] = _mm512_setzero_si512();
+            continue;
+          }
+          const int64_t d = 2 * (w0 + i);
+          const __m512i lo = bf16_high_bits(_mm512_mul_ps(_mm512_loadu_ps(ot + d * ot_stride + r0), factor));
+          const __m512i hi = d + 1 < dims ? bf16_high_bits(_mm512_mul_ps(_mm512_loadu_ps(ot + (d + 1) * ot_stride + r0), factor))
+                                          : _mm512_setzero_si512();
+          r[i] = _mm512_mask_mov_epi16(_mm512_srli_epi32(lo, 16), 0xaaaaaaaau, hi);  // (lo, hi) in one word
+        }
+        transpose16x16(r);
+        const int64_t halves = std::min<int64_t>(32, dims - 2 * w0);
+        const __mmask32 valid = halves == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << halves) - 1);
+        for (int64_t i = 0; i < nr; ++i) _mm512_mask_storeu_epi16(dst + (r0 + i) * dst_stride + 2 * w0, valid, r[i]);
+      }
+    }
   }
 };
 

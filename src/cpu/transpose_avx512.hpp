@@ -1,5 +1,5 @@
 // A 16 x 16 transpose of 32-bit words in zmm registers, for code compiled for AVX-512 (the AMX
-// kernels' packing, the projection weights' packing).
+// kernels' packing, the projection weights' packing, bfloat16 pairs and output rows).
 #pragma once
 
 #include <immintrin.h>
