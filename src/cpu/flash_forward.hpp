@@ -225,6 +225,7 @@ struct FlashForward {
     const U threshold = S::set1_u(dropout_threshold(p.dropout_p));
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
     const Softcap<S> cap(p);
+    bool fresh = true;  // O^T holds nothing yet (it is not zeroed before the pass)
 
     for (int64_t j0 = key_begin; j0 < key_end; j0 += kBlockK) {
       // A block a mask excludes entirely is skipped (its weights, when kept, need its P: zeros).
@@ -364,14 +365,17 @@ struct FlashForward {
         S::store(s.alpha + c * kLanes, alpha);
         rescale = rescale || !S::all(S::eq(alpha, S::set1(1.0f)));
       }
-      // O^T = O^T diag(alpha) + V^T P^T, the rescaling as the accumulators are loaded.
+      // O^T = O^T diag(alpha) + V^T P^T, the rescaling as the accumulators are loaded; the first
+      // block's O^T starts at zero.
       const float* const alpha = rescale ? s.alpha : nullptr;
       if constexpr (kPairs) {
-        T::accumulate(s.ot, s.vw, s.ptw, nbp / 2, p.dim_v, vecs, alpha);
+        T::accumulate(s.ot, s.vw, s.ptw, nbp / 2, p.dim_v, vecs, alpha, fresh);
       } else {
-        T::accumulate(s.ot, s.vp, tile, nbp, p.dim_v, vecs, alpha);
+        T::accumulate(s.ot, s.vp, tile, nbp, p.dim_v, vecs, alpha, fresh);
       }
+      fresh = false;
     }
+    if (fresh) std::memset(s.ot, 0, sizeof(float) * p.dim_v * kBlockQ);  // (no key block: O = 0)
   }
 
   // bfloat16 products: the key rows [j0, j0 + nbp) in place as pairs of dims (keys past Lk read a
@@ -495,7 +499,6 @@ struct FlashForward {
         std::fill(col + rows, col + kBlockQ, 0.0f);
       }
     }
-    std::memset(s.ot, 0, sizeof(float) * p.dim_v * kBlockQ);
     for (int64_t ii = 0; ii < kBlockQ; ++ii) {
       const int64_t i = i0 + ii;
       int64_t lim = p.len_k;
@@ -550,7 +553,7 @@ struct FlashForward {
         return;
       }
     }
-    for (int c = 0; c < kVecs; ++c) {
+    for (int c = 0; c < T::vecs_for(rows); ++c) {  // (the vectors the key pass wrote)
       const F factor = S::mul(S::load(s.l + c * kLanes), descale);
       for (int64_t d = 0; d < dim_v; ++d) {
         float* at = ot + d * kBlockQ + c * kLanes;

@@ -152,21 +152,21 @@ struct Tiles {
 
   // acc[r][c..] = acc[r][c..] * scale[c..] + sum_j rows[j][col0 + r] * weights[j][c..] for R
   // columns and one block of vectors (E: float32 elements, or words of bfloat16 pairs as in
-  // dot_rows_block); a null scale multiplies by none.
+  // dot_rows_block); a null scale multiplies by none. Fresh accumulators start at zero, acc unread.
   template <int R, int V, class E>
   static void accumulate_block(float* acc, const E* const* rows, int64_t col0, const E* weights, int64_t n, int c0,
-                               const float* scale) {
+                               const float* scale, bool fresh) {
     F a[R][V];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < V; ++c) a[r][c] = S::load(acc + r * kWidth + (c0 + c) * kLanes);
-    if (scale) {
+      for (int c = 0; c < V; ++c) a[r][c] = fresh ? S::zero() : S::load(acc + r * kWidth + (c0 + c) * kLanes);
+    if (scale && !fresh) {
       for (int c = 0; c < V; ++c) {
         const F f = S::load(scale + (c0 + c) * kLanes);
         for (int r = 0; r < R; ++r) a[r][c] = S::mul(a[r][c], f);
       }
     }
     if (n <= 0) {  // nothing to add; else a loop that runs at least once, as in dot_rows_block
-      if (scale)
+      if (scale || fresh)
         for (int r = 0; r < R; ++r)
           for (int c = 0; c < V; ++c) S::store(acc + r * kWidth + (c0 + c) * kLanes, a[r][c]);
       return;
@@ -189,13 +189,13 @@ struct Tiles {
   // (e.g. O^T = O^T diag(alpha) + V^T P^T).
   template <int kCols, class E>
   static void accumulate_cols(float* acc, const E* const* rows, int64_t c0, const E* weights, int64_t n, int vecs,
-                              const float* scale) {
+                              const float* scale, bool fresh) {
     constexpr int kFull = kCols / kBlockRows * kBlockRows, kRest = kCols % kBlockRows;
     over_vectors(vecs, [&](auto v, int v0) {
       constexpr int kV = decltype(v)::value;
       for (int r0 = 0; r0 < kFull; r0 += kBlockRows)
-        accumulate_block<kBlockRows, kV>(acc + r0 * kWidth, rows, c0 + r0, weights, n, v0, scale);
-      if constexpr (kRest > 0) accumulate_block<kRest, kV>(acc + kFull * kWidth, rows, c0 + kFull, weights, n, v0, scale);
+        accumulate_block<kBlockRows, kV>(acc + r0 * kWidth, rows, c0 + r0, weights, n, v0, scale, fresh);
+      if constexpr (kRest > 0) accumulate_block<kRest, kV>(acc + kFull * kWidth, rows, c0 + kFull, weights, n, v0, scale, fresh);
     });
   }
 
@@ -203,25 +203,27 @@ struct Tiles {
   // time, over the first `vecs` vectors of the panel (as in dot_rows). With `scale` (a panel row,
   // kWidth floats), each column is first multiplied by it, lane by lane: the forward's rescaling of
   // O^T as the running max grows, done on the accumulators as they are loaded (the same multiply,
-  // so the same bits, as a pass of its own over O^T, which took 7% of the bf16 key pass).
+  // so the same bits, as a pass of its own over O^T, which took 7% of the bf16 key pass). `fresh`
+  // accumulators start at zero without reading acc: a task's first key block (its O^T not zeroed
+  // first; the rescale of zeros by alpha = 0 gave zeros anyway).
   static_assert(kBlockRows <= 8, "accumulate's remainder switch covers up to 7 columns");
   // (Over bfloat16 pairs, S::kBf16Pairs: rows and weights of 32-bit words, n pairs of rows deep.)
   template <class E>
   static void accumulate(float* acc, const E* const* rows, const E* weights, int64_t n, int64_t cols,
-                         int vecs = kVecs, const float* scale = nullptr) {
+                         int vecs = kVecs, const float* scale = nullptr, bool fresh = false) {
     int64_t c0 = 0;
     for (; c0 + kBlockRows <= cols; c0 += kBlockRows) {
-      accumulate_cols<kBlockRows, E>(acc + c0 * kWidth, rows, c0, weights, n, vecs, scale);
+      accumulate_cols<kBlockRows, E>(acc + c0 * kWidth, rows, c0, weights, n, vecs, scale, fresh);
     }
     float* a = acc + c0 * kWidth;
     switch (cols - c0) {  // the columns left over, one instance per count
-      case 1: accumulate_cols<1, E>(a, rows, c0, weights, n, vecs, scale); break;
-      case 2: accumulate_cols<2, E>(a, rows, c0, weights, n, vecs, scale); break;
-      case 3: accumulate_cols<3, E>(a, rows, c0, weights, n, vecs, scale); break;
-      case 4: accumulate_cols<4, E>(a, rows, c0, weights, n, vecs, scale); break;
-      case 5: accumulate_cols<5, E>(a, rows, c0, weights, n, vecs, scale); break;
-      case 6: accumulate_cols<6, E>(a, rows, c0, weights, n, vecs, scale); break;
-      case 7: accumulate_cols<7, E>(a, rows, c0, weights, n, vecs, scale); break;
+      case 1: accumulate_cols<1, E>(a, rows, c0, weights, n, vecs, scale, fresh); break;
+      case 2: accumulate_cols<2, E>(a, rows, c0, weights, n, vecs, scale, fresh); break;
+      case 3: accumulate_cols<3, E>(a, rows, c0, weights, n, vecs, scale, fresh); break;
+      case 4: accumulate_cols<4, E>(a, rows, c0, weights, n, vecs, scale, fresh); break;
+      case 5: accumulate_cols<5, E>(a, rows, c0, weights, n, vecs, scale, fresh); break;
+      case 6: accumulate_cols<6, E>(a, rows, c0, weights, n, vecs, scale, fresh); break;
+      case 7: accumulate_cols<7, E>(a, rows, c0, weights, n, vecs, scale, fresh); break;
       default: break;
     }
   }
