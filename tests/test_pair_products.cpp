@@ -138,10 +138,11 @@ TEST_F(PairProducts, ThreadCountsGiveIdenticalBits) {
 }
 
 // The values as pairs of keys, copied three ways: per group by the thread that runs the whole
-// group (groups that divide over the threads: 4 on 2), per chunk of groups for long heads whose
-// groups do not (4 on 3 threads, 300 queries), in each task per key block for short ones (40
-// queries). All give the same values: the first 40 queries of a call of 300 (each of the first
-// two ways, the chunks of one head or of all) are the bits of a call of those 40 alone.
+// group (4 groups on 2 threads; on 3, three of them), per chunk of groups for long heads in query
+// tasks (4 groups on 5 threads, and the fourth on 3; 300 queries), in each task per key block for
+// short ones (40 queries). All give the same values: the first 40 queries of a call of 300 (each
+// of the first two ways, the chunks of one head or of all) are the bits of a call of those 40
+// alone.
 TEST_F(PairProducts, SharedValuePairsGiveTheBitsOfPerBlockCopies) {
   std::mt19937_64 rng(test_seed());
   const mha::Tensor q = randn({2, 2, 300, 32}, rng, mha::DType::bf16), k = randn({2, 2, 150, 32}, rng, mha::DType::bf16),
@@ -152,10 +153,12 @@ TEST_F(PairProducts, SharedValuePairsGiveTheBitsOfPerBlockCopies) {
   const int64_t saved = chunk.exchange(1);
   const mha::Tensor one_head_chunks = mha::scaled_dot_product_attention(q, k, v, {.num_threads = 3});
   chunk = saved;
-  const mha::Tensor all_chunk = mha::scaled_dot_product_attention(q, k, v, {.num_threads = 3});
+  const mha::Tensor all_chunk = mha::scaled_dot_product_attention(q, k, v, {.num_threads = 5});
   const mha::Tensor whole_groups = mha::scaled_dot_product_attention(q, k, v, {.num_threads = 2});
+  const mha::Tensor three_whole = mha::scaled_dot_product_attention(q, k, v, {.num_threads = 3});
   EXPECT_TRUE(same_bits(all_chunk, one_head_chunks));
   EXPECT_TRUE(same_bits(all_chunk, whole_groups));
+  EXPECT_TRUE(same_bits(three_whole, whole_groups));
   EXPECT_TRUE(same_bits(mha::Tensor::copy_of(whole_groups.view().slice(2, 0, 40), mha::DType::bf16), first));
 }
 

@@ -255,10 +255,11 @@ TEST(Sdpa, DropoutIsReproducibleAndHasTheRightStatistics) {
   for (int64_t i = 0; i < none.numel(); ++i) ASSERT_EQ(none.data<float>()[i], 0.0f);
 }
 
-// Six groups (batch entry, head): on 1, 2 and 3 threads a task is a whole group, on 5 a block of
-// 48 queries (flash_forward.hpp: runs_whole_groups); in bfloat16 (pair products where the CPU has
-// them) short heads copy their values as pairs per task, long ones (300 queries) per chunk of
-// groups. Every schedule gives the same bits.
+// Six groups (batch entry, head): on 1, 2 and 3 threads a task is a whole group, on 4 and 5 four
+// or five are and the rest run in blocks of 48 queries that the threads share, on 7 every task
+// is a block of queries (flash_forward.hpp: whole_groups); in bfloat16 (pair products where the
+// CPU has them) short heads copy their values as pairs per task, long ones (300 queries) per
+// chunk of groups. Every schedule gives the same bits.
 TEST(Sdpa, ThreadCountsGiveIdenticalBits) {
   std::mt19937_64 rng(test_seed());
   for (const mha::DType dtype : {mha::DType::f32, mha::DType::bf16}) {
@@ -266,7 +267,7 @@ TEST(Sdpa, ThreadCountsGiveIdenticalBits) {
       const mha::Tensor q = randn({2, 3, lq, 40}, rng, dtype), k = randn({2, 3, 150, 40}, rng, dtype),
                         v = randn({2, 3, 150, 24}, rng, dtype);
       const mha::Tensor one = mha::scaled_dot_product_attention(q, k, v, {.is_causal = true, .num_threads = 1});
-      for (int threads : {2, 3, 5}) {
+      for (int threads : {2, 3, 4, 5, 7}) {
         const mha::Tensor t = mha::scaled_dot_product_attention(q, k, v, {.is_causal = true, .num_threads = threads});
         EXPECT_TRUE(mha_test::same_bits(t, one)) << mha::dtype_name(dtype) << " Lq=" << lq << " threads " << threads;
       }

@@ -908,22 +908,21 @@ struct FlashForward {
     }
   }
 
-  // Where the groups balance over the threads, a task is a whole group: its query tasks in turn
+  // A task is a whole group where the groups balance over the threads: its query tasks in turn
   // on one thread, whose L2 then holds the group's keys and values (read by that thread alone),
   // and with bfloat16 products its values copied as pairs of keys once, into the thread's own
   // buffer. (Copied for a chunk of groups at a time into a buffer too large for L2, the copy was
   // a phase of its own, 5% of a B=4 H=16 L=512 forward.) Against query tasks handed out one by
   // one: fp32 BERT-sized (B=32 H=12 L=128) +8%, L=512 +4%, L=2048 +3%; bf16 +8%, +4.5%, +2%.
-  // Groups are equal work (the same rows and mask shape): they balance where every thread gets
-  // as many, or many each. The pair buffers are bounded as the chunk's.
-  static constexpr int64_t kMinGroupsPerThread = 16;
-
+  // Groups are equal work (the same rows and mask shape), so the largest multiple of the thread
+  // count runs as whole groups and the rest, fewer than the threads, as query tasks that every
+  // thread shares. The pair buffers are bounded as the chunk's.
   int64_t value_pair_words() const { return std::max<int64_t>(round_up(p.len_k, kBlockK) / 2 * round_up(p.dim_v, kLanes), 1); }
 
-  bool runs_whole_groups(int64_t groups, int threads) const {
-    if (o.average_weights != nullptr) return false;  // (its tasks take every head of their rows)
-    const bool balanced = groups % threads == 0 || groups >= kMinGroupsPerThread * threads;
-    return balanced && (!kPairs || threads * value_pair_words() <= widened_chunk_floats().load());
+  int64_t whole_groups(int64_t groups, int threads) const {
+    if (o.average_weights != nullptr) return 0;  // (its tasks take every head of their rows)
+    if (kPairs && threads * value_pair_words() > widened_chunk_floats().load()) return 0;
+    return groups - groups % threads;
   }
 
   void run_whole_groups(int64_t g_begin, int64_t g_end, int threads) const {
@@ -955,7 +954,10 @@ struct FlashForward {
   // Groups (batch entry, key/value head) [g_begin, g_end), whole batch entries.
   void run_groups_of(int64_t g_begin, int64_t g_end, int threads) const {
     if (kPairs || (widens() ? p.len_q <= kMaxQueriesWidenedPerTask : !packs_float32_rows())) {  // rows read in place
-      if (runs_whole_groups(g_end - g_begin, threads)) return run_whole_groups(g_begin, g_end, threads);
+      if (const int64_t whole = whole_groups(g_end - g_begin, threads); whole > 0) {
+        run_whole_groups(g_begin, g_begin + whole, threads);
+        if ((g_begin += whole) == g_end) return;
+      }
       if constexpr (kPairs) {
         if (p.len_q * (p.heads_q / p.heads_kv) > kMinQueriesToPairValues) return run_groups_with_value_pairs(g_begin, g_end, threads);
       }
