@@ -416,6 +416,11 @@ struct FewQueries {
           accumulate_values<r(), 4, L>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, vp, nc, c * kLanes);
       for (; c + kBlockVecs <= vecs_v; c += kBlockVecs)
         accumulate_values<r(), kBlockVecs, L>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, vp, nc, c * kLanes);
+      // Two vectors left (Dv = 128 on AVX-512) in one block: one vector at a time, each
+      // probability's broadcast served a single multiply-add (dv=128 rows ran 1.25x slower per vector).
+      if constexpr (kBlockVecs > 2)
+        if (c + 2 == vecs_v)
+          accumulate_values<r(), 2, L>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, vp, nc, c * kLanes), c += 2;
       for (; c < vecs_v; ++c)
         accumulate_values<r(), 1, L>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, vp, nc, c * kLanes);
     });
