@@ -571,21 +571,30 @@ def cpu_model():
     return "this CPU"
 
 
-def plot(rows, path):
-    """One panel per operation; one colour per (d, causal); mha solid, PyTorch dashed."""
+def plot(rows, path, batch, heads):
+    """One panel per operation; one colour per (d, causal); mha solid, PyTorch dashed. Only the
+    sweep's rows (B=batch, H=heads, no mask or bias variants): the table's other rows (BERT-sized,
+    decoding, masks) would add points of other shapes to its lines."""
     try:
         import matplotlib
     except ImportError:
         sys.exit(f"--plot needs matplotlib ({sys.executable} -m pip install matplotlib; make bench installs it)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    plotted = lambda op: op.startswith("sdpa") and not any(w in op for w in ("mask", "decode", "query"))  # the table only
-    ops = sorted({op for op, *_ in rows if plotted(op)})
+    def fields_of(shape):
+        return dict(f.split("=") for f in shape.replace(" causal", "").split() if "=" in f)
+
+    def plotted(op, shape):
+        f = fields_of(shape)
+        return (op.startswith("sdpa") and "+" not in op and not any(w in op for w in ("decode", "query"))
+                and f.get("B") == str(batch) and f.get("H") == str(heads) and "L" in f and "d" in f)
+
+    ops = sorted({op for op, shape, *_ in rows if plotted(op, shape)})
     series = {}
     for op, shape, ours, theirs, flops in rows:
-        if not plotted(op):
+        if not plotted(op, shape):
             continue
-        fields = dict(f.split("=") for f in shape.replace(" causal", "").split())
+        fields = fields_of(shape)
         variant = f"d={fields['d']}{', causal' if 'causal' in shape else ''}"
         L = int(fields["L"])
         series.setdefault((op, variant, "mha"), []).append((L, flops / ours / 1e9))
@@ -601,11 +610,11 @@ def plot(rows, path):
             ax.plot([x for x, _ in points], [y for _, y in points], marker="o", color=colours[variant],
                     linestyle="-" if impl == "mha" else "--", label=f"{impl}, {variant}")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length L (B=4, H=16)")
+        ax.set_xlabel(f"sequence length L (B={batch}, H={heads})")
         ax.set_ylabel("GFLOP/s")
         ax.set_title(op)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, handlelength=4)  # (long enough to show the dashes)
     fig.suptitle(f"Attention on {mha.get_num_threads()} threads of {cpu_model()} ({mha.cpu_isa()} kernels): "
                  f"mha (solid) and PyTorch {torch.__version__} (dashed)")
     fig.tight_layout()
@@ -725,7 +734,7 @@ def main():
                             onednn_ms=None if onednn.get((op, shape)) is None else onednn[(op, shape)] * 1e3)
                        for op, shape, o, t, fl in rows], f, indent=1)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args.batch, args.heads)
 
 
 if __name__ == "__main__":
