@@ -126,6 +126,79 @@ TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {
   EXPECT_GT(differs_from_float32, kCases / 2);
 }
 
+// The decoding kernel's panel schedule in pair products (few_queries.hpp's run_keys_by_pairs):
+// up to 32 queries per head with at least 24 query rows per key/value head (speculative decoding,
+// prompt chunks, GQA groups of 8 at a few tokens), against the float64 reference on fresh shapes:
+// caches past one run of 1008 keys (runs merged), blocks of 48 keys cut short and odd key counts
+// (a pair half empty), even head dims from 2 to 256, any Dv, [B, L, H, D] views, causal in both
+// alignments, windows, masks (bool, additive, a left-padded batch's key padding that skips
+// blocks), dropout, soft-capping, a scale. Tolerance as above (P rounded to bfloat16, the output
+// rounded); the log-sum-exp within 2e-4 of the float32 schedule's; the bits those of 1 thread on 3;
+// and not the float32 schedule's bits in most cases (the products ran).
+TEST_F(PairProducts, FewQueriesAgainstFloat64Reference) {
+  std::mt19937_64 rng(test_seed());
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  int differs_from_float32 = 0;
+  constexpr int kCases = 40;
+  for (int n = 0; n < kCases; ++n) {
+    const int64_t group = std::vector<int64_t>{1, 2, 4, 8}[pick(0, 3)], hkv = pick(1, 2), b = pick(1, 2);
+    const int64_t lq = pick((24 + group - 1) / group, 32), lk = coin(0.3) ? pick(900, 2200) : pick(1, 200);
+    const int64_t dk = std::vector<int64_t>{2, 16, 40, 64, 128, 256}[pick(0, 5)];
+    const int64_t dv = std::vector<int64_t>{1, 7, 16, 33, 64, 128}[pick(0, 5)];
+    const int64_t hq = hkv * group;
+    auto make = [&](int64_t h, int64_t l, int64_t d) {
+      if (coin(0.3)) return mha::Tensor::copy_of(randn({b, l, h, d}, rng, mha::DType::bf16).view().transpose(1, 2));
+      return randn({b, h, l, d}, rng, mha::DType::bf16);
+    };
+    const mha::Tensor q = make(hq, lq, dk), k = make(hkv, lk, dk), v = make(hkv, lk, dv);
+    mha::SdpaOptions o{.enable_gqa = group > 1};
+    o.is_causal = coin(0.5);
+    o.causal_alignment = coin(0.7) ? mha::CausalAlignment::BottomRight : mha::CausalAlignment::TopLeft;
+    if (coin(0.2)) o.window_left = pick(0, 300);
+    if (coin(0.2)) o.scale = std::uniform_real_distribution<double>(0.05, 1.5)(rng);
+    if (coin(0.15)) o.dropout_p = 0.3, o.dropout_seed = rng();
+    if (coin(0.15)) o.softcap = 5.0;
+    mha::Tensor mask;
+    const int64_t mask_kind = pick(0, 3);
+    if (mask_kind == 1) {
+      mask = mha::Tensor::empty({lq, lk}, mha::DType::boolean);
+      for (int64_t i = 0; i < mask.numel(); ++i) mask.data<bool>()[i] = coin(0.8);
+    } else if (mask_kind == 2) {
+      mask = randn({hq, lq, lk}, rng);
+    } else if (mask_kind == 3) {  // left padding: whole blocks of keys excluded for every row
+      mask = mha::Tensor::empty({b, 1, 1, lk});
+      for (int64_t e = 0; e < b; ++e) {
+        const int64_t padded = pick(0, lk - 1);
+        for (int64_t j = 0; j < lk; ++j) mask.data<float>()[e * lk + j] = j < padded ? -INFINITY : 0.0f;
+      }
+    }
+    if (mask.defined()) o.attn_mask = mask.view();
+    SCOPED_TRACE("B=" + std::to_string(b) + " Hq=" + std::to_string(hq) + " Hkv=" + std::to_string(hkv) +
+                 " Lq=" + std::to_string(lq) + " Lk=" + std::to_string(lk) + " dk=" + std::to_string(dk) +
+                 " dv=" + std::to_string(dv) + " causal=" + std::to_string(o.is_causal) + " window=" +
+                 std::to_string(o.window_left) + " mask=" + std::to_string(mask_kind) + " dropout=" +
+                 std::to_string(o.dropout_p) + " softcap=" + std::to_string(o.softcap));
+    ASSERT_TRUE(mha_test::pair_products_forward(mha::DType::bf16, lq, dk, group));
+    const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
+    o.num_threads = 1;
+    const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    EXPECT_LT(rel_error(saved.output, ref.output), 1e-2);
+    o.num_threads = 3;
+    EXPECT_TRUE(same_bits(mha::scaled_dot_product_attention(q, k, v, o), saved.output));
+    mha::detail::force_isa(mha::detail::Isa::avx512);
+    const auto saved32 = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+    mha::detail::force_isa(mha::detail::Isa::avx512_bf16);
+    differs_from_float32 += !same_bits(saved.output, saved32.output);
+    for (int64_t r = 0; r < saved.lse.numel(); ++r) {
+      const float a = saved.lse.data<float>()[r], want = saved32.lse.data<float>()[r];
+      if (std::isinf(want)) ASSERT_EQ(a, want) << "row " << r;
+      else ASSERT_NEAR(a, want, 2e-4 * std::max(1.0f, std::abs(want))) << "row " << r;
+    }
+  }
+  EXPECT_GT(differs_from_float32, kCases / 2);
+}
+
 TEST_F(PairProducts, ThreadCountsGiveIdenticalBits) {
   std::mt19937_64 rng(test_seed());
   const mha::Tensor q = randn({2, 4, 300, 64}, rng, mha::DType::bf16), k = randn({2, 2, 257, 64}, rng, mha::DType::bf16),
@@ -177,18 +250,32 @@ TEST_F(PairProducts, EmptyHeadDims) {
   EXPECT_LT(rel_error(out, mha::reference::scaled_dot_product_attention(q0, k0, v, o).output), 1e-2);
 }
 
-// Odd head dims of q and k (no whole pairs) and decoding (up to 32 queries) take the float32
-// kernel on the widened inputs: its bits.
-TEST_F(PairProducts, OddDimsAndDecodingTakeTheFloat32Kernel) {
+// Odd head dims of q and k (no whole pairs), decoding with fewer than 24 query rows per key/value
+// head (dot mode's 4: one query of 4 heads sharing one, or 4 queries of one head; the float32
+// panel's 16) and few-query calls that return their weights take the float32 kernel on the
+// widened inputs: its bits.
+TEST_F(PairProducts, OddDimsFewRowsAndWeightsTakeTheFloat32Kernel) {
   std::mt19937_64 rng(test_seed());
-  for (const auto& [lq, dk] : {std::pair<int64_t, int64_t>{100, 33}, std::pair<int64_t, int64_t>{32, 64}}) {
-    SCOPED_TRACE("Lq " + std::to_string(lq) + " dk " + std::to_string(dk));
-    EXPECT_FALSE(mha_test::pair_products_forward(mha::DType::bf16, lq, dk));
-    const mha::Tensor q = randn({1, 2, lq, dk}, rng, mha::DType::bf16), k = randn({1, 2, 90, dk}, rng, mha::DType::bf16),
-                      v = randn({1, 2, 90, 16}, rng, mha::DType::bf16);
-    const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, {});
+  struct Shape {
+    int64_t lq, dk, hq, hkv;
+    bool weights;
+  };
+  for (const Shape& c : {Shape{100, 33, 2, 2, false}, Shape{4, 64, 2, 2, false}, Shape{1, 64, 8, 2, false},
+                         Shape{16, 64, 2, 2, false}, Shape{32, 64, 2, 2, true}, Shape{3, 64, 8, 2, true}}) {
+    SCOPED_TRACE("Lq " + std::to_string(c.lq) + " dk " + std::to_string(c.dk) + " Hq " + std::to_string(c.hq) +
+                 " weights " + std::to_string(c.weights));
+    EXPECT_FALSE(mha_test::pair_products_forward(mha::DType::bf16, c.lq, c.dk, c.hq / c.hkv, c.weights));
+    const mha::Tensor q = randn({1, c.hq, c.lq, c.dk}, rng, mha::DType::bf16),
+                      k = randn({1, c.hkv, 1100, c.dk}, rng, mha::DType::bf16),
+                      v = randn({1, c.hkv, 1100, 16}, rng, mha::DType::bf16);
+    const mha::SdpaOptions o{.enable_gqa = c.hq != c.hkv};
+    auto run = [&] {
+      return c.weights ? mha::scaled_dot_product_attention_with_weights(q, k, v, o).output
+                       : mha::scaled_dot_product_attention(q, k, v, o);
+    };
+    const mha::Tensor out = run();
     mha::detail::force_isa(mha::detail::Isa::avx512);
-    const mha::Tensor out32 = mha::scaled_dot_product_attention(q, k, v, {});
+    const mha::Tensor out32 = run();
     mha::detail::force_isa(mha::detail::Isa::avx512_bf16);
     EXPECT_TRUE(same_bits(out, out32));
   }

@@ -505,7 +505,7 @@ TEST_P(EveryIsa, HeadAveragedWeightsAreTheMeanOfTheHeadsOnEitherSchedule) {
     EXPECT_TRUE(mha_test::same_bits(run(2, false, per_head), out));
     o.num_threads = 2;
     const mha::Tensor plain = mha::scaled_dot_product_attention(q, k, v, o);
-    if ((GetParam() == mha::detail::Isa::amx && dtype == mha::DType::bf16) || mha_test::pair_products_forward(dtype, lq, dk)) {
+    if ((GetParam() == mha::detail::Isa::amx && dtype == mha::DType::bf16) || mha_test::pair_products_forward(dtype, lq, dk, group)) {
       // Without weights, bfloat16 runs the AMX kernel, or the pair products with the exponential
       // sized for bfloat16 (with them, the float32 one).
       EXPECT_LT(rel_error(plain, out), 1e-2);

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "cpu/amx.hpp"
+#include "cpu/attention_kernel.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
 #include "mha/reference.hpp"
@@ -93,10 +94,13 @@ inline ::testing::AssertionResult agree(const mha::TensorView& a, const mha::Ten
 // Whether a bfloat16 forward of these lengths and head dims runs with AVX512-BF16's bfloat16 pair
 // products on the ISA in use (attention.cpp's rule): it rounds P to bfloat16 for its products, so
 // its output is within bfloat16 rounding of the float32 path's rather than its bits, and its
-// log-sum-exp within a few units of float32 rounding.
-inline bool pair_products_forward(mha::DType dtype, int64_t lq, int64_t dk) {
-  return mha::detail::active_isa() == mha::detail::Isa::avx512_bf16 && dtype == mha::DType::bf16 &&
-         mha::detail::bf16_pairs_take_shape(lq, dk);
+// log-sum-exp within a few units of float32 rounding. Up to 32 queries per head (the decoding
+// kernel), only its panel schedule takes them, from 24 query rows per key/value head (`group`
+// query heads share one) and without weights returned (few_queries.hpp's kMinPairRows).
+inline bool pair_products_forward(mha::DType dtype, int64_t lq, int64_t dk, int64_t group = 1, bool weights = false) {
+  if (mha::detail::active_isa() != mha::detail::Isa::avx512_bf16 || dtype != mha::DType::bf16 || dk % 2 != 0) return false;
+  if (mha::detail::bf16_pairs_take_shape(lq, dk)) return true;
+  return lq <= mha::detail::kFewQueriesPerHead && group * lq >= 24 && !weights;
 }
 
 // Whether a bfloat16 backward of this shape runs with AVX512-BF16's pair products on the ISA in

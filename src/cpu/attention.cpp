@@ -138,8 +138,9 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
     case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32 (and what the tile unit does not take)
     case Isa::avx512: kernel = flash_forward_avx512; break;
     case Isa::avx512_bf16:
-      kernel = bf16_pairs_supports(p) && bf16_pairs_take_shape(p.len_q, p.dim_qk) ? flash_forward_avx512bf16
-                                                                                   : flash_forward_avx512;
+      kernel = bf16_pairs_supports(p) && (bf16_pairs_take_shape(p.len_q, p.dim_qk) || bf16_pairs_take_few_queries(p, outputs))
+                   ? flash_forward_avx512bf16
+                   : flash_forward_avx512;
       break;
     case Isa::avx2: kernel = flash_forward_avx2; break;
     case Isa::portable: break;

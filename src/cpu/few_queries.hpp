@@ -14,7 +14,9 @@
 // whose partial softmax states are merged in order afterwards; every query row's arithmetic is the
 // same whichever rows share its register block or task, so the bits depend on the shape only, not
 // on the thread count. Key blocks a mask excludes for every row of a task (a batch's left
-// padding) are skipped, keys and values unread. Internal linkage: each ISA's file compiles its own copy.
+// padding) are skipped, keys and values unread. With AVX512-BF16 (S::kBf16Pairs), bfloat16 problems
+// take both products of the panel schedule over pairs of bfloat16 values (run_keys_by_pairs).
+// Internal linkage: each ISA's file compiles its own copy.
 #pragma once
 
 #include <algorithm>
@@ -98,6 +100,17 @@ struct FewQueries {
   static constexpr bool kSum4 = requires(F x, float* out) { S::sum4(x, x, x, x, out); };
   static constexpr int64_t kDotRows = kSum4 ? 8 : 4;
   bool scores_by_dot() const { return queries() <= kDotRows; }
+  // bfloat16 pair products (vdpbf16ps) in the panel schedule, where the layer has them and q, k
+  // and v are bfloat16 with an even head dim (bf16_pairs_supports), from kMinPairRows query rows
+  // per key/value head: a block's transposes as pairs cost the same whatever its rows, and below
+  // that the products they halve did not pay for them (Zen 5, 2048-4096 keys, against the float32
+  // panel: 8 rows 0.91-0.94x, 16 rows 0.95-1.19x, 24 rows 1.03x, 32 rows 1.14-1.32x, 64 rows 1.30x).
+  // Dot mode, bound by reading the keys and values, stays float32.
+  static constexpr bool kPairs = requires { S::kBf16Pairs; };
+  static constexpr int64_t kMinPairRows = 24;
+  static bool takes_pairs(const AttentionProblem& p) {
+    return kPairs && bf16_pairs_supports(p) && p.heads_kv > 0 && p.heads_q / p.heads_kv * p.len_q >= kMinPairRows;
+  }
   // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
   // each vector as it loads it: 16-bit and e5m2 rows of whole vectors always; e4m3 rows up to 4 queries
   // per key/value head, as their widening costs several times a 16-bit one's and rows in place
@@ -117,10 +130,13 @@ struct FewQueries {
   }
   // The panel schedule prefetches key rows of 512 bytes and more a block ahead; with shorter rows
   // (d = 64 in float32), prefetching next to its panel transposes cost more than it saved (a step
-  // at B=4 H=16 S=4096 d=64 took 1.4x the time on AVX2). Dot mode reads keys, then values, each
+  // at B=4 H=16 S=4096 d=64 took 1.4x the time on AVX2). 16- and 8-bit rows are prefetched
+  // whatever their length: widened (or transposed as pairs) before their products, their misses
+  // stalled the block (AVX-512 on Zen 5, bf16, 8 query rows per key/value head: 1.12-1.28x faster
+  // at d = 64 and 128, float16 1.30x, float8 1.11-1.13x). Dot mode reads keys, then values, each
   // in one sequential pass, and asks for rows kDotPrefetchKeys ahead whatever their length (48
   // to 96 keys measured best on AVX2, 0.90-0.95x the time of no prefetch at d=64 and 128).
-  bool prefetches() const { return p.dim_qk * dtype_size(p.k.dtype) >= 512; }
+  bool prefetches() const { return p.dim_qk * dtype_size(p.k.dtype) >= 512 || p.k.dtype != DType::f32; }
   static constexpr int64_t kDotPrefetchKeys = 64;
 
   // Key rows are transposed in place when they are float32 of whole 8-float groups, value rows read
@@ -147,6 +163,8 @@ struct FewQueries {
     int64_t* active;     // [rows] the rows that see some key of the block, in order
     const float** qrow;  // [rows] their queries
     float** accrow;      // [rows] their accumulators
+    const uint32_t** qw_row;  // [rows] pair products: each row's query in place, pairs of dims as words
+    const uint32_t** qw;      // [rows] those of the rows that see the block, in order
     const float* kp[kKeys];  // key rows, when scores are dot products
     const float* vp[kKeys];
     const uint16_t* kp16[kKeys];  // bfloat16 or float16 rows read in place (dot mode)
@@ -172,13 +190,15 @@ struct FewQueries {
 
   Scratch allocate(int64_t rows) const {
     const int64_t floats = rows * (dk() + dv() + 2 + kLanes + score_stride()) + dk8() * kKeys + kKeys * (dk() + dv()) + zeros() +
-                           10 * rows;  // the last: lim, active, qrow, accrow (8 bytes each), the dropout keys
+                           14 * rows;  // the last: lim, active, qrow, accrow, qw_row, qw (8 bytes each), the dropout keys
     float* f = static_cast<float*>(thread_scratch(static_cast<size_t>(T::round_up(floats * 4, 64) + 64)));
     Scratch s;
     s.lim = reinterpret_cast<int64_t*>(f), f += 2 * rows;  // first: the buffer's start is aligned for 8 bytes
     s.active = reinterpret_cast<int64_t*>(f), f += 2 * rows;
     s.qrow = reinterpret_cast<const float**>(f), f += 2 * rows;
     s.accrow = reinterpret_cast<float**>(f), f += 2 * rows;
+    s.qw_row = reinterpret_cast<const uint32_t**>(f), f += 2 * rows;
+    s.qw = reinterpret_cast<const uint32_t**>(f), f += 2 * rows;
     s.kt = f, f += dk8() * kKeys;
     s.scores = f, f += rows * score_stride();
     s.l = f, f += rows * kLanes;
@@ -512,6 +532,8 @@ struct FewQueries {
   void run_keys(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
                 int64_t j_end) const {
     if (scores_by_dot()) return run_keys_by_dot(s, b, hk, r_begin, r_end, j_begin, j_end);
+    if constexpr (kPairs)
+      if (takes_pairs(p)) return run_keys_by_pairs(s, b, hk, r_begin, r_end, j_begin, j_end);
     const int64_t rows = r_end - r_begin;
     const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end);
     mark_skipped(s, b, hk, r_begin, r_end, j_begin, key_end);
@@ -544,6 +566,110 @@ struct FewQueries {
       // O = alpha O + P V: every key of the block, a zero weight too (0 x inf is NaN, as in P @ V).
       accumulate_rows(s, n, s.scores, kKeys, nc, s.vp);
     }
+  }
+
+  // The panel schedule over bfloat16 pairs (takes_pairs). Per block of 48 keys: K^T as pairs of
+  // dims per key (16 x 16 word transposes of the rows in place, or of a copy where the block
+  // crosses pages), each query row read in place as pairs of dims and broadcast against it, the
+  // sums times the scale (a scaled bfloat16 would round again); the float32 softmax of
+  // softmax_row; P rounded to bfloat16 over its own row, so that pairs of keys are words, each
+  // broadcast against the block's values copied as pairs of keys per column. Half the products'
+  // instructions of the float32 schedule, and no widening of the keys and values. P rounded to
+  // bfloat16 (2^-9) is what the tile kernel's pair products and the AMX kernel round too: the
+  // outputs are within bfloat16 rounding of the float32 schedule's, not its bits.
+  void run_keys_by_pairs(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
+                         int64_t j_end) const {
+    const int64_t rows = r_end - r_begin;
+    const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end);
+    mark_skipped(s, b, hk, r_begin, r_end, j_begin, key_end);
+    const int64_t words = p.dim_qk / 2;
+    const F qk_scale = S::set1(static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e);
+    for (int64_t qi = 0; qi < rows; ++qi) {
+      const int64_t h = hk * group() + (r_begin + qi) / p.len_q, i = (r_begin + qi) % p.len_q;
+      const int64_t offset = b * p.q.strides[0] + h * p.q.strides[1] + i * p.q.strides[2];
+      s.qw_row[qi] = reinterpret_cast<const uint32_t*>(p.q.data_as<const uint16_t>() + offset);
+    }
+    auto* kt = reinterpret_cast<uint32_t*>(s.kt);           // [words][kKeys] (dk8 >= words)
+    auto* values = reinterpret_cast<uint32_t*>(s.vbuf);     // [kKeys / 2][dv] pairs of keys per column
+    auto* copied = reinterpret_cast<uint16_t*>(s.kbuf);     // [kKeys][Dk] a block's key rows across pages
+    for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
+      if (s.skipped[(j0 - j_begin) / kKeys]) continue;
+      const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
+      int64_t n = 0;  // the rows that see a key of this block (causality), packed
+      for (int64_t qi = 0; qi < rows; ++qi) {
+        if (j0 >= s.lim[qi]) continue;
+        s.active[n] = qi;
+        s.qw[n] = s.qw_row[qi];
+        s.accrow[n++] = s.acc + qi * dv();
+      }
+      if (prefetches() && j0 + kKeys < key_end && !s.skipped[(j0 + kKeys - j_begin) / kKeys]) {
+        prefetch_rows(p.k, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
+        prefetch_rows(p.v, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
+      }
+      if (p.key_rows_evenly_spaced(j0, nc)) {
+        S::transpose_pairs(low_row<uint16_t>(p.k, b, hk, j0), p.k.strides[2], nc, words, kt, kKeys);
+      } else {
+        for (int c = 0; c < nc; ++c) std::memcpy(copied + c * p.dim_qk, low_row<uint16_t>(p.k, b, hk, j0 + c), 2 * p.dim_qk);
+        S::transpose_pairs(copied, p.dim_qk, nc, words, kt, kKeys);
+      }
+      const int pairs = (nc + 1) / 2;  // (an odd block's last pair: its second key zero, its p zero)
+      for (int r = 0; r < pairs; ++r) {
+        const uint16_t* first = low_row<uint16_t>(p.v, b, hk, j0 + 2 * r);
+        const uint16_t* second = 2 * r + 1 < nc ? low_row<uint16_t>(p.v, b, hk, j0 + 2 * r + 1) : nullptr;
+        for (int64_t d = 0; d < dv(); d += kLanes) S::store_w(values + r * dv() + d, S::interleave_rows(first, second, d, p.dim_v));
+      }
+      const int vecs = T::round_up(T::vecs_for(nc), kBlockVecs);  // (whole register blocks: s.scores is kKeys wide)
+      for_row_blocks(n, [&](auto r, int64_t r0) {
+        for (int c0 = 0; c0 < vecs; c0 += kBlockVecs)
+          T::template dot_rows_block<r(), kBlockVecs, uint32_t>(s.scores + r0 * kKeys, s.qw + r0, kt, words, c0, qk_scale);
+      });
+      for (int64_t a = 0; a < n; ++a) {
+        const int64_t row = r_begin + s.active[a];
+        softmax_row(s, a, s.active[a], b, hk * group() + row / p.len_q, row % p.len_q, j0, nc);
+        S::narrow_in_place(s.scores + a * kKeys, T::vecs_for(nc));  // (keys past nc: p = 0)
+      }
+      // O = alpha O + P V over pairs of keys: every key of the block, a zero weight too.
+      accumulate_pairs(s, n, reinterpret_cast<const uint32_t*>(s.scores), kKeys, pairs, values);
+    }
+  }
+
+  // O = alpha O + P V for the n rows accrow[0..n) (scaled first by alpha), over `pairs` pairs of
+  // keys: P's as words (row r's at prob + r * stride), the values' as rows of dv() words (pairs of
+  // keys per column). Register blocks as accumulate_rows'.
+  void accumulate_pairs(const Scratch& s, int64_t n, const uint32_t* prob, int64_t stride, int pairs,
+                        const uint32_t* values) const {
+    const int vecs_v = static_cast<int>(dv() / kLanes);
+    for_row_blocks(n, [&](auto r, int64_t r0) {
+      auto block = [&](auto v, int c) {
+        accumulate_value_pairs<r(), decltype(v)::value>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, values,
+                                                        pairs, c * kLanes);
+      };
+      int c = 0;
+      if constexpr (r() <= 2)
+        for (; c + 4 <= vecs_v; c += 4) block(std::integral_constant<int, 4>{}, c);
+      for (; c + kBlockVecs <= vecs_v; c += kBlockVecs) block(std::integral_constant<int, kBlockVecs>{}, c);
+      if constexpr (kBlockVecs > 2)
+        if (c + 2 == vecs_v) block(std::integral_constant<int, 2>{}, c), c += 2;
+      for (; c < vecs_v; ++c) block(std::integral_constant<int, 1>{}, c);
+    });
+  }
+  template <int R, int V>
+  void accumulate_value_pairs(float* const* acc, const uint32_t* prob, int64_t stride, const float* alpha,
+                              const uint32_t* values, int pairs, int64_t c0) const {
+    F a[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) a[r][v] = S::mul(S::load(acc[r] + c0 + v * kLanes), S::set1(alpha[r]));
+    int j = 0;
+    do {  // pairs >= 1
+      typename S::W w[V];
+      for (int v = 0; v < V; ++v) w[v] = S::load_w(values + j * dv() + c0 + v * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const auto x = S::broadcast_w(prob + r * stride + j);
+        for (int v = 0; v < V; ++v) a[r][v] = S::dot_pairs(x, w[v], a[r][v]);
+      }
+    } while (++j < pairs);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) S::store(acc[r] + c0 + v * kLanes, a[r][v]);
   }
 
   // Dot mode: up to kDotRows rows, each score a dot product of whole rows, in passes over the run

@@ -854,13 +854,13 @@ struct FlashForward {
 
   void run() const {
     const int threads = resolve_threads(p.num_threads);
-    if constexpr (!kPairs) {  // (the bfloat16 products are not used for decoding: bf16_pairs_take_shape)
-      if (FewQueries<S>::applies(p, o)) {  // decoding; the head average from its per-head weights
-        if (o.average_weights != nullptr) return run_then_average(threads);
-        if (!p.windowed) return FewQueries<S>{p, o}.run();
-        const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)
-        return FewQueries<S>{masked, o}.run();
-      }
+    // Decoding; the head average from its per-head weights. (With bfloat16 products, only the
+    // few-query shapes whose panel schedule takes them: bf16_pairs_take_few_queries.)
+    if (FewQueries<S>::applies(p, o) && (!kPairs || FewQueries<S>::takes_pairs(p))) {
+      if (o.average_weights != nullptr) return run_then_average(threads);
+      if (!p.windowed) return FewQueries<S>{p, o}.run();
+      const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)
+      return FewQueries<S>{masked, o}.run();
     }
     if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
     if (!mask_columns.done) {

@@ -10,6 +10,11 @@ void flash_forward_avx512bf16(const AttentionProblem& p, const ForwardOutputs& o
   FlashForward<simd::Avx512Bf16>{p, o}.run();
 }
 
+bool bf16_pairs_take_few_queries(const AttentionProblem& p, const ForwardOutputs& o) {
+  using Few = FewQueries<simd::Avx512Bf16>;
+  return Few::applies(p, o) && Few::takes_pairs(p) && o.average_weights == nullptr;
+}
+
 void exp2_bf16_of(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);

@@ -60,6 +60,15 @@ struct Avx512Bf16 : Avx512 {
                                                 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return _mm512_permutexvar_epi16(interleave, halves);
   }
+  // x[0, 16 n) rounded to bfloat16 (to nearest even; subnormals flush to zero, as vdpbf16ps reads
+  // them anyway) over the start of x itself: element 2w in the low half of word w, 2w + 1 in the
+  // high (pairs of neighbours as words). Each vector is read before its words are written.
+  static void narrow_in_place(float* x, int n) {
+    for (int v = 0; v < n; ++v) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + v * 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(x) + v * 16), h);
+    }
+  }
   // Elements [d, d + 16) of bfloat16 rows a and b (as bits; a null row reads zeros, as do elements
   // past n) as the pairs of 16 words: word i holds (a[d + i], b[d + i]).
   static W interleave_rows(const uint16_t* a, const uint16_t* b, int64_t d, int64_t n) {
