@@ -235,6 +235,27 @@ TEST_F(PairProducts, SharedValuePairsGiveTheBitsOfPerBlockCopies) {
   EXPECT_TRUE(same_bits(mha::Tensor::copy_of(whole_groups.view().slice(2, 0, 40), mha::DType::bf16), first));
 }
 
+// Keys, values and queries read through [B, L, H, D] views (rows a head-row stride apart, as the
+// module's projections lay them out): whole-group tasks copy such keys packed once per group, query
+// tasks read them in place. Every schedule gives the bits of packed copies of the same tensors (4
+// groups: whole groups on 1, 2 and 4 threads, three whole and one in query tasks on 3, query tasks
+// alone on 5), short heads and long ones (values shared per chunk).
+TEST_F(PairProducts, UnpackedRowsGiveTheBitsOfPackedCopies) {
+  std::mt19937_64 rng(test_seed());
+  for (const int64_t lq : {100, 300}) {
+    const mha::Tensor qs = randn({2, lq, 4, 64}, rng, mha::DType::bf16), ks = randn({2, 130, 2, 64}, rng, mha::DType::bf16),
+                      vs = randn({2, 130, 2, 40}, rng, mha::DType::bf16);
+    const mha::TensorView q = qs.view().transpose(1, 2), k = ks.view().transpose(1, 2), v = vs.view().transpose(1, 2);
+    const mha::Tensor qc = mha::Tensor::copy_of(q), kc = mha::Tensor::copy_of(k), vc = mha::Tensor::copy_of(v);
+    mha::SdpaOptions o{.is_causal = true, .enable_gqa = true};
+    const mha::Tensor packed = mha::scaled_dot_product_attention(qc, kc, vc, o);
+    for (const int threads : {1, 2, 3, 4, 5}) {
+      o.num_threads = threads;
+      EXPECT_TRUE(same_bits(mha::scaled_dot_product_attention(q, k, v, o), packed)) << "Lq " << lq << " threads " << threads;
+    }
+  }
+}
+
 // Empty head dims on the pair path: no values (an empty output, the shared value copy of a long
 // head empty too), and no dims of q and k (every score 0: each row the mean of its visible values).
 TEST_F(PairProducts, EmptyHeadDims) {
