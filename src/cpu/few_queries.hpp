@@ -527,6 +527,21 @@ struct FewQueries {
     return blocks;
   }
 
+  // The rows that see a key of the block at j0 (causality), packed: their indices, accumulators
+  // and queries (the scaled float32 copies, or with pair products the rows in place); returns
+  // their count.
+  int64_t active_rows(Scratch& s, int64_t rows, int64_t j0, bool pairs) const {
+    int64_t n = 0;
+    for (int64_t qi = 0; qi < rows; ++qi) {
+      if (j0 >= s.lim[qi]) continue;
+      s.active[n] = qi;
+      if (pairs) s.qw[n] = s.qw_row[qi];
+      else s.qrow[n] = s.q + qi * dk();
+      s.accrow[n++] = s.acc + qi * dv();
+    }
+    return n;
+  }
+
   // Keys [j_begin, j_end) for rows [r_begin, r_end) of key/value head (b, hk). Leaves O, m and the
   // lane sums of each row in the scratch, indexed from r_begin.
   void run_keys(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
@@ -541,13 +556,7 @@ struct FewQueries {
     for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
       if (s.skipped[(j0 - j_begin) / kKeys]) continue;
       const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
-      int64_t n = 0;  // the rows that see a key of this block (causality), packed
-      for (int64_t qi = 0; qi < rows; ++qi) {
-        if (j0 >= s.lim[qi]) continue;
-        s.active[n] = qi;
-        s.qrow[n] = s.q + qi * dk();
-        s.accrow[n++] = s.acc + qi * dv();
-      }
+      const int64_t n = active_rows(s, rows, j0, false);
       if (prefetches() && j0 + kKeys < key_end && !s.skipped[(j0 + kKeys - j_begin) / kKeys]) {
         prefetch_rows(p.k, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
         prefetch_rows(p.v, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
@@ -595,13 +604,7 @@ struct FewQueries {
     for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
       if (s.skipped[(j0 - j_begin) / kKeys]) continue;
       const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
-      int64_t n = 0;  // the rows that see a key of this block (causality), packed
-      for (int64_t qi = 0; qi < rows; ++qi) {
-        if (j0 >= s.lim[qi]) continue;
-        s.active[n] = qi;
-        s.qw[n] = s.qw_row[qi];
-        s.accrow[n++] = s.acc + qi * dv();
-      }
+      const int64_t n = active_rows(s, rows, j0, true);
       if (prefetches() && j0 + kKeys < key_end && !s.skipped[(j0 + kKeys - j_begin) / kKeys]) {
         prefetch_rows(p.k, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
         prefetch_rows(p.v, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
