@@ -456,22 +456,27 @@ struct FewQueries {
     return S::select(keep, S::mul(pr, S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)))), S::zero());
   }
 
-  // Row qi's queries (scaled), zero O and sums, m = -inf and its key limit, for rows [r_begin,
-  // r_end) of key/value head (b, hk) over keys [j_begin, j_end); returns the end of the keys any row sees.
+  // Row qi's queries (scaled; with pair products, the bfloat16 row in place, unscaled), zero O and
+  // sums, m = -inf and its key limit, for rows [r_begin, r_end) of key/value head (b, hk) over keys
+  // [j_begin, j_end); returns the end of the keys any row sees.
   int64_t start_rows(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
-                     int64_t j_end) const {
+                     int64_t j_end, bool pairs = false) const {
     const float qscale = static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e;
     int64_t key_end = j_begin;
     for (int64_t qi = 0; qi < r_end - r_begin; ++qi) {
       const int64_t h = hk * group() + (r_begin + qi) / p.len_q, i = (r_begin + qi) % p.len_q;
       const int64_t offset = b * p.q.strides[0] + h * p.q.strides[1] + i * p.q.strides[2];
-      float* q = s.q + qi * dk();
-      if (p.q.dtype == DType::f32) std::memcpy(q, p.q.data_as<float>() + offset, sizeof(float) * p.dim_qk);
-      else T::widen(p.q.dtype, element_address(p.q.data, p.q.dtype, offset), q, p.dim_qk);
-      for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= qscale;
-      if (const float unscale = key_unscale(); unscale != 1.0f)
-        for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= unscale;
-      std::fill(q + p.dim_qk, q + dk(), 0.0f);
+      if (pairs) {
+        s.qw_row[qi] = reinterpret_cast<const uint32_t*>(p.q.data_as<const uint16_t>() + offset);
+      } else {
+        float* q = s.q + qi * dk();
+        if (p.q.dtype == DType::f32) std::memcpy(q, p.q.data_as<float>() + offset, sizeof(float) * p.dim_qk);
+        else T::widen(p.q.dtype, element_address(p.q.data, p.q.dtype, offset), q, p.dim_qk);
+        for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= qscale;
+        if (const float unscale = key_unscale(); unscale != 1.0f)
+          for (int64_t d = 0; d < p.dim_qk; ++d) q[d] *= unscale;
+        std::fill(q + p.dim_qk, q + dk(), 0.0f);
+      }
       std::fill(s.acc + qi * dv(), s.acc + (qi + 1) * dv(), 0.0f);
       std::fill(s.l + qi * kLanes, s.l + (qi + 1) * kLanes, 0.0f);
       s.m[qi] = -std::numeric_limits<float>::infinity();
@@ -542,6 +547,15 @@ struct FewQueries {
     return n;
   }
 
+  // The panel schedule's keys and values of the block after j0 (unless it is past key_end or
+  // skipped) asked for ahead, where prefetches() says so.
+  void prefetch_next_block(const Scratch& s, int64_t b, int64_t hk, int64_t j0, int64_t j_begin, int64_t key_end) const {
+    const int64_t next = j0 + kKeys;
+    if (!prefetches() || next >= key_end || s.skipped[(next - j_begin) / kKeys]) return;
+    prefetch_rows(p.k, b, hk, next, std::min<int64_t>(kKeys, key_end - next));
+    prefetch_rows(p.v, b, hk, next, std::min<int64_t>(kKeys, key_end - next));
+  }
+
   // Keys [j_begin, j_end) for rows [r_begin, r_end) of key/value head (b, hk). Leaves O, m and the
   // lane sums of each row in the scratch, indexed from r_begin.
   void run_keys(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
@@ -557,10 +571,7 @@ struct FewQueries {
       if (s.skipped[(j0 - j_begin) / kKeys]) continue;
       const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
       const int64_t n = active_rows(s, rows, j0, false);
-      if (prefetches() && j0 + kKeys < key_end && !s.skipped[(j0 + kKeys - j_begin) / kKeys]) {
-        prefetch_rows(p.k, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
-        prefetch_rows(p.v, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
-      }
+      prefetch_next_block(s, b, hk, j0, j_begin, key_end);
       transpose_keys(s, b, hk, j0, nc);
       for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
       const int vecs = T::round_up(T::vecs_for(nc), kBlockVecs);  // (whole register blocks: s.scores is kKeys wide)
@@ -589,15 +600,10 @@ struct FewQueries {
   void run_keys_by_pairs(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
                          int64_t j_end) const {
     const int64_t rows = r_end - r_begin;
-    const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end);
+    const int64_t key_end = start_rows(s, b, hk, r_begin, r_end, j_begin, j_end, true);
     mark_skipped(s, b, hk, r_begin, r_end, j_begin, key_end);
     const int64_t words = p.dim_qk / 2;
     const F qk_scale = S::set1(static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e);
-    for (int64_t qi = 0; qi < rows; ++qi) {
-      const int64_t h = hk * group() + (r_begin + qi) / p.len_q, i = (r_begin + qi) % p.len_q;
-      const int64_t offset = b * p.q.strides[0] + h * p.q.strides[1] + i * p.q.strides[2];
-      s.qw_row[qi] = reinterpret_cast<const uint32_t*>(p.q.data_as<const uint16_t>() + offset);
-    }
     auto* kt = reinterpret_cast<uint32_t*>(s.kt);           // [words][kKeys] (dk8 >= words)
     auto* values = reinterpret_cast<uint32_t*>(s.vbuf);     // [kKeys / 2][dv] pairs of keys per column
     auto* copied = reinterpret_cast<uint16_t*>(s.kbuf);     // [kKeys][Dk] a block's key rows across pages
@@ -605,10 +611,7 @@ struct FewQueries {
       if (s.skipped[(j0 - j_begin) / kKeys]) continue;
       const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
       const int64_t n = active_rows(s, rows, j0, true);
-      if (prefetches() && j0 + kKeys < key_end && !s.skipped[(j0 + kKeys - j_begin) / kKeys]) {
-        prefetch_rows(p.k, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
-        prefetch_rows(p.v, b, hk, j0 + kKeys, std::min<int64_t>(kKeys, key_end - j0 - kKeys));
-      }
+      prefetch_next_block(s, b, hk, j0, j_begin, key_end);
       if (p.key_rows_evenly_spaced(j0, nc)) {
         S::transpose_pairs(low_row<uint16_t>(p.k, b, hk, j0), p.k.strides[2], nc, words, kt, kKeys);
       } else {
