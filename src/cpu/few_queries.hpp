@@ -96,15 +96,29 @@ struct FewQueries {
   // products. Where the partial sums are added in registers (S::sum4; AVX2), 8 rows: 0.70-0.85x
   // the panel's time at caches of 2048-4096 keys, level at 512 (16 rows: 1.15x at 512). Where
   // they go through a transpose in memory, once per row and 16 keys, 4 rows (measured on AVX-512
-  // with the one-pass schedule). Decided by the ISA and the shape, so the bits are too.
+  // with the one-pass schedule). Where several rows share each key vector loaded (kScoreRows;
+  // AVX-512), every shape the decoding kernel takes, up to 32 rows (Zen 5, caches of 4096 keys
+  // streamed from memory, against the panel: bf16 8-20 rows 0.53-0.76x the time, float16 8-32
+  // rows 0.53-0.85x, float8 0.71-0.82x, float32 d = 64 0.65-0.72x, float32 d = 128 8 rows 0.92x
+  // but 12-16 rows 1.05-1.13x, 32 level). One rule whatever the dtype, so that a bfloat16 or
+  // float8 cache gives the bits of its widened copy. bfloat16 pair products take over from
+  // kMinPairRows (24-32 rows: 0.69-0.77x the dot time in cache, 1.04-1.07x streaming).
+  // Decided by the ISA and the shape, so the bits are too.
   static constexpr bool kSum4 = requires(F x, float* out) { S::sum4(x, x, x, x, out); };
-  static constexpr int64_t kDotRows = kSum4 ? 8 : 4;
-  bool scores_by_dot() const { return queries() <= kDotRows; }
+  // Rows of queries scored together against each key block (S::kDotScoreRows where the ISA has
+  // registers for them, else 1): each key vector is loaded, and widened, once for all of them.
+  static constexpr int kScoreRows = [] {
+    if constexpr (requires { S::kDotScoreRows; }) return kSum4 ? S::kDotScoreRows : 1;
+    else return 1;
+  }();
+  static constexpr int64_t kDotRows = kScoreRows > 1 ? kMaxQueriesPerHead : kSum4 ? 8 : 4;
+  bool scores_by_dot() const { return queries() <= kDotRows && !takes_pairs(p); }
   // bfloat16 pair products (vdpbf16ps) in the panel schedule, where the layer has them and q, k
   // and v are bfloat16 with an even head dim (bf16_pairs_supports), from kMinPairRows query rows
   // per key/value head: a block's transposes as pairs cost the same whatever its rows, and below
   // that the products they halve did not pay for them (Zen 5, 2048-4096 keys, against the float32
-  // panel: 8 rows 0.91-0.94x, 16 rows 0.95-1.19x, 24 rows 1.03x, 32 rows 1.14-1.32x, 64 rows 1.30x).
+  // panel: 8 rows 0.91-0.94x, 16 rows 0.95-1.19x, 24 rows 1.03x, 32 rows 1.14-1.32x, 64 rows 1.30x;
+  // against dot mode streaming a cache from memory, 8-12 rows 1.85-2.4x).
   // Dot mode, bound by reading the keys and values, stays float32.
   static constexpr bool kPairs = requires { S::kBf16Pairs; };
   static constexpr int64_t kMinPairRows = 24;
@@ -333,6 +347,47 @@ struct FewQueries {
     F total = S::load(turned);
     for (int r = 1; r < kLanes; ++r) total = S::add(total, S::load(turned + r * kLanes));
     return total;
+  }
+
+  // The scores of R query rows (q, rows q_stride apart) against kLanes key rows, into out (rows
+  // out_stride apart): for each row the chains and sums of dot_scores, so the same bits.
+  template <class L, int R>
+  static void dot_scores_rows(const typename L::E* const* kp, const float* q, int64_t q_stride, int64_t width,
+                              float* out, int64_t out_stride) {
+    static_assert(kSum4, "rows of scores are summed in registers");
+    for (int c = 0; c < kLanes; c += 4) {
+      F a[R][4];
+      for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = S::zero();
+      for (int64_t d0 = 0; d0 < width; d0 += kLanes) {
+        const F k0 = L::load(kp[c] + d0), k1 = L::load(kp[c + 1] + d0), k2 = L::load(kp[c + 2] + d0),
+                k3 = L::load(kp[c + 3] + d0);
+        for (int r = 0; r < R; ++r) {
+          const F x = S::load(q + r * q_stride + d0);
+          a[r][0] = S::fmadd(k0, x, a[r][0]);
+          a[r][1] = S::fmadd(k1, x, a[r][1]);
+          a[r][2] = S::fmadd(k2, x, a[r][2]);
+          a[r][3] = S::fmadd(k3, x, a[r][3]);
+        }
+      }
+      for (int r = 0; r < R; ++r) S::sum4(a[r][0], a[r][1], a[r][2], a[r][3], out + r * out_stride + c);
+    }
+  }
+  // Every row's scores against kLanes key rows: blocks of kScoreRows rows, then the rest.
+  template <class L>
+  static void dot_scores_all(const typename L::E* const* kp, const float* q, int64_t q_stride, int64_t width,
+                             int64_t rows, float* out, int64_t out_stride) {
+    if constexpr (kScoreRows == 1) {
+      for (int64_t qi = 0; qi < rows; ++qi) S::store(out + qi * out_stride, dot_scores<L>(kp, q + qi * q_stride, width));
+    } else {
+      int64_t qi = 0;
+      for (; qi + kScoreRows <= rows; qi += kScoreRows)
+        dot_scores_rows<L, kScoreRows>(kp, q + qi * q_stride, q_stride, width, out + qi * out_stride, out_stride);
+      const int64_t rest = rows - qi;
+      q += qi * q_stride, out += qi * out_stride;
+      if (rest == 1) dot_scores_rows<L, 1>(kp, q, q_stride, width, out, out_stride);
+      else if (rest == 2) dot_scores_rows<L, 2>(kp, q, q_stride, width, out, out_stride);
+      else if (rest == 3) dot_scores_rows<L, 3>(kp, q, q_stride, width, out, out_stride);
+    }
   }
 
   // Asks for rows [j0, j0 + count) of head (b, hk) of k or v ahead of their block: a decoding step
@@ -749,13 +804,11 @@ struct FewQueries {
         }
         if constexpr (std::is_same_v<L, AsF8>) {
           if (S::f8_rows_free_of_nan(kp, kLanes, dk())) {
-            for (int64_t qi = 0; qi < rows; ++qi)
-              S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<AsF8Finite>(kp, s.q + qi * dk(), dk()));
+            dot_scores_all<AsF8Finite>(kp, s.q, dk(), dk(), rows, s.scores + (j0 - j_begin), stride);
             return;
           }
         }
-        for (int64_t qi = 0; qi < rows; ++qi)
-          S::store(s.scores + qi * stride + (j0 - j_begin), dot_scores<L>(kp, s.q + qi * dk(), dk()));
+        dot_scores_all<L>(kp, s.q, dk(), dk(), rows, s.scores + (j0 - j_begin), stride);
       });
     });
     for (int64_t h = 0; h < heads; ++h) {

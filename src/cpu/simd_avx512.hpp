@@ -66,6 +66,21 @@ struct Avx512 {
     return _mm512_maskz_scalef_ps(static_cast<M>(~tiny), p, x);
   }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  // out[0..4) = the sums of the lanes of a, b, c and d: pairs of lanes added within each 128-bit
+  // quarter, then the quarters added. (The decoding kernel's dot mode: scores of 4 keys at once.)
+  static void sum4(F a, F b, F c, F d, float* out) {
+    const F ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+    const F cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+    const F abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));  // a b c d per quarter
+    const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1)));
+  }
+  // Query rows whose dot-mode scores share each load of a key vector: 4 rows of 4 keys are 16
+  // accumulators, which with the 4 key vectors fit the 32 registers.
+  static constexpr int kDotScoreRows = 4;
 
   static U load_u(const uint32_t* p) { return _mm512_loadu_si512(p); }
   static U set1_u(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
