@@ -156,11 +156,12 @@ def bench_decode(reps, rows, dtypes):
     """Decoding steps: one query per head against a cache of keys and values, with as many
     key/value heads as query heads, and grouped (GQA, 4 query heads per key/value head); and a
     speculative step, 8 new tokens that see the cache and the tokens before them (a bool mask,
-    causal from the bottom right). In fp32, and one step with a bf16 cache. FLOPs as for any
+    causal from the bottom right). In fp32; in bf16 one step of each and a GQA step of 4 tokens
+    (16 query rows per key/value head). FLOPs as for any
     forward, every (query, key) pair counted; a step reads the whole cache, so bytes bound it."""
     shapes = [(B, Hq, Hkv, S, d, Lq, "fp32") for B, Hq, Hkv, S, d, Lq in
               ((4, 16, 16, 2048, 64, 1), (1, 32, 8, 4096, 128, 1), (1, 32, 8, 4096, 128, 8))]
-    shapes.append((4, 16, 16, 2048, 64, 1, "bf16"))
+    shapes += [(4, 16, 16, 2048, 64, 1, "bf16"), (1, 32, 8, 4096, 128, 1, "bf16"), (1, 32, 8, 4096, 128, 4, "bf16")]
     for B, Hq, Hkv, S, d, Lq, name in shapes:
         if name not in dtypes:
             continue
