@@ -138,9 +138,12 @@ TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {
   EXPECT_GT(differs_from_float32, kCases / 2);
 }
 
-// The decoding kernel's panel schedule in pair products (few_queries.hpp's run_keys_by_pairs):
-// up to 32 queries per head with at least 24 query rows per key/value head (speculative decoding,
-// prompt chunks, GQA groups of 8 at a few tokens), against the float64 reference on fresh shapes:
+// The decoding kernel in pair products, up to 32 queries per head: its panel schedule
+// (few_queries.hpp's run_keys_by_pairs) from 24 query rows per key/value head (speculative
+// decoding, prompt chunks, GQA groups of 8 at a few tokens) in odd cases, its dot mode's scores
+// (dot_pair_scores_rows) below that in even ones (decoding steps, 1 to 23 rows: blocks of 4 rows
+// and the rest; with [B, L, H, D] views, several heads per task), against the float64 reference
+// on fresh shapes:
 // caches past one run of 1008 keys (runs merged), blocks of 48 keys cut short and odd key counts
 // (a pair half empty), even head dims from 2 to 256, any Dv, [B, L, H, D] views, causal in both
 // alignments, windows, masks (bool, additive, a left-padded batch's key padding that skips
@@ -155,7 +158,8 @@ TEST_F(PairProducts, FewQueriesAgainstFloat64Reference) {
   constexpr int kCases = 40;
   for (int n = 0; n < kCases; ++n) {
     const int64_t group = std::vector<int64_t>{1, 2, 4, 8}[pick(0, 3)], hkv = pick(1, 2), b = pick(1, 2);
-    const int64_t lq = pick((24 + group - 1) / group, 32), lk = coin(0.3) ? pick(900, 2200) : pick(1, 200);
+    const int64_t panel = (24 + group - 1) / group;  // the fewest queries per head the panel takes
+    const int64_t lq = n % 2 == 1 ? pick(panel, 32) : pick(1, panel - 1), lk = coin(0.3) ? pick(900, 2200) : pick(1, 200);
     const int64_t dk = std::vector<int64_t>{2, 16, 40, 64, 128, 256}[pick(0, 5)];
     const int64_t dv = std::vector<int64_t>{1, 7, 16, 33, 64, 128}[pick(0, 5)];
     const int64_t hq = hkv * group;
@@ -191,7 +195,7 @@ TEST_F(PairProducts, FewQueriesAgainstFloat64Reference) {
                  " dv=" + std::to_string(dv) + " causal=" + std::to_string(o.is_causal) + " window=" +
                  std::to_string(o.window_left) + " mask=" + std::to_string(mask_kind) + " dropout=" +
                  std::to_string(o.dropout_p) + " softcap=" + std::to_string(o.softcap));
-    ASSERT_TRUE(mha_test::pair_products_forward(mha::DType::bf16, lq, dk, group));
+    ASSERT_TRUE(mha_test::pair_products_forward(mha::DType::bf16, lq, dk));
     const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
     o.num_threads = 1;
     const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
@@ -275,21 +279,20 @@ TEST_F(PairProducts, EmptyHeadDims) {
   EXPECT_LT(rel_error(out, mha::reference::scaled_dot_product_attention(q0, k0, v, o).output), 1e-2);
 }
 
-// Odd head dims of q and k (no whole pairs), decoding with fewer than 24 query rows per key/value
-// head (dot mode: one query of 4 heads sharing one, 4 or 16 queries of one head) and few-query
-// calls that return their weights (dot mode, 32 and 24 rows) take the float32 kernel on the
-// widened inputs: its bits.
+// Odd head dims of q and k (no whole pairs: 100 queries, and a decoding step in dot mode) and
+// few-query calls that return their weights (dot mode, 32, 24 and 4 rows) take the float32 kernel
+// on the widened inputs: its bits.
 TEST_F(PairProducts, OddDimsFewRowsAndWeightsTakeTheFloat32Kernel) {
   std::mt19937_64 rng(test_seed());
   struct Shape {
     int64_t lq, dk, hq, hkv;
     bool weights;
   };
-  for (const Shape& c : {Shape{100, 33, 2, 2, false}, Shape{4, 64, 2, 2, false}, Shape{1, 64, 8, 2, false},
-                         Shape{16, 64, 2, 2, false}, Shape{32, 64, 2, 2, true}, Shape{6, 64, 8, 2, true}}) {
+  for (const Shape& c : {Shape{100, 33, 2, 2, false}, Shape{1, 33, 8, 2, false}, Shape{32, 64, 2, 2, true},
+                         Shape{6, 64, 8, 2, true}, Shape{1, 64, 8, 2, true}}) {
     SCOPED_TRACE("Lq " + std::to_string(c.lq) + " dk " + std::to_string(c.dk) + " Hq " + std::to_string(c.hq) +
                  " weights " + std::to_string(c.weights));
-    EXPECT_FALSE(mha_test::pair_products_forward(mha::DType::bf16, c.lq, c.dk, c.hq / c.hkv, c.weights));
+    EXPECT_FALSE(mha_test::pair_products_forward(mha::DType::bf16, c.lq, c.dk, c.weights));
     const mha::Tensor q = randn({1, c.hq, c.lq, c.dk}, rng, mha::DType::bf16),
                       k = randn({1, c.hkv, 1100, c.dk}, rng, mha::DType::bf16),
                       v = randn({1, c.hkv, 1100, 16}, rng, mha::DType::bf16);

@@ -125,6 +125,13 @@ struct FewQueries {
   static bool takes_pairs(const AttentionProblem& p) {
     return kPairs && bf16_pairs_supports(p) && p.heads_kv > 0 && p.heads_q / p.heads_kv * p.len_q >= kMinPairRows;
   }
+  // Below kMinPairRows, dot mode's scores take the pair products (dot_pair_scores_rows): each
+  // vdpbf16ps two products per lane on the key row as it lies, no widening; the softmax and the
+  // value product stay float32 (P is not rounded). The scores are sums in another order than the
+  // float32 kernel's, scaled after the sum: within float32 rounding of its, not its bits.
+  static bool pair_scores(const AttentionProblem& p) {
+    return kPairs && bf16_pairs_supports(p) && p.heads_kv > 0 && p.heads_q / p.heads_kv * p.len_q < kMinPairRows;
+  }
   // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
   // each vector as it loads it: 16-bit and e5m2 rows of whole vectors always; e4m3 rows up to 4 queries
   // per key/value head, as their widening costs several times a 16-bit one's and rows in place
@@ -371,6 +378,43 @@ struct FewQueries {
       }
       for (int r = 0; r < R; ++r) S::sum4(a[r][0], a[r][1], a[r][2], a[r][3], out + r * out_stride + c);
     }
+  }
+  // With pair products: the scores of R query rows (bfloat16 rows in place, as words) against
+  // kLanes bfloat16 key rows, each sum times `scale`, into out (rows out_stride apart).
+  template <int R>
+  static void dot_pair_scores_rows(const uint16_t* const* kp, const uint32_t* const* qw, int64_t words, F scale,
+                                   float* out, int64_t out_stride) {
+    if constexpr (kPairs) {
+      for (int c = 0; c < kLanes; c += 4) {
+        F a[R][4];
+        for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = S::zero();
+        for (int64_t w0 = 0; w0 < words; w0 += kLanes) {
+          const int64_t n = words - w0;
+          const auto k0 = S::load_words(kp[c] + 2 * w0, n), k1 = S::load_words(kp[c + 1] + 2 * w0, n),
+                     k2 = S::load_words(kp[c + 2] + 2 * w0, n), k3 = S::load_words(kp[c + 3] + 2 * w0, n);
+          for (int r = 0; r < R; ++r) {
+            const auto x = S::load_words(reinterpret_cast<const uint16_t*>(qw[r] + w0), n);
+            a[r][0] = S::dot_pairs(k0, x, a[r][0]);
+            a[r][1] = S::dot_pairs(k1, x, a[r][1]);
+            a[r][2] = S::dot_pairs(k2, x, a[r][2]);
+            a[r][3] = S::dot_pairs(k3, x, a[r][3]);
+          }
+        }
+        for (int r = 0; r < R; ++r) S::sum4(a[r][0], a[r][1], a[r][2], a[r][3], out + r * out_stride + c);
+      }
+      for (int r = 0; r < R; ++r) S::store(out + r * out_stride, S::mul(S::load(out + r * out_stride), scale));
+    }
+  }
+  static void dot_pair_scores_all(const uint16_t* const* kp, const uint32_t* const* qw, int64_t words, F scale,
+                                  int64_t rows, float* out, int64_t out_stride) {
+    int64_t qi = 0;
+    for (; qi + kScoreRows <= rows; qi += kScoreRows)
+      dot_pair_scores_rows<kScoreRows>(kp, qw + qi, words, scale, out + qi * out_stride, out_stride);
+    const int64_t rest = rows - qi;
+    qw += qi, out += qi * out_stride;
+    if (rest == 1) dot_pair_scores_rows<1>(kp, qw, words, scale, out, out_stride);
+    else if (rest == 2) dot_pair_scores_rows<2>(kp, qw, words, scale, out, out_stride);
+    else if (rest == 3) dot_pair_scores_rows<3>(kp, qw, words, scale, out, out_stride);
   }
   // Every row's scores against kLanes key rows: blocks of kScoreRows rows, then the rest.
   template <class L>
@@ -769,7 +813,7 @@ struct FewQueries {
     const int64_t rows = r_end - r_begin, stride = kKeysPerRun;
     int64_t key_end_all = j_begin;
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t key_end = start_rows(sh[h], b, hk0 + h, r_begin, r_end, j_begin, j_end);
+      const int64_t key_end = start_rows(sh[h], b, hk0 + h, r_begin, r_end, j_begin, j_end, pair_scores(p));
       sh[h].seen = key_end - j_begin;
       if (key_end > j_begin) mark_skipped(sh[h], b, hk0 + h, r_begin, r_end, j_begin, key_end);
       key_end_all = std::max(key_end_all, key_end);
@@ -777,19 +821,32 @@ struct FewQueries {
     if (key_end_all == j_begin) return;
     // Whether head h's keys at j (a multiple of kLanes) are in a skipped block: -inf scores, no values read.
     auto skipped = [&](int64_t h, int64_t j) { return sh[h].skipped[(j - j_begin) / kKeys]; };
+    auto excluded_scores = [&](Scratch& s, int64_t j0) {  // a skipped block's: -inf, its keys unread
+      const F neg_inf = S::set1(-std::numeric_limits<float>::infinity());
+      for (int64_t qi = 0; qi < rows; ++qi) S::store(s.scores + qi * stride + (j0 - j_begin), neg_inf);
+    };
     // (the same bytes ahead whatever the heads: a sweep of 16 heads reads 16 rows per position)
     const int64_t ahead = std::max<int64_t>(kLanes, kDotPrefetchKeys / heads / kLanes * kLanes);
     const void* zero_bits = sh[0].zero;  // as many zero bits as dk and dv need (+0 in every dtype)
     const bool k_in_place = keys_in_place();  // (out of the loop: it divides, twice)
-    with_loader(p.k.dtype, reads_in_place(p.k.dtype, p.dim_qk), [&](auto loader) {
+    if constexpr (kPairs) {
+      if (pair_scores(p)) {
+        sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
+          const int64_t hk = hk0 + h;
+          if (skipped(h, j0)) return excluded_scores(s, j0);
+          const uint16_t** rows_in_place = s.template keys_of<uint16_t>();
+          for (int c = 0; c < kLanes; ++c)
+            rows_in_place[c] = c < nc ? low_row<uint16_t>(p.k, b, hk, j0 + c) : static_cast<const uint16_t*>(zero_bits);
+          const F qk_scale = S::set1(static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e);
+          dot_pair_scores_all(rows_in_place, s.qw_row, p.dim_qk / 2, qk_scale, rows, s.scores + (j0 - j_begin), stride);
+        });
+      }
+    }
+    if (!pair_scores(p)) with_loader(p.k.dtype, reads_in_place(p.k.dtype, p.dim_qk), [&](auto loader) {
       using L = decltype(loader);
       sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
         const int64_t hk = hk0 + h;
-        if (skipped(h, j0)) {
-          const F neg_inf = S::set1(-std::numeric_limits<float>::infinity());
-          for (int64_t qi = 0; qi < rows; ++qi) S::store(s.scores + qi * stride + (j0 - j_begin), neg_inf);
-          return;
-        }
+        if (skipped(h, j0)) return excluded_scores(s, j0);
         const typename L::E* const* kp;
         if constexpr (std::is_same_v<L, AsF32>) {
           for (int c = 0; c < kLanes; ++c)
@@ -955,7 +1012,7 @@ struct FewQueries {
     Scratch s = all;
     const int64_t r = h * n;
     s.q += r * dk(), s.acc += r * dv(), s.scores += r * score_stride(), s.l += r * kLanes;
-    s.m += r, s.alpha += r, s.lim += r, s.key_lo += r, s.key_hi += r, s.active += r, s.qrow += r, s.accrow += r;
+    s.m += r, s.alpha += r, s.lim += r, s.key_lo += r, s.key_hi += r, s.active += r, s.qrow += r, s.accrow += r, s.qw_row += r, s.qw += r;
     return s;
   }
 

@@ -53,6 +53,10 @@ struct Avx512Bf16 : Avx512 {
     return _mm512_set1_epi32(word);
   }
   static void store_w(uint32_t* p, W v) { _mm512_storeu_si512(p, v); }
+  // The first n (1..16) words of a bfloat16 row at p, the rest zero.
+  static W load_words(const uint16_t* p, int64_t n) {
+    return _mm512_maskz_loadu_epi32(n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1), p);
+  }
   // Lane i of lo and of hi rounded to bfloat16 (to nearest even) as the pair of word i.
   static W pairs_of(F lo, F hi) {
     const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values, then hi's
