@@ -116,9 +116,9 @@ void flash_forward_avx512(const AttentionProblem& p, const ForwardOutputs& o);
 // rounded to bfloat16 for its products), not their bits.
 bool bf16_pairs_supports(const AttentionProblem& p);
 // Where the avx512_bf16 ISA runs it (attention.cpp): such problems with more queries per head than
-// the decoding kernel takes, and (bf16_pairs_take_few_queries) those the decoding kernel takes in
-// its panel schedule from 24 query rows per key/value head, without weights returned
-// (few_queries.hpp's takes_pairs); fewer rows stay float32.
+// the decoding kernel takes, and (bf16_pairs_take_few_queries) those the decoding kernel takes,
+// without weights returned: its panel schedule from 24 query rows per key/value head, its dot
+// mode's scores below (few_queries.hpp's takes_pairs, pair_scores).
 bool bf16_pairs_take_shape(int64_t len_q, int64_t dim_qk);
 bool bf16_pairs_take_few_queries(const AttentionProblem& p, const ForwardOutputs& o);
 // The 2^x of the bfloat16 kernels (AMX and pairs; simd_avx512_bf16.hpp's exp2_bf16) on n floats,

@@ -119,7 +119,7 @@ struct FewQueries {
   // that the products they halve did not pay for them (Zen 5, 2048-4096 keys, against the float32
   // panel: 8 rows 0.91-0.94x, 16 rows 0.95-1.19x, 24 rows 1.03x, 32 rows 1.14-1.32x, 64 rows 1.30x;
   // against dot mode streaming a cache from memory, 8-12 rows 1.85-2.4x).
-  // Dot mode, bound by reading the keys and values, stays float32.
+  // Below that, dot mode (pair_scores).
   static constexpr bool kPairs = requires { S::kBf16Pairs; };
   static constexpr int64_t kMinPairRows = 24;
   static bool takes_pairs(const AttentionProblem& p) {

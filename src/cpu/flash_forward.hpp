@@ -854,8 +854,8 @@ struct FlashForward {
 
   void run() const {
     const int threads = resolve_threads(p.num_threads);
-    // Decoding; the head average from its per-head weights. (With bfloat16 products, only the
-    // few-query shapes whose panel schedule takes them: bf16_pairs_take_few_queries.)
+    // Decoding; the head average from its per-head weights. (With bfloat16 products, the
+    // few-query shapes bf16_pairs_take_few_queries sends here: no weights returned.)
     if (FewQueries<S>::applies(p, o) &&
         (!kPairs || FewQueries<S>::takes_pairs(p) || FewQueries<S>::pair_scores(p))) {
       if (o.average_weights != nullptr) return run_then_average(threads);
