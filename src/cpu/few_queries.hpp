@@ -405,16 +405,21 @@ struct FewQueries {
       for (int r = 0; r < R; ++r) S::store(out + r * out_stride, S::mul(S::load(out + r * out_stride), scale));
     }
   }
+  // fn(R, qi) over the rows [0, rows) in blocks of R = kScoreRows rows from qi, then one block of
+  // the 1-3 left (R a compile-time constant).
+  template <class Fn>
+  static void for_score_rows(int64_t rows, Fn fn) {
+    int64_t qi = 0;
+    for (; qi + kScoreRows <= rows; qi += kScoreRows) fn(std::integral_constant<int, kScoreRows>{}, qi);
+    if (rows - qi == 1) fn(std::integral_constant<int, 1>{}, qi);
+    else if (rows - qi == 2) fn(std::integral_constant<int, 2>{}, qi);
+    else if (rows - qi == 3) fn(std::integral_constant<int, 3>{}, qi);
+  }
   static void dot_pair_scores_all(const uint16_t* const* kp, const uint32_t* const* qw, int64_t words, F scale,
                                   int64_t rows, float* out, int64_t out_stride) {
-    int64_t qi = 0;
-    for (; qi + kScoreRows <= rows; qi += kScoreRows)
-      dot_pair_scores_rows<kScoreRows>(kp, qw + qi, words, scale, out + qi * out_stride, out_stride);
-    const int64_t rest = rows - qi;
-    qw += qi, out += qi * out_stride;
-    if (rest == 1) dot_pair_scores_rows<1>(kp, qw, words, scale, out, out_stride);
-    else if (rest == 2) dot_pair_scores_rows<2>(kp, qw, words, scale, out, out_stride);
-    else if (rest == 3) dot_pair_scores_rows<3>(kp, qw, words, scale, out, out_stride);
+    for_score_rows(rows, [&](auto r, int64_t qi) {
+      dot_pair_scores_rows<r()>(kp, qw + qi, words, scale, out + qi * out_stride, out_stride);
+    });
   }
   // Every row's scores against kLanes key rows: blocks of kScoreRows rows, then the rest.
   template <class L>
@@ -423,14 +428,9 @@ struct FewQueries {
     if constexpr (kScoreRows == 1) {
       for (int64_t qi = 0; qi < rows; ++qi) S::store(out + qi * out_stride, dot_scores<L>(kp, q + qi * q_stride, width));
     } else {
-      int64_t qi = 0;
-      for (; qi + kScoreRows <= rows; qi += kScoreRows)
-        dot_scores_rows<L, kScoreRows>(kp, q + qi * q_stride, q_stride, width, out + qi * out_stride, out_stride);
-      const int64_t rest = rows - qi;
-      q += qi * q_stride, out += qi * out_stride;
-      if (rest == 1) dot_scores_rows<L, 1>(kp, q, q_stride, width, out, out_stride);
-      else if (rest == 2) dot_scores_rows<L, 2>(kp, q, q_stride, width, out, out_stride);
-      else if (rest == 3) dot_scores_rows<L, 3>(kp, q, q_stride, width, out, out_stride);
+      for_score_rows(rows, [&](auto r, int64_t qi) {
+        dot_scores_rows<L, r()>(kp, q + qi * q_stride, q_stride, width, out + qi * out_stride, out_stride);
+      });
     }
   }
 
