@@ -122,16 +122,16 @@ struct FewQueries {
   // Below that, dot mode (pair_scores).
   static constexpr bool kPairs = requires { S::kBf16Pairs; };
   static constexpr int64_t kMinPairRows = 24;
+  // Whether the layer runs q, k and v in pair products at all (either schedule below).
+  static bool pair_products(const AttentionProblem& p) { return kPairs && bf16_pairs_supports(p) && p.heads_kv > 0; }
   static bool takes_pairs(const AttentionProblem& p) {
-    return kPairs && bf16_pairs_supports(p) && p.heads_kv > 0 && p.heads_q / p.heads_kv * p.len_q >= kMinPairRows;
+    return pair_products(p) && p.heads_q / p.heads_kv * p.len_q >= kMinPairRows;
   }
   // Below kMinPairRows, dot mode's scores take the pair products (dot_pair_scores_rows): each
   // vdpbf16ps two products per lane on the key row as it lies, no widening; the softmax and the
   // value product stay float32 (P is not rounded). The scores are sums in another order than the
   // float32 kernel's, scaled after the sum: within float32 rounding of its, not its bits.
-  static bool pair_scores(const AttentionProblem& p) {
-    return kPairs && bf16_pairs_supports(p) && p.heads_kv > 0 && p.heads_q / p.heads_kv * p.len_q < kMinPairRows;
-  }
+  static bool pair_scores(const AttentionProblem& p) { return pair_products(p) && !takes_pairs(p); }
   // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
   // each vector as it loads it: 16-bit and e5m2 rows of whole vectors always; e4m3 rows up to 4 queries
   // per key/value head, as their widening costs several times a 16-bit one's and rows in place

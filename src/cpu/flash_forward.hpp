@@ -856,8 +856,7 @@ struct FlashForward {
     const int threads = resolve_threads(p.num_threads);
     // Decoding; the head average from its per-head weights. (With bfloat16 products, the
     // few-query shapes bf16_pairs_take_few_queries sends here: no weights returned.)
-    if (FewQueries<S>::applies(p, o) &&
-        (!kPairs || FewQueries<S>::takes_pairs(p) || FewQueries<S>::pair_scores(p))) {
+    if (FewQueries<S>::applies(p, o) && (!kPairs || FewQueries<S>::pair_products(p))) {
       if (o.average_weights != nullptr) return run_then_average(threads);
       if (!p.windowed) return FewQueries<S>{p, o}.run();
       const AttentionProblem masked = with_window_as_mask(p);  // (its own key blocks skip by masks)

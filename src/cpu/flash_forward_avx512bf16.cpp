@@ -13,8 +13,7 @@ void flash_forward_avx512bf16(const AttentionProblem& p, const ForwardOutputs& o
 bool bf16_pairs_take_few_queries(const AttentionProblem& p, const ForwardOutputs& o) {
   using Few = FewQueries<simd::Avx512Bf16>;
   // (Weights come from dot mode, which the float32 kernel runs.)
-  return Few::applies(p, o) && (Few::takes_pairs(p) || Few::pair_scores(p)) && o.weights == nullptr &&
-         o.average_weights == nullptr;
+  return Few::applies(p, o) && Few::pair_products(p) && o.weights == nullptr && o.average_weights == nullptr;
 }
 
 void exp2_bf16_of(const float* x, float* y, int64_t n) {
