@@ -812,8 +812,9 @@ struct FewQueries {
                         int64_t j_begin, int64_t j_end) const {
     const int64_t rows = r_end - r_begin, stride = kKeysPerRun;
     int64_t key_end_all = j_begin;
+    const bool pairs = pair_scores(p);  // (query rows then stay in place, as words)
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t key_end = start_rows(sh[h], b, hk0 + h, r_begin, r_end, j_begin, j_end, pair_scores(p));
+      const int64_t key_end = start_rows(sh[h], b, hk0 + h, r_begin, r_end, j_begin, j_end, pairs);
       sh[h].seen = key_end - j_begin;
       if (key_end > j_begin) mark_skipped(sh[h], b, hk0 + h, r_begin, r_end, j_begin, key_end);
       key_end_all = std::max(key_end_all, key_end);
@@ -830,7 +831,7 @@ struct FewQueries {
     const void* zero_bits = sh[0].zero;  // as many zero bits as dk and dv need (+0 in every dtype)
     const bool k_in_place = keys_in_place();  // (out of the loop: it divides, twice)
     if constexpr (kPairs) {
-      if (pair_scores(p)) {
+      if (pairs) {
         sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
           const int64_t hk = hk0 + h;
           if (skipped(h, j0)) return excluded_scores(s, j0);
@@ -842,7 +843,7 @@ struct FewQueries {
         });
       }
     }
-    if (!pair_scores(p)) with_loader(p.k.dtype, reads_in_place(p.k.dtype, p.dim_qk), [&](auto loader) {
+    if (!pairs) with_loader(p.k.dtype, reads_in_place(p.k.dtype, p.dim_qk), [&](auto loader) {
       using L = decltype(loader);
       sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
         const int64_t hk = hk0 + h;
