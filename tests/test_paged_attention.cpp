@@ -55,8 +55,9 @@ PagedCase draw_case(std::mt19937_64& rng, mha::DType dtype, int64_t lq) {
   const int64_t page_size = page_sizes[pick(rng) % 6];
   const int64_t batch = 1 + pick(rng) % 4, hkv = 1 + pick(rng) % 2, group = 1 + pick(rng) % 3;
   const int64_t hq = hkv * group;
-  const int64_t dims[] = {8, 16, 32, 64, 24};
-  const int64_t dk = dims[pick(rng) % 5], dv = pick(rng) % 3 == 0 ? dims[pick(rng) % 5] : dk;
+  // (rows of 256 bytes and more, side by side: a sweep's steps of 8 and 4 keys per head)
+  const int64_t dims[] = {8, 16, 32, 64, 24, 128};
+  const int64_t dk = dims[pick(rng) % 6], dv = pick(rng) % 3 == 0 ? dims[pick(rng) % 6] : dk;
   // Lengths: empty, one key, a page's edge, and a few pages' worth (past 1008 keys: several runs).
   const int64_t max_len = pick(rng) % 3 == 0 ? 1500 : 300;
   int64_t pages_per_sequence = 0;

@@ -360,9 +360,9 @@ struct FewQueries {
   // out_stride apart): for each row the chains and sums of dot_scores, so the same bits.
   template <class L, int R>
   static void dot_scores_rows(const typename L::E* const* kp, const float* q, int64_t q_stride, int64_t width,
-                              float* out, int64_t out_stride) {
+                              float* out, int64_t out_stride, int c_begin, int c_end) {
     static_assert(kSum4, "rows of scores are summed in registers");
-    for (int c = 0; c < kLanes; c += 4) {
+    for (int c = c_begin; c < c_end; c += 4) {
       F a[R][4];
       for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = S::zero();
       for (int64_t d0 = 0; d0 < width; d0 += kLanes) {
@@ -382,10 +382,10 @@ struct FewQueries {
   // With pair products: the scores of R query rows (bfloat16 rows in place, as words) against
   // kLanes bfloat16 key rows, each sum times `scale`, into out (rows out_stride apart).
   template <int R>
-  static void dot_pair_scores_rows(const uint16_t* const* kp, const uint32_t* const* qw, int64_t words, F scale,
-                                   float* out, int64_t out_stride) {
+  static void dot_pair_scores_rows(const uint16_t* const* kp, const uint32_t* const* qw, int64_t words, float scale,
+                                   float* out, int64_t out_stride, int c_begin, int c_end) {
     if constexpr (kPairs) {
-      for (int c = 0; c < kLanes; c += 4) {
+      for (int c = c_begin; c < c_end; c += 4) {
         F a[R][4];
         for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = S::zero();
         for (int64_t w0 = 0; w0 < words; w0 += kLanes) {
@@ -402,7 +402,12 @@ struct FewQueries {
         }
         for (int r = 0; r < R; ++r) S::sum4(a[r][0], a[r][1], a[r][2], a[r][3], out + r * out_stride + c);
       }
-      for (int r = 0; r < R; ++r) S::store(out + r * out_stride, S::mul(S::load(out + r * out_stride), scale));
+      if (c_begin == 0 && c_end == kLanes) {
+        for (int r = 0; r < R; ++r) S::store(out + r * out_stride, S::mul(S::load(out + r * out_stride), S::set1(scale)));
+      } else {  // (the same products, a lane at a time)
+        for (int r = 0; r < R; ++r)
+          for (int c = c_begin; c < c_end; ++c) out[r * out_stride + c] *= scale;
+      }
     }
   }
   // fn(R, qi) over the rows [0, rows) in blocks of R = kScoreRows rows from qi, then one block of
@@ -415,21 +420,22 @@ struct FewQueries {
     else if (rows - qi == 2) fn(std::integral_constant<int, 2>{}, qi);
     else if (rows - qi == 3) fn(std::integral_constant<int, 3>{}, qi);
   }
-  static void dot_pair_scores_all(const uint16_t* const* kp, const uint32_t* const* qw, int64_t words, F scale,
-                                  int64_t rows, float* out, int64_t out_stride) {
+  static void dot_pair_scores_all(const uint16_t* const* kp, const uint32_t* const* qw, int64_t words, float scale,
+                                  int64_t rows, float* out, int64_t out_stride, int c_begin, int c_end) {
     for_score_rows(rows, [&](auto r, int64_t qi) {
-      dot_pair_scores_rows<r()>(kp, qw + qi, words, scale, out + qi * out_stride, out_stride);
+      dot_pair_scores_rows<r()>(kp, qw + qi, words, scale, out + qi * out_stride, out_stride, c_begin, c_end);
     });
   }
-  // Every row's scores against kLanes key rows: blocks of kScoreRows rows, then the rest.
+  // Every row's scores against key rows [c_begin, c_end) of kLanes (whole groups of 4; all of them
+  // where kScoreRows is 1): blocks of kScoreRows rows, then the rest.
   template <class L>
   static void dot_scores_all(const typename L::E* const* kp, const float* q, int64_t q_stride, int64_t width,
-                             int64_t rows, float* out, int64_t out_stride) {
+                             int64_t rows, float* out, int64_t out_stride, int c_begin, int c_end) {
     if constexpr (kScoreRows == 1) {
       for (int64_t qi = 0; qi < rows; ++qi) S::store(out + qi * out_stride, dot_scores<L>(kp, q + qi * q_stride, width));
     } else {
       for_score_rows(rows, [&](auto r, int64_t qi) {
-        dot_scores_rows<L, r()>(kp, q + qi * q_stride, q_stride, width, out + qi * out_stride, out_stride);
+        dot_scores_rows<L, r()>(kp, q + qi * q_stride, q_stride, width, out + qi * out_stride, out_stride, c_begin, c_end);
       });
     }
   }
@@ -449,6 +455,22 @@ struct FewQueries {
     const char* rows = static_cast<const char*>(t.data) + p.key_row_offset(t, b, hk, j0) * size;
     for (int64_t c = 0; c < count; ++c)
       for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(rows + c * stride + x);
+  }
+
+  // Share `part` of `parts` of rows [j0, j0 + count) of heads [hk0, hk0 + heads) of k or v, heads
+  // whose rows lie side by side at each key: the block asked for in address order over a sweep's
+  // steps. (Asked for head by head, rows a head-stride apart, such a cache streamed at 0.7x the
+  // rate of reading it in order: 33 against 47 GB/s on Zen 5, 8 heads of 256 bytes, 16 keys a head.)
+  [[gnu::always_inline]] void prefetch_share(const TensorView& t, int64_t b, int64_t hk0, int64_t heads, int64_t j0,
+                                             int64_t count, int64_t part, int64_t parts) const {
+    const int64_t size = dtype_size(t.dtype), bytes = heads * t.shape[3] * size, lines = count * ((bytes + 63) / 64);
+    const int64_t line_begin = lines * part / parts, line_end = lines * (part + 1) / parts;
+    const int64_t per_row = (bytes + 63) / 64;
+    int64_t c = line_begin / per_row, x = line_begin - c * per_row;  // row c, its line x
+    for (int64_t n = line_end - line_begin; n > 0; ++c, x = 0) {
+      const char* row = static_cast<const char*>(t.data) + p.key_row_offset(t, b, hk0, j0 + c) * size;
+      for (; x < per_row && n > 0; ++x, --n) __builtin_prefetch(row + x * 64);
+    }
   }
 
   // fn(integral_constant<R>, r0) over `rows` rows in register blocks of kBlockRows, the last one short.
@@ -786,19 +808,51 @@ struct FewQueries {
     run_heads_by_dot(&s, 1, b, hk, r_begin, r_end, j_begin, j_end);
   }
 
-  // fn(sh[h], h, j0, nc) for the blocks of kLanes keys from j_begin, blocks outer and heads inner,
-  // for every head h whose rows see keys of the block (nc of them: keys [j_begin, j_begin +
-  // sh[h].seen)); first the rows of `t` (k or v) `ahead` keys on are prefetched, unless skipped there.
+  // Keys of one head per step of a sweep over heads that lie side by side at each key ([B, S, H,
+  // D] caches, paged ones too): about 2 KiB of its rows (4, 8 or 16 keys; 16 where kScoreRows is
+  // 1), then the next head's, with the rows ahead asked for in address order (prefetch_share),
+  // from rows of 256 bytes. A head's whole block of 16 keys (16 rows a head-stride apart) at a
+  // time read such a cache at 0.7x the rate of reading it in order (Zen 5, 8 heads of 256 bytes:
+  // 33 against 47 GB/s). Against that, one decoding step at S=4096, Hkv=8, pages of 16 (medians
+  // of 5 alternating runs): bf16 d=128 0.83x the time (one page per sequence 0.86x), d=256 0.76x,
+  // 8 rows per head 0.97x, MHA 0.74x; fp32 d=64 0.90x, d=128 0.70x. Rows of 128 bytes (bf16
+  // d=64) took 1.1x the time in steps of 16 keys prefetched in address order: they keep whole
+  // blocks, prefetched head by head.
+  int sweep_keys(const TensorView& t) const {
+    if constexpr (kScoreRows == 1) return kLanes;
+    const int64_t row_bytes = t.shape[3] * dtype_size(t.dtype);
+    return row_bytes >= 512 ? 4 : row_bytes >= 256 ? 8 : kLanes;
+  }
+
+  // fn(sh[h], h, j0, nc, c0, c1) for the blocks of kLanes keys from j_begin, blocks outer and
+  // heads inner, for every head h whose rows see keys of the block (nc of them: keys [j_begin,
+  // j_begin + sh[h].seen)): keys [j0 + c0, j0 + c1) of it at a time, sweep_keys(t) over heads side
+  // by side (c0 perhaps past nc), else the whole block (c0 = 0, c1 = kLanes). The rows of `t` (k
+  // or v) `ahead` keys on are prefetched, unless skipped there: head by head, or, in steps of
+  // fewer keys, in address order, a share of the block's rows at each step.
   template <class Fn>
   void sweep(Scratch* sh, int64_t heads, int64_t b, int64_t hk0, int64_t j_begin, int64_t key_end_all, int64_t ahead,
              const TensorView& t, Fn fn) const {
+    // (the task's heads one run of memory at each key)
+    const int step = heads > 1 && t.strides[1] == t.shape[3] ? sweep_keys(t) : kLanes;
+    const bool adjacent = step < kLanes;
+    const int64_t shares = kLanes / step * heads;
     for (int64_t j0 = j_begin; j0 < key_end_all; j0 += kLanes) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t key_end = j_begin + sh[h].seen;
-        if (j0 >= key_end) continue;
-        if (j0 + ahead < key_end && !sh[h].skipped[(j0 + ahead - j_begin) / kKeys])
-          prefetch_rows(t, b, hk0 + h, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
-        fn(sh[h], h, j0, static_cast<int>(std::min<int64_t>(kLanes, key_end - j0)));
+      bool ahead_read = false;  // whether some head reads the block `ahead` keys on
+      if (adjacent && j0 + ahead < key_end_all)
+        for (int64_t h = 0; h < heads && !ahead_read; ++h)
+          ahead_read = j0 + ahead < j_begin + sh[h].seen && !sh[h].skipped[(j0 + ahead - j_begin) / kKeys];
+      for (int c0 = 0; c0 < kLanes; c0 += step) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t key_end = j_begin + sh[h].seen;
+          if (ahead_read)
+            prefetch_share(t, b, hk0, heads, j0 + ahead, std::min<int64_t>(kLanes, key_end_all - j0 - ahead),
+                           c0 / step * heads + h, shares);
+          if (j0 >= key_end) continue;
+          if (!adjacent && c0 == 0 && j0 + ahead < key_end && !sh[h].skipped[(j0 + ahead - j_begin) / kKeys])
+            prefetch_rows(t, b, hk0 + h, j0 + ahead, std::min<int64_t>(kLanes, key_end - j0 - ahead));
+          fn(sh[h], h, j0, static_cast<int>(std::min<int64_t>(kLanes, key_end - j0)), c0, c0 + step);
+        }
       }
     }
   }
@@ -832,41 +886,44 @@ struct FewQueries {
     const bool k_in_place = keys_in_place();  // (out of the loop: it divides, twice)
     if constexpr (kPairs) {
       if (pairs) {
-        sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
-          const int64_t hk = hk0 + h;
-          if (skipped(h, j0)) return excluded_scores(s, j0);
-          const uint16_t** rows_in_place = s.template keys_of<uint16_t>();
-          for (int c = 0; c < kLanes; ++c)
-            rows_in_place[c] = c < nc ? low_row<uint16_t>(p.k, b, hk, j0 + c) : static_cast<const uint16_t*>(zero_bits);
-          const F qk_scale = S::set1(static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e);
-          dot_pair_scores_all(rows_in_place, s.qw_row, p.dim_qk / 2, qk_scale, rows, s.scores + (j0 - j_begin), stride);
-        });
+        sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k,
+              [&](Scratch& s, int64_t h, int64_t j0, int nc, int c0, int c1) {
+                const int64_t hk = hk0 + h;
+                if (skipped(h, j0)) return c0 == 0 ? excluded_scores(s, j0) : void();
+                const uint16_t** rows_in_place = s.template keys_of<uint16_t>();
+                for (int c = c0; c < c1; ++c)
+                  rows_in_place[c] = c < nc ? low_row<uint16_t>(p.k, b, hk, j0 + c) : static_cast<const uint16_t*>(zero_bits);
+                const float qk_scale = static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e;
+                dot_pair_scores_all(rows_in_place, s.qw_row, p.dim_qk / 2, qk_scale, rows, s.scores + (j0 - j_begin),
+                                    stride, c0, c1);
+              });
       }
     }
     if (!pairs) with_loader(p.k.dtype, reads_in_place(p.k.dtype, p.dim_qk), [&](auto loader) {
       using L = decltype(loader);
-      sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
+      sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.k, [&](Scratch& s, int64_t h, int64_t j0, int nc, int c0, int c1) {
         const int64_t hk = hk0 + h;
-        if (skipped(h, j0)) return excluded_scores(s, j0);
+        if (skipped(h, j0)) return c0 == 0 ? excluded_scores(s, j0) : void();
         const typename L::E* const* kp;
         if constexpr (std::is_same_v<L, AsF32>) {
-          for (int c = 0; c < kLanes; ++c)
+          for (int c = c0; c < c1; ++c)
             s.kp[c] = c < nc ? key_row(p.k, b, hk, j0 + c, p.dim_qk, dk(), k_in_place, s.kbuf + c * dk()) : s.zero;
           kp = s.kp;
         } else {
           using E = typename L::E;
           const E** rows_in_place = s.template keys_of<E>();
-          for (int c = 0; c < kLanes; ++c)
+          for (int c = c0; c < c1; ++c)
             rows_in_place[c] = c < nc ? low_row<E>(p.k, b, hk, j0 + c) : static_cast<const E*>(zero_bits);
           kp = rows_in_place;
         }
+        float* out = s.scores + (j0 - j_begin);
         if constexpr (std::is_same_v<L, AsF8>) {
-          if (S::f8_rows_free_of_nan(kp, kLanes, dk())) {
-            dot_scores_all<AsF8Finite>(kp, s.q, dk(), dk(), rows, s.scores + (j0 - j_begin), stride);
+          if (S::f8_rows_free_of_nan(kp + c0, c1 - c0, dk())) {
+            dot_scores_all<AsF8Finite>(kp, s.q, dk(), dk(), rows, out, stride, c0, c1);
             return;
           }
         }
-        dot_scores_all<L>(kp, s.q, dk(), dk(), rows, s.scores + (j0 - j_begin), stride);
+        dot_scores_all<L>(kp, s.q, dk(), dk(), rows, out, stride, c0, c1);
       });
     });
     for (int64_t h = 0; h < heads; ++h) {
@@ -885,23 +942,25 @@ struct FewQueries {
     const bool v_in_place = values_in_place();
     with_loader(p.v.dtype, reads_in_place(p.v.dtype, p.dim_v), [&](auto loader) {
       using L = decltype(loader);
-      sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.v, [&](Scratch& s, int64_t h, int64_t j0, int nc) {
+      sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.v, [&](Scratch& s, int64_t h, int64_t j0, int nc, int c0, int c1) {
         const int64_t hk = hk0 + h;
-        if (skipped(h, j0)) return;  // probabilities 0
+        const int n = std::min(c1, nc) - c0;  // value rows [j0 + c0, j0 + c0 + n)
+        if (skipped(h, j0) || n <= 0) return;  // probabilities 0, or no key here
+        const float* prob = s.scores + (j0 - j_begin) + c0;
         if constexpr (std::is_same_v<L, AsF32>) {
-          for (int c = 0; c < nc; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
-          accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, s.vp);
+          for (int c = 0; c < n; ++c) s.vp[c] = key_row(p.v, b, hk, j0 + c0 + c, p.dim_v, dv(), v_in_place, s.vbuf + c * dv());
+          accumulate_rows<L>(s, rows, prob, stride, n, s.vp);
         } else {
           using E = typename L::E;
           const E** rows_in_place = s.template values_of<E>();
-          for (int c = 0; c < nc; ++c) rows_in_place[c] = low_row<E>(p.v, b, hk, j0 + c);
+          for (int c = 0; c < n; ++c) rows_in_place[c] = low_row<E>(p.v, b, hk, j0 + c0 + c);
           if constexpr (std::is_same_v<L, AsF8>) {
-            if (S::f8_rows_free_of_nan(rows_in_place, nc, dv())) {
-              accumulate_rows<AsF8Finite>(s, rows, s.scores + (j0 - j_begin), stride, nc, rows_in_place);
+            if (S::f8_rows_free_of_nan(rows_in_place, n, dv())) {
+              accumulate_rows<AsF8Finite>(s, rows, prob, stride, n, rows_in_place);
               return;
             }
           }
-          accumulate_rows<L>(s, rows, s.scores + (j0 - j_begin), stride, nc, rows_in_place);
+          accumulate_rows<L>(s, rows, prob, stride, n, rows_in_place);
         }
       });
     });
