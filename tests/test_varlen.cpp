@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/sequence_schedule.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
@@ -230,3 +233,30 @@ TEST(Varlen, BadArgumentsAreClearErrors) {
 }
 
 }  // namespace
+
+// How a call of several sequences spreads them over the threads (for_each_sequence): whole on one
+// thread each where that keeps the threads within an eighth of even (equal decoding steps of a
+// batch: no thread waits on another inside a sequence), else the longest on every thread first.
+// Every sequence with work runs exactly once; sequences without work do not run.
+TEST(SequenceSchedule, WholeSequencesPerThreadWhereTheyBalance) {
+  auto schedule = [](const std::vector<double>& cost, int threads) {
+    std::mutex m;
+    std::map<int64_t, int> runs;  // sequence -> the threads it ran on (a count of calls: -1 past one)
+    mha::detail::for_each_sequence(cost, threads, [&](int64_t s, int call_threads) {
+      std::lock_guard<std::mutex> lock(m);
+      runs[s] = runs.count(s) ? -1 : call_threads;
+    });
+    return runs;
+  };
+  using Runs = std::map<int64_t, int>;
+  EXPECT_EQ(schedule(std::vector<double>(8, 1.0), 2), (Runs{{0, 1}, {1, 1}, {2, 1}, {3, 1}, {4, 1}, {5, 1}, {6, 1}, {7, 1}}));
+  EXPECT_EQ(schedule({1.0, 1.0}, 2), (Runs{{0, 1}, {1, 1}}));
+  EXPECT_EQ(schedule({5.0}, 2), (Runs{{0, 2}}));
+  EXPECT_EQ(schedule({5.0}, 1), (Runs{{0, 1}}));
+  // three equal on two threads: one on both, then two whole; a long one and short ones: the long one on both
+  EXPECT_EQ(schedule({1.0, 1.0, 1.0}, 2), (Runs{{0, 2}, {1, 1}, {2, 1}}));
+  EXPECT_EQ(schedule({0.5, 8.0, 0.5, 0.0, 1.0}, 2), (Runs{{0, 1}, {1, 2}, {2, 1}, {4, 1}}));
+  // uneven but balanced by whole sequences (4 + 1 against 3 + 2): each on one thread
+  EXPECT_EQ(schedule({4.0, 3.0, 2.0, 1.0}, 2), (Runs{{0, 1}, {1, 1}, {2, 1}, {3, 1}}));
+}
+
