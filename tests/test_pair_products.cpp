@@ -141,11 +141,11 @@ TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {
 }
 
 // The decoding kernel in pair products, up to 32 queries per head: its panel schedule
-// (few_queries.hpp's run_keys_by_pairs) from 24 query rows per key/value head (speculative
-// decoding, prompt chunks, GQA groups of 8 at a few tokens) in odd cases, its dot mode's scores
-// (dot_pair_scores_rows) below that in even ones (decoding steps, 1 to 23 rows: blocks of 4 rows
-// and the rest; with [B, L, H, D] views, several heads per task), against the float64 reference
-// on fresh shapes:
+// (few_queries.hpp's run_keys_by_pairs) past 32 query rows per key/value head (GQA groups of 2-8
+// at several tokens each) in odd cases where the group allows, its dot mode's scores
+// (dot_pair_scores_rows) up to 32 rows in the others (decoding steps, speculative decoding,
+// prompt chunks: blocks of 4 rows and the rest; with [B, L, H, D] views, several heads per task),
+// against the float64 reference on fresh shapes:
 // caches past one run of 1008 keys (runs merged), blocks of 48 keys cut short and odd key counts
 // (a pair half empty), even head dims from 2 to 256, any Dv, [B, L, H, D] views, causal in both
 // alignments, windows, masks (bool, additive, a left-padded batch's key padding that skips
@@ -160,8 +160,9 @@ TEST_F(PairProducts, FewQueriesAgainstFloat64Reference) {
   constexpr int kCases = 40;
   for (int n = 0; n < kCases; ++n) {
     const int64_t group = std::vector<int64_t>{1, 2, 4, 8}[pick(0, 3)], hkv = pick(1, 2), b = pick(1, 2);
-    const int64_t panel = (24 + group - 1) / group;  // the fewest queries per head the panel takes
-    const int64_t lq = n % 2 == 1 ? pick(panel, 32) : pick(1, panel - 1), lk = coin(0.3) ? pick(900, 2200) : pick(1, 200);
+    const int64_t panel = 32 / group + 1;  // the fewest queries per head the panel takes (33 for one head: none)
+    const int64_t lq = n % 2 == 1 && panel <= 32 ? pick(panel, 32) : pick(1, std::min<int64_t>(panel - 1, 32));
+    const int64_t lk = coin(0.3) ? pick(900, 2200) : pick(1, 200);
     const int64_t dk = std::vector<int64_t>{2, 16, 40, 64, 128, 256}[pick(0, 5)];
     const int64_t dv = std::vector<int64_t>{1, 7, 16, 33, 64, 128}[pick(0, 5)];
     const int64_t hq = hkv * group;

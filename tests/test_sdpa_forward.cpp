@@ -852,7 +852,7 @@ TEST_P(EveryIsa, FewQueriesWithHeadsSideBySideGiveTheBitsOfPackedHeads) {
   const int64_t key_lengths[] = {1, 47, 300, 1008, 2100};
   for (int n = 0; n < 20; ++n) {
     const int64_t hkv = n % 4 == 0 ? 2 : n % 4 == 1 ? 3 : n % 4 == 2 ? 5 : 16, group = n % 3 == 2 ? 2 : 1;
-    // (bf16 cases 5 and 17 take 3 queries: below 24 rows, dot mode in pair products where the ISA has them)
+    // (bf16 cases 5 and 17 take 3 queries: 6 rows, dot mode in pair products where the ISA has them)
     const int64_t lq = n % 2 == 0 ? 1 : n % 6 == 5 && n % 4 == 1 ? 3 : dot_rows / group, hq = hkv * group,
                   b = 1 + n % 3, lk = key_lengths[n % 5];
     // (rows of 256 and 512 bytes: a sweep over heads side by side takes 8 and 4 keys of a head at a time)

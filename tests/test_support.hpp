@@ -94,9 +94,9 @@ inline ::testing::AssertionResult agree(const mha::TensorView& a, const mha::Ten
 // Whether a bfloat16 forward of these lengths and head dims runs with AVX512-BF16's bfloat16 pair
 // products on the ISA in use (attention.cpp's rule): its output is within bfloat16 rounding of the
 // float32 path's rather than its bits, and its log-sum-exp within a few units of float32 rounding.
-// Up to 32 queries per head (the decoding kernel) every row count takes them (its panel schedule
-// from 24 query rows per key/value head, its dot mode's scores below), but not where weights are
-// returned: those come from the float32 dot mode.
+// Up to 32 queries per head (the decoding kernel) every row count takes them (its dot mode's scores
+// up to 32 query rows per key/value head, its panel schedule past them), but not where weights
+// are returned: those come from the float32 dot mode.
 inline bool pair_products_forward(mha::DType dtype, int64_t lq, int64_t dk, bool weights = false) {
   if (mha::detail::active_isa() != mha::detail::Isa::avx512_bf16 || dtype != mha::DType::bf16 || dk % 2 != 0) return false;
   if (mha::detail::bf16_pairs_take_shape(lq, dk)) return true;

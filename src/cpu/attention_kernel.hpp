@@ -117,8 +117,8 @@ void flash_forward_avx512(const AttentionProblem& p, const ForwardOutputs& o);
 bool bf16_pairs_supports(const AttentionProblem& p);
 // Where the avx512_bf16 ISA runs it (attention.cpp): such problems with more queries per head than
 // the decoding kernel takes, and (bf16_pairs_take_few_queries) those the decoding kernel takes,
-// without weights returned: its panel schedule from 24 query rows per key/value head, its dot
-// mode's scores below (few_queries.hpp's takes_pairs, pair_scores).
+// without weights returned: its dot mode's scores up to 32 query rows per key/value head, its
+// panel schedule past them (few_queries.hpp's pair_scores, takes_pairs).
 bool bf16_pairs_take_shape(int64_t len_q, int64_t dim_qk);
 bool bf16_pairs_take_few_queries(const AttentionProblem& p, const ForwardOutputs& o);
 // The 2^x of the bfloat16 kernels (AMX and pairs; simd_avx512_bf16.hpp's exp2_bf16) on n floats,

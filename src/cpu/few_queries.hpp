@@ -101,9 +101,8 @@ struct FewQueries {
   // streamed from memory, against the panel: bf16 8-20 rows 0.53-0.76x the time, float16 8-32
   // rows 0.53-0.85x, float8 0.71-0.82x, float32 d = 64 0.65-0.72x, float32 d = 128 8 rows 0.92x
   // but 12-16 rows 1.05-1.13x, 32 level). One rule whatever the dtype, so that a bfloat16 or
-  // float8 cache gives the bits of its widened copy. bfloat16 pair products take over from
-  // kMinPairRows (24-32 rows: 0.69-0.77x the dot time in cache, 1.04-1.07x streaming).
-  // Decided by the ISA and the shape, so the bits are too.
+  // float8 cache gives the bits of its widened copy; bfloat16 q, k and v take pair products for
+  // the scores (pair_scores). Decided by the ISA and the shape, so the bits are too.
   static constexpr bool kSum4 = requires(F x, float* out) { S::sum4(x, x, x, x, out); };
   // Rows of queries scored together against each key block (S::kDotScoreRows where the ISA has
   // registers for them, else 1): each key vector is loaded, and widened, once for all of them.
@@ -113,24 +112,24 @@ struct FewQueries {
   }();
   static constexpr int64_t kDotRows = kScoreRows > 1 ? kMaxQueriesPerHead : kSum4 ? 8 : 4;
   bool scores_by_dot() const { return queries() <= kDotRows && !takes_pairs(p); }
-  // bfloat16 pair products (vdpbf16ps) in the panel schedule, where the layer has them and q, k
-  // and v are bfloat16 with an even head dim (bf16_pairs_supports), from kMinPairRows query rows
-  // per key/value head: a block's transposes as pairs cost the same whatever its rows, and below
-  // that the products they halve did not pay for them (Zen 5, 2048-4096 keys, against the float32
-  // panel: 8 rows 0.91-0.94x, 16 rows 0.95-1.19x, 24 rows 1.03x, 32 rows 1.14-1.32x, 64 rows 1.30x;
-  // against dot mode streaming a cache from memory, 8-12 rows 1.85-2.4x).
-  // Below that, dot mode (pair_scores).
+  // bfloat16 pair products (vdpbf16ps) where the layer has them and q, k and v are bfloat16 with
+  // an even head dim (bf16_pairs_supports): in the panel schedule for more rows per key/value head
+  // than dot mode takes (a group of 64 query heads, or 8 heads of 5 tokens and more), against
+  // the float32 panel 1.30x faster at 64 rows. Dot mode's scores in pair products took 0.64x the
+  // panel's time at 24 rows and 0.71x at 32 (Zen 5, B=8 H=192-256/8 S=4096 d=128 streamed; in L3
+  // 0.86x and 0.90x; d=64 0.89x; 32 queries of one head 0.68x): a block's transposes as pairs
+  // cost the same whatever its rows, and the panel reads its rows in an order the hardware
+  // prefetchers do not follow (see run_keys_by_pairs).
   static constexpr bool kPairs = requires { S::kBf16Pairs; };
-  static constexpr int64_t kMinPairRows = 24;
   // Whether the layer runs q, k and v in pair products at all (either schedule below).
   static bool pair_products(const AttentionProblem& p) { return kPairs && bf16_pairs_supports(p) && p.heads_kv > 0; }
   static bool takes_pairs(const AttentionProblem& p) {
-    return pair_products(p) && p.heads_q / p.heads_kv * p.len_q >= kMinPairRows;
+    return pair_products(p) && p.heads_q / p.heads_kv * p.len_q > kDotRows;
   }
-  // Below kMinPairRows, dot mode's scores take the pair products (dot_pair_scores_rows): each
-  // vdpbf16ps two products per lane on the key row as it lies, no widening; the softmax and the
-  // value product stay float32 (P is not rounded). The scores are sums in another order than the
-  // float32 kernel's, scaled after the sum: within float32 rounding of its, not its bits.
+  // In dot mode, the scores take the pair products (dot_pair_scores_rows): each vdpbf16ps two
+  // products per lane on the key row as it lies, no widening; the softmax and the value product
+  // stay float32 (P is not rounded). The scores are sums in another order than the float32
+  // kernel's, scaled after the sum: within float32 rounding of its, not its bits.
   static bool pair_scores(const AttentionProblem& p) { return pair_products(p) && !takes_pairs(p); }
   // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
   // each vector as it loads it: 16-bit and e5m2 rows of whole vectors always; e4m3 rows up to 4 queries
@@ -717,7 +716,10 @@ struct FewQueries {
   // broadcast against the block's values copied as pairs of keys per column. Half the products'
   // instructions of the float32 schedule, and no widening of the keys and values. P rounded to
   // bfloat16 (2^-9) is what the tile kernel's pair products and the AMX kernel round too: the
-  // outputs are within bfloat16 rounding of the float32 schedule's, not its bits.
+  // outputs are within bfloat16 rounding of the float32 schedule's, not its bits. Streaming a
+  // cache from memory it ran at 1.75x its time in L3 (32 rows, d=128, Zen 5): the transposes read
+  // 16 rows at a time in 32-byte pieces, which the hardware prefetchers do not follow, and the next
+  // block's prefetches (to L1 or L2, one to three blocks ahead, spread or not) recovered little.
   void run_keys_by_pairs(Scratch& s, int64_t b, int64_t hk, int64_t r_begin, int64_t r_end, int64_t j_begin,
                          int64_t j_end) const {
     const int64_t rows = r_end - r_begin;
