@@ -219,13 +219,15 @@ def bench_paged(reps, rows):
     page_size, Hkv, d], each sequence's pages shuffled over the pool: mha.paged_attention reads
     them in place; PyTorch has no paged attention on the CPU, so its side is what a user writes,
     the pages gathered by the block table (index and reshape) and its SDPA on them, per step."""
-    for B, Hq, Hkv, S, d, page in ((4, 16, 16, 2048, 64, 16), (4, 16, 16, 2048, 64, 256), (1, 32, 8, 4096, 128, 16)):
+    shapes = ((4, 16, 16, 2048, 64, 16, torch.float32), (4, 16, 16, 2048, 64, 256, torch.float32),
+              (1, 32, 8, 4096, 128, 16, torch.float32), (8, 32, 8, 4096, 128, 16, torch.bfloat16))
+    for B, Hq, Hkv, S, d, page, dtype in shapes:
         g = torch.Generator().manual_seed(6)
         per_seq = S // page
-        kc, vc = (torch.randn(B * per_seq, page, Hkv, d, generator=g) for _ in range(2))
+        kc, vc = (torch.randn(B * per_seq, page, Hkv, d, generator=g).to(dtype) for _ in range(2))
         table = torch.randperm(B * per_seq, generator=g).reshape(B, per_seq).to(torch.int32)
         lens = torch.full((B,), S, dtype=torch.int64)
-        q = torch.randn(B, 1, Hq, d, generator=g)
+        q = torch.randn(B, 1, Hq, d, generator=g).to(dtype)
         gqa = Hq != Hkv
 
         def theirs():
@@ -235,7 +237,8 @@ def bench_paged(reps, rows):
 
         ours, theirs = paired_medians(lambda: mha.paged_attention(q, kc, vc, table, lens, enable_gqa=gqa), theirs,
                                       reps * 3)
-        rows.append(("paged decode fp32 vs gather", f"B={B} H={Hq}/{Hkv} S={S} d={d} page={page}", ours, theirs,
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+        rows.append((f"paged decode {name} vs gather", f"B={B} H={Hq}/{Hkv} S={S} d={d} page={page}", ours, theirs,
                      4.0 * B * Hq * S * d))
 
 
