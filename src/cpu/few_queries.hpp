@@ -458,8 +458,7 @@ struct FewQueries {
 
   // Share `part` of `parts` of rows [j0, j0 + count) of heads [hk0, hk0 + heads) of k or v, heads
   // whose rows lie side by side at each key: the block asked for in address order over a sweep's
-  // steps. (Asked for head by head, rows a head-stride apart, such a cache streamed at 0.7x the
-  // rate of reading it in order: 33 against 47 GB/s on Zen 5, 8 heads of 256 bytes, 16 keys a head.)
+  // steps (sweep_keys says what that gained).
   [[gnu::always_inline]] void prefetch_share(const TensorView& t, int64_t b, int64_t hk0, int64_t heads, int64_t j0,
                                              int64_t count, int64_t part, int64_t parts) const {
     const int64_t size = dtype_size(t.dtype), bytes = heads * t.shape[3] * size, lines = count * ((bytes + 63) / 64);
@@ -813,10 +812,11 @@ struct FewQueries {
   // Keys of one head per step of a sweep over heads that lie side by side at each key ([B, S, H,
   // D] caches, paged ones too): about 2 KiB of its rows (4, 8 or 16 keys; 16 where kScoreRows is
   // 1), then the next head's, with the rows ahead asked for in address order (prefetch_share),
-  // from rows of 256 bytes. A head's whole block of 16 keys (16 rows a head-stride apart) at a
-  // time read such a cache at 0.7x the rate of reading it in order (Zen 5, 8 heads of 256 bytes:
-  // 33 against 47 GB/s). Against that, one decoding step at S=4096, Hkv=8, pages of 16 (medians
-  // of 5 alternating runs): bf16 d=128 0.83x the time (one page per sequence 0.86x), d=256 0.76x,
+  // from rows of 256 bytes. A head's whole block of 16 keys at a time (16 rows a head-stride
+  // apart, prefetched head by head) took 1.19x the time of a packed cache's step (Zen 5, bf16 B=8
+  // H=32/8 S=4096 d=128, one page per sequence), 1.39x with pages of 16. Against that, one decoding
+  // step at S=4096, Hkv=8, pages of 16 (medians of 5 alternating runs): bf16 d=128 0.83x the time
+  // (one page per sequence 0.86x), d=256 0.76x,
   // 8 rows per head 0.97x, MHA 0.74x; fp32 d=64 0.90x, d=128 0.70x. Rows of 128 bytes (bf16
   // d=64) took 1.1x the time in steps of 16 keys prefetched in address order: they keep whole
   // blocks, prefetched head by head.
