@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/thread_pool.hpp"
@@ -34,18 +35,34 @@ void fill_zero(void* base, DType dtype, const int64_t* shape, const int64_t* str
 }
 
 // delta = rowsum(dO * O) for rows [i0, i1) of head (b, h), in double, from O and dO in their dtypes.
+// Each product of two floats is exact in double, so the order of the sum barely matters to the
+// float result; eight running sums (element d into sum d % 8, then a fixed tree) make it a
+// vector loop instead of one chain of dependent adds: that chain took 11% of a bf16 backward
+// at L=128 (B=32 H=12 d=64).
 void delta_rows(const AttentionProblem& p, const BackwardInputs& in, int64_t b, int64_t h, int64_t i0, int64_t i1,
                 float* delta) {
   const int64_t* gs = in.grad_out_strides;
   const int64_t* os = in.out_strides;
+  const int64_t n = p.dim_v;
   with_input_elements(in.grad_out, in.grad_out_dtype, b * gs[0] + h * gs[1], [&](const auto* g, auto widen_g) {
     with_input_elements(in.out, in.out_dtype, b * os[0] + h * os[1], [&](const auto* o, auto widen_o) {
-      for (int64_t i = i0; i < i1; ++i) {
-        double acc = 0;
-        for (int64_t d = 0; d < p.dim_v; ++d)
-          acc += static_cast<double>(widen_g(g[i * gs[2] + d * gs[3]])) * widen_o(o[i * os[2] + d * os[3]]);
-        delta[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(acc);
-      }
+      auto rows = [&](auto g_step, auto o_step) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const auto* gr = g + i * gs[2];
+          const auto* orow = o + i * os[2];
+          double sums[8] = {};
+          int64_t d = 0;
+          for (; d + 8 <= n; d += 8)
+            for (int k = 0; k < 8; ++k)
+              sums[k] += static_cast<double>(widen_g(gr[(d + k) * g_step])) * widen_o(orow[(d + k) * o_step]);
+          for (int k = 0; d < n; ++d, ++k)
+            sums[k] += static_cast<double>(widen_g(gr[d * g_step])) * widen_o(orow[d * o_step]);
+          const double total = ((sums[0] + sums[4]) + (sums[2] + sums[6])) + ((sums[1] + sums[5]) + (sums[3] + sums[7]));
+          delta[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(total);
+        }
+      };
+      if (gs[3] == 1 && os[3] == 1) rows(std::integral_constant<int64_t, 1>{}, std::integral_constant<int64_t, 1>{});
+      else rows(gs[3], os[3]);
     });
   });
 }
