@@ -3,12 +3,12 @@
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "core/thread_pool.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/attention_kernel.hpp"
+#include "cpu/backward_delta.hpp"
 #include "cpu/backward_rows.hpp"
 #include "cpu/dispatch.hpp"
 #include "cpu/mask_only_rows.hpp"
@@ -32,39 +32,6 @@ void fill_zero(void* base, DType dtype, const int64_t* shape, const int64_t* str
   if (base == nullptr) return;  // a gradient nobody wants
   if (dtype == DType::f32) fill_zero(static_cast<float*>(base), shape, strides);
   else fill_zero(static_cast<uint16_t*>(base), shape, strides);
-}
-
-// delta = rowsum(dO * O) for rows [i0, i1) of head (b, h), in double, from O and dO in their dtypes.
-// Each product of two floats is exact in double, so the order of the sum barely matters to the
-// float result; eight running sums (element d into sum d % 8, then a fixed tree) make it a
-// vector loop instead of one chain of dependent adds: that chain took 11% of a bf16 backward
-// at L=128 (B=32 H=12 d=64).
-void delta_rows(const AttentionProblem& p, const BackwardInputs& in, int64_t b, int64_t h, int64_t i0, int64_t i1,
-                float* delta) {
-  const int64_t* gs = in.grad_out_strides;
-  const int64_t* os = in.out_strides;
-  const int64_t n = p.dim_v;
-  with_input_elements(in.grad_out, in.grad_out_dtype, b * gs[0] + h * gs[1], [&](const auto* g, auto widen_g) {
-    with_input_elements(in.out, in.out_dtype, b * os[0] + h * os[1], [&](const auto* o, auto widen_o) {
-      auto rows = [&](auto g_step, auto o_step) {
-        for (int64_t i = i0; i < i1; ++i) {
-          const auto* gr = g + i * gs[2];
-          const auto* orow = o + i * os[2];
-          double sums[8] = {};
-          int64_t d = 0;
-          for (; d + 8 <= n; d += 8)
-            for (int k = 0; k < 8; ++k)
-              sums[k] += static_cast<double>(widen_g(gr[(d + k) * g_step])) * widen_o(orow[(d + k) * o_step]);
-          for (int k = 0; d < n; ++d, ++k)
-            sums[k] += static_cast<double>(widen_g(gr[d * g_step])) * widen_o(orow[d * o_step]);
-          const double total = ((sums[0] + sums[4]) + (sums[2] + sums[6])) + ((sums[1] + sums[5]) + (sums[3] + sums[7]));
-          delta[(b * p.heads_q + h) * p.len_q + i] = static_cast<float>(total);
-        }
-      };
-      if (gs[3] == 1 && os[3] == 1) rows(std::integral_constant<int64_t, 1>{}, std::integral_constant<int64_t, 1>{});
-      else rows(gs[3], os[3]);
-    });
-  });
 }
 
 // The kernels read rows with unit stride; an input without it is copied once (into `copies`), in
@@ -223,13 +190,9 @@ void run_attention_backward(const AttentionProblem& problem, const BackwardInput
   float* dl = per_row.data<float>();
   float* lse2 = dl + rows;
   float* p_scale = lse2 + rows;
+  backward_delta(active_isa(), p, inputs, dl);
   constexpr int64_t kRowsPerTask = 512;
   const int64_t row_blocks = (p.len_q + kRowsPerTask - 1) / kRowsPerTask;
-  parallel_for(p.batch * p.heads_q * row_blocks, resolve_threads(p.num_threads), [&](int64_t t, int) {
-    const int64_t bh = t / row_blocks, b = bh / p.heads_q, h = bh % p.heads_q;
-    const int64_t i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
-    delta_rows(p, inputs, b, h, i0, i1, dl);
-  });
   parallel_for(p.batch * row_blocks, resolve_threads(p.num_threads), [&](int64_t t, int) {
     const int64_t b = t / row_blocks, i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
     backward_row_normalisers(p, inputs.lse, b, i0, i1, lse2, p_scale);

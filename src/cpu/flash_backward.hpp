@@ -233,15 +233,15 @@ struct FlashBackward {
   // products, so the same bits.
   void store_grad_rows(void* base, const int64_t* strides, int64_t b, int64_t h, int64_t l0, int64_t n, float* acc,
                        int64_t width, float scale) const {
-    if constexpr (requires { S::store_bf16_rows; }) {
-      // bfloat16 rows of unit stride: rounded as pairs of dims and transposed as 32-bit words (the
-      // same product and rounding; element by element, the stores took 11% of a bf16 backward at
-      // L=128, B=32 H=12 d=64).
-      if (out.grad_dtype == DType::bf16 && strides[3] == 1) {
+    if constexpr (requires { S::store_16bit_rows; }) {
+      // bfloat16 and float16 rows of unit stride: rounded as pairs of dims and transposed as 32-bit
+      // words (the same product and rounding; element by element, the stores took 11% of a bf16
+      // backward at L=128, B=32 H=12 d=64).
+      if ((out.grad_dtype == DType::bf16 || out.grad_dtype == DType::f16) && strides[3] == 1) {
         alignas(64) float scales[kPanel];
         std::fill_n(scales, kPanel, scale);
         const int64_t offset = b * strides[0] + h * strides[1] + l0 * strides[2];
-        S::store_bf16_rows(acc, kPanel, scales, width, n, static_cast<uint16_t*>(base) + offset, strides[2]);
+        S::store_16bit_rows(out.grad_dtype, acc, kPanel, scales, width, n, static_cast<uint16_t*>(base) + offset, strides[2]);
         return;
       }
     }

@@ -1,9 +1,13 @@
 // The fused backward for any CPU: the same body over 16-float arrays.
+#include "cpu/backward_delta.hpp"
 #include "cpu/flash_backward.hpp"
 #include "cpu/simd_portable.hpp"
 
 namespace mha::detail {
 void flash_backward_portable(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
   FlashBackward<simd::Portable>{p, in, out}.run();
+}
+void backward_delta_portable(const AttentionProblem& p, const BackwardInputs& in, float* delta) {
+  backward_delta_all<simd::Portable>(p, in, delta);
 }
 }  // namespace mha::detail

@@ -471,27 +471,28 @@ struct FlashForward {
     const int64_t rows = std::min<int64_t>(kBlockQ, p.len_q - i0);
     const float qscale = static_cast<float>(p.scale) * p.key_descale(b, h / p.group()) * kLog2e;
 
-    // Q^T, pre-scaled; lanes past the last query stay zero. Low-precision rows are widened first
-    // (into the key block's buffer, free until the first key block).
+    // Q^T, pre-scaled; lanes past the last query stay zero.
     const int64_t q_offset = b * p.q.strides[0] + h * p.q.strides[1] + i0 * p.q.strides[2];
     if constexpr (kPairs) {
       s.qk_scale = qscale;
       const auto* q = p.q.data_as<const uint16_t>() + q_offset;
       S::transpose_pairs(q, p.q.strides[2], rows, p.dim_qk / 2, s.qtw, kBlockQ);
-    } else if (p.q.dtype != DType::f32) {
-      for (int64_t ii = 0; ii < rows; ++ii) {
-        T::widen(p.q.dtype, element_address(p.q.data, p.q.dtype, q_offset + ii * p.q.strides[2]), s.kconv, p.dim_qk);
-        for (int64_t d = 0; d < p.dim_qk; ++d) s.qt[d * kBlockQ + ii] = s.kconv[d] * qscale;
-      }
-      for (int64_t d = 0; d < p.dim_qk; ++d)
-        for (int64_t ii = rows; ii < kBlockQ; ++ii) s.qt[d * kBlockQ + ii] = 0.0f;
     } else {
       // Transposed in 8 x 8 blocks (a scalar store per element was 3% of a BERT-sized call; 8
       // rows at a time, where a column-wise read of all 48 rows missed L1 on every element when
       // the rows lie a multiple of 4 KiB apart and share their L1 sets), then scaled in place
-      // (the same one rounding), the lanes past the last query zeroed.
-      const float* qb = p.q.data_as<float>() + q_offset;
-      T::transpose_rect(qb, p.q.strides[2], s.qt, kBlockQ, rows, p.dim_qk);
+      // (the same one rounding), the lanes past the last query zeroed. Low-precision rows are
+      // widened first, into the key block's buffer (free until the first key block; element by
+      // element into the transpose, float16 queries took 12% of a BERT-sized call).
+      const float* qb = p.q.dtype == DType::f32 ? p.q.data_as<float>() + q_offset : s.kconv;
+      int64_t q_stride = p.q.strides[2];
+      if (p.q.dtype != DType::f32) {
+        for (int64_t ii = 0; ii < rows; ++ii)
+          T::widen(p.q.dtype, element_address(p.q.data, p.q.dtype, q_offset + ii * p.q.strides[2]), s.kconv + ii * p.dim_qk,
+                   p.dim_qk);
+        q_stride = p.dim_qk;
+      }
+      T::transpose_rect(qb, q_stride, s.qt, kBlockQ, rows, p.dim_qk);
       const F scale = S::set1(qscale);
       for (int64_t d = 0; d < p.dim_qk; ++d) {
         float* col = s.qt + d * kBlockQ;
@@ -544,12 +545,13 @@ struct FlashForward {
     const F descale = S::set1(p.value_descale(b, h / p.group()));  // (1 but for float8 values with v_descale)
     float* const ot = s.ot;  // (in locals: the stores below may alias the scratch's fields, and p's)
     const int64_t dim_v = p.dim_v;
-    if constexpr (requires { S::store_bf16_rows; }) {
-      // bfloat16 rows with unit stride: rounded from O^T as pairs of dims, the words transposed
-      // (the same product and rounding as below, without the float32 row buffer).
-      if (o.out_dtype == DType::bf16 && o.out_strides[3] == 1) {
+    if constexpr (requires { S::store_16bit_rows; }) {
+      // bfloat16 and float16 rows with unit stride: rounded from O^T as pairs of dims, the words
+      // transposed (the same product and rounding as below, without the float32 row buffer).
+      if ((o.out_dtype == DType::bf16 || o.out_dtype == DType::f16) && o.out_strides[3] == 1) {
         for (int c = 0; c < kVecs; ++c) S::store(s.alpha + c * kLanes, S::mul(S::load(s.l + c * kLanes), descale));
-        S::store_bf16_rows(ot, kBlockQ, s.alpha, dim_v, rows, static_cast<uint16_t*>(o.out) + offset, o.out_strides[2]);
+        S::store_16bit_rows(o.out_dtype, ot, kBlockQ, s.alpha, dim_v, rows, static_cast<uint16_t*>(o.out) + offset,
+                            o.out_strides[2]);
         return;
       }
     }

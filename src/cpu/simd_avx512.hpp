@@ -157,13 +157,25 @@ struct Avx512 {
     return _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
   }
 
-  // Rows [0, rows) of a bfloat16 output from its transpose: element d of row r is
-  // bfloat16(ot[d * ot_stride + r] * scale[r]), d < dims, the row at dst + r * dst_stride. Pairs
-  // of dims are rounded into the 32-bit words they are in the row, then transposed 16 x 16 words
-  // at a time: no float32 row buffer and no element-wise rounding. ot holds whole vectors of
-  // rows (r < round_up(rows, 16)).
-  static void store_bf16_rows(const float* ot, int64_t ot_stride, const float* scale, int64_t dims, int64_t rows,
-                              uint16_t* dst, int64_t dst_stride) {
+  // x rounded to float16 as float16(x) rounds (to nearest even, subnormals kept, past 65504 to
+  // infinity), NaN as its sign | 0x7e00, the 16 bits in the high half of each lane.
+  static __m512i f16_high_bits(__m512 x) {
+    const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0x8000))),
+                                          _mm256_set1_epi16(0x7e00));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_mask_mov_epi16(h, nan, quiet)), 16);
+  }
+
+  // Rows [0, rows) of a bfloat16 or float16 output (`dtype`) from its transpose: element d of row
+  // r is the 16-bit rounding of ot[d * ot_stride + r] * scale[r], d < dims, the row at dst + r *
+  // dst_stride. Pairs of dims are rounded into the 32-bit words they are in the row, then
+  // transposed 16 x 16 words at a time: no float32 row buffer and no element-wise rounding. ot
+  // holds whole vectors of rows (r < round_up(rows, 16)).
+  static void store_16bit_rows(DType dtype, const float* ot, int64_t ot_stride, const float* scale, int64_t dims,
+                               int64_t rows, uint16_t* dst, int64_t dst_stride) {
+    const bool half = dtype == DType::f16;
+    auto high_bits = [half](__m512 x) { return half ? f16_high_bits(x) : bf16_high_bits(x); };
     const int64_t words = (dims + 1) / 2;
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
       const __m512 factor = _mm512_loadu_ps(scale + r0);
@@ -177,8 +189,8 @@ struct Avx512 {
             continue;
           }
           const int64_t d = 2 * (w0 + i);
-          const __m512i lo = bf16_high_bits(_mm512_mul_ps(_mm512_loadu_ps(ot + d * ot_stride + r0), factor));
-          const __m512i hi = d + 1 < dims ? bf16_high_bits(_mm512_mul_ps(_mm512_loadu_ps(ot + (d + 1) * ot_stride + r0), factor))
+          const __m512i lo = high_bits(_mm512_mul_ps(_mm512_loadu_ps(ot + d * ot_stride + r0), factor));
+          const __m512i hi = d + 1 < dims ? high_bits(_mm512_mul_ps(_mm512_loadu_ps(ot + (d + 1) * ot_stride + r0), factor))
                                           : _mm512_setzero_si512();
           r[i] = _mm512_mask_mov_epi16(_mm512_srli_epi32(lo, 16), 0xaaaaaaaau, hi);  // (lo, hi) in one word
         }
