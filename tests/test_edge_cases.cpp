@@ -235,48 +235,51 @@ TEST_P(EdgeIsa, LowPrecisionOutputsOfLongValueRows) {
 // Values 2^-20 of the usual size put most results among float16's subnormals; a value column
 // holds +inf, another -inf and +inf (a NaN output), another a signalling NaN with a payload in
 // every third key, and another 65504 (float16's largest) in every key. Head dims
-// odd and even, rows past one task of 48 queries. Not where bfloat16 takes its own products.
+// odd and even, rows past one task of 48 queries, and 3 queries. Not where bfloat16 takes its own
+// products.
 TEST_P(EdgeIsa, SixteenBitRoundingOfOutputsAndGradients) {
   std::mt19937_64 rng(mha_test::test_seed());
   auto wide = [](const mha::TensorView& t) { return mha::Tensor::copy_of(t, mha::DType::f32); };
   for (const mha::DType dtype : {mha::DType::f16, mha::DType::bf16})
-    for (const int64_t dv : {37, 64}) {
-      SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " Dv " + std::to_string(dv));
-      const int64_t B = 4, H = 4, lq = 70, lk = 90, dk = 32;
-      mha::Tensor q = mha_test::randn({B, H, lq, dk}, rng), k = mha_test::randn({B, H, lk, dk}, rng);
-      mha::Tensor v = mha_test::randn({B, H, lk, dv}, rng), grad = mha_test::randn({B, H, lq, dv}, rng);
-      for (int64_t e = 0; e < v.numel(); ++e) v.data<float>()[e] *= 0x1p-20f;
-      for (int64_t e = 0; e < grad.numel(); ++e) grad.data<float>()[e] *= 0x1p-20f;
-      for (int64_t r = 0; r < B * H * lk; ++r) {
-        float* row = v.data<float>() + r * dv;
-        row[1] = INFINITY, row[2] = r % 2 ? INFINITY : -INFINITY, row[4] = 65504.0f;
+    for (const int64_t dv : {37, 64})
+      for (const int64_t lq : {70, 3}) {  // (3: the decoding kernels, forward and backward)
+        SCOPED_TRACE(std::string(mha::dtype_name(dtype)) + " Dv " + std::to_string(dv) + " Lq " + std::to_string(lq));
+        const int64_t B = 4, H = 4, lk = 90, dk = 32;
+        mha::Tensor q = mha_test::randn({B, H, lq, dk}, rng), k = mha_test::randn({B, H, lk, dk}, rng);
+        mha::Tensor v = mha_test::randn({B, H, lk, dv}, rng), grad = mha_test::randn({B, H, lq, dv}, rng);
+        for (int64_t e = 0; e < v.numel(); ++e) v.data<float>()[e] *= 0x1p-20f;
+        for (int64_t e = 0; e < grad.numel(); ++e) grad.data<float>()[e] *= 0x1p-20f;
+        for (int64_t r = 0; r < B * H * lk; ++r) {
+          float* row = v.data<float>() + r * dv;
+          row[1] = INFINITY, row[2] = r % 2 ? INFINITY : -INFINITY, row[4] = 65504.0f;
+        }
+        q = mha::Tensor::copy_of(q, dtype), k = mha::Tensor::copy_of(k, dtype), v = mha::Tensor::copy_of(v, dtype);
+        for (int64_t r = 0; r < B * H * lk; r += 3)  // a signalling NaN with a payload and the sign set
+          v.data<uint16_t>()[r * dv + 3] = dtype == mha::DType::f16 ? 0xfd01 : 0xff81;
+        grad = mha::Tensor::copy_of(grad, dtype);
+        const mha::SdpaOptions o{.is_causal = true, .causal_alignment = mha::CausalAlignment::BottomRight};
+        const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+        const auto saved32 = mha::scaled_dot_product_attention_for_training(wide(q), wide(k), wide(v), o);
+        if (!mha_test::pair_products_forward(dtype, lq, dk)) {
+          EXPECT_TRUE(mha_test::same_bits(saved.output, mha::Tensor::copy_of(saved32.output, dtype)));
+        }
+        // Gradients from finite values (the column of a NaN output would make every gradient NaN).
+        const mha::Tensor fresh = mha::Tensor::copy_of(mha_test::randn({B * H * lk * 4}, rng), dtype);
+        for (int64_t r = 0; r < B * H * lk; ++r)
+          for (int64_t d = 1; d <= 4; ++d) v.data<uint16_t>()[r * dv + d] = fresh.data<uint16_t>()[r * 4 + d - 1];
+        const auto finite = mha::scaled_dot_product_attention_for_training(q, k, v, o);
+        const auto g = mha::scaled_dot_product_attention_backward(q, k, v, finite, grad, o);
+        const mha::AttentionForTraining rounded{wide(finite.output), finite.lse};
+        const auto g32 = mha::scaled_dot_product_attention_backward(wide(q), wide(k), wide(v), rounded, wide(grad), o);
+        if (!mha_test::tile_unit_backward(dtype, lq, lk, dk, dv)) {
+          EXPECT_TRUE(mha_test::same_bits(g.query, mha::Tensor::copy_of(g32.query, dtype)));
+          EXPECT_TRUE(mha_test::same_bits(g.key, mha::Tensor::copy_of(g32.key, dtype)));
+          EXPECT_TRUE(mha_test::same_bits(g.value, mha::Tensor::copy_of(g32.value, dtype)));
+        }
+        int64_t subnormal = 0;  // (the case is what it says: float16 gradients among the subnormals)
+        for (int64_t e = 0; e < g.value.numel(); ++e) subnormal += (g.value.data<uint16_t>()[e] & 0x7c00) == 0;
+        if (dtype == mha::DType::f16) EXPECT_GT(subnormal, g.value.numel() / 4);
       }
-      q = mha::Tensor::copy_of(q, dtype), k = mha::Tensor::copy_of(k, dtype), v = mha::Tensor::copy_of(v, dtype);
-      for (int64_t r = 0; r < B * H * lk; r += 3)  // a signalling NaN with a payload and the sign set
-        v.data<uint16_t>()[r * dv + 3] = dtype == mha::DType::f16 ? 0xfd01 : 0xff81;
-      grad = mha::Tensor::copy_of(grad, dtype);
-      const mha::SdpaOptions o{.is_causal = true};
-      const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
-      const auto saved32 = mha::scaled_dot_product_attention_for_training(wide(q), wide(k), wide(v), o);
-      if (!mha_test::pair_products_forward(dtype, lq, dk)) {
-        EXPECT_TRUE(mha_test::same_bits(saved.output, mha::Tensor::copy_of(saved32.output, dtype)));
-      }
-      // Gradients from finite values (the column of a NaN output would make every gradient NaN).
-      for (int64_t e = 0; e < v.numel(); ++e)
-        if (e % dv >= 1 && e % dv <= 4) v.data<uint16_t>()[e] = mha::Tensor::copy_of(mha_test::randn({1}, rng), dtype).data<uint16_t>()[0];
-      const auto finite = mha::scaled_dot_product_attention_for_training(q, k, v, o);
-      const auto g = mha::scaled_dot_product_attention_backward(q, k, v, finite, grad, o);
-      const mha::AttentionForTraining rounded{wide(finite.output), finite.lse};
-      const auto g32 = mha::scaled_dot_product_attention_backward(wide(q), wide(k), wide(v), rounded, wide(grad), o);
-      if (!mha_test::tile_unit_backward(dtype, lq, lk, dk, dv)) {
-        EXPECT_TRUE(mha_test::same_bits(g.query, mha::Tensor::copy_of(g32.query, dtype)));
-        EXPECT_TRUE(mha_test::same_bits(g.key, mha::Tensor::copy_of(g32.key, dtype)));
-        EXPECT_TRUE(mha_test::same_bits(g.value, mha::Tensor::copy_of(g32.value, dtype)));
-      }
-      int64_t subnormal = 0;  // (the case is what it says: float16 gradients among the subnormals)
-      for (int64_t e = 0; e < g.value.numel(); ++e) subnormal += (g.value.data<uint16_t>()[e] & 0x7c00) == 0;
-      if (dtype == mha::DType::f16) EXPECT_GT(subnormal, g.value.numel() / 4);
-    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Edges, EdgeIsa, ::testing::ValuesIn(mha::detail::supported_isas()),

@@ -124,6 +124,20 @@ struct FewQueriesBackward {
   void store_row(void* base, const int64_t* strides, int64_t b, int64_t h, int64_t l, const float* src, int64_t width,
                  float scale) const {
     const int64_t offset = b * strides[0] + h * strides[1] + l * strides[2], step = strides[3];
+    if (out.grad_dtype == DType::f32 && step == 1) {  // (element by element: 27% of a one-query backward)
+      float* dst = static_cast<float*>(base) + offset;
+      const F factor = S::set1(scale);
+      int64_t d = 0;
+      for (; d + kLanes <= width; d += kLanes) S::store(dst + d, S::mul(S::load(src + d), factor));
+      for (; d < width; ++d) dst[d] = src[d] * scale;
+      return;
+    }
+    if constexpr (requires { S::store_16bit_row; }) {
+      if (out.grad_dtype != DType::f32 && step == 1) {
+        S::store_16bit_row(out.grad_dtype, src, scale, static_cast<uint16_t*>(base) + offset, width);
+        return;
+      }
+    }
     with_output_elements(base, out.grad_dtype, offset, [&](auto* dst, auto round) {
       for (int64_t d = 0; d < width; ++d) dst[d * step] = round(src[d] * scale);
     });

@@ -167,6 +167,22 @@ struct Avx512 {
     return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_mask_mov_epi16(h, nan, quiet)), 16);
   }
 
+  // dst[d] = the 16-bit rounding (`dtype`: bfloat16 or float16) of src[d] * scale, d < n.
+  static void store_16bit_row(DType dtype, const float* src, float scale, uint16_t* dst, int64_t n) {
+    const bool half = dtype == DType::f16;
+    const __m512 factor = _mm512_set1_ps(scale);
+    auto rounded = [&](__m512 x) {
+      x = _mm512_mul_ps(x, factor);
+      return _mm512_cvtepi32_epi16(_mm512_srli_epi32(half ? f16_high_bits(x) : bf16_high_bits(x), 16));
+    };
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), rounded(_mm512_loadu_ps(src + d)));
+    if (d < n) {
+      const __mmask16 valid = static_cast<__mmask16>((1u << (n - d)) - 1);
+      _mm256_mask_storeu_epi16(dst + d, valid, rounded(_mm512_maskz_loadu_ps(valid, src + d)));
+    }
+  }
+
   // Rows [0, rows) of a bfloat16 or float16 output (`dtype`) from its transpose: element d of row
   // r is the 16-bit rounding of ot[d * ot_stride + r] * scale[r], d < dims, the row at dst + r *
   // dst_stride. Pairs of dims are rounded into the 32-bit words they are in the row, then
