@@ -5,7 +5,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "cpu/exp2_polynomial.hpp"
@@ -221,6 +223,74 @@ struct Avx2 {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
     for (; i < n; ++i) dst[i] = static_cast<float>(float16::from_bits(src[i]));
+  }
+
+  // 8 floats rounded to bfloat16 or float16 (`half`) as bfloat16(x) and float16(x) round them (to
+  // nearest even, subnormals kept, NaN quieted: bfloat16 keeps its payload's top bits, float16
+  // writes sign | 0x7e00), the 16 bits in the low half of each 32-bit lane.
+  static __m256i bits_16(__m256 x, bool half) {
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    if (half) {
+      const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m128i quiet = _mm_or_si128(_mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0x8000))), _mm_set1_epi16(0x7e00));
+      const __m256i n32 = _mm256_castps_si256(nan);
+      const __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(n32), _mm256_extracti128_si256(n32, 1));
+      return _mm256_cvtepu16_epi32(_mm_blendv_epi8(h, quiet, n16));
+    }
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i quieted = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quieted, _mm256_castps_si256(nan)), 16);
+  }
+
+  // dst[d] = the 16-bit rounding (`dtype`: bfloat16 or float16) of src[d] * scale, d < n.
+  static void store_16bit_row(DType dtype, const float* src, float scale, uint16_t* dst, int64_t n) {
+    const bool half = dtype == DType::f16;
+    const __m256 factor = _mm256_set1_ps(scale);
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) {
+      const __m256i b = bits_16(_mm256_mul_ps(_mm256_loadu_ps(src + d), factor), half);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+    for (; d < n; ++d) dst[d] = half ? float16(src[d] * scale).bits : bfloat16(src[d] * scale).bits;
+  }
+
+  // Rows [0, rows) of a bfloat16 or float16 output (`dtype`) from its transpose: element d of row
+  // r is the 16-bit rounding of ot[d * ot_stride + r] * scale[r], d < dims, the row at dst + r *
+  // dst_stride. As on AVX-512: pairs of dims rounded into the 32-bit words they are in the row,
+  // then transposed 8 x 8 words at a time. ot holds whole groups of 8 rows.
+  static void store_16bit_rows(DType dtype, const float* ot, int64_t ot_stride, const float* scale, int64_t dims,
+                               int64_t rows, uint16_t* dst, int64_t dst_stride) {
+    const bool half = dtype == DType::f16;
+    const int64_t words = (dims + 1) / 2;
+    alignas(32) float block[64], out[64];  // 8 x 8 words, as floats for the transpose (bits kept)
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      const __m256 factor = _mm256_loadu_ps(scale + r0);
+      const int64_t nr = std::min<int64_t>(8, rows - r0);
+      for (int64_t w0 = 0; w0 < words; w0 += 8) {
+        const int64_t n = std::min<int64_t>(8, words - w0);
+        for (int i = 0; i < 8; ++i) {
+          __m256i w = _mm256_setzero_si256();
+          if (i < n) {
+            const int64_t d = 2 * (w0 + i);
+            w = bits_16(_mm256_mul_ps(_mm256_loadu_ps(ot + d * ot_stride + r0), factor), half);
+            if (d + 1 < dims) {
+              const __m256i hi = bits_16(_mm256_mul_ps(_mm256_loadu_ps(ot + (d + 1) * ot_stride + r0), factor), half);
+              w = _mm256_or_si256(w, _mm256_slli_epi32(hi, 16));
+            }
+          }
+          _mm256_store_ps(block + 8 * i, _mm256_castsi256_ps(w));
+        }
+        transpose8x8_avx(block, 8, out, 8);
+        const int64_t halves = std::min<int64_t>(16, dims - 2 * w0);
+        for (int64_t i = 0; i < nr; ++i) {
+          uint16_t* row = dst + (r0 + i) * dst_stride + 2 * w0;
+          if (halves == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm256_castps_si256(_mm256_load_ps(out + 8 * i)));
+          else std::memcpy(row, out + 8 * i, sizeof(uint16_t) * static_cast<size_t>(halves));
+        }
+      }
+    }
   }
 };
 
