@@ -1,6 +1,7 @@
 // Every invalid input is an mha::Error whose message names the argument; tensors and views.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -8,6 +9,7 @@
 #include <string>
 
 #include "core/attention_problem.hpp"
+#include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
 
@@ -176,6 +178,40 @@ TEST(Tensor, DtypeConversionsRoundTrip) {
   EXPECT_EQ(static_cast<float>(mha::float16(70000.0f)), INFINITY);
   EXPECT_TRUE(std::isnan(static_cast<float>(mha::bfloat16(NAN))));
   EXPECT_EQ(static_cast<float>(mha::float16(5.9604645e-8f)), 5.9604645e-8f);  // the smallest subnormal
+}
+
+// Tensor's conversions between float32 and the 16-bit types run in vectors on AVX2 and above
+// (cpu/convert_16bit.hpp): on every ISA, each element gets the bits of the scalar conversion, over
+// random bit patterns (NaNs with payloads, signalling ones, infinities, subnormals) and values
+// halfway between two 16-bit neighbours (ties to even), in spans with a partial last vector.
+TEST(Tensor, SixteenBitConversionsAreTheScalarOnesOnEveryIsa) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  const int64_t n = 4099;
+  mha::Tensor wide = mha::Tensor::empty({n});
+  mha::Tensor half_bits = mha::Tensor::empty({n}, mha::DType::f16);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(rng());
+    if (i % 4 == 1) u = (u & 0x8fffe000u) | 0x00001000u;  // a float16 tie (or subnormal-range tie)
+    if (i % 4 == 2) u = (u & 0xffff0000u) | 0x00008000u;  // a bfloat16 tie
+    std::memcpy(wide.data<float>() + i, &u, 4);
+    half_bits.data<uint16_t>()[i] = static_cast<uint16_t>(rng());
+  }
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    SCOPED_TRACE(std::string(mha::detail::isa_name(isa)));
+    const mha::Tensor h = mha::Tensor::copy_of(wide, mha::DType::f16), bf = mha::Tensor::copy_of(wide, mha::DType::bf16);
+    const mha::Tensor back = mha::Tensor::copy_of(half_bits, mha::DType::f32);
+    int wrong = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = wide.data<float>()[i];
+      wrong += h.data<uint16_t>()[i] != mha::float16(x).bits;
+      wrong += bf.data<uint16_t>()[i] != mha::bfloat16(x).bits;
+      const float y = static_cast<float>(mha::float16::from_bits(half_bits.data<uint16_t>()[i]));
+      wrong += std::memcmp(back.data<float>() + i, &y, 4) != 0;
+    }
+    EXPECT_EQ(wrong, 0);
+  }
+  mha::detail::force_isa(std::nullopt);
 }
 
 // copy_into between strided views, every pair of dtypes: whole-row spans where both last

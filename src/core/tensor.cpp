@@ -2,6 +2,8 @@
 
 #include "core/device_memory.hpp"
 #include "core/host_memory.hpp"
+#include "cpu/convert_16bit.hpp"
+#include "cpu/dispatch.hpp"
 
 #include <cstdlib>
 #include <cstring>
@@ -262,6 +264,11 @@ void move_span(const void* src, void* dst, int64_t n) {
 // loop that the compiler vectorises, instead of a dtype switch per element. Null for the pairs it
 // does not cover (bool goes element-wise: any nonzero byte becomes exactly 1).
 SpanCopy span_copy(DType a, DType b) {
+  if (detail::active_isa() >= detail::Isa::avx2) {  // (the same bits, in vectors)
+    if (a == DType::f16 && b == DType::f32) return detail::widen_f16_avx2;
+    if (a == DType::f32 && b == DType::f16) return detail::narrow_f16_avx2;
+    if (a == DType::f32 && b == DType::bf16) return detail::narrow_bf16_avx2;
+  }
   if (a == b && a == DType::f32) return move_span<float>;
   if (a == b && a == DType::f64) return move_span<double>;
   if (a == b && (a == DType::bf16 || a == DType::f16)) return move_span<uint16_t>;
