@@ -263,8 +263,18 @@ void move_span(const void* src, void* dst, int64_t n) {
 // How n elements go from a unit-stride span of dtype a to one of dtype b: a memmove or a typed
 // loop that the compiler vectorises, instead of a dtype switch per element. Null for the pairs it
 // does not cover (bool goes element-wise: any nonzero byte becomes exactly 1).
+// Whether the 16-bit conversions run in vectors (the same bits): on AVX2 and above. A bad MHA_ISA
+// is the kernels' error to report; copies then take the scalar loops.
+bool vector_conversions() {
+  try {
+    return detail::active_isa() >= detail::Isa::avx2;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 SpanCopy span_copy(DType a, DType b) {
-  if (detail::active_isa() >= detail::Isa::avx2) {  // (the same bits, in vectors)
+  if (vector_conversions()) {
     if (a == DType::f16 && b == DType::f32) return detail::widen_f16_avx2;
     if (a == DType::f32 && b == DType::f16) return detail::narrow_f16_avx2;
     if (a == DType::f32 && b == DType::bf16) return detail::narrow_bf16_avx2;
