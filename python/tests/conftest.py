@@ -13,6 +13,19 @@ def pytest_addoption(parser):
                      help="replay a run (default: MHA_PARITY_SEED or a fresh seed)")
 
 
+def pytest_configure(config):
+    seed = config.getoption("--parity-seed")
+    if seed is None:
+        seed = int(os.environ.get("MHA_PARITY_SEED", random.SystemRandom().randrange(2**32)))
+    config.parity_seed = seed
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The seed in the run's summary, which -q keeps: a failure seen in CI's log can be replayed."""
+    seed = config.parity_seed
+    terminalreporter.write_line(f"parity seed: {seed} (replay with --parity-seed {seed})")
+
+
 @pytest.fixture(scope="session")
 def parity_count(request):
     return request.config.getoption("--parity-count")
@@ -20,8 +33,4 @@ def parity_count(request):
 
 @pytest.fixture(scope="session")
 def parity_seed(request):
-    seed = request.config.getoption("--parity-seed")
-    if seed is None:
-        seed = int(os.environ.get("MHA_PARITY_SEED", random.SystemRandom().randrange(2**32)))
-    print(f"\nparity seed: {seed} (replay with --parity-seed {seed})")
-    return seed
+    return request.config.parity_seed
