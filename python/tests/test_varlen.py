@@ -2,10 +2,11 @@
 cu_seqlens, and jagged nested tensors through mha.scaled_dot_product_attention and through
 PyTorch's function under mha.patch_torch_sdpa. The reference is PyTorch's SDPA in float64 on each
 sequence alone (its output and gradients); tolerances of the largest reference value per tensor:
-float32 1e-5 forward and 1e-4 for gradients (as the other parity suites), bfloat16 2e-2 forward
-and 3e-2 for gradients (the output rounded once to bfloat16, 2^-9 relative, and the backward
-reading that rounded output, as PyTorch's does; the bound of the bfloat16 SDPA gradient suite),
-float64 1e-12 and 1e-11. A gradient that cancels to zero is judged against a floor (below)."""
+float32 1e-5 forward and 1e-4 for gradients (as the other parity suites), bfloat16 2e-2 for both
+(the output and gradients rounded once to bfloat16, 2^-9 relative, against a reference whose
+backward reads that rounded output, as flash-style backwards do: _reference_per_sequence; 1500
+cases measured 6.9e-3 at worst, and 4.6e-2 against the plain float64 gradients), float64 1e-12 and
+1e-11. A gradient that cancels to zero is judged against a floor (below)."""
 
 import copy
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 import mha
 from _compare import relative as _relative
 
-TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 3e-2), torch.float64: (1e-12, 1e-11)}
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float64: (1e-12, 1e-11)}
 
 
 @pytest.fixture
@@ -44,10 +45,16 @@ def _draw(rng, dtype):
     return q, k, v, cu_q, cu_k, options
 
 
-def _reference_per_sequence(q, k, v, cu_q, cu_k, options, grad):
-    """PyTorch's SDPA in float64, one sequence at a time: output, and the gradients of sum(out * grad)."""
+def _reference_per_sequence(q, k, v, cu_q, cu_k, options, grad, read_output=None):
+    """PyTorch's SDPA in float64, one sequence at a time: output, and the gradients of sum(out * grad).
+    With read_output (the output as returned, rounded to the inputs' dtype), the gradients of the
+    backward that reads it, as flash-style backwards (ours, FlashAttention's, PyTorch's CPU flash
+    kernel) do: its delta_i = rowsum(dO_i O_i) is off by c_i = dO_i (read_i - O_i), which moves dS_ij
+    = P_ij (dP_ij - delta_i) by -c_i P_ij, the gradient of -c_i lse_i. Where a row's probabilities
+    nearly vanish but for one key, that shift is the whole of a query's gradient (2 visible keys, one
+    at P = 0.96: 3% of the largest query gradient in bfloat16), however exact the arithmetic after it."""
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    outs = []
+    outs, shift = [], 0.0
     for s in range(len(cu_q) - 1):
         qs = q64[cu_q[s]:cu_q[s + 1]].transpose(0, 1)
         ks, vs = k64[cu_k[s]:cu_k[s + 1]].transpose(0, 1), v64[cu_k[s]:cu_k[s + 1]].transpose(0, 1)
@@ -56,12 +63,28 @@ def _reference_per_sequence(q, k, v, cu_q, cu_k, options, grad):
         if ks.shape[1] == 0:  # no key: zeros (as ours, and PyTorch's for a fully masked row)
             outs.append(torch.zeros(qs.shape[1], qs.shape[0], vs.shape[-1], dtype=torch.float64))
             continue
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, **options).transpose(0, 1))
+        out = F.scaled_dot_product_attention(qs, ks, vs, **options).transpose(0, 1)
+        outs.append(out)
+        if read_output is not None:
+            c = (grad[cu_q[s]:cu_q[s + 1]].double() * (read_output[cu_q[s]:cu_q[s + 1]].double() - out.detach())).sum(-1)
+            shift = shift - (c.transpose(0, 1) * _log_sum_exp(qs, ks, options)).sum()
     out = torch.cat(outs) if outs else torch.zeros(0, q.shape[1], v.shape[-1], dtype=torch.float64)
     if out.requires_grad:  # (not when no sequence has both queries and keys)
-        (out * grad.double()).sum().backward()
+        ((out * grad.double()).sum() + shift).backward()
     grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in (q64, k64, v64)]
     return (out.detach(), *grads)
+
+
+def _log_sum_exp(qs, ks, options):
+    """[H, Lq] log-sum-exp of one sequence's scaled scores (causal: top-left, key j seen by rows i >= j)."""
+    if options["enable_gqa"]:
+        ks = ks.repeat_interleave(qs.shape[0] // ks.shape[0], 0)
+    scale = options["scale"] if options["scale"] is not None else qs.shape[-1] ** -0.5
+    scores = scale * qs @ ks.transpose(-1, -2)
+    if options["is_causal"]:
+        seen = torch.ones(qs.shape[1], ks.shape[1], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.logsumexp(scores, -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -74,7 +97,9 @@ def test_varlen_matches_each_sequence_alone(rng, dtype):
         assert out.dtype == dtype and out.shape == (q.shape[0], q.shape[1], v.shape[-1])
         grad = torch.from_numpy(rng.standard_normal(tuple(out.shape))).to(dtype)
         out.backward(grad)
-        ref, dq, dk, dv = _reference_per_sequence(q, k, v, cu_q, cu_k, options, grad)
+        # (bfloat16: the gradients of the backward that reads the rounded output)
+        ref, dq, dk, dv = _reference_per_sequence(q, k, v, cu_q, cu_k, options, grad,
+                                                  out.detach() if dtype == torch.bfloat16 else None)
         what = f"{dtype} cu_q={cu_q.tolist()} cu_k={cu_k.tolist()} {options}"
         assert _relative(out.detach(), ref) < fwd_tol, what
         # A gradient that is zero in exact arithmetic (one visible key) is what is left of
