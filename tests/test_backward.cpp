@@ -592,6 +592,42 @@ TEST(SdpaBackward, FewRowsPerKeyValueHeadMatchReference) {
   mha::detail::force_isa(std::nullopt);
 }
 
+// A one-query backward whose key and value rows and their float32 gradients take 8 MiB and more
+// stores dK and dV past the caches (few_queries_backward.hpp): the same bits as each head's call
+// alone (its rows far under that), in one chunk of keys and in several (Lk > 1024), and the
+// float64 reference's values.
+TEST(SdpaBackward, FewRowsGradientsStoredPastTheCachesKeepTheirBits) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    for (const int64_t lk : {700, 1100}) {
+      SCOPED_TRACE(std::string(mha::detail::isa_name(isa)) + " Lk=" + std::to_string(lk));
+      const int64_t b = 3, h = 8, d = 64;  // 3 x 8 x Lk x 128 floats, read and written: 17 and 27 MB
+      const mha::Tensor q = randn({b, h, 1, d}, rng), k = randn({b, h, lk, d}, rng), v = randn({b, h, lk, d}, rng);
+      const mha::Tensor g = randn({b, h, 1, d}, rng);
+      const mha::SdpaOptions o;
+      const auto saved = mha::scaled_dot_product_attention_for_training(q.view(), k.view(), v.view(), o);
+      const auto all = mha::scaled_dot_product_attention_backward(q.view(), k.view(), v.view(), saved, g.view(), o);
+      for (int64_t x = 0; x < b; ++x) {
+        for (int64_t y = 0; y < h; ++y) {
+          auto one = [&](const mha::TensorView& t) { return mha::Tensor::copy_of(t.slice(0, x, x + 1).slice(1, y, y + 1)); };
+          const mha::AttentionForTraining alone{one(saved.output.view()), one(saved.lse.view())};
+          const auto head = mha::scaled_dot_product_attention_backward(one(q.view()), one(k.view()), one(v.view()), alone,
+                                                                       one(g.view()), o);
+          EXPECT_TRUE(same_bits(head.key, one(all.key.view()))) << x << " " << y;
+          EXPECT_TRUE(same_bits(head.value, one(all.value.view()))) << x << " " << y;
+          EXPECT_TRUE(same_bits(head.query, one(all.query.view()))) << x << " " << y;
+        }
+      }
+      const auto r = mha::reference::scaled_dot_product_attention_backward(q, k, v, g, o);
+      EXPECT_LT(rel_error(all.key, r.key), 1e-4);
+      EXPECT_LT(rel_error(all.value, r.value), 1e-4);
+      EXPECT_LT(rel_error(all.query, r.query), 1e-4);
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
 TEST(SdpaBackward, BitIdenticalAcrossRunsAndThreadCounts) {
   std::mt19937_64 rng(test_seed());
   const mha::Tensor q = randn({2, 4, 150, 32}, rng), k = randn({2, 2, 130, 32}, rng), v = randn({2, 2, 130, 24}, rng);

@@ -34,6 +34,12 @@ struct Avx2 {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
   }
+  // As Avx512::stream (p 64-byte aligned).
+  static void stream(float* p, F v) {
+    _mm256_stream_ps(p, v.lo);
+    _mm256_stream_ps(p + 8, v.hi);
+  }
+  static void stream_fence() { _mm_sfence(); }
   static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   static F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F fmadd(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }

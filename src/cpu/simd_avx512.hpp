@@ -24,6 +24,10 @@ struct Avx512 {
 
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // A store that bypasses the caches (p 64-byte aligned): for outputs written once and too large
+  // to be read from cache soon; the writer calls stream_fence() before another thread reads them.
+  static void stream(float* p, F v) { _mm512_stream_ps(p, v); }
+  static void stream_fence() { _mm_sfence(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F zero() { return _mm512_setzero_ps(); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
