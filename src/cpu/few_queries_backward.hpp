@@ -301,7 +301,8 @@ struct FewQueriesBackward {
         Scratch s = allocate();
         run_keys(s, g / p.heads_kv, g % p.heads_kv, 0, p.len_k);
         for (int64_t qi = 0; qi < n; ++qi) store_dq(g / p.heads_kv, g % p.heads_kv, qi, s.dq + qi * dk());
-        if constexpr (requires { S::stream_fence(); }) S::stream_fence();  // (the rows streamed, visible to all)
+        if constexpr (requires { S::stream_fence(); })
+          if (stream_rows) S::stream_fence();  // (the rows streamed, visible to all)
       });
       return;
     }
@@ -313,7 +314,8 @@ struct FewQueriesBackward {
       Scratch s = allocate();
       run_keys(s, g / p.heads_kv, g % p.heads_kv, c * kKeysPerChunk, std::min(p.len_k, (c + 1) * kKeysPerChunk));
       if (part) std::memcpy(part + t * n * dk(), s.dq, sizeof(float) * n * dk());
-      if constexpr (requires { S::stream_fence(); }) S::stream_fence();
+      if constexpr (requires { S::stream_fence(); })
+        if (stream_rows) S::stream_fence();
     });
     parallel_for(part ? groups : 0, threads, [&](int64_t g, int) {
       float* sum = static_cast<float*>(thread_scratch(sizeof(float) * static_cast<size_t>(dk())));

@@ -20,8 +20,8 @@ namespace mha::detail::simd {
 struct Portable {
   static constexpr int kLanes = 16;
   // Register block of the tile products (tile_kernels.hpp): 2 rows of 16 lanes are 8 SSE2
-  // registers of accumulators, with the 4 of the weights and a broadcast inside x86-64's 16 (4 rows
-  // spilled every accumulator).
+  // registers of accumulators, with the 4 of the weights and a broadcast inside x86-64's 16 (4
+  // rows would need all 16 for the accumulators alone).
   static constexpr int kBlockRows = 2, kBlockVecs = 1, kRowsPerTile = 8;
   using V4 = float __attribute__((vector_size(16)));
   using U4 = uint32_t __attribute__((vector_size(16)));
