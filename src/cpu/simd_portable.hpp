@@ -2,8 +2,8 @@
 // Avx512 layer, with the same operations. Each quarter is one register of the baseline ISA (SSE2 on
 // x86-64, NEON on AArch64), so a register block of them stays in registers as the AVX2 layer's
 // halves do: plain arrays of 16 floats were vectorised with shuffles and spills, and one vector of
-// 16 (vector_size(64)) was kept in memory, a load and store per multiply-add (a float32 forward
-// ran at 10 and 15 GFLOP/s on 2 cores).
+// 16 (vector_size(64)) was kept in memory, a load and store per multiply-add (docs/PERFORMANCE.md,
+// "The portable path": this layout takes a quarter of the first one's time).
 #pragma once
 
 #include <algorithm>
