@@ -4,7 +4,7 @@ SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test test-cpp test-python test-sanitize fuzz parity-long python deps configure build bench onednn-bench clean cuda-report
+.PHONY: demo test test-cpp test-python test-sanitize test-aarch64 fuzz parity-long python deps configure build bench onednn-bench clean cuda-report
 PARITY_COUNT ?= 2000
 
 deps:
@@ -36,6 +36,16 @@ test-sanitize: deps
 	@cmake -S . -B build-tsan $(SANITIZE_CMAKE) -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" > /dev/null
 	@cmake --build build-tsan -j $(JOBS)
 	@cd build-tsan && TSAN_OPTIONS=allocator_may_return_null=1:halt_on_error=1:die_after_fork=0 MHA_NUM_THREADS=3 ctest --output-on-failure -j $(JOBS)
+
+# The library and its C++ suite built for 64-bit Arm Linux (cmake/aarch64-linux-gnu.cmake), where
+# the portable kernels run (src/cpu/simd_portable.hpp), and the suite run under qemu-aarch64.
+AARCH64_CMAKE = -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
+  -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF -DMHA_CUDA=OFF -DMHA_DNNL=OFF
+test-aarch64:
+	@bash scripts/install-deps.sh aarch64
+	@cmake -S . -B build-aarch64 $(AARCH64_CMAKE) > /dev/null
+	@cmake --build build-aarch64 -j $(JOBS)
+	@cd build-aarch64 && ctest --output-on-failure -j $(JOBS)
 
 # libFuzzer targets (clang), each run for FUZZ_SECONDS from its seed corpus in fuzz/corpus/
 # (written by fuzz/make_seeds.py). New inputs go to build-fuzz/corpus/ (the committed seeds stay

@@ -18,6 +18,11 @@ packages=(
 if [ "${1:-}" = fuzz ]; then
   packages+=(clang libclang-rt-14-dev)  # clang 14; libclang_rt.fuzzer and the sanitizer runtimes
 fi
+# `install-deps.sh aarch64`: the cross build for 64-bit Arm and qemu to run its tests
+# (make test-aarch64), with the arm64 libraries from Debian's multiarch packages.
+if [ "${1:-}" = aarch64 ]; then
+  packages+=(g++-aarch64-linux-gnu qemu-user libopenblas-dev:arm64 libgtest-dev:arm64)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
@@ -29,5 +34,8 @@ echo "Installing missing Debian packages: ${missing[*]}"
 sudo_cmd=()
 [ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
 export DEBIAN_FRONTEND=noninteractive
+if [ "${1:-}" = aarch64 ] && ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  "${sudo_cmd[@]}" dpkg --add-architecture arm64
+fi
 "${sudo_cmd[@]}" apt-get update -qq
 "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

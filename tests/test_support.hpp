@@ -33,6 +33,13 @@ inline uint64_t test_seed() {
   return seed;
 }
 
+// Whether the suite runs under a user-mode emulator (make test-aarch64 sets MHA_TEST_EMULATOR):
+// qemu-user aborts a forked child of a process that runs threads, so the fork tests skip there.
+inline bool under_user_mode_emulator() {
+  const char* e = std::getenv("MHA_TEST_EMULATOR");
+  return e != nullptr && *e != '\0';
+}
+
 // Standard normal values (never all zeros or ones), drawn in float64 and rounded to `dtype`.
 inline mha::Tensor randn(const mha::Shape& shape, std::mt19937_64& rng, mha::DType dtype = mha::DType::f32) {
   mha::Tensor t = mha::Tensor::empty(shape, mha::DType::f64);

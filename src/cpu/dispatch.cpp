@@ -4,7 +4,9 @@
 #include "cpu/attention_kernel.hpp"
 
 #include <atomic>
+#if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#endif
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <cstdlib>

@@ -12,12 +12,11 @@
 #include <omp.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 #include <unordered_map>
 #include <vector>
-
-#include <cpuid.h>
 
 namespace mha::detail {
 
@@ -25,8 +24,8 @@ namespace {
 std::atomic<bool> bf16_disabled_for_tests{false}, f32_disabled_for_tests{false};
 
 [[maybe_unused]] bool cpu_has_avx512_bf16() {
-  unsigned eax, ebx, ecx, edx;
-  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+  const std::vector<Isa> isas = supported_isas();
+  return std::find(isas.begin(), isas.end(), Isa::avx512_bf16) != isas.end();
 }
 }  // namespace
 
