@@ -261,6 +261,15 @@ struct Avx2 {
     }
     for (; d < n; ++d) dst[d] = half ? float16(src[d] * scale).bits : bfloat16(src[d] * scale).bits;
   }
+  // As store_16bit_row, past the caches (as stream): n a multiple of 16, dst 32-byte aligned.
+  static void stream_16bit_row(DType dtype, const float* src, float scale, uint16_t* dst, int64_t n) {
+    const bool half = dtype == DType::f16;
+    const __m256 factor = _mm256_set1_ps(scale);
+    for (int64_t d = 0; d < n; d += 8) {
+      const __m256i b = bits_16(_mm256_mul_ps(_mm256_loadu_ps(src + d), factor), half);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + d), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+  }
 
   // Rows [0, rows) of a bfloat16 or float16 output (`dtype`) from its transpose: element d of row
   // r is the 16-bit rounding of ot[d * ot_stride + r] * scale[r], d < dims, the row at dst + r *

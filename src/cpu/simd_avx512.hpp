@@ -186,6 +186,16 @@ struct Avx512 {
       _mm256_mask_storeu_epi16(dst + d, valid, rounded(_mm512_maskz_loadu_ps(valid, src + d)));
     }
   }
+  // As store_16bit_row, past the caches (as stream): n a multiple of 16, dst 32-byte aligned.
+  static void stream_16bit_row(DType dtype, const float* src, float scale, uint16_t* dst, int64_t n) {
+    const bool half = dtype == DType::f16;
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t d = 0; d < n; d += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + d), factor);
+      const __m256i bits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(half ? f16_high_bits(x) : bf16_high_bits(x), 16));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + d), bits);
+    }
+  }
 
   // Rows [0, rows) of a bfloat16 or float16 output (`dtype`) from its transpose: element d of row
   // r is the 16-bit rounding of ot[d * ot_stride + r] * scale[r], d < dims, the row at dst + r *
