@@ -37,10 +37,12 @@ test-sanitize: deps
 	@cmake --build build-tsan -j $(JOBS)
 	@cd build-tsan && TSAN_OPTIONS=allocator_may_return_null=1:halt_on_error=1:die_after_fork=0 MHA_NUM_THREADS=3 ctest --output-on-failure -j $(JOBS)
 
-# The library and its C++ suite built for 64-bit Arm Linux (cmake/aarch64-linux-gnu.cmake), where
-# the portable kernels run (src/cpu/simd_portable.hpp), and the suite run under qemu-aarch64.
+# The library, its C++ suite and the command line built for 64-bit Arm Linux
+# (cmake/aarch64-linux-gnu.cmake), where the portable kernels run (src/cpu/simd_portable.hpp),
+# and the suite (the command line's tests too) run under qemu-aarch64. Not the benchmark: the
+# executables are static, and Debian's Google Benchmark package exports only its shared library.
 AARCH64_CMAKE = -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
-  -DMHA_BUILD_TOOLS=OFF -DMHA_BUILD_BENCH=OFF -DMHA_CUDA=OFF -DMHA_DNNL=OFF
+  -DMHA_BUILD_TESTS=ON -DMHA_BUILD_TOOLS=ON -DMHA_BUILD_BENCH=OFF -DMHA_CUDA=OFF -DMHA_DNNL=OFF
 test-aarch64:
 	@bash scripts/install-deps.sh aarch64
 	@cmake -S . -B build-aarch64 $(AARCH64_CMAKE) > /dev/null

@@ -19,8 +19,5 @@ set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE BOTH)
 # MHA_TEST_EMULATOR tells the tests (test_support.hpp) what they run under.
 set(CMAKE_CROSSCOMPILING_EMULATOR env;MHA_TEST_EMULATOR=qemu-aarch64;qemu-aarch64)
 set(CMAKE_EXE_LINKER_FLAGS_INIT -static)
+set(CMAKE_USER_MAKE_RULES_OVERRIDE ${CMAKE_CURRENT_LIST_DIR}/static-archives.cmake)
 set(BLA_STATIC ON)
-# FindOpenMP names the shared libgomp; a static link needs the archive the compiler ships.
-execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libgomp.a OUTPUT_VARIABLE MHA_STATIC_GOMP
-                OUTPUT_STRIP_TRAILING_WHITESPACE)
-set(OpenMP_gomp_LIBRARY ${MHA_STATIC_GOMP} CACHE FILEPATH "libgomp for static executables")

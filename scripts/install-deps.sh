@@ -21,7 +21,7 @@ fi
 # `install-deps.sh aarch64`: the cross build for 64-bit Arm and qemu to run its tests
 # (make test-aarch64), with the arm64 libraries from Debian's multiarch packages.
 if [ "${1:-}" = aarch64 ]; then
-  packages+=(g++-aarch64-linux-gnu qemu-user libopenblas-dev:arm64 libgtest-dev:arm64)
+  packages+=(g++-aarch64-linux-gnu qemu-user libopenblas-dev:arm64 libgtest-dev:arm64 libpng-dev:arm64)
 fi
 
 missing=()
