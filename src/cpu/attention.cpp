@@ -76,6 +76,11 @@ std::atomic<int64_t>& transposed_mask_floats() {
   return floats;
 }
 
+std::atomic<int64_t>& amx_backward_span_bytes() {  // (here, not in the AMX file: builds without it have the setting too)
+  static std::atomic<int64_t> bytes{int64_t{3} << 19};
+  return bytes;
+}
+
 std::atomic<bool>& skips_excluded_blocks() {
   static std::atomic<bool> on{true};
   return on;

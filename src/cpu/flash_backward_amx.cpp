@@ -397,11 +397,6 @@ struct AmxBackward {
 
 }  // namespace
 
-std::atomic<int64_t>& amx_backward_span_bytes() {
-  static std::atomic<int64_t> bytes{int64_t{3} << 19};
-  return bytes;
-}
-
 void amx_bf16_backward(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out) {
   AmxBackward{p, in, out}.run();
 }

@@ -3,7 +3,6 @@
 // of those. supported_isas() lists only the portable level there, so dispatch never calls them;
 // should a bug reach one, it is an mha::Error naming it rather than a link error or a jump into
 // instructions the CPU lacks.
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -45,10 +44,6 @@ void backward_delta_avx512(const AttentionProblem&, const BackwardInputs&, float
 void amx_bf16_forward(const AttentionProblem&, const AmxOutputs&) { absent("amx_bf16_forward"); }
 void amx_bf16_backward(const AttentionProblem&, const BackwardInputs&, const BackwardOutputs&) {
   absent("amx_bf16_backward");
-}
-std::atomic<int64_t>& amx_backward_span_bytes() {
-  static std::atomic<int64_t> bytes{int64_t{3} << 19};  // read by nothing here; tests may still set it
-  return bytes;
 }
 
 void few_rows_gemm_avx2(const FewRowsGemm&, int64_t, int64_t) { absent("few_rows_gemm_avx2"); }
