@@ -538,7 +538,10 @@ def test_bfloat16_training_rounds_as_pytorch(parity_seed):
     runs in them, rounding its projections, attention output and every product of the backward
     to bfloat16 as PyTorch's bf16 module does): each gradient and the output, against torch's module
     in float64 on the same values, each within 16u (u = 2^-8; the query's gradient of a peaked
-    softmax reaches 9u in both), their mean within 1.5 times that of torch's own bfloat16 module.
+    softmax reaches 9u in both) or, where torch's own bfloat16 module errs more, within 1.25 times
+    its error (the query's gradient of the unbatched cross-attention case, identical in both, was
+    16.5u for parity seed 2794599132; 8-10u for 4 of 60 other seeds), their mean within 1.5 times
+    that of torch's own bfloat16 module.
     Random biases, masks, causal, cross-attention with kdim/vdim, bias_k/bias_v and the zero key,
     unbatched inputs; lengths past 32, where the attention takes the pair products."""
     rng = np.random.default_rng([parity_seed, 10])
@@ -602,7 +605,8 @@ def test_bfloat16_training_rounds_as_pytorch(parity_seed):
             assert a.dtype == torch.bfloat16, name
             errors.append(rel(a, r))
             their_errors.append(rel(b, r))
-            assert errors[-1] <= 16 * u, f"{name} (case {n}): {errors[-1]:.2e}, PyTorch's {their_errors[-1]:.2e}"
+            bound = max(16 * u, 1.25 * their_errors[-1])
+            assert errors[-1] <= bound, f"{name} (case {n}): {errors[-1]:.2e}, PyTorch's {their_errors[-1]:.2e}"
     assert np.mean(errors) <= 1.5 * np.mean(their_errors), (np.mean(errors), np.mean(their_errors))
 
 
