@@ -127,6 +127,49 @@ TEST(VectorTanh, MaximumErrorOnEveryIsa) {
   }
 }
 
+// The cap as the kernels take it (Softcap::rows, a column of a tile at a time, and Softcap::apply,
+// a vector at a time): c tanh(x / c) and its derivative against double precision, for caps from
+// one too small for the folded coefficients (1e-4) to 1e6, on columns whose scores lie within 0.1
+// of the cap (the polynomial to u^3), within 0.4 (to u^5), across the bend (both forms of tanh per
+// lane), and near ones with a single bent score, high or low (the column must take the whole map). The
+// polynomials' error is their float rounding, ~1e-7 relative; the bend adds the rounding of
+// x / c to tanh's own 2.1e-7, and the slope's error grows with |x| / c as tanh's does above.
+TEST(SoftcapMap, MaximumErrorOfEveryRangeOnEveryIsa) {
+  std::mt19937_64 rng(mha_test::test_seed());
+  constexpr int64_t kColumn = 64 * 16;  // a tile's 64 key rows of 16 queries
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    double worst = 0, worst_slope = 0;
+    std::string at;
+    for (double c : {1e-4, 0.7, 5.0, 72.1, 1e6}) {
+      for (double spread : {0.099, 0.399, 3.0, -1.0, -2.0}) {  // negative: near scores, one bent lane (+, -)
+        std::uniform_real_distribution<double> pick(-std::abs(spread) * c, std::abs(spread) * c);
+        std::vector<float> x(kColumn), y(kColumn), slope(kColumn);
+        for (float& v : x) v = static_cast<float>(spread < 0 ? 0.09 * pick(rng) : pick(rng));
+        if (spread < 0) x[kColumn / 2 + 3] = static_cast<float>((spread == -1.0 ? 2.5 : -2.5) * c);
+        for (bool per_vector : {false, true}) {
+          mha::detail::vector_softcap(isa, c, x.data(), y.data(), slope.data(), kColumn, per_vector);
+          for (int64_t i = 0; i < kColumn; ++i) {
+            const double r = static_cast<double>(x[i]) / c, t = std::tanh(r), ch = std::cosh(r);
+            const double expected = c * t, expected_slope = 1 / (ch * ch);
+            const double e = expected == 0 ? std::fabs(y[i]) : std::fabs(y[i] - expected) / std::fabs(expected);
+            const double es = std::fabs(slope[i] - expected_slope) / expected_slope / (1 + std::fabs(r));
+            if (!(e <= worst) || !(es <= worst_slope)) {
+              at = "cap " + std::to_string(c) + " spread " + std::to_string(spread) + " x " + std::to_string(x[i]) +
+                   (per_vector ? " per vector" : " per column");
+            }
+            if (!(e <= worst)) worst = e;
+            if (!(es <= worst_slope)) worst_slope = es;
+          }
+        }
+      }
+    }
+    std::printf("soft-cap on %s: maximum relative error %.3g, slope %.3g x (1 + |x| / c) (last worst: %s)\n",
+                std::string(mha::detail::isa_name(isa)).c_str(), worst, worst_slope, at.c_str());
+    EXPECT_LT(worst, 6 * 0x1p-24) << mha::detail::isa_name(isa) << " " << at;
+    EXPECT_LT(worst_slope, 4e-7) << mha::detail::isa_name(isa) << " " << at;
+  }
+}
+
 TEST(VectorTanh, EdgeCases) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();

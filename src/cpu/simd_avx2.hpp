@@ -48,6 +48,7 @@ struct Avx2 {
   static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
   static F div(F a, F b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
   static F max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+  static F min(F a, F b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
   // The lanes in reverse order (lane i takes lane 15 - i).
   static F reverse(F v) {
     const __m256i down = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);

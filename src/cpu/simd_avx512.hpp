@@ -36,6 +36,7 @@ struct Avx512 {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
   // The lanes in reverse order (lane i takes lane 15 - i).
   static F reverse(F v) { return _mm512_permutexvar_ps(_mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), v); }
   // a * b where a is finite kept finite (saturated at +-FLT_MAX rather than overflowing to inf);

@@ -71,6 +71,7 @@ struct Portable {
   static F mul(F a, F b) { return map<F>(a, b, [](V4 x, V4 y) { return x * y; }); }
   static F div(F a, F b) { return map<F>(a, b, [](V4 x, V4 y) { return x / y; }); }
   static F max(F a, F b) { return map<F>(a, b, [](V4 x, V4 y) { return x > y ? x : y; }); }
+  static F min(F a, F b) { return map<F>(a, b, [](V4 x, V4 y) { return x < y ? x : y; }); }
   // The lanes in reverse order (lane i takes lane 15 - i).
   static F reverse(F a) {
     const auto r = [](V4 x) { return __builtin_shufflevector(x, x, 3, 2, 1, 0); };

@@ -1,5 +1,6 @@
-// The vectorised 2^x of each SIMD layer (S::exp2, the exponential of every softmax) and the tanh
-// of logit soft-capping (cpu/softcap.hpp), over arrays: what the tests hold to their stated
+// The vectorised 2^x of each SIMD layer (S::exp2, the exponential of every softmax), the tanh
+// of logit soft-capping and the cap as the kernels take it (cpu/softcap.hpp), over arrays: what
+// the tests hold to their stated
 // accuracy and edge cases on every ISA the CPU runs.
 #pragma once
 
@@ -22,6 +23,15 @@ void vector_tanh(Isa isa, const float* x, float* y, float* slope, int64_t n);
 void vector_tanh_portable(const float* x, float* y, float* slope, int64_t n);
 void vector_tanh_avx2(const float* x, float* y, float* slope, int64_t n);
 void vector_tanh_avx512(const float* x, float* y, float* slope, int64_t n);
+
+// y[i] = c tanh(x[i] / c) and slope[i] its derivative for i < n (a multiple of 16), as `isa`'s
+// kernels cap scores: the array as one column of a tile, n / 16 rows of a vector (so one range of
+// Softcap::rows for all of it), or, with `per_vector`, through Softcap::apply a vector at a time,
+// as the decoding kernels cap theirs.
+void vector_softcap(Isa isa, double c, const float* x, float* y, float* slope, int64_t n, bool per_vector);
+void vector_softcap_portable(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector);
+void vector_softcap_avx2(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector);
+void vector_softcap_avx512(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector);
 
 // The body each ISA's file instantiates with its layer; a last partial vector goes through a
 // zero-padded copy.
@@ -47,6 +57,22 @@ void vector_tanh_of(const float* x, float* y, float* slope, int64_t n) {
     S::store(out, Softcap<S>::tanh(S::load(in), &d));
     S::store(out2, d);
   });
+}
+
+template <class S>
+void vector_softcap_of(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector) {
+  static_assert(S::kLanes == 16);
+  const Softcap<S> cap(c);
+  for (int64_t i = 0; i < n; i += S::kLanes) {
+    if (!per_vector) {
+      S::store(y + i, S::load(x + i));
+      continue;
+    }
+    typename S::F d;
+    S::store(y + i, cap.apply(S::load(x + i), &d));
+    S::store(slope + i, d);
+  }
+  if (!per_vector) cap.rows(y, n / S::kLanes, S::kLanes, 1, slope);
 }
 
 }  // namespace mha::detail
