@@ -1,7 +1,6 @@
 // The vectorised 2^x of each SIMD layer (S::exp2, the exponential of every softmax), the tanh
 // of logit soft-capping and the cap as the kernels take it (cpu/softcap.hpp), over arrays: what
-// the tests hold to their stated
-// accuracy and edge cases on every ISA the CPU runs.
+// the tests hold to their stated accuracy and edge cases on every ISA the CPU runs.
 #pragma once
 
 #include <cstdint>
