@@ -156,14 +156,38 @@ TEST(PagedAttention, EachSequenceGivesTheBitsOfItsOwnCall) {
   for (mha::detail::Isa isa : mha::detail::supported_isas()) {
     mha::detail::force_isa(isa);
     SCOPED_TRACE(mha::detail::isa_name(isa));
-    for (int n = 0; n < 24; ++n) {
+    for (int n = 0; n < 32; ++n) {
       const mha::DType dtypes[] = {mha::DType::f32, mha::DType::bf16, mha::DType::f16, mha::DType::f64};
-      const int64_t lqs[] = {1, 1, 2, 5, 8, 32, 33, 70};  // up to 32 read in place, then gathered
-      const PagedCase c = draw_case(rng, dtypes[n % 4], lqs[n % 8]);
+      // Every length with every dtype: up to 32 read in place, then gathered (bfloat16 with pair
+      // products: read in place by the tile kernel too).
+      const int64_t lqs[] = {1, 2, 5, 8, 32, 33, 70, 150};
+      const PagedCase c = draw_case(rng, dtypes[n % 4], lqs[n / 4]);
       SCOPED_TRACE(c.describe);
       const mha::Tensor out = paged(c, 1 + n % 2);
       expect_sequences_alone(c, out);
       EXPECT_TRUE(agree(out, paged(c, 2 - n % 2)));  // the thread count changes no bit
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
+// Prompt chunks in bfloat16 (more than 32 queries a head): where the CPU has bfloat16 products,
+// the tile kernel reads the pages where they lie, in each of its schedules (whole key/value heads
+// per thread, query tasks, query tasks sharing value pairs: head counts, lengths and thread
+// counts vary), with the cache's pages copied packed where they are not. Each sequence's rows are
+// its own call's bits on contiguous keys and values, on every ISA.
+TEST(PagedAttention, Bf16PromptChunksGiveEachSequenceItsOwnCall) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    SCOPED_TRACE(mha::detail::isa_name(isa));
+    for (int n = 0; n < 20; ++n) {
+      const int64_t lqs[] = {33, 48, 90, 150, 300};
+      const PagedCase c = draw_case(rng, mha::DType::bf16, lqs[n % 5]);
+      SCOPED_TRACE(c.describe);
+      const mha::Tensor out = paged(c, 1 + n % 2);
+      expect_sequences_alone(c, out);
+      EXPECT_TRUE(agree(out, paged(c, 2 - n % 2)));
     }
   }
   mha::detail::force_isa(std::nullopt);

@@ -25,9 +25,10 @@
 // are not taken (inference: the sequences' lengths are their masks).
 //
 // Up to 32 queries per head (decoding, speculative decoding) the kernel reads the pages where
-// they are. Longer query blocks (chunked prefill), float64 and the AMX path gather each
-// sequence's pages into one buffer first (keys and values once per sequence, against Lq times as
-// many multiply-adds).
+// they are; so does the bfloat16 tile kernel on a CPU with bfloat16 products and no AMX, for
+// longer query blocks (chunked prefill). Other longer blocks (float32, float16, float64, the AMX
+// path) gather each sequence's pages into one buffer first (keys and values once per sequence,
+// against Lq times as many multiply-adds).
 #pragma once
 
 #include <cstdint>

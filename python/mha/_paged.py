@@ -152,7 +152,8 @@ def paged_attention(query, key_cache, value_cache, block_table, cache_seqlens, *
     [], [Hkv] or [B, Hkv]; FlashAttention 3's descales, vLLM's k_scale and v_scale) dequantise
     float8 caches: the call attends over key_cache * k_descale and value_cache * v_descale, per
     sequence and key/value head, and k and v, when given, are divided by them as they are written. Up to 32 queries per head read the pages where they lie; longer query
-    blocks gather each sequence's pages first. Inference only: inputs that require grad are an
+    blocks too in bfloat16 on a CPU with bfloat16 products (and no AMX), else they gather each
+    sequence's pages first. Inference only: inputs that require grad are an
     error while grad mode is on.
 
     With cu_seqlens_q (B + 1 integer offsets from 0 to Tq), query is packed [Tq, Hq, E], sequence b's

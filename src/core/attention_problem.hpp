@@ -87,8 +87,9 @@ struct AttentionProblem {
   float value_descale(int64_t b, int64_t hk) const { return v_descales ? v_descales[b * heads_kv + hk] : 1.0f; }
   // A paged key/value cache (core/paged_attention.cpp; one batch entry): key j lies in page
   // key_pages[j / page_size] at row j % page_size, k's and v's strides[0] stepping from page to
-  // page. Null for keys and values in one strided view. Only the decoding kernel (few_queries.hpp)
-  // reads pages; other calls gather them first.
+  // page. Null for keys and values in one strided view. The decoding kernel (few_queries.hpp) and
+  // the bfloat16 pair-product tile kernel read pages; other calls gather them first
+  // (reads_pages_in_place, cpu/attention_kernel.hpp).
   const int32_t* key_pages = nullptr;
   int64_t page_size = 0;
   double scale = 1.0;

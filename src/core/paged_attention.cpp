@@ -1,7 +1,7 @@
 // Attention over a paged key/value cache: each sequence is one scaled_dot_product_attention
-// problem whose keys and values the decoding kernel reads page by page where they lie
-// (AttentionProblem::key_pages), or, on the paths that read rows at one stride, from a gathered
-// copy; the sequences are spread over the threads as variable-length batches spread theirs.
+// problem whose keys and values the decoding kernel and the bfloat16 pair-product tile kernel
+// read page by page where they lie (AttentionProblem::key_pages), or, on the paths that read rows
+// at one stride, from a gathered copy; the sequences are spread over the threads as variable-length batches spread theirs.
 #include "mha/paged_attention.hpp"
 
 #include <algorithm>
@@ -195,13 +195,6 @@ Tensor gather_pages(const TensorView& cache, const int32_t* pages, int64_t page_
   return out;
 }
 
-// Whether the kernel that will run reads the pages in place: the float32 kernel's decoding path
-// (few_queries.hpp, up to kFewQueriesPerHead queries), unless the AMX kernel takes the call.
-bool reads_pages_in_place(const AttentionProblem& p) {
-  if (p.q.dtype == DType::f64 || p.len_q > detail::kFewQueriesPerHead) return false;
-  return !(p.q.dtype != DType::f32 && detail::amx_usable() && detail::amx_bf16_supports(p));
-}
-
 // Sequence b's problem (its query rows qb [1, Hq, Lq, Dk]), ready to run on `threads` threads;
 // gathered copies (if any) in `storage`.
 AttentionProblem sequence_problem(const TensorView& qb, const TensorView& key_cache, const TensorView& value_cache,
@@ -217,7 +210,7 @@ AttentionProblem sequence_problem(const TensorView& qb, const TensorView& key_ca
   AttentionProblem p = detail::make_sdpa_problem(qb, first_rows(key_cache, len), first_rows(value_cache, len), o,
                                                  detail::InputDtypes::fused);
   detail::materialise_inputs(p);
-  if (reads_pages_in_place(p)) {
+  if (detail::reads_pages_in_place(p)) {
     p.key_pages = pages;
     p.page_size = s.page_size;
     p.k.strides[0] = key_cache.strides[0];  // (batch entry 0 only: the stride from page to page)

@@ -86,6 +86,14 @@ std::atomic<bool>& skips_excluded_blocks() {
   return on;
 }
 
+bool reads_pages_in_place(const AttentionProblem& p) {
+  if (p.q.dtype == DType::f64) return false;
+  if (p.len_q <= kFewQueriesPerHead) return !(p.q.dtype != DType::f32 && amx_usable() && amx_bf16_supports(p));
+  // (run_attention's choice below, for a problem its preparations leave alone: unit last strides)
+  return active_isa() == Isa::avx512_bf16 && bf16_pairs_supports(p) && bf16_pairs_take_shape(p.len_q, p.dim_qk) &&
+         p.k.strides[3] == 1 && p.v.strides[3] == 1;
+}
+
 void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max();
   if (problem.len_q > kMaxLen || problem.len_k > kMaxLen) {

@@ -134,6 +134,13 @@ struct FlashForward {
     int64_t k_stride = 0, v_stride = 0;  // between rows, in elements
     // bfloat16 products: the head's values already as pairs of keys (value_pairs), or null.
     const uint32_t* v_pairs = nullptr;
+    // bfloat16 products over a paged cache (AttentionProblem::key_pages): row j lies in page
+    // pages[j / page_size] at its row j % page_size, the pages *_page_stride elements apart from
+    // page 0 (the bases above). Null: row j at j * stride.
+    const int32_t* pages = nullptr;
+    int64_t page_size = 1, k_page_stride = 0, v_page_stride = 0;
+    int64_t k_at(int64_t j) const { return pages ? pages[j / page_size] * k_page_stride + j % page_size * k_stride : j * k_stride; }
+    int64_t v_at(int64_t j) const { return pages ? pages[j / page_size] * v_page_stride + j % page_size * v_stride : j * v_stride; }
   };
 
   // The inputs' own rows of key/value head hk of batch b. Offsets are in elements: each base is
@@ -150,6 +157,11 @@ struct FlashForward {
     }
     kv.k_stride = p.k.strides[2];
     kv.v_stride = p.v.strides[2];
+    if (p.key_pages) {  // (one batch entry: strides[0] steps from page to page)
+      if (!kPairs) throw Error("internal error: a paged cache reaches a tile kernel without bfloat16 products");
+      kv.pages = p.key_pages, kv.page_size = p.page_size;
+      kv.k_page_stride = p.k.strides[0], kv.v_page_stride = p.v.strides[0];
+    }
     return kv;
   }
 
@@ -383,24 +395,24 @@ struct FlashForward {
   void pair_rows(Scratch& s, const KeyValueRows& kv, int64_t j0, int64_t nbp) const {
     const auto* zero = reinterpret_cast<const uint32_t*>(s.zero_row);
     const auto* keys = static_cast<const uint16_t*>(kv.k_low);
-    const auto* values = static_cast<const uint16_t*>(kv.v_low);
     for (int64_t jj = 0; jj < nbp; ++jj) {
       const int64_t j = j0 + jj;
-      s.kw[jj] = j < p.len_k ? reinterpret_cast<const uint32_t*>(keys + j * kv.k_stride) : zero;
+      s.kw[jj] = j < p.len_k ? reinterpret_cast<const uint32_t*>(keys + kv.k_at(j)) : zero;
     }
     const int64_t width = round_up(p.dim_v, kLanes);
     const uint32_t* rows = kv.v_pairs ? kv.v_pairs + j0 / 2 * width : s.vw_rows;
-    if (!kv.v_pairs) copy_value_pairs(values, kv.v_stride, j0 / 2, (j0 + nbp) / 2, s.vw_rows);
+    if (!kv.v_pairs) copy_value_pairs(kv, j0 / 2, (j0 + nbp) / 2, s.vw_rows);
     for (int64_t jj = 0; jj < nbp; jj += 2) s.vw[jj / 2] = rows + jj / 2 * width;
   }
 
-  // Pairs of value rows [r0, r1) (pair r: keys 2r and 2r + 1, zeros past Lk) as pairs of keys per
-  // column, pair r0 at dst, rows round_up(Dv, kLanes) words apart (zeros past Dv).
-  void copy_value_pairs(const uint16_t* values, int64_t stride, int64_t r0, int64_t r1, uint32_t* dst) const {
+  // Pairs of kv's value rows [r0, r1) (pair r: keys 2r and 2r + 1, zeros past Lk) as pairs of keys
+  // per column, pair r0 at dst, rows round_up(Dv, kLanes) words apart (zeros past Dv).
+  void copy_value_pairs(const KeyValueRows& kv, int64_t r0, int64_t r1, uint32_t* dst) const {
     const int64_t width = round_up(p.dim_v, kLanes);
+    const auto* values = static_cast<const uint16_t*>(kv.v_low);
     for (int64_t r = r0; r < r1; ++r) {
-      const uint16_t* a = 2 * r < p.len_k ? values + 2 * r * stride : nullptr;
-      const uint16_t* b = 2 * r + 1 < p.len_k ? values + (2 * r + 1) * stride : nullptr;
+      const uint16_t* a = 2 * r < p.len_k ? values + kv.v_at(2 * r) : nullptr;
+      const uint16_t* b = 2 * r + 1 < p.len_k ? values + kv.v_at(2 * r + 1) : nullptr;
       for (int64_t d = 0; d < width; d += kLanes) S::store_w(dst + (r - r0) * width + d, S::interleave_rows(a, b, d, p.dim_v));
     }
   }
@@ -653,14 +665,17 @@ struct FlashForward {
     if (next.g == current_group) return;
     const KeyValueRows kv = rows_of(next.g);
     const int64_t k_size = kv.k ? 4 : dtype_size(p.k.dtype), v_size = kv.v ? 4 : dtype_size(p.v.dtype);
-    const int64_t keys =
+    int64_t keys =
         std::min<int64_t>(p.len_k, kMaxPrefetchedKeyValueBytes / std::max<int64_t>(1, p.dim_qk * k_size + p.dim_v * v_size));
-    ahead.add(kv.k ? static_cast<const void*>(kv.k) : kv.k_low, keys, p.dim_qk * k_size, kv.k_stride * k_size, false);
+    if (kv.pages) keys = std::min(keys, kv.page_size);  // (the first page's rows)
+    ahead.add(kv.k ? static_cast<const void*>(kv.k) : element_address(kv.k_low, p.k.dtype, kv.k_at(0)), keys,
+              p.dim_qk * k_size, kv.k_stride * k_size, false);
     if (kv.v_pairs) {  // (pairs of keys, round_up(Dv, kLanes) words a pair)
       const int64_t bytes = round_up(p.dim_v, kLanes) * 4;
       ahead.add(kv.v_pairs, (keys + 1) / 2, bytes, bytes, false);
     } else {
-      ahead.add(kv.v ? static_cast<const void*>(kv.v) : kv.v_low, keys, p.dim_v * v_size, kv.v_stride * v_size, false);
+      ahead.add(kv.v ? static_cast<const void*>(kv.v) : element_address(kv.v_low, p.v.dtype, kv.v_at(0)), keys,
+                p.dim_v * v_size, kv.v_stride * v_size, false);
     }
   }
 
@@ -900,7 +915,7 @@ struct FlashForward {
         const int64_t g = g0 + t / row_tasks, r0 = t % row_tasks * kPairsPerCopyTask;
         const int64_t r1 = std::min(pairs, r0 + kPairsPerCopyTask);
         const KeyValueRows in = input_rows(g / p.heads_kv, g % p.heads_kv);
-        copy_value_pairs(static_cast<const uint16_t*>(in.v_low), in.v_stride, r0, r1, packed + (g - g0) * per_group + r0 * width);
+        copy_value_pairs(in, r0, r1, packed + (g - g0) * per_group + r0 * width);
       });
       run_groups(g0, g1, threads, [&](int64_t g) {
         KeyValueRows kv = input_rows(g / p.heads_kv, g % p.heads_kv);
@@ -926,7 +941,7 @@ struct FlashForward {
   // evicted each other during the score product (B=4 H=16 L=512 d=64 from such views: 5.93 to
   // 5.84 ms, packed tensors 5.55; the copy is about 1/1000 of a group's time).
   int64_t value_pair_words() const { return std::max<int64_t>(round_up(p.len_k, kBlockK) / 2 * round_up(p.dim_v, kLanes), 1); }
-  bool packs_key_rows() const { return kPairs && p.k.strides[2] != p.dim_qk; }
+  bool packs_key_rows() const { return kPairs && (p.k.strides[2] != p.dim_qk || p.key_pages); }
   int64_t group_buffer_words() const {
     return value_pair_words() + (packs_key_rows() ? (p.len_k * p.dim_qk + 1) / 2 : 0);
   }
@@ -948,13 +963,14 @@ struct FlashForward {
       KeyValueRows kv = input(g);
       if constexpr (kPairs) {
         auto* pairs_of_group = reinterpret_cast<uint32_t*>(buffers.data<float>()) + worker * per_group;
-        copy_value_pairs(static_cast<const uint16_t*>(kv.v_low), kv.v_stride, 0, pairs, pairs_of_group);
+        copy_value_pairs(kv, 0, pairs, pairs_of_group);
         kv.v_pairs = pairs_of_group;
         if (packs_key_rows()) {
           auto* keys = reinterpret_cast<uint16_t*>(pairs_of_group + value_pair_words());
           const auto* rows = static_cast<const uint16_t*>(kv.k_low);
-          for (int64_t j = 0; j < p.len_k; ++j) std::memcpy(keys + j * p.dim_qk, rows + j * kv.k_stride, 2 * p.dim_qk);
+          for (int64_t j = 0; j < p.len_k; ++j) std::memcpy(keys + j * p.dim_qk, rows + kv.k_at(j), 2 * p.dim_qk);
           kv.k_low = keys, kv.k_stride = p.dim_qk;
+          kv.pages = nullptr;  // (both copies packed)
         }
       }
       for (int64_t t = 0; t < tasks; ++t) {
