@@ -171,19 +171,20 @@ TEST(PagedAttention, EachSequenceGivesTheBitsOfItsOwnCall) {
   mha::detail::force_isa(std::nullopt);
 }
 
-// Prompt chunks in bfloat16 (more than 32 queries a head): where the CPU has bfloat16 products,
-// the tile kernel reads the pages where they lie, in each of its schedules (whole key/value heads
-// per thread, query tasks, query tasks sharing value pairs: head counts, lengths and thread
-// counts vary), with the cache's pages copied packed where they are not. Each sequence's rows are
-// its own call's bits on contiguous keys and values, on every ISA.
-TEST(PagedAttention, Bf16PromptChunksGiveEachSequenceItsOwnCall) {
+// Prompt chunks (more than 32 queries a head): the bfloat16 pair-product tile kernel reads the
+// pages where they lie, in each of its schedules (whole key/value heads per thread with their rows
+// copied packed, query tasks, query tasks sharing value pairs), as head counts, lengths and thread
+// counts vary; float32 and float16 gather them. Each sequence's rows are its own call's bits on
+// contiguous keys and values, on every ISA.
+TEST(PagedAttention, PromptChunksGiveEachSequenceItsOwnCall) {
   std::mt19937_64 rng(test_seed());
   for (mha::detail::Isa isa : mha::detail::supported_isas()) {
     mha::detail::force_isa(isa);
     SCOPED_TRACE(mha::detail::isa_name(isa));
-    for (int n = 0; n < 20; ++n) {
-      const int64_t lqs[] = {33, 48, 90, 150, 300};
-      const PagedCase c = draw_case(rng, mha::DType::bf16, lqs[n % 5]);
+    for (int n = 0; n < 30; ++n) {
+      const mha::DType dtypes[] = {mha::DType::bf16, mha::DType::f32, mha::DType::f16};
+      const int64_t lqs[] = {33, 48, 90, 150, 600};
+      const PagedCase c = draw_case(rng, dtypes[n % 3], lqs[n % 5]);
       SCOPED_TRACE(c.describe);
       const mha::Tensor out = paged(c, 1 + n % 2);
       expect_sequences_alone(c, out);

@@ -89,6 +89,11 @@ std::atomic<bool>& skips_excluded_blocks() {
 bool reads_pages_in_place(const AttentionProblem& p) {
   if (p.q.dtype == DType::f64) return false;
   if (p.len_q <= kFewQueriesPerHead) return !(p.q.dtype != DType::f32 && amx_usable() && amx_bf16_supports(p));
+  // The pair kernel copies each head's rows once (whole heads per thread) or reads a key block's
+  // rows per task, and so reads pages at no cost. The float32 tile kernel, and the widening of
+  // float16 / bfloat16 per key block, read them per task: on Zen 5 that measured level with the
+  // gathered copy at 40 queries (float32; float16 1.03x slower) and 1.06x slower at 512 (float16:
+  // a page's rows 2 KiB apart in FlashAttention's layout defeat the prefetchers), so they gather.
   // (run_attention's choice below, for a problem its preparations leave alone: unit last strides)
   return active_isa() == Isa::avx512_bf16 && bf16_pairs_supports(p) && bf16_pairs_take_shape(p.len_q, p.dim_qk) &&
          p.k.strides[3] == 1 && p.v.strides[3] == 1;

@@ -177,9 +177,9 @@ inline void mask_slice_origin(const MaskTerm& m, int64_t heads_q, int64_t slice,
 // Validates kernel preconditions, copies inputs whose last stride is not 1, handles the cases
 // with nothing to compute (Lk == 0, dropout_p == 1, empty tensors) and runs the ISA's kernel.
 void run_attention(const AttentionProblem& p, const ForwardOutputs& o);
-// Whether run_attention's kernel for p reads a paged cache (AttentionProblem::key_pages) where it
-// lies: the decoding kernel (up to kFewQueriesPerHead queries, unless the AMX kernel takes them)
-// and the bfloat16 pair-product tile kernel do; the others are to be handed a gathered copy.
+// Whether the forward for p reads a paged cache (AttentionProblem::key_pages) where it lies: the
+// decoding kernel (up to kFewQueriesPerHead queries, unless the AMX kernel takes them) and the
+// bfloat16 pair-product tile kernel do; the others are to be handed a gathered copy.
 bool reads_pages_in_place(const AttentionProblem& p);
 
 }  // namespace mha::detail

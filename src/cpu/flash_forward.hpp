@@ -134,14 +134,22 @@ struct FlashForward {
     int64_t k_stride = 0, v_stride = 0;  // between rows, in elements
     // bfloat16 products: the head's values already as pairs of keys (value_pairs), or null.
     const uint32_t* v_pairs = nullptr;
-    // bfloat16 products over a paged cache (AttentionProblem::key_pages): row j lies in page
-    // pages[j / page_size] at its row j % page_size, the pages *_page_stride elements apart from
-    // page 0 (the bases above). Null: row j at j * stride.
-    const int32_t* pages = nullptr;
-    int64_t page_size = 1, k_page_stride = 0, v_page_stride = 0;
-    int64_t k_at(int64_t j) const { return pages ? pages[j / page_size] * k_page_stride + j % page_size * k_stride : j * k_stride; }
-    int64_t v_at(int64_t j) const { return pages ? pages[j / page_size] * v_page_stride + j % page_size * v_stride : j * v_stride; }
+    // bfloat16 products over a paged cache (AttentionProblem::key_pages): row j at k_rows[j]
+    // (v_rows[j]) elements from the bases above (page_rows). Null: row j at j * stride.
+    const int64_t* k_rows = nullptr;
+    const int64_t* v_rows = nullptr;
+    int64_t k_at(int64_t j) const { return k_rows ? k_rows[j] : j * k_stride; }
+    int64_t v_at(int64_t j) const { return v_rows ? v_rows[j] : j * v_stride; }
   };
+
+  // A paged cache's rows (bfloat16 products; reads_pages_in_place): where key (value) j lies
+  // from page 0's row 0 of its head, pages[j / page_size] * strides[0] + j % page_size *
+  // strides[2], tabled once per call rather than divided out per key by every query task.
+  struct PageRows {
+    const int64_t* k = nullptr;
+    const int64_t* v = nullptr;
+  };
+  PageRows page_rows{};
 
   // The inputs' own rows of key/value head hk of batch b. Offsets are in elements: each base is
   // formed only in its own element type.
@@ -158,9 +166,8 @@ struct FlashForward {
     kv.k_stride = p.k.strides[2];
     kv.v_stride = p.v.strides[2];
     if (p.key_pages) {  // (one batch entry: strides[0] steps from page to page)
-      if (!kPairs) throw Error("internal error: a paged cache reaches a tile kernel without bfloat16 products");
-      kv.pages = p.key_pages, kv.page_size = p.page_size;
-      kv.k_page_stride = p.k.strides[0], kv.v_page_stride = p.v.strides[0];
+      if (!kPairs || page_rows.k == nullptr) throw Error("internal error: a paged cache reaches the tile kernel untabled or without bfloat16 products");
+      kv.k_rows = page_rows.k, kv.v_rows = page_rows.v;
     }
     return kv;
   }
@@ -667,7 +674,7 @@ struct FlashForward {
     const int64_t k_size = kv.k ? 4 : dtype_size(p.k.dtype), v_size = kv.v ? 4 : dtype_size(p.v.dtype);
     int64_t keys =
         std::min<int64_t>(p.len_k, kMaxPrefetchedKeyValueBytes / std::max<int64_t>(1, p.dim_qk * k_size + p.dim_v * v_size));
-    if (kv.pages) keys = std::min(keys, kv.page_size);  // (the first page's rows)
+    if (p.key_pages) keys = std::min(keys, p.page_size);  // (the first page's rows)
     ahead.add(kv.k ? static_cast<const void*>(kv.k) : element_address(kv.k_low, p.k.dtype, kv.k_at(0)), keys,
               p.dim_qk * k_size, kv.k_stride * k_size, false);
     if (kv.v_pairs) {  // (pairs of keys, round_up(Dv, kLanes) words a pair)
@@ -880,6 +887,17 @@ struct FlashForward {
       return FewQueries<S>{masked, o}.run();
     }
     if (o.average_weights != nullptr && !averages_in_tasks(threads)) return run_then_average(threads);
+    if (p.key_pages && page_rows.k == nullptr) {
+      std::vector<int64_t> k_rows(static_cast<size_t>(p.len_k)), v_rows(static_cast<size_t>(p.len_k));
+      for (int64_t j = 0; j < p.len_k; ++j) {
+        const int64_t page = p.key_pages[j / p.page_size], row = j % p.page_size;
+        k_rows[static_cast<size_t>(j)] = page * p.k.strides[0] + row * p.k.strides[2];
+        v_rows[static_cast<size_t>(j)] = page * p.v.strides[0] + row * p.v.strides[2];
+      }
+      FlashForward tabled = *this;
+      tabled.page_rows = {k_rows.data(), v_rows.data()};
+      return tabled.run();
+    }
     if (!mask_columns.done) {
       std::vector<Tensor> storage;
       const int64_t chunk = mask_batch_chunk();
@@ -887,7 +905,7 @@ struct FlashForward {
       for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
         const int64_t b1 = std::min(p.batch, b0 + chunk);
         if (b0 > 0) copy_chunk(cols, b0, b1, threads);
-        FlashForward{p, o, cols}.run_groups_of(b0 * p.heads_kv, b1 * p.heads_kv, threads);
+        FlashForward{p, o, cols, page_rows}.run_groups_of(b0 * p.heads_kv, b1 * p.heads_kv, threads);
       }
       return;
     }
@@ -969,8 +987,7 @@ struct FlashForward {
           auto* keys = reinterpret_cast<uint16_t*>(pairs_of_group + value_pair_words());
           const auto* rows = static_cast<const uint16_t*>(kv.k_low);
           for (int64_t j = 0; j < p.len_k; ++j) std::memcpy(keys + j * p.dim_qk, rows + kv.k_at(j), 2 * p.dim_qk);
-          kv.k_low = keys, kv.k_stride = p.dim_qk;
-          kv.pages = nullptr;  // (both copies packed)
+          kv.k_low = keys, kv.k_stride = p.dim_qk, kv.k_rows = nullptr;
         }
       }
       for (int64_t t = 0; t < tasks; ++t) {
