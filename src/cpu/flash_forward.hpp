@@ -166,7 +166,8 @@ struct FlashForward {
     kv.k_stride = p.k.strides[2];
     kv.v_stride = p.v.strides[2];
     if (p.key_pages) {  // (one batch entry: strides[0] steps from page to page)
-      if (!kPairs || page_rows.k == nullptr) throw Error("internal error: a paged cache reaches the tile kernel untabled or without bfloat16 products");
+      if (!kPairs || page_rows.k == nullptr)
+        throw Error("internal error: a paged cache reaches the tile kernel untabled or without bfloat16 products");
       kv.k_rows = page_rows.k, kv.v_rows = page_rows.v;
     }
     return kv;
