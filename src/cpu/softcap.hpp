@@ -37,9 +37,10 @@ struct Softcap {
     inv_cap = S::set1(static_cast<float>(1.0 / c));
     const double taylor[5] = {-1.0 / 3, 2.0 / 15, -17.0 / 315, 62.0 / 2835, -1382.0 / 155925};
     folded = c > 1e-3 && c < 1e3;
+    const double inv_square = 1 / (c * c);  // (one division: the decoding kernels make a Softcap per row)
     double scale = 1;
     for (int k = 0; k < 5 && folded; ++k) {
-      scale /= c * c;
+      scale *= inv_square;
       a[k] = S::set1(static_cast<float>(taylor[k] * scale));
     }
   }
