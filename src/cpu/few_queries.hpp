@@ -515,10 +515,20 @@ struct FewQueries {
     bool nan = false;
     F top = S::set1(neg_inf);
     const Softcap<S> cap(p);
+    for (int v = 0; v < nv; ++v) x[v] = S::load(row + v * kLanes);
+    if (cap.on && nv > 0) {  // one map for the row's vectors (no test per vector: cpu/softcap.hpp)
+      F least = S::zero(), greatest = S::zero();  // (0 stands in for the lanes past nc: under any cap)
+      for (int v = 0; v < nv; ++v) {
+        const int cols = std::min(kLanes, nc - v * kLanes);
+        const F scores = S::select(static_cast<M>(cols == kLanes ? (1u << kLanes) - 1 : (1u << cols) - 1), x[v], S::zero());
+        least = S::min(least, scores), greatest = S::max(greatest, scores);
+      }
+      cap.with_map(least, greatest, [&](auto map) {
+        for (int v = 0; v < nv; ++v) x[v] = map(x[v], nullptr);
+      });
+    }
     for (int v = 0; v < nv; ++v) {
       const int cols = std::min(kLanes, nc - v * kLanes);
-      x[v] = S::load(row + v * kLanes);
-      if (cap.on) x[v] = cap.apply(x[v]);
       for (int t = 0; t < p.num_masks; ++t) x[v] = S::add(x[v], T::mask_row(p.masks[t], b, h, i, j0 + v * kLanes, cols));
       const int keep = std::clamp(visible - v * kLanes, 0, kLanes);
       x[v] = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x[v], S::set1(neg_inf));
@@ -976,19 +986,33 @@ struct FewQueries {
     const int64_t visible = std::max<int64_t>(0, s.lim[qi] - j_begin);
     bool nan = false;
     F top = S::set1(neg_inf);
-    const Softcap<S> cap(p);
-    for (int64_t c = 0; c < count; c += kLanes) {
-      const int cols = static_cast<int>(std::min<int64_t>(kLanes, count - c));
-      F x = S::load(row + c);
-      if (!s.skipped[c / kKeys]) {  // (a skipped block's scores are -inf already)
-        if (cap.on) x = cap.apply(x);
-        for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j_begin + c, cols));
+    auto take_row = [&](auto capped) {
+      for (int64_t c = 0; c < count; c += kLanes) {
+        const int cols = static_cast<int>(std::min<int64_t>(kLanes, count - c));
+        F x = S::load(row + c);
+        if (!s.skipped[c / kKeys]) {  // (a skipped block's scores are -inf already)
+          x = capped(x);
+          for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j_begin + c, cols));
+        }
+        const int64_t keep = std::clamp<int64_t>(visible - c, 0, kLanes);
+        x = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x, S::set1(neg_inf));
+        nan = nan || !S::all(S::eq(x, x));
+        top = S::max(top, x);
+        S::store(row + c, x);
       }
-      const int64_t keep = std::clamp<int64_t>(visible - c, 0, kLanes);
-      x = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x, S::set1(neg_inf));
-      nan = nan || !S::all(S::eq(x, x));
-      top = S::max(top, x);
-      S::store(row + c, x);
+    };
+    const Softcap<S> cap(p);
+    if (!cap.on) {
+      take_row([](F x) { return x; });
+    } else {  // one map for the run's scores (no test per vector: cpu/softcap.hpp)
+      F least = S::zero(), greatest = S::zero();  // (0 stands in for the lanes past count: under any cap)
+      for (int64_t c = 0; c < count; c += kLanes) {
+        if (s.skipped[c / kKeys]) continue;
+        const int cols = static_cast<int>(std::min<int64_t>(kLanes, count - c));
+        const F x = S::select(static_cast<M>(cols == kLanes ? (1u << kLanes) - 1 : (1u << cols) - 1), S::load(row + c), S::zero());
+        least = S::min(least, x), greatest = S::max(greatest, x);
+      }
+      cap.with_map(least, greatest, [&](auto map) { take_row([&](F x) { return map(x, nullptr); }); });
     }
     const float m = nan ? std::numeric_limits<float>::quiet_NaN() : S::reduce_max(top);
     const F m_use = S::set1(m == neg_inf ? 0.0f : m);  // a row that sees no key: p = 0, not NaN

@@ -128,18 +128,24 @@ struct Softcap {
         const F x = S::load(column + r * stride);
         least = S::min(least, x), greatest = S::max(greatest, x);
       }
-      auto map_column = [&](auto map) {
+      with_map(least, greatest, [&](auto map) {
         for (int64_t r = 0; r < rows; ++r) {
           F d;
           S::store(column + r * stride, map(S::load(column + r * stride), slope_column ? &d : nullptr));
           if (slope_column) S::store(slope_column + r * stride, d);
         }
-      };
-      switch (range(least, greatest)) {
-        case Range::near: map_column([this](F x, F* d) { return near(x, d); }); break;
-        case Range::unbent: map_column([this](F x, F* d) { return unbent(x, d); }); break;
-        case Range::bent: map_column([this](F x, F* d) { return bent(x, d); }); break;
-      }
+      });
+    }
+  }
+
+  // fn(map) with the map (near, unbent or bent, as a callable (x, slope)) that range() picks for
+  // scores from `least` to `greatest`.
+  template <class Fn>
+  void with_map(F least, F greatest, Fn fn) const {
+    switch (range(least, greatest)) {
+      case Range::near: fn([this](F x, F* d) { return near(x, d); }); break;
+      case Range::unbent: fn([this](F x, F* d) { return unbent(x, d); }); break;
+      case Range::bent: fn([this](F x, F* d) { return bent(x, d); }); break;
     }
   }
 
