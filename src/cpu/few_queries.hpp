@@ -48,6 +48,8 @@ struct FewQueries {
   using U = typename S::U;
   using T = Tiles<S>;
   static constexpr int kLanes = S::kLanes;
+  // The first n lanes (0 <= n <= kLanes).
+  static M first_lanes(int64_t n) { return static_cast<M>(n == kLanes ? (1u << kLanes) - 1 : (1u << n) - 1); }
   static constexpr int kKeys = T::kWidth;  // keys per block: the lanes of one panel (48)
   static constexpr int kBlockRows = T::kBlockRows, kBlockVecs = T::kBlockVecs;
   static constexpr int64_t kMaxQueriesPerHead = kFewQueriesPerHead;
@@ -520,7 +522,7 @@ struct FewQueries {
       F least = S::zero(), greatest = S::zero();  // (0 stands in for the lanes past nc: under any cap)
       for (int v = 0; v < nv; ++v) {
         const int cols = std::min(kLanes, nc - v * kLanes);
-        const F scores = S::select(static_cast<M>(cols == kLanes ? (1u << kLanes) - 1 : (1u << cols) - 1), x[v], S::zero());
+        const F scores = S::select(first_lanes(cols), x[v], S::zero());
         least = S::min(least, scores), greatest = S::max(greatest, scores);
       }
       cap.with_map(least, greatest, [&](auto map) {
@@ -531,7 +533,7 @@ struct FewQueries {
       const int cols = std::min(kLanes, nc - v * kLanes);
       for (int t = 0; t < p.num_masks; ++t) x[v] = S::add(x[v], T::mask_row(p.masks[t], b, h, i, j0 + v * kLanes, cols));
       const int keep = std::clamp(visible - v * kLanes, 0, kLanes);
-      x[v] = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x[v], S::set1(neg_inf));
+      x[v] = S::select(first_lanes(keep), x[v], S::set1(neg_inf));
       nan = nan || !S::all(S::eq(x[v], x[v]));
       top = S::max(top, x[v]);
     }
@@ -995,7 +997,7 @@ struct FewQueries {
           for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j_begin + c, cols));
         }
         const int64_t keep = std::clamp<int64_t>(visible - c, 0, kLanes);
-        x = S::select(static_cast<M>(keep == kLanes ? (1u << kLanes) - 1 : (1u << keep) - 1), x, S::set1(neg_inf));
+        x = S::select(first_lanes(keep), x, S::set1(neg_inf));
         nan = nan || !S::all(S::eq(x, x));
         top = S::max(top, x);
         S::store(row + c, x);
@@ -1009,7 +1011,7 @@ struct FewQueries {
       for (int64_t c = 0; c < count; c += kLanes) {
         if (s.skipped[c / kKeys]) continue;
         const int cols = static_cast<int>(std::min<int64_t>(kLanes, count - c));
-        const F x = S::select(static_cast<M>(cols == kLanes ? (1u << kLanes) - 1 : (1u << cols) - 1), S::load(row + c), S::zero());
+        const F x = S::select(first_lanes(cols), S::load(row + c), S::zero());
         least = S::min(least, x), greatest = S::max(greatest, x);
       }
       cap.with_map(least, greatest, [&](auto map) { take_row([&](F x) { return map(x, nullptr); }); });
