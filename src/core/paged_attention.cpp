@@ -1,7 +1,8 @@
 // Attention over a paged key/value cache: each sequence is one scaled_dot_product_attention
 // problem whose keys and values the decoding kernel and the bfloat16 pair-product tile kernel
 // read page by page where they lie (AttentionProblem::key_pages), or, on the paths that read rows
-// at one stride, from a gathered copy; the sequences are spread over the threads as variable-length batches spread theirs.
+// at one stride, from a gathered copy; the sequences are spread over the threads as
+// variable-length batches spread theirs.
 #include "mha/paged_attention.hpp"
 
 #include <algorithm>

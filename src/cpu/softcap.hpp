@@ -18,6 +18,9 @@ struct Softcap {
   using M = typename S::M;
   static constexpr int kLanes = S::kLanes;
 
+  // tanh(y) / y = 1 + kTaylor[0] y^2 + ... + kTaylor[4] y^10 + O(y^12).
+  static constexpr double kTaylor[5] = {-1.0 / 3, 2.0 / 15, -17.0 / 315, 62.0 / 2835, -1382.0 / 155925};
+
   bool on = false;
   F cap{}, inv_cap{};
   // Below 0.4 c, c tanh(x / c) = x R(x^2) with R(u) = 1 + a[0] u + ... + a[4] u^5: the Taylor
@@ -35,13 +38,12 @@ struct Softcap {
     if (!on) return;
     cap = S::set1(static_cast<float>(c));
     inv_cap = S::set1(static_cast<float>(1.0 / c));
-    const double taylor[5] = {-1.0 / 3, 2.0 / 15, -17.0 / 315, 62.0 / 2835, -1382.0 / 155925};
     folded = c > 1e-3 && c < 1e3;
     const double inv_square = 1 / (c * c);  // (one division: the decoding kernels make a Softcap per row)
     double scale = 1;
     for (int k = 0; k < 5 && folded; ++k) {
       scale *= inv_square;
-      a[k] = S::set1(static_cast<float>(taylor[k] * scale));
+      a[k] = S::set1(static_cast<float>(kTaylor[k] * scale));
     }
   }
 
@@ -160,11 +162,8 @@ struct Softcap {
 
   // tanh(y) / y - 1 = t Q(t) for t = y^2: Taylor's series to y^11, Horner's scheme in t.
   static F taylor_tail(F t) {
-    F q = S::set1(-1382.0f / 155925.0f);
-    q = S::fmadd(q, t, S::set1(62.0f / 2835.0f));
-    q = S::fmadd(q, t, S::set1(-17.0f / 315.0f));
-    q = S::fmadd(q, t, S::set1(2.0f / 15.0f));
-    q = S::fmadd(q, t, S::set1(-1.0f / 3.0f));
+    F q = S::set1(static_cast<float>(kTaylor[4]));
+    for (int k = 3; k >= 0; --k) q = S::fmadd(q, t, S::set1(static_cast<float>(kTaylor[k])));
     return S::mul(q, t);
   }
   // 1 - th^2 in one rounding.
@@ -176,6 +175,5 @@ struct Softcap {
     return capped;
   }
 };
-
 
 }  // namespace mha::detail
