@@ -86,6 +86,20 @@ std::atomic<bool>& skips_excluded_blocks() {
   return on;
 }
 
+ForwardKernel forward_kernel(const AttentionProblem& p, const ForwardOutputs& o) {
+  switch (active_isa()) {
+    case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32 (and what the tile unit does not take)
+    case Isa::avx512: return flash_forward_avx512;
+    case Isa::avx512_bf16:
+      return bf16_pairs_supports(p) && (bf16_pairs_take_shape(p.len_q, p.dim_qk) || bf16_pairs_take_few_queries(p, o))
+                 ? flash_forward_avx512bf16
+                 : flash_forward_avx512;
+    case Isa::avx2: return flash_forward_avx2;
+    case Isa::portable: break;
+  }
+  return flash_forward_portable;
+}
+
 bool reads_pages_in_place(const AttentionProblem& p) {
   if (p.q.dtype == DType::f64) return false;
   if (p.len_q <= kFewQueriesPerHead) return !(p.q.dtype != DType::f32 && amx_usable() && amx_bf16_supports(p));
@@ -94,9 +108,8 @@ bool reads_pages_in_place(const AttentionProblem& p) {
   // float16 / bfloat16 per key block, read them per task: on Zen 5 that measured level with the
   // gathered copy at 40 queries (float32; float16 1.03x slower) and 1.06x slower at 512 (float16:
   // a page's rows 2 KiB apart in FlashAttention's layout defeat the prefetchers), so they gather.
-  // (run_attention's choice below, for a problem its preparations leave alone: unit last strides)
-  return active_isa() == Isa::avx512_bf16 && bf16_pairs_supports(p) && bf16_pairs_take_shape(p.len_q, p.dim_qk) &&
-         p.k.strides[3] == 1 && p.v.strides[3] == 1;
+  // (Unit last strides: run_attention's preparations would otherwise copy the rows.)
+  return forward_kernel(p, ForwardOutputs{}) == flash_forward_avx512bf16 && p.k.strides[3] == 1 && p.v.strides[3] == 1;
 }
 
 void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
@@ -135,18 +148,7 @@ void run_attention(const AttentionProblem& problem, const ForwardOutputs& o) {
   for (TensorView* t : {&p.q, &p.k, &p.v}) stand_in_if_empty(*t);
   ForwardOutputs outputs = o;
   stand_in_if_null(outputs.out, outputs.out_strides);  // Dv == 0: nothing is written there
-  void (*kernel)(const AttentionProblem&, const ForwardOutputs&) = flash_forward_portable;
-  switch (active_isa()) {
-    case Isa::amx:  // no float32 kernel of its own: AVX-512 does float32 (and what the tile unit does not take)
-    case Isa::avx512: kernel = flash_forward_avx512; break;
-    case Isa::avx512_bf16:
-      kernel = bf16_pairs_supports(p) && (bf16_pairs_take_shape(p.len_q, p.dim_qk) || bf16_pairs_take_few_queries(p, outputs))
-                   ? flash_forward_avx512bf16
-                   : flash_forward_avx512;
-      break;
-    case Isa::avx2: kernel = flash_forward_avx2; break;
-    case Isa::portable: break;
-  }
+  const ForwardKernel kernel = forward_kernel(p, outputs);
   // Leading rows whose scores are their mask values (a left-padded batch's padding rows under
   // Hugging Face's masks) come from the mask, the rest from the kernel.
   const std::vector<int64_t> prefixes = mask_only_prefixes(p, outputs);

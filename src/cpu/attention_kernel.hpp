@@ -126,6 +126,11 @@ bool bf16_pairs_take_few_queries(const AttentionProblem& p, const ForwardOutputs
 void exp2_bf16_of(const float* x, float* y, int64_t n);
 void flash_forward_avx512bf16(const AttentionProblem& p, const ForwardOutputs& o);
 
+using ForwardKernel = void (*)(const AttentionProblem&, const ForwardOutputs&);
+// The kernel above that run_attention runs for a prepared problem (unit last strides) on the
+// active ISA; reads_pages_in_place asks it too, so the two cannot drift apart.
+ForwardKernel forward_kernel(const AttentionProblem& p, const ForwardOutputs& o);
+
 // The backward, deterministic: every gradient element is summed by one task in a fixed order, so
 // the same inputs give the same bits on any thread count.
 void flash_backward_portable(const AttentionProblem& p, const BackwardInputs& in, const BackwardOutputs& out);

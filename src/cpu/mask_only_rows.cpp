@@ -86,8 +86,7 @@ std::vector<int64_t> mask_only_prefixes(const AttentionProblem& p, const Forward
 }
 
 void run_with_mask_only_prefixes(const AttentionProblem& p, const ForwardOutputs& o,
-                                 const std::vector<int64_t>& prefixes,
-                                 void (*kernel)(const AttentionProblem&, const ForwardOutputs&)) {
+                                 const std::vector<int64_t>& prefixes, ForwardKernel kernel) {
   parallel_for(p.batch * p.heads_q, resolve_threads(p.num_threads), [&](int64_t task, int) {
     const int64_t b = task / p.heads_q, h = task % p.heads_q;
     if (prefixes[b] > 0) write_mask_only_rows(p, o, b, h, prefixes[b]);

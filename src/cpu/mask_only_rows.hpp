@@ -24,7 +24,6 @@ std::vector<int64_t> mask_only_prefixes(const AttentionProblem& p, const Forward
 // The forward with rows [0, prefixes[b]) of each batch entry b written from the mask and the
 // rest by `kernel`, one batch entry at a time.
 void run_with_mask_only_prefixes(const AttentionProblem& p, const ForwardOutputs& o,
-                                 const std::vector<int64_t>& prefixes,
-                                 void (*kernel)(const AttentionProblem&, const ForwardOutputs&));
+                                 const std::vector<int64_t>& prefixes, ForwardKernel kernel);
 
 }  // namespace mha::detail
