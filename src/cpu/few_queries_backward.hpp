@@ -216,11 +216,27 @@ struct FewQueriesBackward {
     const F keep_scale = S::set1(static_cast<float>(1.0 / (1.0 - p.dropout_p)));
     const F zero = S::zero();
     const Softcap<S> cap(p);
+    // The block's scores first (into s.prob), then with a cap one map for all of them, chosen by
+    // their least and greatest (as Softcap::rows; the slopes wait in s.grad until dS replaces them).
+    F least = S::set1(std::numeric_limits<float>::infinity()), greatest = S::sub(zero, least);
+    for (int64_t qi = 0; qi < rows(); ++qi) {
+      const F x = Dot::template dot_scores<typename Dot::AsF32>(kp, s.qs + qi * dk(), dk());
+      S::store(s.prob + qi * kLanes, x);
+      least = S::min(least, x), greatest = S::max(greatest, x);
+    }
+    if (cap.on) {
+      cap.with_map(least, greatest, [&](auto map) {
+        for (int64_t qi = 0; qi < rows(); ++qi) {
+          F slope;
+          S::store(s.prob + qi * kLanes, map(S::load(s.prob + qi * kLanes), &slope));
+          S::store(s.grad + qi * kLanes, slope);
+        }
+      });
+    }
     for (int64_t qi = 0; qi < rows(); ++qi) {
       const int64_t h = hk * group() + qi / p.len_q, i = qi % p.len_q;
-      F x = Dot::template dot_scores<typename Dot::AsF32>(kp, s.qs + qi * dk(), dk());
-      F slope{};
-      if (cap.on) x = cap.apply(x, &slope);
+      F x = S::load(s.prob + qi * kLanes);
+      const F slope = cap.on ? S::load(s.grad + qi * kLanes) : zero;
       for (int t = 0; t < p.num_masks; ++t) x = S::add(x, T::mask_row(p.masks[t], b, h, i, j0, nc));
       // Keys past the row's limit (causality, the chunk's end or Lk) have P = 0.
       const U limit = S::set1_u(static_cast<uint32_t>(std::min<int64_t>(s.lim[qi], j0 + nc)));

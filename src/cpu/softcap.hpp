@@ -70,13 +70,6 @@ struct Softcap {
     return S::select(is_small, small, large);
   }
 
-  // c tanh(x / c), and its derivative in *slope where not null. (One vector; its test of the
-  // branch may go either way from one vector to the next: rows() does not test per vector.)
-  F apply(F x, F* slope = nullptr) const {
-    const F y = S::mul(x, inv_cap);
-    return S::all(S::gt(S::set1(0.16f), S::mul(y, y))) ? unbent(x, slope) : bent(x, slope);
-  }
-
   // Where the scores of a column of a tile (one vector of queries over its rows), from `least`
   // to `greatest` in each lane, lie against the cap: each range takes its own map, every
   // vector of the column the same.

@@ -26,12 +26,11 @@ void vector_tanh_avx512(const float* x, float* y, float* slope, int64_t n);
 
 // y[i] = c tanh(x[i] / c) and slope[i] its derivative for i < n (a multiple of 16), as `isa`'s
 // kernels cap scores: the array as one column of a tile, n / 16 rows of a vector (so one range of
-// Softcap::rows for all of it), or, with `per_vector`, through Softcap::apply a vector at a time,
-// as the decoding kernels cap theirs.
-void vector_softcap(Isa isa, double c, const float* x, float* y, float* slope, int64_t n, bool per_vector);
-void vector_softcap_portable(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector);
-void vector_softcap_avx2(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector);
-void vector_softcap_avx512(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector);
+// Softcap::rows for all of it).
+void vector_softcap(Isa isa, double c, const float* x, float* y, float* slope, int64_t n);
+void vector_softcap_portable(double c, const float* x, float* y, float* slope, int64_t n);
+void vector_softcap_avx2(double c, const float* x, float* y, float* slope, int64_t n);
+void vector_softcap_avx512(double c, const float* x, float* y, float* slope, int64_t n);
 
 // The body each ISA's file instantiates with its layer; a last partial vector goes through a
 // zero-padded copy.
@@ -60,19 +59,10 @@ void vector_tanh_of(const float* x, float* y, float* slope, int64_t n) {
 }
 
 template <class S>
-void vector_softcap_of(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector) {
+void vector_softcap_of(double c, const float* x, float* y, float* slope, int64_t n) {
   static_assert(S::kLanes == 16);
-  const Softcap<S> cap(c);
-  if (!per_vector) {
-    std::copy_n(x, n, y);
-    cap.rows(y, n / S::kLanes, S::kLanes, 1, slope);
-    return;
-  }
-  for (int64_t i = 0; i < n; i += S::kLanes) {
-    typename S::F d;
-    S::store(y + i, cap.apply(S::load(x + i), &d));
-    S::store(slope + i, d);
-  }
+  std::copy_n(x, n, y);
+  Softcap<S>(c).rows(y, n / S::kLanes, S::kLanes, 1, slope);
 }
 
 }  // namespace mha::detail

@@ -5,7 +5,7 @@
 namespace mha::detail {
 void vector_exp2_avx512(const float* x, float* y, int64_t n) { vector_exp2_of<simd::Avx512>(x, y, n); }
 void vector_tanh_avx512(const float* x, float* y, float* slope, int64_t n) { vector_tanh_of<simd::Avx512>(x, y, slope, n); }
-void vector_softcap_avx512(double c, const float* x, float* y, float* slope, int64_t n, bool per_vector) {
-  vector_softcap_of<simd::Avx512>(c, x, y, slope, n, per_vector);
+void vector_softcap_avx512(double c, const float* x, float* y, float* slope, int64_t n) {
+  vector_softcap_of<simd::Avx512>(c, x, y, slope, n);
 }
 }  // namespace mha::detail

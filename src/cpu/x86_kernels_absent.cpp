@@ -53,8 +53,8 @@ void vector_exp2_avx2(const float*, float*, int64_t) { absent("vector_exp2_avx2"
 void vector_exp2_avx512(const float*, float*, int64_t) { absent("vector_exp2_avx512"); }
 void vector_tanh_avx2(const float*, float*, float*, int64_t) { absent("vector_tanh_avx2"); }
 void vector_tanh_avx512(const float*, float*, float*, int64_t) { absent("vector_tanh_avx512"); }
-void vector_softcap_avx2(double, const float*, float*, float*, int64_t, bool) { absent("vector_softcap_avx2"); }
-void vector_softcap_avx512(double, const float*, float*, float*, int64_t, bool) { absent("vector_softcap_avx512"); }
+void vector_softcap_avx2(double, const float*, float*, float*, int64_t) { absent("vector_softcap_avx2"); }
+void vector_softcap_avx512(double, const float*, float*, float*, int64_t) { absent("vector_softcap_avx512"); }
 void vector_exp_f64_avx2(double*, int64_t) { absent("vector_exp_f64_avx2"); }
 void vector_exp_f64_avx512(double*, int64_t) { absent("vector_exp_f64_avx512"); }
 
