@@ -89,7 +89,7 @@ PairCase draw(std::mt19937_64& rng) {
 // exact products' sums; the 2^x sized for bfloat16 adds up to 7.5e-5 relative per term), infinite
 // where it is. Returns whether the outputs' or the log-sum-exps' bits differ: the products ran (P
 // rounded to bfloat16, the 2^x sized for it, or, in the decoding kernel's dot mode, the scores
-// summed as pairs, whose output rounded to bfloat16 often has the float32 kernel's bits).
+// summed as pairs and P rounded for the value product).
 bool differs_from_float32_kernel(const mha::AttentionForTraining& saved, const mha::TensorView& q, const mha::TensorView& k,
                                  const mha::TensorView& v, const mha::SdpaOptions& o) {
   mha::detail::force_isa(mha::detail::Isa::avx512);

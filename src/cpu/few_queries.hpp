@@ -129,9 +129,10 @@ struct FewQueries {
     return pair_products(p) && p.heads_q / p.heads_kv * p.len_q > kDotRows;
   }
   // In dot mode, the scores take the pair products (dot_pair_scores_rows): each vdpbf16ps two
-  // products per lane on the key row as it lies, no widening; the softmax and the value product
-  // stay float32 (P is not rounded). The scores are sums in another order than the float32
-  // kernel's, scaled after the sum: within float32 rounding of its, not its bits.
+  // products per lane on the key row as it lies, no widening; the softmax stays float32, and the
+  // value product takes P rounded to bfloat16 against pairs of value rows interleaved as they are
+  // read (accumulate_pairs_in_place), as the panel does. Its output is within bfloat16 rounding
+  // of the float32 kernel's, not its bits.
   static bool pair_scores(const AttentionProblem& p) { return pair_products(p) && !takes_pairs(p); }
   // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
   // each vector as it loads it: 16-bit and e5m2 rows of whole vectors always; e4m3 rows up to 4 queries
@@ -812,6 +813,48 @@ struct FewQueries {
       for (int v = 0; v < V; ++v) S::store(acc[r] + c0 + v * kLanes, a[r][v]);
   }
 
+  // O += P V for the n rows accrow[0..n) over `count` bfloat16 value rows vrows[0..count), read in
+  // place: each pair of rows interleaved in registers (pairs of keys per word) for each register
+  // block of rows, P's as words (row r's at prob + r * stride, a zero past count). Dot mode's
+  // pass (its alpha is 1).
+  void accumulate_pairs_in_place(const Scratch& s, int64_t n, const uint32_t* prob, int64_t stride, int count,
+                                 const uint16_t* const* vrows) const {
+    const int vecs_v = static_cast<int>(dv() / kLanes);
+    for_row_blocks(n, [&](auto r, int64_t r0) {
+      auto block = [&](auto v, int c) {
+        value_pairs_in_place<r(), decltype(v)::value>(s.accrow + r0, prob + r0 * stride, stride, vrows, count, c * kLanes);
+      };
+      constexpr int kVecs = r() <= 4 ? 4 : 2;  // (R x V accumulators, V pairs and a broadcast in 32 registers)
+      int c = 0;
+      for (; c + kVecs <= vecs_v; c += kVecs) block(std::integral_constant<int, kVecs>{}, c);
+      if (c + 2 <= vecs_v) block(std::integral_constant<int, 2>{}, c), c += 2;
+      if (c < vecs_v) block(std::integral_constant<int, 1>{}, c);
+    });
+  }
+  template <int R, int V>
+  void value_pairs_in_place(float* const* acc, const uint32_t* prob, int64_t stride, const uint16_t* const* vrows,
+                            int count, int64_t c0) const {
+    F a[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) a[r][v] = S::load(acc[r] + c0 + v * kLanes);
+    for (int j = 0; j < count; j += 2) {
+      const uint16_t* first = vrows[j];
+      const uint16_t* second = j + 1 < count ? vrows[j + 1] : nullptr;  // (its p is 0)
+      typename S::W w[V];
+      if constexpr (V == 1) {
+        w[0] = S::interleave_rows(first, second, c0, p.dim_v);
+      } else {
+        for (int v = 0; v < V; v += 2) S::interleave_rows(first, second, c0 + v * kLanes, p.dim_v, &w[v], &w[v + 1]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const auto x = S::broadcast_w(prob + r * stride + j / 2);
+        for (int v = 0; v < V; ++v) a[r][v] = S::dot_pairs(x, w[v], a[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) S::store(acc[r] + c0 + v * kLanes, a[r][v]);
+  }
+
   // Dot mode: up to kDotRows rows, each score a dot product of whole rows, in passes over the run
   // rather than an online softmax per block: every score of the run, then per row its masks, max,
   // probabilities and sum, then O = P V with the accumulators held across each slice of value
@@ -946,6 +989,8 @@ struct FewQueries {
       for (int64_t qi = 0; qi < rows; ++qi) {
         const int64_t row = r_begin + qi;
         softmax_run(s, qi, b, (hk0 + h) * group() + row / p.len_q, row % p.len_q, j_begin, s.seen);
+        if constexpr (kPairs)  // (past `seen`, up to its whole vector: p = 0)
+          if (pairs) S::narrow_in_place(s.scores + qi * stride, static_cast<int>(T::round_up(s.seen, kLanes) / kLanes));
         s.accrow[qi] = s.acc + qi * dv();
         s.alpha[qi] = 1.0f;
       }
@@ -953,6 +998,21 @@ struct FewQueries {
     // O = P V over every key any row sees: a zero weight too (0 x inf is NaN, as in P @ V). In
     // slices of kLanes value rows, which stay in L1 while the row blocks sweep them a few vectors
     // at a time (slices of 48 rows took 1.1-1.2x the time on AVX2, of 32 1.05x).
+    if constexpr (kPairs) {
+      if (pairs) {  // P rounded to bfloat16 (above), the values as pairs of keys (accumulate_pairs)
+        sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.v, [&](Scratch& s, int64_t h, int64_t j0, int nc, int c0, int c1) {
+          const int64_t hk = hk0 + h;
+          const int n = std::min(c1, nc) - c0;  // value rows [j0 + c0, j0 + c0 + n)
+          if (skipped(h, j0) || n <= 0) return;
+          const uint16_t** rows_in_place = s.template values_of<uint16_t>();
+          for (int c = 0; c < n; ++c) rows_in_place[c] = low_row<uint16_t>(p.v, b, hk, j0 + c0 + c);
+          // (row qi's probabilities as words from s.scores + qi * stride; c0 and j0 - j_begin are even)
+          accumulate_pairs_in_place(s, rows, reinterpret_cast<const uint32_t*>(s.scores) + (j0 - j_begin + c0) / 2, stride,
+                                    n, rows_in_place);
+        });
+        return;
+      }
+    }
     const bool v_in_place = values_in_place();
     with_loader(p.v.dtype, reads_in_place(p.v.dtype, p.dim_v), [&](auto loader) {
       using L = decltype(loader);
