@@ -999,7 +999,7 @@ struct FewQueries {
     // slices of kLanes value rows, which stay in L1 while the row blocks sweep them a few vectors
     // at a time (slices of 48 rows took 1.1-1.2x the time on AVX2, of 32 1.05x).
     if constexpr (kPairs) {
-      if (pairs) {  // P rounded to bfloat16 (above), the values as pairs of keys (accumulate_pairs)
+      if (pairs) {  // P rounded to bfloat16 (above), the values as pairs of keys (accumulate_pairs_in_place)
         sweep(sh, heads, b, hk0, j_begin, key_end_all, ahead, p.v, [&](Scratch& s, int64_t h, int64_t j0, int nc, int c0, int c1) {
           const int64_t hk = hk0 + h;
           const int n = std::min(c1, nc) - c0;  // value rows [j0 + c0, j0 + c0 + n)
