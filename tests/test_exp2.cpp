@@ -127,12 +127,13 @@ TEST(VectorTanh, MaximumErrorOnEveryIsa) {
   }
 }
 
-// The cap as the kernels take it (Softcap::rows, a column of a tile at a time): c tanh(x / c) and its derivative against double precision, for caps from
-// one too small for the folded coefficients (1e-4) to 1e6, on columns whose scores lie within 0.1
-// of the cap (the polynomial to u^3), within 0.4 (to u^5), across the bend (both forms of tanh per
-// lane), and near ones with a single bent score, high or low (the column must take the whole map). The
-// polynomials' error is their float rounding, ~1e-7 relative; the bend adds the rounding of
-// x / c to tanh's own 2.1e-7, and the slope's error grows with |x| / c as tanh's does above.
+// The cap as the kernels take it (Softcap::rows, a column of a tile at a time): c tanh(x / c)
+// and its derivative against double precision, for caps from one too small for the folded
+// coefficients (1e-4) to 1e6, on columns whose scores lie within 0.1 of the cap (the polynomial
+// to u^3), within 0.4 (to u^5), across the bend (both forms of tanh per lane), and near ones with
+// a single bent score, high or low (the column must take the whole map). The polynomials' error
+// is their float rounding, ~1e-7 relative; the bend adds the rounding of x / c to tanh's own
+// 2.1e-7, and the slope's error grows with |x| / c as tanh's does above.
 TEST(SoftcapMap, MaximumErrorOfEveryRangeOnEveryIsa) {
   std::mt19937_64 rng(mha_test::test_seed());
   constexpr int64_t kColumn = 64 * 16;  // a tile's 64 key rows of 16 queries
