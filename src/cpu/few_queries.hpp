@@ -134,6 +134,15 @@ struct FewQueries {
   // read (accumulate_pairs_in_place), as the panel does. Its output is within bfloat16 rounding
   // of the float32 kernel's, not its bits.
   static bool pair_scores(const AttentionProblem& p) { return pair_products(p) && !takes_pairs(p); }
+  // With pair products, dot mode's scores from each block of 16 keys transposed as pairs of dims
+  // (panel_pair_scores: no horizontal sums) from kPanelScoreRows query rows per key/value head,
+  // where a task reads one head's keys at a time (not in the sweep of heads side by side, whose
+  // steps of 4 or 8 keys would fill a fraction of each panel): decided by the shape and the
+  // layout, not by how the rows or heads fall into tasks, so the bits are the shape's.
+  static constexpr int64_t kPanelScoreRows = 16;
+  bool scores_by_panel(const TensorView& k) const {
+    return queries() >= kPanelScoreRows && p.dim_qk <= 64 && k.strides[1] != k.shape[3];
+  }
   // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
   // each vector as it loads it: 16-bit and e5m2 rows of whole vectors always; e4m3 rows up to 4 queries
   // per key/value head, as their widening costs several times a 16-bit one's and rows in place
@@ -410,6 +419,24 @@ struct FewQueries {
         for (int r = 0; r < R; ++r)
           for (int c = c_begin; c < c_end; ++c) out[r * out_stride + c] *= scale;
       }
+    }
+  }
+  // out[r][0, kLanes) = scale * sum_w qw[r][w] . kt[w][0, kLanes) for `rows` rows (rows of out
+  // out_stride apart): the scores of 16 keys transposed as pairs (kt, `words` deep), a row's sum
+  // over the words in order, whichever rows share its register block.
+  static void panel_pair_scores(const uint32_t* const* qw, int64_t rows, const uint32_t* kt, int64_t words, float scale,
+                                float* out, int64_t out_stride) {
+    if constexpr (kPairs) {
+      for_row_blocks(rows, [&](auto r, int64_t r0) {
+        constexpr int R = r();
+        F a[R];
+        for (int i = 0; i < R; ++i) a[i] = S::zero();
+        for (int64_t w = 0; w < words; ++w) {
+          const auto k = S::load_w(kt + w * kLanes);
+          for (int i = 0; i < R; ++i) a[i] = S::dot_pairs(S::broadcast_w(qw[r0 + i] + w), k, a[i]);
+        }
+        for (int i = 0; i < R; ++i) S::store(out + (r0 + i) * out_stride, S::mul(a[i], S::set1(scale)));
+      });
     }
   }
   // fn(R, qi) over the rows [0, rows) in blocks of R = kScoreRows rows from qi, then one block of
@@ -924,6 +951,7 @@ struct FewQueries {
     const int64_t rows = r_end - r_begin, stride = kKeysPerRun;
     int64_t key_end_all = j_begin;
     const bool pairs = pair_scores(p);  // (query rows then stay in place, as words)
+    const bool panel_scores = pairs && scores_by_panel(p.k);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t key_end = start_rows(sh[h], b, hk0 + h, r_begin, r_end, j_begin, j_end, pairs);
       sh[h].seen = key_end - j_begin;
@@ -947,10 +975,23 @@ struct FewQueries {
               [&](Scratch& s, int64_t h, int64_t j0, int nc, int c0, int c1) {
                 const int64_t hk = hk0 + h;
                 if (skipped(h, j0)) return c0 == 0 ? excluded_scores(s, j0) : void();
+                const float qk_scale = static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e;
+                if (panel_scores) {  // (c0 = 0, c1 = kLanes: no sweep of heads side by side)
+                  auto* kt = reinterpret_cast<uint32_t*>(s.kt);  // [words][kLanes]
+                  const int64_t words = p.dim_qk / 2;
+                  if (p.key_rows_evenly_spaced(j0, nc)) {
+                    S::transpose_pairs(low_row<uint16_t>(p.k, b, hk, j0), p.k.strides[2], nc, words, kt, kLanes);
+                  } else {
+                    auto* copied = reinterpret_cast<uint16_t*>(s.kbuf);
+                    for (int c = 0; c < nc; ++c) std::memcpy(copied + c * p.dim_qk, low_row<uint16_t>(p.k, b, hk, j0 + c), 2 * p.dim_qk);
+                    S::transpose_pairs(copied, p.dim_qk, nc, words, kt, kLanes);
+                  }
+                  panel_pair_scores(s.qw_row, rows, kt, words, qk_scale, s.scores + (j0 - j_begin), stride);
+                  return;
+                }
                 const uint16_t** rows_in_place = s.template keys_of<uint16_t>();
                 for (int c = c0; c < c1; ++c)
                   rows_in_place[c] = c < nc ? low_row<uint16_t>(p.k, b, hk, j0 + c) : static_cast<const uint16_t*>(zero_bits);
-                const float qk_scale = static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e;
                 dot_pair_scores_all(rows_in_place, s.qw_row, p.dim_qk / 2, qk_scale, rows, s.scores + (j0 - j_begin),
                                     stride, c0, c1);
               });
