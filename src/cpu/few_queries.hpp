@@ -129,7 +129,8 @@ struct FewQueries {
     return pair_products(p) && p.heads_q / p.heads_kv * p.len_q > kDotRows;
   }
   // In dot mode, the scores take the pair products (dot_pair_scores_rows): each vdpbf16ps two
-  // products per lane on the key row as it lies, no widening; the softmax stays float32, and the
+  // products per lane on the key row as it lies, no widening (or, scores_by_panel, on the block's
+  // keys transposed as pairs); the softmax stays float32, and the
   // value product takes P rounded to bfloat16 against pairs of value rows interleaved as they are
   // read (accumulate_pairs_in_place), as the panel does. Its output is within bfloat16 rounding
   // of the float32 kernel's, not its bits.
