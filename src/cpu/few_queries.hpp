@@ -769,18 +769,12 @@ struct FewQueries {
     const F qk_scale = S::set1(static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e);
     auto* kt = reinterpret_cast<uint32_t*>(s.kt);           // [words][kKeys] (dk8 >= words)
     auto* values = reinterpret_cast<uint32_t*>(s.vbuf);     // [kKeys / 2][dv] pairs of keys per column
-    auto* copied = reinterpret_cast<uint16_t*>(s.kbuf);     // [kKeys][Dk] a block's key rows across pages
     for (int64_t j0 = j_begin; j0 < key_end; j0 += kKeys) {
       if (s.skipped[(j0 - j_begin) / kKeys]) continue;
       const int nc = static_cast<int>(std::min<int64_t>(kKeys, key_end - j0));
       const int64_t n = active_rows(s, rows, j0, true);
       prefetch_next_block(s, b, hk, j0, j_begin, key_end);
-      if (p.key_rows_evenly_spaced(j0, nc)) {
-        S::transpose_pairs(low_row<uint16_t>(p.k, b, hk, j0), p.k.strides[2], nc, words, kt, kKeys);
-      } else {
-        for (int c = 0; c < nc; ++c) std::memcpy(copied + c * p.dim_qk, low_row<uint16_t>(p.k, b, hk, j0 + c), 2 * p.dim_qk);
-        S::transpose_pairs(copied, p.dim_qk, nc, words, kt, kKeys);
-      }
+      transpose_key_pairs(s, b, hk, j0, nc, kt, kKeys);
       const int pairs = (nc + 1) / 2;  // (an odd block's last pair: its second key zero, its p zero)
       for (int r = 0; r < pairs; ++r) {
         const uint16_t* first = low_row<uint16_t>(p.v, b, hk, j0 + 2 * r);
@@ -800,6 +794,20 @@ struct FewQueries {
       // O = alpha O + P V over pairs of keys: every key of the block, a zero weight too.
       accumulate_pairs(s, n, reinterpret_cast<const uint32_t*>(s.scores), kKeys, pairs, values);
     }
+  }
+
+  // Keys [j0, j0 + nc) of head (b, hk) as pairs of dims: kt[w * width + c] = word w of key j0 + c
+  // (zero from nc to width, a multiple of 16), from the rows in place where they are evenly spaced,
+  // else (a block across pages) from copies in s.kbuf.
+  void transpose_key_pairs(Scratch& s, int64_t b, int64_t hk, int64_t j0, int nc, uint32_t* kt, int64_t width) const {
+    const int64_t words = p.dim_qk / 2;
+    if (p.key_rows_evenly_spaced(j0, nc)) {
+      S::transpose_pairs(low_row<uint16_t>(p.k, b, hk, j0), p.k.strides[2], nc, words, kt, width);
+      return;
+    }
+    auto* copied = reinterpret_cast<uint16_t*>(s.kbuf);  // [kKeys][Dk] a block's key rows across pages
+    for (int c = 0; c < nc; ++c) std::memcpy(copied + c * p.dim_qk, low_row<uint16_t>(p.k, b, hk, j0 + c), 2 * p.dim_qk);
+    S::transpose_pairs(copied, p.dim_qk, nc, words, kt, width);
   }
 
   // O = alpha O + P V for the n rows accrow[0..n) (scaled first by alpha), over `pairs` pairs of
@@ -979,15 +987,8 @@ struct FewQueries {
                 const float qk_scale = static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e;
                 if (panel_scores) {  // (c0 = 0, c1 = kLanes: no sweep of heads side by side)
                   auto* kt = reinterpret_cast<uint32_t*>(s.kt);  // [words][kLanes]
-                  const int64_t words = p.dim_qk / 2;
-                  if (p.key_rows_evenly_spaced(j0, nc)) {
-                    S::transpose_pairs(low_row<uint16_t>(p.k, b, hk, j0), p.k.strides[2], nc, words, kt, kLanes);
-                  } else {
-                    auto* copied = reinterpret_cast<uint16_t*>(s.kbuf);
-                    for (int c = 0; c < nc; ++c) std::memcpy(copied + c * p.dim_qk, low_row<uint16_t>(p.k, b, hk, j0 + c), 2 * p.dim_qk);
-                    S::transpose_pairs(copied, p.dim_qk, nc, words, kt, kLanes);
-                  }
-                  panel_pair_scores(s.qw_row, rows, kt, words, qk_scale, s.scores + (j0 - j_begin), stride);
+                  transpose_key_pairs(s, b, hk, j0, nc, kt, kLanes);
+                  panel_pair_scores(s.qw_row, rows, kt, p.dim_qk / 2, qk_scale, s.scores + (j0 - j_begin), stride);
                   return;
                 }
                 const uint16_t** rows_in_place = s.template keys_of<uint16_t>();
