@@ -15,7 +15,8 @@
 // same whichever rows share its register block or task, so the bits depend on the shape only, not
 // on the thread count. Key blocks a mask excludes for every row of a task (a batch's left
 // padding) are skipped, keys and values unread. With AVX512-BF16 (S::kBf16Pairs), bfloat16 problems
-// take both products of the panel schedule over pairs of bfloat16 values (run_keys_by_pairs).
+// take both products over pairs of bfloat16 values, in the panel schedule (run_keys_by_pairs) and
+// in dot mode (pair_scores).
 // Internal linkage: each ISA's file compiles its own copy.
 #pragma once
 
@@ -130,16 +131,17 @@ struct FewQueries {
   }
   // In dot mode, the scores take the pair products (dot_pair_scores_rows): each vdpbf16ps two
   // products per lane on the key row as it lies, no widening (or, scores_by_panel, on the block's
-  // keys transposed as pairs); the softmax stays float32, and the
-  // value product takes P rounded to bfloat16 against pairs of value rows interleaved as they are
-  // read (accumulate_pairs_in_place), as the panel does. Its output is within bfloat16 rounding
-  // of the float32 kernel's, not its bits.
+  // keys transposed as pairs); the softmax stays float32, and the value product takes P rounded to
+  // bfloat16 against pairs of value rows interleaved as they are read (accumulate_pairs_in_place),
+  // as the panel does. Its output is within bfloat16 rounding of the float32 kernel's, not its bits.
   static bool pair_scores(const AttentionProblem& p) { return pair_products(p) && !takes_pairs(p); }
   // With pair products, dot mode's scores from each block of 16 keys transposed as pairs of dims
-  // (panel_pair_scores: no horizontal sums) from kPanelScoreRows query rows per key/value head,
-  // where a task reads one head's keys at a time (not in the sweep of heads side by side, whose
-  // steps of 4 or 8 keys would fill a fraction of each panel): decided by the shape and the
-  // layout, not by how the rows or heads fall into tasks, so the bits are the shape's.
+  // (panel_pair_scores: no horizontal sums) from kPanelScoreRows query rows per key/value head and
+  // head dims up to 64 (at 128 the transposes and a broadcast per product cost more than the sums
+  // save: 1.05-1.15x the time at 32 rows), where a task reads one head's keys at a time (not in the
+  // sweep of heads side by side, whose steps of 4 or 8 keys would fill a fraction of each panel):
+  // decided by the shape and the layout, not by how the rows or heads fall into tasks, so the bits
+  // are the shape's.
   static constexpr int64_t kPanelScoreRows = 16;
   bool scores_by_panel(const TensorView& k) const {
     return queries() >= kPanelScoreRows && p.dim_qk <= 64 && k.strides[1] != k.shape[3];
