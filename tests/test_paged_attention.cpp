@@ -48,16 +48,22 @@ void fill(const mha::TensorView& t, double value) {
   copy_into(f, t);
 }
 
-PagedCase draw_case(std::mt19937_64& rng, mha::DType dtype, int64_t lq) {
+// What a case may fix instead of drawing it (0 or -1: drawn).
+struct Fixed {
+  int64_t group = 0, dk = 0;
+  int flash_layout = -1;
+};
+
+PagedCase draw_case(std::mt19937_64& rng, mha::DType dtype, int64_t lq, Fixed fixed = {}) {
   std::uniform_int_distribution<int> pick(0, 1 << 20);
   PagedCase c;
   const int64_t page_sizes[] = {1, 5, 16, 48, 64, 100};
   const int64_t page_size = page_sizes[pick(rng) % 6];
-  const int64_t batch = 1 + pick(rng) % 4, hkv = 1 + pick(rng) % 2, group = 1 + pick(rng) % 3;
+  const int64_t batch = 1 + pick(rng) % 4, hkv = 1 + pick(rng) % 2, group = fixed.group ? fixed.group : 1 + pick(rng) % 3;
   const int64_t hq = hkv * group;
   // (rows of 256 bytes and more, side by side: a sweep's steps of 8 and 4 keys per head)
   const int64_t dims[] = {8, 16, 32, 64, 24, 128};
-  const int64_t dk = dims[pick(rng) % 6], dv = pick(rng) % 3 == 0 ? dims[pick(rng) % 6] : dk;
+  const int64_t dk = fixed.dk ? fixed.dk : dims[pick(rng) % 6], dv = pick(rng) % 3 == 0 ? dims[pick(rng) % 6] : dk;
   // Lengths: empty, one key, a page's edge, and a few pages' worth (past 1008 keys: several runs).
   const int64_t max_len = pick(rng) % 3 == 0 ? 1500 : 300;
   int64_t pages_per_sequence = 0;
@@ -76,7 +82,8 @@ PagedCase draw_case(std::mt19937_64& rng, mha::DType dtype, int64_t lq) {
   std::vector<int32_t> order(static_cast<size_t>(pages));
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  const bool flash_layout = pick(rng) % 2 == 0;  // [pages, page_size, Hkv, D] storage, viewed transposed
+  // [pages, page_size, Hkv, D] storage, viewed transposed
+  const bool flash_layout = fixed.flash_layout >= 0 ? fixed.flash_layout == 1 : pick(rng) % 2 == 0;
   if (flash_layout) {
     c.storage_k = mha::Tensor::empty({pages, page_size, hkv, dk}, dtype);
     c.storage_v = mha::Tensor::empty({pages, page_size, hkv, dv}, dtype);
@@ -166,6 +173,28 @@ TEST(PagedAttention, EachSequenceGivesTheBitsOfItsOwnCall) {
       const mha::Tensor out = paged(c, 1 + n % 2);
       expect_sequences_alone(c, out);
       EXPECT_TRUE(agree(out, paged(c, 2 - n % 2)));  // the thread count changes no bit
+    }
+  }
+  mha::detail::force_isa(std::nullopt);
+}
+
+// Heads side by side ([pages, page_size, Hkv, D]) with 16 to 32 query rows per key/value head
+// and head dims up to 64, where bfloat16 decoding with pair products takes its scores from keys
+// transposed as pairs: the bits of the sequence's call on contiguous keys, on every ISA, whatever
+// the thread count.
+TEST(PagedAttention, ManyRowsPerHeadOverSideBySideHeadsGiveTheBitsOfTheirOwnCall) {
+  std::mt19937_64 rng(test_seed());
+  for (mha::detail::Isa isa : mha::detail::supported_isas()) {
+    mha::detail::force_isa(isa);
+    SCOPED_TRACE(mha::detail::isa_name(isa));
+    for (int n = 0; n < 8; ++n) {
+      const int64_t lqs[] = {4, 8, 16, 32}, groups[] = {4, 2, 1, 1}, dims[] = {16, 32, 64, 24};
+      const mha::DType dtype = n < 6 ? mha::DType::bf16 : mha::DType::f32;
+      const PagedCase c = draw_case(rng, dtype, lqs[n % 4], Fixed{groups[n % 4], dims[(n + n / 4) % 4], 1});
+      SCOPED_TRACE(c.describe);
+      const mha::Tensor out = paged(c, 1 + n % 2);
+      expect_sequences_alone(c, out);
+      EXPECT_TRUE(agree(out, paged(c, 2 - n % 2)));
     }
   }
   mha::detail::force_isa(std::nullopt);

@@ -138,14 +138,11 @@ struct FewQueries {
   // With pair products, dot mode's scores from each block of 16 keys transposed as pairs of dims
   // (panel_pair_scores: no horizontal sums) from kPanelScoreRows query rows per key/value head and
   // head dims up to 64 (at 128 the transposes and a broadcast per product cost more than the sums
-  // save: 1.05-1.15x the time at 32 rows), where a task reads one head's keys at a time (not in the
-  // sweep of heads side by side, whose steps of 4 or 8 keys would fill a fraction of each panel):
-  // decided by the shape and the layout, not by how the rows or heads fall into tasks, so the bits
-  // are the shape's.
+  // save: 1.05-1.15x the time at 32 rows). Decided by the shape alone, never the layout or the
+  // tasks, so that a paged cache, a [B, S, H, D] view and its keys gathered give the same bits (rows
+  // of at most 128 bytes are swept whole blocks at a time: sweep_keys).
   static constexpr int64_t kPanelScoreRows = 16;
-  bool scores_by_panel(const TensorView& k) const {
-    return queries() >= kPanelScoreRows && p.dim_qk <= 64 && k.strides[1] != k.shape[3];
-  }
+  bool scores_by_panel() const { return queries() >= kPanelScoreRows && p.dim_qk <= 64; }
   // Whether dot mode reads low-precision rows (of `dtype`, `width` elements) in place, widening
   // each vector as it loads it: 16-bit and e5m2 rows of whole vectors always; e4m3 rows up to 4 queries
   // per key/value head, as their widening costs several times a 16-bit one's and rows in place
@@ -962,7 +959,7 @@ struct FewQueries {
     const int64_t rows = r_end - r_begin, stride = kKeysPerRun;
     int64_t key_end_all = j_begin;
     const bool pairs = pair_scores(p);  // (query rows then stay in place, as words)
-    const bool panel_scores = pairs && scores_by_panel(p.k);
+    const bool panel_scores = pairs && scores_by_panel();
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t key_end = start_rows(sh[h], b, hk0 + h, r_begin, r_end, j_begin, j_end, pairs);
       sh[h].seen = key_end - j_begin;
@@ -987,7 +984,7 @@ struct FewQueries {
                 const int64_t hk = hk0 + h;
                 if (skipped(h, j0)) return c0 == 0 ? excluded_scores(s, j0) : void();
                 const float qk_scale = static_cast<float>(p.scale) * p.key_descale(b, hk) * kLog2e;
-                if (panel_scores) {  // (c0 = 0, c1 = kLanes: no sweep of heads side by side)
+                if (panel_scores) {  // (c0 = 0, c1 = kLanes: rows of at most 128 bytes)
                   auto* kt = reinterpret_cast<uint32_t*>(s.kt);  // [words][kLanes]
                   transpose_key_pairs(s, b, hk, j0, nc, kt, kLanes);
                   panel_pair_scores(s.qw_row, rows, kt, p.dim_qk / 2, qk_scale, s.scores + (j0 - j_begin), stride);
