@@ -122,9 +122,7 @@ class PairProducts : public ::testing::Test {
 // A quarter of the largest output of the reference with |v| for v: the scale of the rounding
 // errors of P V without the cancellation of its terms (the tolerance above).
 double terms_magnitude(const mha::Tensor& q, const mha::Tensor& k, const mha::Tensor& v, const mha::SdpaOptions& o) {
-  mha::Tensor magnitude = mha::Tensor::copy_of(v, mha::DType::f32);
-  for (int64_t e = 0; e < magnitude.numel(); ++e) magnitude.data<float>()[e] = std::fabs(magnitude.data<float>()[e]);
-  return 0.25 * mha_test::max_abs(mha::reference::scaled_dot_product_attention(q, k, magnitude, o).output);
+  return 0.25 * mha_test::max_abs(mha::reference::scaled_dot_product_attention(q, k, mha_test::abs_of(v), o).output);
 }
 
 TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {

@@ -19,6 +19,7 @@
 
 namespace {
 
+using mha_test::abs_of;
 using mha_test::agree;
 using mha_test::expect_error;
 using mha_test::max_abs;
@@ -82,13 +83,6 @@ SinkCase draw_case(std::mt19937_64& rng, mha::DType dtype) {
                (c.mask.defined() ? " mask" : "") + " window_left=" + std::to_string(c.options.window_left) +
                (c.slopes.defined() ? " alibi" : "") + (c.options.dropout_p > 0 ? " dropout" : "");
   return c;
-}
-
-// |t| elementwise, in t's dtype.
-mha::Tensor abs_of(const mha::Tensor& t) {
-  mha::Tensor a = mha::Tensor::copy_of(t, mha::DType::f64);
-  for (int64_t x = 0; x < a.numel(); ++x) a.data<double>()[x] = std::fabs(a.data<double>()[x]);
-  return mha::Tensor::copy_of(a, t.dtype());
 }
 
 // log(sum_j exp(s_j) + exp(sink)) of each row from the reference's weights and the call's own

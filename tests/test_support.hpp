@@ -66,6 +66,14 @@ inline double max_abs(const mha::TensorView& t) {
   return m;
 }
 
+// |t| elementwise, in t's dtype: a reference on |dO| or |V| gives the sums whose cancellation a
+// tolerance must not be judged against.
+inline mha::Tensor abs_of(const mha::TensorView& t) {
+  mha::Tensor a = mha::Tensor::copy_of(t, mha::DType::f64);
+  for (int64_t i = 0; i < a.numel(); ++i) a.data<double>()[i] = std::abs(a.data<double>()[i]);
+  return mha::Tensor::copy_of(a, t.dtype);
+}
+
 // Normwise relative error max|a - r| / max(max|r|, floor); infinite where one side is NaN and
 // the other is not, and where the shapes differ.
 inline double rel_error(const mha::TensorView& a, const mha::TensorView& r, double floor = 0.0) {
