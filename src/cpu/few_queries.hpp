@@ -817,8 +817,11 @@ struct FewQueries {
     const int vecs_v = static_cast<int>(dv() / kLanes);
     for_row_blocks(n, [&](auto r, int64_t r0) {
       auto block = [&](auto v, int c) {
-        accumulate_value_pairs<r(), decltype(v)::value>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, values,
-                                                        pairs, c * kLanes);
+        constexpr int V = decltype(v)::value;
+        value_pairs<r(), V>(s.accrow + r0, prob + r0 * stride, stride, s.alpha + r0, pairs, c * kLanes,
+                            [&](int j, int64_t c0, typename S::W* w) {
+                              for (int i = 0; i < V; ++i) w[i] = S::load_w(values + j * dv() + c0 + i * kLanes);
+                            });
       };
       int c = 0;
       if constexpr (r() <= 2)
@@ -829,35 +832,28 @@ struct FewQueries {
       for (; c < vecs_v; ++c) block(std::integral_constant<int, 1>{}, c);
     });
   }
-  template <int R, int V>
-  void accumulate_value_pairs(float* const* acc, const uint32_t* prob, int64_t stride, const float* alpha,
-                              const uint32_t* values, int pairs, int64_t c0) const {
-    F a[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) a[r][v] = S::mul(S::load(acc[r] + c0 + v * kLanes), S::set1(alpha[r]));
-    int j = 0;
-    do {  // pairs >= 1
-      typename S::W w[V];
-      for (int v = 0; v < V; ++v) w[v] = S::load_w(values + j * dv() + c0 + v * kLanes);
-      for (int r = 0; r < R; ++r) {
-        const auto x = S::broadcast_w(prob + r * stride + j);
-        for (int v = 0; v < V; ++v) a[r][v] = S::dot_pairs(x, w[v], a[r][v]);
-      }
-    } while (++j < pairs);
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) S::store(acc[r] + c0 + v * kLanes, a[r][v]);
-  }
 
   // O += P V for the n rows accrow[0..n) over `count` bfloat16 value rows vrows[0..count), read in
   // place: each pair of rows interleaved in registers (pairs of keys per word) for each register
   // block of rows, P's as words (row r's at prob + r * stride, a zero past count). Dot mode's
-  // pass (its alpha is 1).
+  // pass (its alpha is 1). Even vectors per block, as the interleaves give them in twos.
   void accumulate_pairs_in_place(const Scratch& s, int64_t n, const uint32_t* prob, int64_t stride, int count,
                                  const uint16_t* const* vrows) const {
     const int vecs_v = static_cast<int>(dv() / kLanes);
     for_row_blocks(n, [&](auto r, int64_t r0) {
       auto block = [&](auto v, int c) {
-        value_pairs_in_place<r(), decltype(v)::value>(s.accrow + r0, prob + r0 * stride, stride, vrows, count, c * kLanes);
+        constexpr int V = decltype(v)::value;
+        value_pairs<r(), V>(s.accrow + r0, prob + r0 * stride, stride, nullptr, (count + 1) / 2, c * kLanes,
+                            [&](int j, int64_t c0, typename S::W* w) {
+                              const uint16_t* first = vrows[2 * j];
+                              const uint16_t* second = 2 * j + 1 < count ? vrows[2 * j + 1] : nullptr;  // (its p is 0)
+                              if constexpr (V == 1) {
+                                w[0] = S::interleave_rows(first, second, c0, p.dim_v);
+                              } else {
+                                for (int i = 0; i < V; i += 2)
+                                  S::interleave_rows(first, second, c0 + i * kLanes, p.dim_v, &w[i], &w[i + 1]);
+                              }
+                            });
       };
       constexpr int kVecs = r() <= 4 ? 4 : 2;  // (R x V accumulators, V pairs and a broadcast in 32 registers)
       int c = 0;
@@ -866,26 +862,28 @@ struct FewQueries {
       if (c < vecs_v) block(std::integral_constant<int, 1>{}, c);
     });
   }
-  template <int R, int V>
-  void value_pairs_in_place(float* const* acc, const uint32_t* prob, int64_t stride, const uint16_t* const* vrows,
-                            int count, int64_t c0) const {
+
+  // The register block of both: O = alpha O + P V for R rows (alpha null: 1) and V vectors of
+  // columns from c0, over `pairs` pairs of keys (at least one), pair j's value words from
+  // pair_words(j, c0, w).
+  template <int R, int V, class PairWords>
+  void value_pairs(float* const* acc, const uint32_t* prob, int64_t stride, const float* alpha, int pairs, int64_t c0,
+                   PairWords pair_words) const {
     F a[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) a[r][v] = S::load(acc[r] + c0 + v * kLanes);
-    for (int j = 0; j < count; j += 2) {
-      const uint16_t* first = vrows[j];
-      const uint16_t* second = j + 1 < count ? vrows[j + 1] : nullptr;  // (its p is 0)
+    if (alpha)
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) a[r][v] = S::mul(a[r][v], S::set1(alpha[r]));
+    int j = 0;
+    do {
       typename S::W w[V];
-      if constexpr (V == 1) {
-        w[0] = S::interleave_rows(first, second, c0, p.dim_v);
-      } else {
-        for (int v = 0; v < V; v += 2) S::interleave_rows(first, second, c0 + v * kLanes, p.dim_v, &w[v], &w[v + 1]);
-      }
+      pair_words(j, c0, w);
       for (int r = 0; r < R; ++r) {
-        const auto x = S::broadcast_w(prob + r * stride + j / 2);
+        const auto x = S::broadcast_w(prob + r * stride + j);
         for (int v = 0; v < V; ++v) a[r][v] = S::dot_pairs(x, w[v], a[r][v]);
       }
-    }
+    } while (++j < pairs);
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) S::store(acc[r] + c0 + v * kLanes, a[r][v]);
   }
