@@ -843,6 +843,7 @@ struct FewQueries {
     for_row_blocks(n, [&](auto r, int64_t r0) {
       auto block = [&](auto v, int c) {
         constexpr int V = decltype(v)::value;
+        static_assert(V == 1 || V % 2 == 0, "interleaves come in twos");
         value_pairs<r(), V>(s.accrow + r0, prob + r0 * stride, stride, nullptr, (count + 1) / 2, c * kLanes,
                             [&](int j, int64_t c0, typename S::W* w) {
                               const uint16_t* first = vrows[2 * j];
