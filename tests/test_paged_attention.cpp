@@ -158,6 +158,14 @@ void expect_sequences_alone(const PagedCase& c, const mha::Tensor& out) {
   }
 }
 
+// The case's output on `threads` threads is each sequence's own call's bits, and those of the
+// other thread count (1 or 2).
+void expect_own_calls_at_both_thread_counts(const PagedCase& c, int threads) {
+  const mha::Tensor out = paged(c, threads);
+  expect_sequences_alone(c, out);
+  EXPECT_TRUE(agree(out, paged(c, 3 - threads)));  // the thread count changes no bit
+}
+
 TEST(PagedAttention, EachSequenceGivesTheBitsOfItsOwnCall) {
   std::mt19937_64 rng(test_seed());
   for (mha::detail::Isa isa : mha::detail::supported_isas()) {
@@ -170,9 +178,7 @@ TEST(PagedAttention, EachSequenceGivesTheBitsOfItsOwnCall) {
       const int64_t lqs[] = {1, 2, 5, 8, 32, 33, 70, 150};
       const PagedCase c = draw_case(rng, dtypes[n % 4], lqs[n / 4]);
       SCOPED_TRACE(c.describe);
-      const mha::Tensor out = paged(c, 1 + n % 2);
-      expect_sequences_alone(c, out);
-      EXPECT_TRUE(agree(out, paged(c, 2 - n % 2)));  // the thread count changes no bit
+      expect_own_calls_at_both_thread_counts(c, 1 + n % 2);
     }
   }
   mha::detail::force_isa(std::nullopt);
@@ -192,9 +198,7 @@ TEST(PagedAttention, ManyRowsPerHeadOverSideBySideHeadsGiveTheBitsOfTheirOwnCall
       const mha::DType dtype = n < 6 ? mha::DType::bf16 : mha::DType::f32;
       const PagedCase c = draw_case(rng, dtype, lqs[n % 4], Fixed{groups[n % 4], dims[(n + n / 4) % 4], 1});
       SCOPED_TRACE(c.describe);
-      const mha::Tensor out = paged(c, 1 + n % 2);
-      expect_sequences_alone(c, out);
-      EXPECT_TRUE(agree(out, paged(c, 2 - n % 2)));
+      expect_own_calls_at_both_thread_counts(c, 1 + n % 2);
     }
   }
   mha::detail::force_isa(std::nullopt);
@@ -215,9 +219,7 @@ TEST(PagedAttention, PromptChunksGiveEachSequenceItsOwnCall) {
       const int64_t lqs[] = {33, 48, 90, 150, 600};
       const PagedCase c = draw_case(rng, dtypes[n % 3], lqs[n % 5]);
       SCOPED_TRACE(c.describe);
-      const mha::Tensor out = paged(c, 1 + n % 2);
-      expect_sequences_alone(c, out);
-      EXPECT_TRUE(agree(out, paged(c, 2 - n % 2)));
+      expect_own_calls_at_both_thread_counts(c, 1 + n % 2);
     }
   }
   mha::detail::force_isa(std::nullopt);
