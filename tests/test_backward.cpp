@@ -365,9 +365,10 @@ TEST(SdpaBackward, GroupedKeyAndValueHeadCountsThatDiffer) {
         const auto rg = mha::reference::scaled_dot_product_attention_backward(q, kr, vr, g, plain);
         const double out_tol = dtype == mha::DType::f32 ? 1e-5 : dtype == mha::DType::bf16 ? 2e-2 : 1e-10;
         const double grad_tol = dtype == mha::DType::f32 ? 1e-4 : out_tol;
-        EXPECT_LT(rel_error(mha::scaled_dot_product_attention(q, k, v, o), r.output), out_tol);
+        const double terms = mha_test::terms_magnitude(q, kr, vr, plain);
+        EXPECT_LT(rel_error(mha::scaled_dot_product_attention(q, k, v, o), r.output, terms), out_tol);
         const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
-        EXPECT_LT(rel_error(saved.output, r.output), out_tol);
+        EXPECT_LT(rel_error(saved.output, r.output, terms), out_tol);
         const auto grads = mha::scaled_dot_product_attention_backward(q, k, v, saved, g, o);
         ASSERT_EQ(grads.key.sizes(), k.sizes());
         ASSERT_EQ(grads.value.sizes(), v.sizes());
@@ -660,10 +661,11 @@ TEST(SdpaBackward, BitIdenticalAcrossRunsAndThreadCounts) {
 
 // bfloat16 and float16 training is the float32 path on widened copies, with the output and the
 // gradients rounded once to the inputs' dtype (but where the tile unit takes a bfloat16 call,
-// forward or backward: within bfloat16 rounding of it): checked bit for bit against exactly that, built
-// from the float32 functions (which the tests above judge against float64). The output is also
-// judged against float64 on the same rounded inputs, within a few units of the dtype's rounding
-// (bf16 2^-9, fp16 2^-12). Gradients are not: D = rowsum(dO O) uses the rounded output, as
+// forward or backward: within bfloat16 rounding of it): checked bit for bit against exactly that,
+// built from the float32 functions (which the tests above judge against float64). The output is
+// also judged against float64 on the same rounded inputs, within a few units of the dtype's
+// rounding (bf16 2^-9, fp16 2^-12) of its largest element or its terms' size
+// (mha_test::terms_magnitude). Gradients are not: D = rowsum(dO O) uses the rounded output, as
 // PyTorch's bf16 backward does, so a gradient that cancels to ~0 (one visible key) keeps that
 // rounding, e.g. 2e-2 of the largest gradient at Lq = Lk = 1.
 // The kernels widen bfloat16 / float16 rows as they read them (in all three backward schedules)
@@ -709,13 +711,14 @@ TEST(SdpaBackward, LowPrecisionTrainingIsTheFloat32PathRoundedOnce) {
         ASSERT_EQ(g.query.dtype(), dtype);
 
         const auto saved32 = mha::scaled_dot_product_attention_for_training(wide(q), wide(k), wide(v), c.options);
+        const double terms = mha_test::terms_magnitude(q, k, v, c.options);
         if ((isa == mha::detail::Isa::amx && dtype == mha::DType::bf16) ||
             mha_test::pair_products_forward(dtype, q.size(2), q.size(3))) {
           // bfloat16 products (AVX512-BF16's pairs, or the tile unit's), likewise. The AMX kernel takes bfloat16 training forwards with head dims of 16 and more (and
           // more than 4 queries, rows of unit stride): its own products and exponentials (7.5e-5
           // relative), so the output within bfloat16 rounding of the float32 path's and the
           // log-sum-exp within 2e-4.
-          EXPECT_LT(rel_error(saved.output, saved32.output), tolerance);
+          EXPECT_LT(rel_error(saved.output, saved32.output, terms), tolerance);
           for (int64_t r = 0; r < saved.lse.numel(); ++r) {
             const float a = saved.lse.data<float>()[r], want = saved32.lse.data<float>()[r];
             if (std::isinf(want)) EXPECT_EQ(a, want) << "row " << r;
@@ -739,7 +742,7 @@ TEST(SdpaBackward, LowPrecisionTrainingIsTheFloat32PathRoundedOnce) {
         }
 
         const auto out = mha::reference::scaled_dot_product_attention(q, k, v, c.options);
-        EXPECT_LT(rel_error(saved.output, out.output), tolerance);
+        EXPECT_LT(rel_error(saved.output, out.output, terms), tolerance);
       }
     }
   }

@@ -5,13 +5,9 @@
 //
 // Tolerance: bfloat16 inputs are exact in its products and the softmax is float32, but P is rounded
 // to bfloat16 (2^-8 relative at most) for P V and the output is rounded once more: 1e-2 of the
-// largest output, as every bfloat16 path (the test_sdpa_forward tolerance), or of a quarter of the
-// outputs' magnitude (terms_magnitude: P's rounding errors are relative to each term p_j v_j, at most
-// 2^-8 of sum_j p_j |v_j| together), whichever is larger. Outputs whose few terms cancel (a head
-// dim of 1, a handful of keys left by dropout) can all be small by chance: seed
-// 7009772076767668900, largest output 0.049 against a magnitude of 0.98, off by 5.1e-4. The weights are the float32
-// P's rounded once: 1e-2 too. The log-sum-exp is the float32 softmax's with 2^x sized for
-// bfloat16 probabilities (7.5e-5 relative per term): 2e-4 absolute per row, as the AMX kernel's.
+// largest output or of the size of its terms (mha_test::terms_magnitude), whichever is larger, as
+// every bfloat16 path. The weights are the float32 P's rounded once: 1e-2 too. The log-sum-exp is
+// the float32 softmax's with 2^x sized for bfloat16 probabilities (7.5e-5 relative per term): 2e-4 absolute per row, as the AMX kernel's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -119,12 +115,6 @@ class PairProducts : public ::testing::Test {
   void TearDown() override { mha::detail::force_isa(std::nullopt); }
 };
 
-// A quarter of the largest output of the reference with |v| for v: the scale of the rounding
-// errors of P V without the cancellation of its terms (the tolerance above).
-double terms_magnitude(const mha::Tensor& q, const mha::Tensor& k, const mha::Tensor& v, const mha::SdpaOptions& o) {
-  return 0.25 * mha_test::max_abs(mha::reference::scaled_dot_product_attention(q, k, mha_test::abs_of(v), o).output);
-}
-
 TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {
   std::mt19937_64 rng(test_seed());
   int differs_from_float32 = 0;
@@ -135,11 +125,12 @@ TEST_F(PairProducts, RandomizedAgainstFloat64Reference) {
     ASSERT_TRUE(mha_test::pair_products_forward(mha::DType::bf16, c.q.size(2), c.q.size(3)));
     const auto ref = mha::reference::scaled_dot_product_attention(c.q, c.k, c.v, c.options);
     const mha::Tensor out = mha::scaled_dot_product_attention(c.q, c.k, c.v, c.options);
-    EXPECT_LT(rel_error(out, ref.output, terms_magnitude(c.q, c.k, c.v, c.options)), 1e-2);
+    const double terms = mha_test::terms_magnitude(c.q, c.k, c.v, c.options);
+    EXPECT_LT(rel_error(out, ref.output, terms), 1e-2);
     const auto with_weights = mha::scaled_dot_product_attention_with_weights(c.q, c.k, c.v, c.options);
     // With the weights wanted, P from the float32 exponential rather than the one sized for
     // bfloat16 (7.5e-5): the output within bfloat16 rounding of the plain call's.
-    EXPECT_LT(rel_error(with_weights.output, out), 1e-2);
+    EXPECT_LT(rel_error(with_weights.output, out, terms), 1e-2);
     EXPECT_LT(rel_error(with_weights.weights, ref.weights), 1e-2);
     // The float32 kernel on the same bfloat16 inputs, and its log-sum-exp.
     const auto saved = mha::scaled_dot_product_attention_for_training(c.q, c.k, c.v, c.options);
@@ -212,7 +203,7 @@ TEST_F(PairProducts, FewQueriesAgainstFloat64Reference) {
     const auto ref = mha::reference::scaled_dot_product_attention(q, k, v, o);
     o.num_threads = 1;
     const auto saved = mha::scaled_dot_product_attention_for_training(q, k, v, o);
-    EXPECT_LT(rel_error(saved.output, ref.output, terms_magnitude(q, k, v, o)), 1e-2);
+    EXPECT_LT(rel_error(saved.output, ref.output, mha_test::terms_magnitude(q, k, v, o)), 1e-2);
     o.num_threads = 3;
     EXPECT_TRUE(same_bits(mha::scaled_dot_product_attention(q, k, v, o), saved.output));
     differs_from_float32 += differs_from_float32_kernel(saved, q, k, v, o);

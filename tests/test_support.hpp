@@ -74,6 +74,18 @@ inline mha::Tensor abs_of(const mha::TensorView& t) {
   return mha::Tensor::copy_of(a, t.dtype);
 }
 
+// The size of an attention output's terms p_j v_j without their cancellation: a quarter of the
+// largest output of the reference with |V| for V. A bfloat16 or float16 output carries rounding
+// relative to each term (P rounded to bfloat16 for P V: at most 2^-8 of sum_j p_j |v_j|; the
+// output rounded once), so it is judged against the larger of this and its largest element:
+// outputs whose few terms cancel (a head dim of 1, a handful of keys left by dropout) can all be
+// small by chance (seed 7009772076767668900 of PairProducts: largest output 0.049 against terms
+// of 0.98, off by 5.1e-4).
+inline double terms_magnitude(const mha::TensorView& q, const mha::TensorView& k, const mha::TensorView& v,
+                              const mha::SdpaOptions& options) {
+  return 0.25 * max_abs(mha::reference::scaled_dot_product_attention(q, k, abs_of(v), options).output);
+}
+
 // Normwise relative error max|a - r| / max(max|r|, floor); infinite where one side is NaN and
 // the other is not, and where the shapes differ.
 inline double rel_error(const mha::TensorView& a, const mha::TensorView& r, double floor = 0.0) {
