@@ -278,7 +278,7 @@ struct FlashForward {
           }
         }
         for (int64_t jj = 0; jj < nbp; jj += kKeysPerTile) {
-          T::dot_rows(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
+          T::dot_rows_call(s.st + jj * kBlockQ, s.kp + jj, s.qt, p.dim_qk, vecs);
           s.ahead.issue(ahead_lines);
         }
       }
