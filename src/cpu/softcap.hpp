@@ -52,8 +52,10 @@ struct Softcap {
   // 1 - e keeps its relative accuracy from 0.4 up, and the slope as 4 e / (1 + e)^2, which keeps
   // its own where tanh rounds to 1. Maximum relative error of tanh 2.1e-7 (just above 0.4), of
   // the slope under 2e-7 (1 + |y|) (tests/test_exp2.cpp); both tails exact (+-1, slope 0), NaN kept.
-  // Both forms are computed for every lane and selected (no branch: see rows()).
-  static F tanh(F y, F* slope = nullptr) {
+  // Both forms are computed for every lane and selected (no branch: see rows()). The maps are
+  // always inlined: called per vector, the AVX2 layer's 16 lanes (two ymm in a struct) went to
+  // memory and back around each call.
+  [[gnu::always_inline]] static F tanh(F y, F* slope = nullptr) {
     const F zero = S::zero(), one = S::set1(1.0f);
     const F t = S::mul(y, y);
     const F small = S::fmadd(y, taylor_tail(t), y);
@@ -82,7 +84,7 @@ struct Softcap {
   }
 
   // Under 0.4 of the cap: x R(x^2), 7 operations (the terms left out under 2.4e-8 relative).
-  F unbent(F x, F* slope = nullptr) const {
+  [[gnu::always_inline]] F unbent(F x, F* slope = nullptr) const {
     if (!folded) {  // (Taylor's tail from x / c)
       const F y = S::mul(x, inv_cap);
       const F tail = taylor_tail(S::mul(y, y));
@@ -97,7 +99,7 @@ struct Softcap {
     return finish_folded(x, S::fmadd(r, u, S::set1(1.0f)), slope);
   }
   // Under 0.1 of the cap: R to u^3, 5 operations (the terms left out under 2.2e-10 relative).
-  F near(F x, F* slope = nullptr) const {
+  [[gnu::always_inline]] F near(F x, F* slope = nullptr) const {
     if (!folded) return unbent(x, slope);
     const F u = S::mul(x, x);
     F r = S::fmadd(a[2], u, a[1]);
@@ -105,7 +107,7 @@ struct Softcap {
     return finish_folded(x, S::fmadd(r, u, S::set1(1.0f)), slope);
   }
   // Anywhere: tanh(), both of its forms for every lane.
-  F bent(F x, F* slope = nullptr) const { return S::mul(cap, tanh(S::mul(x, inv_cap), slope)); }
+  [[gnu::always_inline]] F bent(F x, F* slope = nullptr) const { return S::mul(cap, tanh(S::mul(x, inv_cap), slope)); }
 
   // The first `vecs` vectors of `rows` rows of a score tile (rows `stride` floats apart) capped in
   // place; the derivatives into `slope` (the same layout) where not null. Each column is first
@@ -154,15 +156,15 @@ struct Softcap {
   }
 
   // tanh(y) / y - 1 = t Q(t) for t = y^2: Taylor's series to y^11, Horner's scheme in t.
-  static F taylor_tail(F t) {
+  [[gnu::always_inline]] static F taylor_tail(F t) {
     F q = S::set1(static_cast<float>(kTaylor[4]));
     for (int k = 3; k >= 0; --k) q = S::fmadd(q, t, S::set1(static_cast<float>(kTaylor[k])));
     return S::mul(q, t);
   }
   // 1 - th^2 in one rounding.
-  static F one_minus_square(F th) { return S::fmadd(S::sub(S::zero(), th), th, S::set1(1.0f)); }
+  [[gnu::always_inline]] static F one_minus_square(F th) { return S::fmadd(S::sub(S::zero(), th), th, S::set1(1.0f)); }
   // x R, and the slope 1 - (x R / c)^2 where wanted.
-  F finish_folded(F x, F r, F* slope) const {
+  [[gnu::always_inline]] F finish_folded(F x, F r, F* slope) const {
     const F capped = S::mul(x, r);
     if (slope) *slope = one_minus_square(S::mul(capped, inv_cap));
     return capped;
