@@ -16,6 +16,12 @@
 
 namespace mha::detail::simd {
 
+// Internal linkage (an unnamed namespace): each instruction set's files compile this header
+// under their own -m flags, and a definition shared between them would leave the linker one copy
+// to keep for all, possibly another set's (an AVX-512 transpose ran on an AVX2 CPU, SIGILL, once
+// the sanitizers' build stopped inlining it).
+namespace {
+
 struct Avx2 {
   static constexpr int kLanes = 16;
   // Register block of the tile products (tile_kernels.hpp): 6 rows x 1 vector (2 ymm): 12
@@ -309,5 +315,7 @@ struct Avx2 {
     }
   }
 };
+
+}  // namespace
 
 }  // namespace mha::detail::simd

@@ -14,6 +14,8 @@
 
 namespace mha::detail::simd {
 
+namespace {  // internal linkage, one copy per instruction set's files (simd_avx2.hpp says why)
+
 struct Avx512 {
   static constexpr int kLanes = 16;
   // Register block of the tile products (tile_kernels.hpp): 8 rows x 3 vectors: 24 accumulators + 3 operands + 1 broadcast of 32 zmm registers.
@@ -233,5 +235,7 @@ struct Avx512 {
     }
   }
 };
+
+}  // namespace
 
 }  // namespace mha::detail::simd

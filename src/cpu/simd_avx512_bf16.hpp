@@ -16,6 +16,8 @@
 
 namespace mha::detail {
 
+namespace {  // internal linkage, one copy per instruction set's files (simd_avx2.hpp says why)
+
 // 2^x for probabilities that are rounded to bfloat16 before they are multiplied (the AMX kernels'
 // tile products, the pair products) and for their float32 sums:
 // 2^(x - floor(x)) by kExp2PolyBf16From0 (relative error 7.5e-5, a 26th of bfloat16's half unit,
@@ -33,7 +35,10 @@ inline __m512 exp2_bf16(__m512 x) {
   return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, x);  // y 2^floor(x)
 }
 
+}  // namespace
+
 namespace simd {
+namespace {  // (internal linkage, as above)
 
 struct Avx512Bf16 : Avx512 {
   // The fused kernels take bfloat16 products (tile_kernels.hpp's pair products) where every
@@ -115,5 +120,6 @@ struct Avx512Bf16 : Avx512 {
   }
 };
 
+}  // namespace
 }  // namespace simd
 }  // namespace mha::detail

@@ -17,6 +17,8 @@
 
 namespace mha::detail::simd {
 
+namespace {  // internal linkage, one copy per instruction set's files (simd_avx2.hpp says why)
+
 struct Portable {
   static constexpr int kLanes = 16;
   // Register block of the tile products (tile_kernels.hpp): 2 rows of 16 lanes are 8 SSE2
@@ -179,5 +181,7 @@ struct Portable {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(float16::from_bits(src[i]));
   }
 };
+
+}  // namespace
 
 }  // namespace mha::detail::simd

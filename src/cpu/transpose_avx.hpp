@@ -9,6 +9,8 @@
 
 namespace mha::detail::simd {
 
+namespace {  // internal linkage, one copy per instruction set's files (simd_avx2.hpp says why)
+
 // dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 8.
 inline void transpose8x8_avx(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
   __m256 r[8], t[8];
@@ -28,5 +30,7 @@ inline void transpose8x8_avx(const float* src, int64_t src_stride, float* dst, i
     _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
   }
 }
+
+}  // namespace
 
 }  // namespace mha::detail::simd

@@ -6,6 +6,8 @@
 
 namespace mha::detail {
 
+namespace {  // internal linkage, one copy per instruction set's files (simd_avx2.hpp says why)
+
 // r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows r held: pairs of words,
 // of pairs, of 128-bit blocks, interleaved in turn.
 inline void transpose16x16(__m512i r[16]) {
@@ -26,5 +28,7 @@ inline void transpose16x16(__m512i r[16]) {
     r[4 + c] = _mm512_shuffle_i32x4(w, y, 0x88), r[12 + c] = _mm512_shuffle_i32x4(w, y, 0xdd);
   }
 }
+
+}  // namespace
 
 }  // namespace mha::detail
