@@ -130,6 +130,16 @@ inline bool pair_products_forward(mha::DType dtype, int64_t lq, int64_t dk, bool
   return lq <= mha::detail::kFewQueriesPerHead && !weights;
 }
 
+// Whether a bfloat16 forward (without weights) of this shape takes bfloat16 products on the ISA
+// in use: AVX512-BF16's pairs, or the tile unit's (amx_bf16_takes_shape: head dims from 16, more
+// than a few queries). Either rounds P to bfloat16 for P V: the output within bfloat16 rounding
+// of the float32 path's, not its bits.
+inline bool bf16_products_forward(mha::DType dtype, int64_t lq, int64_t lk, int64_t dk, int64_t dv) {
+  if (pair_products_forward(dtype, lq, dk)) return true;
+  return mha::detail::active_isa() == mha::detail::Isa::amx && dtype == mha::DType::bf16 &&
+         mha::detail::amx_bf16_takes_shape(lq, lk, dk, dv);
+}
+
 // Whether a bfloat16 backward of this shape runs with AVX512-BF16's pair products on the ISA in
 // use (bf16_pairs_backward_takes: even head dims, more query rows per key/value head than the
 // decoding backward takes, no mask gradient): within bfloat16 rounding of the float32 path's
