@@ -87,6 +87,8 @@ class Tensor {
  public:
   Tensor() = default;
   static Tensor empty(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+  // From a braced list of sizes, Tensor::empty({2, 3}): the shape is built inside the library.
+  static Tensor empty(std::initializer_list<int64_t> shape, DType dtype = DType::f32, Device device = Device::cpu());
   static Tensor zeros(const Shape& shape, DType dtype = DType::f32);
   // A contiguous copy on `device` (host <-> CUDA), same dtype. Any strides on the host side;
   // a CUDA source must be contiguous.

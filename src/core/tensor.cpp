@@ -379,6 +379,13 @@ void copy_into(const TensorView& src, const TensorView& dst) {
   }
 }
 
+// Out of line, in a file of the baseline instruction set: a kernel file (compiled for AVX2 or
+// AVX-512) that wrote Shape{...} itself defined a copy of the vector's constructor, which the
+// linker could keep for every caller (tests/check_isa_copies.py).
+Tensor Tensor::empty(std::initializer_list<int64_t> shape, DType dtype, Device device) {
+  return empty(Shape(shape), dtype, device);
+}
+
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   const int64_t n = checked_numel(shape, "Tensor::empty");
   int64_t bytes;

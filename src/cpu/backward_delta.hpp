@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-#include <vector>
 
+#include "core/scratch.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/attention_kernel.hpp"
 #include "cpu/dispatch.hpp"
@@ -51,23 +51,24 @@ bool widens_in_vectors(DType t) { return t == DType::f32 || t == DType::bf16 || 
 
 // Rows [i0, i1) of head (b, h). Rows of unit stride in float32, bfloat16 or float16 are widened a
 // row at a time with S's vectors (into `buffer`, 2 x Dv floats); others element by element.
+// (The thread's scratch rather than a std::vector: this header is compiled for AVX2 and AVX-512
+// too, and a vector's growth is a function the baseline files share; tests/check_isa_copies.py.)
 template <class S>
 void backward_delta_rows(const AttentionProblem& p, const BackwardInputs& in, int64_t b, int64_t h, int64_t i0,
-                         int64_t i1, float* delta, std::vector<float>& buffer) {
+                         int64_t i1, float* delta, float* buffer) {
   const int64_t* gs = in.grad_out_strides;
   const int64_t* os = in.out_strides;
   const int64_t n = p.dim_v;
   float* const out_row = delta + (b * p.heads_q + h) * p.len_q;
   if (gs[3] == 1 && os[3] == 1 && widens_in_vectors(in.grad_out_dtype) && widens_in_vectors(in.out_dtype)) {
-    buffer.resize(static_cast<size_t>(2 * n));
     auto row_of = [&](const void* base, DType dtype, int64_t offset, float* slot) -> const float* {
       if (dtype == DType::f32) return static_cast<const float*>(base) + offset;
       Tiles<S>::widen(dtype, element_address(base, dtype, offset), slot, n);
       return slot;
     };
     for (int64_t i = i0; i < i1; ++i) {
-      const float* g = row_of(in.grad_out, in.grad_out_dtype, b * gs[0] + h * gs[1] + i * gs[2], buffer.data());
-      const float* o = row_of(in.out, in.out_dtype, b * os[0] + h * os[1] + i * os[2], buffer.data() + n);
+      const float* g = row_of(in.grad_out, in.grad_out_dtype, b * gs[0] + h * gs[1] + i * gs[2], buffer);
+      const float* o = row_of(in.out, in.out_dtype, b * os[0] + h * os[1] + i * os[2], buffer + n);
       out_row[i] = delta_sum(n, [&](int64_t d) { return static_cast<double>(g[d]) * o[d]; });
     }
     return;
@@ -91,7 +92,7 @@ void backward_delta_all(const AttentionProblem& p, const BackwardInputs& in, flo
   constexpr int64_t kRowsPerTask = 512;
   const int64_t row_blocks = (p.len_q + kRowsPerTask - 1) / kRowsPerTask;
   parallel_for(p.batch * p.heads_q * row_blocks, resolve_threads(p.num_threads), [&](int64_t t, int) {
-    thread_local std::vector<float> buffer;
+    float* buffer = static_cast<float*>(thread_scratch(sizeof(float) * static_cast<size_t>(2 * p.dim_v)));
     const int64_t bh = t / row_blocks, b = bh / p.heads_q, h = bh % p.heads_q;
     const int64_t i0 = t % row_blocks * kRowsPerTask, i1 = std::min(p.len_q, i0 + kRowsPerTask);
     backward_delta_rows<S>(p, in, b, h, i0, i1, delta, buffer);
