@@ -8,7 +8,6 @@
 #include <random>
 #include <string>
 
-#include "cpu/amx.hpp"
 #include "cpu/dispatch.hpp"
 #include "mha/mha.hpp"
 #include "test_support.hpp"
