@@ -37,5 +37,13 @@ export DEBIAN_FRONTEND=noninteractive
 if [ "${1:-}" = aarch64 ] && ! dpkg --print-foreign-architectures | grep -qx arm64; then
   "${sudo_cmd[@]}" dpkg --add-architecture arm64
 fi
+# A package run cut short earlier (a killed job, a rebooted machine) leaves dpkg half-configured,
+# and apt-get then refuses everything; finishing it first is what apt itself asks for.
+"${sudo_cmd[@]}" dpkg --configure -a
 "${sudo_cmd[@]}" apt-get update -qq
-"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if ! "${sudo_cmd[@]}" apt-get install -y -qq -o DPkg::Lock::Timeout=600 --no-install-recommends "${missing[@]}"; then
+  echo "apt-get install failed; repairing dpkg's state and trying once more"
+  "${sudo_cmd[@]}" dpkg --configure -a
+  "${sudo_cmd[@]}" apt-get install -y -qq -o DPkg::Lock::Timeout=600 --no-install-recommends --fix-broken
+  "${sudo_cmd[@]}" apt-get install -y -qq -o DPkg::Lock::Timeout=600 --no-install-recommends "${missing[@]}"
+fi
