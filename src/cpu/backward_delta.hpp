@@ -47,12 +47,11 @@ float delta_sum(int64_t n, Product product) {
   return static_cast<float>(((sums[0] + sums[4]) + (sums[2] + sums[6])) + ((sums[1] + sums[5]) + (sums[3] + sums[7])));
 }
 
-bool widens_in_vectors(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
+constexpr bool widens_in_vectors(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
 
 // Rows [i0, i1) of head (b, h). Rows of unit stride in float32, bfloat16 or float16 are widened a
 // row at a time with S's vectors (into `buffer`, 2 x Dv floats); others element by element.
-// (The thread's scratch rather than a std::vector: this header is compiled for AVX2 and AVX-512
-// too, and a vector's growth is a function the baseline files share; tests/check_isa_copies.py.)
+// (`buffer` is the thread's scratch: no allocation per call.)
 template <class S>
 void backward_delta_rows(const AttentionProblem& p, const BackwardInputs& in, int64_t b, int64_t h, int64_t i0,
                          int64_t i1, float* delta, float* buffer) {

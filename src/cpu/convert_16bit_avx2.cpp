@@ -1,6 +1,9 @@
-// Conversions between float32 and the 16-bit types compiled for AVX2 + F16C (see CMakeLists.txt).
-#include "cpu/convert_16bit.hpp"
+// Conversions between float32 and the 16-bit types compiled for AVX2 + F16C (its region; cpu/isa_region.hpp).
+#include "cpu/kernel_prelude.hpp"
+#include "cpu/isa_region.hpp"
 
+MHA_ISA_BEGIN(MHA_ISA_AVX2)
+#include "cpu/convert_16bit.hpp"
 #include "cpu/simd_avx2.hpp"
 
 namespace mha::detail {
@@ -35,3 +38,4 @@ void narrow_bf16_avx2(const void* src, void* dst, int64_t n) {
 }
 
 }  // namespace mha::detail
+MHA_ISA_END

@@ -20,18 +20,10 @@
 //   Qp[dk/2][q][2], dOp[dv/2][q][2]       pairs of dims: B of S^T and dP^T
 //   Qv[q/2][dk][2], dOv[q/2][dv][2]       pairs of queries: B of dK and dV
 // Tiles: tmm0-3 accumulate 2 x 2 blocks of 16 x 16 fp32, tmm4-5 hold A, tmm6-7 hold B.
-#include <immintrin.h>
+#include "cpu/kernel_prelude.hpp"
+#include "cpu/isa_region.hpp"
 
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-
-#include "core/dropout.hpp"
-#include "core/thread_pool.hpp"
-#include "cpu/amx.hpp"
+MHA_ISA_BEGIN(MHA_ISA_AMX)
 #include "cpu/amx_tiles.hpp"
 #include "cpu/simd_avx512.hpp"
 #include "cpu/tile_kernels.hpp"
@@ -402,3 +394,4 @@ void amx_bf16_backward(const AttentionProblem& p, const BackwardInputs& in, cons
 }
 
 }  // namespace mha::detail
+MHA_ISA_END

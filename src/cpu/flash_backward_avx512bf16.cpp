@@ -1,5 +1,9 @@
-// The fused backward with bfloat16 products (AVX512-BF16; this file gets -mavx512bf16 on top of
-// AVX-512, see CMakeLists.txt), for the problems bf16_pairs_backward_takes takes.
+// The fused backward with bfloat16 products (AVX512-BF16; its region adds AVX512-BF16 to
+// AVX-512; cpu/isa_region.hpp), for the problems bf16_pairs_backward_takes takes.
+#include "cpu/kernel_prelude.hpp"
+#include "cpu/isa_region.hpp"
+
+MHA_ISA_BEGIN(MHA_ISA_AVX512BF16)
 #include "cpu/flash_backward.hpp"
 #include "cpu/simd_avx512_bf16.hpp"
 
@@ -11,3 +15,4 @@ void flash_backward_avx512bf16(const AttentionProblem& p, const BackwardInputs& 
   FlashBackward<simd::Avx512Bf16>{p, in, out}.run();
 }
 }  // namespace mha::detail
+MHA_ISA_END

@@ -1,5 +1,5 @@
 // The bfloat16 forward on AMX: Q K^T and P V on the tile unit (bf16 products, fp32 accumulation),
-// the online softmax on AVX-512 in fp32. Compiled with -mamx-* (see CMakeLists.txt) and entered
+// the online softmax on AVX-512 in fp32. Compiled for AMX in its region (cpu/isa_region.hpp) and entered
 // only when CPUID reports AMX-BF16 and the kernel has the tile permission.
 //
 // Layout: a task owns 32 queries (two 16-row A tiles); each step takes 64 keys, in tile products
@@ -16,21 +16,10 @@
 // rescale nothing), and 2^x by a polynomial sized for bfloat16 probabilities (exp2_bf16).
 // (Issuing the next step's tile products before this step's softmax, to overlap the two, measured
 // level: the tile unit and the vector units do not work through their queues side by side here.)
-#include <immintrin.h>
+#include "cpu/kernel_prelude.hpp"
+#include "cpu/isa_region.hpp"
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <new>
-
-#include "core/dropout.hpp"
-#include "core/host_memory.hpp"
-#include "core/scratch.hpp"
-#include "core/thread_pool.hpp"
-#include "cpu/amx.hpp"
+MHA_ISA_BEGIN(MHA_ISA_AMX)
 #include "cpu/amx_tiles.hpp"
 #include "cpu/exp2_polynomial.hpp"
 #include "cpu/simd_avx512.hpp"
@@ -355,3 +344,4 @@ struct AmxForward {
 void amx_bf16_forward(const AttentionProblem& p, const AmxOutputs& o) { AmxForward{p, o}.run(); }
 
 }  // namespace mha::detail
+MHA_ISA_END

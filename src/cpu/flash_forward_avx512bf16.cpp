@@ -1,6 +1,10 @@
-// The fused forward with bfloat16 products (AVX512-BF16; this file gets -mavx512bf16 on top of
-// AVX-512, see CMakeLists.txt), for problems whose q, k and v are all bfloat16
+// The fused forward with bfloat16 products (AVX512-BF16; its region adds AVX512-BF16 to
+// AVX-512; cpu/isa_region.hpp), for problems whose q, k and v are all bfloat16
 // (bf16_pairs_supports).
+#include "cpu/kernel_prelude.hpp"
+#include "cpu/isa_region.hpp"
+
+MHA_ISA_BEGIN(MHA_ISA_AVX512BF16)
 #include "cpu/flash_forward.hpp"
 #include "cpu/simd_avx512_bf16.hpp"
 
@@ -23,3 +27,4 @@ void exp2_bf16_of(const float* x, float* y, int64_t n) {
   }
 }
 }  // namespace mha::detail
+MHA_ISA_END

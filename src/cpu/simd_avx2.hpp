@@ -17,9 +17,9 @@
 namespace mha::detail::simd {
 
 // Internal linkage (an unnamed namespace): each instruction set's files compile this header
-// under their own -m flags, and a definition shared between them would leave the linker one copy
-// to keep for all, possibly another set's (an AVX-512 transpose ran on an AVX2 CPU, SIGILL, once
-// the sanitizers' build stopped inlining it).
+// in their own target region (cpu/isa_region.hpp), and a definition shared between them would
+// leave the linker one copy to keep for all, possibly another set's (an AVX-512 transpose ran on
+// an AVX2 CPU, SIGILL, once the sanitizers' build stopped inlining it).
 namespace {
 
 struct Avx2 {

@@ -1,4 +1,8 @@
-// S::exp2 of the AVX-512 layer over an array (compiled for AVX-512; see CMakeLists.txt).
+// S::exp2 of the AVX-512 layer over an array (compiled for AVX-512 in its region; cpu/isa_region.hpp).
+#include "cpu/kernel_prelude.hpp"
+#include "cpu/isa_region.hpp"
+
+MHA_ISA_BEGIN(MHA_ISA_AVX512)
 #include "cpu/simd_avx512.hpp"
 #include "cpu/vector_exp2.hpp"
 
@@ -9,3 +13,4 @@ void vector_softcap_avx512(double c, const float* x, float* y, float* slope, int
   vector_softcap_of<simd::Avx512>(c, x, y, slope, n);
 }
 }  // namespace mha::detail
+MHA_ISA_END

@@ -1,7 +1,9 @@
-#include "cpu/weight_packing.hpp"
-
+#include "cpu/kernel_prelude.hpp"
+#include "cpu/isa_region.hpp"
 #include <immintrin.h>
 
+MHA_ISA_BEGIN(MHA_ISA_AVX512)
+#include "cpu/weight_packing.hpp"
 #include "cpu/transpose_avx512.hpp"
 
 namespace mha::detail {
@@ -55,3 +57,4 @@ void pack_f32_weight_slice(const float* b, int64_t ldb, int64_t cols, int64_t k,
 }
 
 }  // namespace mha::detail
+MHA_ISA_END
