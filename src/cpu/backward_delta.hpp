@@ -24,15 +24,9 @@ void backward_delta_portable(const AttentionProblem& p, const BackwardInputs& in
 void backward_delta_avx2(const AttentionProblem& p, const BackwardInputs& in, float* delta);
 void backward_delta_avx512(const AttentionProblem& p, const BackwardInputs& in, float* delta);
 
-inline void backward_delta(Isa isa, const AttentionProblem& p, const BackwardInputs& in, float* delta) {
-  switch (isa) {
-    case Isa::amx:
-    case Isa::avx512_bf16:
-    case Isa::avx512: backward_delta_avx512(p, in, delta); break;
-    case Isa::avx2: backward_delta_avx2(p, in, delta); break;
-    case Isa::portable: backward_delta_portable(p, in, delta); break;
-  }
-}
+// The one for `isa` (flash_backward_portable.cpp: out of line, baseline code; the kernel files
+// include this header in their instruction set's region).
+void backward_delta(Isa isa, const AttentionProblem& p, const BackwardInputs& in, float* delta);
 
 namespace {  // (each including file compiles its own copy, for its instruction set)
 

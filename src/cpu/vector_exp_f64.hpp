@@ -25,6 +25,7 @@ void vector_exp_f64_avx512(double* x, int64_t n);
 // parts, the first with trailing zeros so that k * kLn2High is exact); e^r from its Taylor
 // series to degree 13 (the next term is below 4.2e-18 of e^r); 2^k from exponent bits: adding
 // 1.5 * 2^52 leaves k in the low mantissa bits.
+namespace {  // internal linkage: each instruction set's file compiles its own copy
 inline void vector_exp_f64_of(double* x, int64_t n) {
   constexpr double kLog2e = 1.4426950408889634;
   constexpr double kLn2High = 6.93147180369123816490e-01, kLn2Low = 1.90821492927058770002e-10;
@@ -65,4 +66,5 @@ inline void vector_exp_f64_of(double* x, int64_t n) {
   }
 }
 
+}  // namespace
 }  // namespace mha::detail

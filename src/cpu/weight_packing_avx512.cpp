@@ -1,6 +1,5 @@
 #include "cpu/kernel_prelude.hpp"
 #include "cpu/isa_region.hpp"
-#include <immintrin.h>
 
 MHA_ISA_BEGIN(MHA_ISA_AVX512)
 #include "cpu/weight_packing.hpp"
