@@ -355,6 +355,7 @@ int run_bench(const BenchOptions& o) {
     throw UsageError(std::string("--backward: times the SDPA backward alone; drop ") + (o.module ? "--module" : "--weights"));
   }
   if (!o.backward && o.grads != "qkv") throw UsageError("--grads: chooses the backward's gradients; add --backward");
+  if (o.backward) (void)wanted_gradients(o.grads);  // a bad --grads is told before the inputs and the forward
   const Workload w = o.module ? module_workload(s, o, rng) : sdpa_workload(s, o, rng);
   if (!o.json) {
     std::printf("shape    %s\n", shape_line(s, o).c_str());
