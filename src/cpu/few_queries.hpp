@@ -899,8 +899,8 @@ struct FewQueries {
   }
 
   // Keys of one head per step of a sweep over heads that lie side by side at each key ([B, S, H,
-  // D] caches, paged ones too): about 2 KiB of its rows (4, 8 or 16 keys; 16 where kScoreRows is
-  // 1), then the next head's, with the rows ahead asked for in address order (prefetch_share),
+  // D] caches, paged ones too): about 2 KiB of its rows (4, 8 or 16 keys; the whole block where
+  // kScoreRows is 1), then the next head's, with the rows ahead asked for in address order (prefetch_share),
   // from rows of 256 bytes. A head's whole block of 16 keys at a time (16 rows a head-stride
   // apart, prefetched head by head) took 1.19x the time of a packed cache's step (Zen 5, bf16 B=8
   // H=32/8 S=4096 d=128, one page per sequence), 1.39x with pages of 16. Against that, one decoding
@@ -919,14 +919,20 @@ struct FewQueries {
   // heads inner, for every head h whose rows see keys of the block (nc of them: keys [j_begin,
   // j_begin + sh[h].seen)): keys [j0 + c0, j0 + c1) of it at a time, sweep_keys(t) over heads side
   // by side (c0 perhaps past nc), else the whole block (c0 = 0, c1 = kLanes). The rows of `t` (k
-  // or v) `ahead` keys on are prefetched, unless skipped there: head by head, or, in steps of
-  // fewer keys, in address order, a share of the block's rows at each step.
+  // or v) `ahead` keys on are prefetched, unless skipped there: head by head, or, over heads side
+  // by side, in address order, a share of the block's rows at each step (`adjacent`, below).
   template <class Fn>
   void sweep(Scratch* sh, int64_t heads, int64_t b, int64_t hk0, int64_t j_begin, int64_t key_end_all, int64_t ahead,
              const TensorView& t, Fn fn) const {
     // (the task's heads one run of memory at each key)
-    const int step = heads > 1 && t.strides[1] == t.shape[3] ? sweep_keys(t) : kLanes;
-    const bool adjacent = step < kLanes;
+    const bool side_by_side = heads > 1 && t.strides[1] == t.shape[3];
+    const int step = side_by_side ? sweep_keys(t) : kLanes;
+    // Rows ahead asked for in address order where the step is less than a block, and on layers
+    // that score a block per row (AVX2, portable), whose step is always the block: there pages of
+    // 16 took 0.79-0.94x the time of head-by-head prefetches (Zen 3, B=8 H=32/8 S=4096, bf16 d=64
+    // and 128, six alternating runs; float32 d=128 0.74-0.95x, one head per key/value head
+    // 0.85-0.99x), where AVX-512's whole blocks of 128-byte rows took 1.1x (sweep_keys).
+    const bool adjacent = side_by_side && (step < kLanes || kScoreRows == 1);
     const int64_t shares = kLanes / step * heads;
     for (int64_t j0 = j_begin; j0 < key_end_all; j0 += kLanes) {
       bool ahead_read = false;  // whether some head reads the block `ahead` keys on
