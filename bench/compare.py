@@ -34,6 +34,17 @@ import mha
 from mha import _mha
 
 
+class Rows(list):
+    """The table's rows, each also told on stderr as it is measured: a full run takes tens of
+    minutes on two cores, and the table waits for the ceilings measured at its end."""
+
+    def append(self, row):
+        op, shape, ours, theirs, _ = row
+        print(f"  {op} {shape}: mha {ours * 1e3:.1f} ms, torch {theirs * 1e3:.1f} ms ({theirs / ours:.2f}x)",
+              file=sys.stderr, flush=True)
+        super().append(row)
+
+
 def paired_medians(ours, theirs, reps):
     """Median seconds of each of two calls, timed in alternation (ours, theirs, ours, ...) so that
     a shared machine's load swings fall on both sides alike rather than on whichever ran second."""
@@ -651,8 +662,8 @@ def main():
     torch.set_num_threads(args.threads)
     mha.set_num_threads(args.threads)
     print(f"threads={args.threads}  mha ISA={mha.cpu_isa()}  torch {torch.__version__} "
-          f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
-    rows = []
+          f"(CPU capability {torch.backends.cpu.get_cpu_capability()})", flush=True)
+    rows = Rows()
     onednn = {}  # (op, shape) -> seconds of oneDNN's SDPA, where it ran
     for L in [] if args.no_sdpa else args.lengths:
         for d in args.dims:

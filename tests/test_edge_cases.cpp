@@ -339,10 +339,11 @@ int64_t peak_rss_kib() {
 }
 
 // L = 65536 runs in memory that stays O(L): the score matrix would be 16 GiB. (Under qemu, where
-// its 137 GFLOP took over 20 minutes, L = 8192: a 256 MiB matrix against the same 64 MiB bound.)
+// its 137 GFLOP took over 20 minutes, and ThreadSanitizer, over 2, L = 8192: a 256 MiB matrix
+// against the same 64 MiB bound.)
 TEST(Edges, LongestSequenceInLinearMemory) {
   std::mt19937_64 rng(mha_test::test_seed());
-#ifdef MHA_TESTS_UNDER_EMULATOR
+#ifdef MHA_TESTS_SLOW_KERNELS
   const int64_t L = 8192, D = 16;
 #else
   const int64_t L = 65536, D = 16;
