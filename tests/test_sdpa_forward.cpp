@@ -842,6 +842,43 @@ TEST_P(EveryIsa, FewQueriesPerHeadAgainstReference) {
       }
 }
 
+// Dot mode reads bfloat16, float16 and float8 key rows in place, each vector widened as it is
+// loaded, and where a task has several rows (grouped heads, a few tokens) scores several of them
+// against each key vector widened (few_queries.hpp: dot_scores_grid, on AVX2): the same chains and
+// sums as one row at a time, so the bits of the float32 call on widened keys and values, its
+// output rounded once. Every row count up to the ISA's dot mode (blocks of 4 and 2 rows and one
+// left), head dims of whole vectors (read in place) and not (widened first), caches of one key
+// to two runs, causal rows that see none.
+TEST_P(EveryIsa, FewQueriesOfLowPrecisionRowsAreTheFloat32KernelOnWidenedRows) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t dot_rows = dot_mode_rows(GetParam());
+  const int64_t key_lengths[] = {1, 19, 300, 1500};
+  const int64_t dims[] = {64, 128, 40};
+  const mha::DType kv_dtypes[] = {mha::DType::bf16, mha::DType::f16, mha::DType::f8e4m3};
+  for (int64_t rows = 1; rows <= dot_rows; ++rows) {
+    const int n = static_cast<int>(rows);
+    const int64_t group = rows % 2 == 0 && n % 4 != 0 ? 2 : 1, lq = rows / group, hkv = 2;
+    const int64_t lk = key_lengths[n % 4], dk = dims[n % 3], dv = dims[(n + 1) % 3];
+    const mha::DType kv_dtype = kv_dtypes[n % 3];
+    // 16-bit keys and values come with queries of their dtype; float8 ones with float32 queries.
+    const mha::DType dtype = kv_dtype == mha::DType::f8e4m3 ? mha::DType::f32 : kv_dtype;
+    const mha::Tensor q = randn({2, hkv * group, lq, dk}, rng, dtype), k = randn({2, hkv, lk, dk}, rng, kv_dtype),
+                      v = randn({2, hkv, lk, dv}, rng, kv_dtype);
+    mha::SdpaOptions o{.is_causal = n % 2 == 1, .enable_gqa = true};
+    if (n % 4 == 1) o.causal_alignment = mha::CausalAlignment::BottomRight;
+    SCOPED_TRACE("rows per key/value head " + std::to_string(rows) + ": Lq=" + std::to_string(lq) + " group=" +
+                 std::to_string(group) + " Lk=" + std::to_string(lk) + " Dk=" + std::to_string(dk) + " Dv=" +
+                 std::to_string(dv) + " " + std::string(mha::dtype_name(kv_dtype)));
+    const mha::Tensor out = mha::scaled_dot_product_attention(q, k, v, o);
+    const mha::Tensor wide = mha::scaled_dot_product_attention(mha::Tensor::copy_of(q.view(), mha::DType::f32),
+                                                               mha::Tensor::copy_of(k.view(), mha::DType::f32),
+                                                               mha::Tensor::copy_of(v.view(), mha::DType::f32), o);
+    // (bfloat16 pair products, on AVX512-BF16, round P for P V: within bfloat16 rounding there)
+    if (mha_test::pair_products_forward(dtype, lq, dk)) EXPECT_LT(rel_error(out, wide), 1e-2);
+    else EXPECT_TRUE(mha_test::same_bits(out, mha::Tensor::copy_of(wide.view(), dtype)));
+  }
+}
+
 // A cache whose heads lie side by side at each position ([B, S, H, D], FlashAttention's layout)
 // is read in dot mode by tasks of several heads sweeping the keys in order (few_queries.hpp:
 // heads_per_task); every row's arithmetic is that of its head alone, so the output, weights and
